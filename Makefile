@@ -1,0 +1,37 @@
+# make run   : set up, generate the debug synthetic dataset, train the debug DLRM, print metrics
+# make test  : set up and run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/base.txt requirements/dev.txt requirements/cpu-extras.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -r requirements/base.txt -r requirements/dev.txt
+ifeq ($(CUDA),1)
+	$(PIP) install fbgemm-gpu==1.8.0 torchrec==1.8.0 || echo "torchrec/fbgemm-gpu not installed: hybrid mode and the fbgemm backend are unavailable"
+else
+	$(PIP) install -r requirements/cpu-extras.txt
+	$(PIP) install --no-deps torchrec==1.8.0
+endif
+	$(PIP) install --no-deps -e .
+	touch $(STAMP)
+
+run: setup
+	$(VENV)/bin/recaccel-data synth --config configs/debug.toml
+	$(VENV)/bin/recaccel-train --config configs/debug.toml
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15
+
+bench: setup
+	$(VENV)/bin/recaccel-bench embedding --json bench/results/embedding.json
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

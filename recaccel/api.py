@@ -1,0 +1,39 @@
+"""The Python API: train and evaluate from a config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from recaccel.config import Config, load_config
+from recaccel.train.runlog import CONFIG_FILE
+
+
+def train(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
+    """Trains and evaluates the model ``cfg`` describes; returns the final metrics.
+
+    Writes ``cfg.train.out_dir``: config.toml, log.jsonl, checkpoints/, metrics.json.
+    """
+    from recaccel.train.trainer import Trainer
+
+    return Trainer(cfg, resume=resume).fit()
+
+
+def resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Continues a run from its newest checkpoint (config from ``run_dir/config.toml``)."""
+    cfg = load_config(Path(run_dir) / CONFIG_FILE, [*overrides, f"train.out_dir={_toml_str(run_dir)}"])
+    return train(cfg, resume=True)
+
+
+def evaluate(cfg: Config, path: str | None = None) -> dict[str, Any]:
+    """Evaluates the newest checkpoint of ``cfg.train.out_dir`` on ``path`` (default data.test)."""
+    from recaccel.train.checkpoint import load_checkpoint
+    from recaccel.train.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    load_checkpoint(trainer.run_dir, trainer.model, trainer.optimizer, trainer.device)
+    return trainer.evaluate(path)
+
+
+def _toml_str(value: str | Path) -> str:
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,154 @@
+"""Console entry points: recaccel-train, recaccel-data, recaccel-bench.
+
+Thin: parse arguments, call the API, print a summary. Any RecaccelError (or a missing
+file) becomes one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from recaccel.errors import RecaccelError
+
+
+def _run(prog: str, body: Callable[[], int]) -> int:
+    try:
+        return body()
+    except RecaccelError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
+    parser.add_argument("--config", required=required, help="TOML config file (see configs/)")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable), e.g. --set train.steps=100",
+    )
+
+
+# ---------------------------------------------------------------- recaccel-train
+
+
+def train_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="recaccel-train", description="Train and evaluate a model.")
+    _config_args(parser, required=False)
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    args = parser.parse_args(argv)
+    if not args.config and not args.resume:
+        parser.error("one of --config or --resume is required")
+    _setup_logging(args.verbose)
+
+    def body() -> int:
+        from recaccel import api
+        from recaccel.config import load_config
+
+        overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
+        if args.resume:
+            metrics = api.resume(args.resume, overrides)
+            out_dir = args.resume
+        else:
+            cfg = load_config(args.config, overrides)
+            metrics = api.train(cfg)
+            out_dir = cfg.train.out_dir
+        _print_metrics(metrics, Path(out_dir))
+        return 0
+
+    return _run("recaccel-train", body)
+
+
+def _print_metrics(metrics: dict[str, Any], out_dir: Path) -> None:
+    shown = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}
+    width = max(len(k) for k in shown)
+    for key in sorted(shown):
+        value = shown[key]
+        text = f"{value:.5f}" if isinstance(value, float) else str(value)
+        print(f"{key:<{width}}  {text}")
+    print(f"metrics written to {out_dir / 'metrics.json'}")
+
+
+# ---------------------------------------------------------------- recaccel-data
+
+
+def data_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="recaccel-data", description="Generate and convert datasets.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    synth = sub.add_parser("synth", help="Criteo-like synthetic data with a planted model ([synth] config)")
+    _config_args(synth, required=False)
+
+    criteo = sub.add_parser("criteo", help="Criteo Kaggle/Terabyte TSV to Parquet")
+    criteo.add_argument("src", help="TSV file (label, I1..I13, C1..C26)")
+    criteo.add_argument("out_dir", help="output folder (train/ and test/ are written inside)")
+    criteo.add_argument("--cardinality", type=int, default=100_000, help="hash buckets per categorical")
+    criteo.add_argument("--test-fraction", type=float, default=0.2, help="last fraction of rows kept for test")
+    criteo.add_argument("--rows-per-row-group", type=int, default=65_536)
+    criteo.add_argument("--bad-rows", choices=["error", "skip"], default="error")
+
+    args = parser.parse_args(argv)
+    _setup_logging(args.verbose)
+
+    def body() -> int:
+        if args.command == "synth":
+            from recaccel.config import load_config
+            from recaccel.io.synth import generate_synthetic
+
+            report = generate_synthetic(load_config(args.config, args.overrides).synth, progress=True)
+        else:
+            from recaccel.io.criteo import convert_criteo
+
+            report = convert_criteo(
+                args.src, args.out_dir, cardinality=args.cardinality, test_fraction=args.test_fraction,
+                rows_per_row_group=args.rows_per_row_group, bad_rows=args.bad_rows, progress=True,
+            )
+        print(json.dumps(report.summary(), indent=2))
+        return 0
+
+    return _run("recaccel-data", body)
+
+
+# ---------------------------------------------------------------- recaccel-bench
+
+
+def bench_main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="recaccel-bench", description="Kernel and pipeline benchmarks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    registry = _bench_registry()
+    for name, (help_text, add_args, _) in registry.items():
+        add_args(sub.add_parser(name, help=help_text))
+    args = parser.parse_args(argv)
+    _setup_logging(False)
+    command_line = "recaccel-bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    return _run("recaccel-bench", lambda: registry[args.command][2](args, command_line))
+
+
+def _bench_registry() -> dict[str, tuple[str, Callable, Callable]]:
+    from recaccel.bench import registry
+
+    return registry.BENCHMARKS
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(train_main())

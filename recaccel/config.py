@@ -1,0 +1,272 @@
+"""Typed configuration: one dataclass per component, loaded from TOML.
+
+A config file has one table per section (``[data]``, ``[model]``, ...). Overrides use
+``section.key=value`` where the value is TOML (``train.steps=100``,
+``model.top_mlp=[64,1]``, ``model.embedding_backend=reference``). Unknown keys and
+ill-typed values raise :class:`ConfigError` naming the key and the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recaccel.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass
+class SynthConfig:
+    """Synthetic Criteo-like data with a planted ground-truth model (``recaccel-data synth``)."""
+
+    out_dir: str = "data/synth"
+    train_rows: int = 200_000
+    test_rows: int = 20_000
+    num_dense: int = 13
+    num_sparse: int = 26
+    cardinality: int = 1000
+    cardinalities: list[int] = field(default_factory=list)  # per field; overrides `cardinality`
+    multi_hot_fields: int = 0  # the last k fields are multi-hot bags
+    max_bag: int = 5
+    zipf_a: float = 1.2
+    signal_dim: int = 4
+    signal_scale: float = 1.0  # scale of the planted logit; larger = easier task
+    rows_per_row_group: int = 8192
+    rows_per_file: int = 100_000
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Where training data lives and how it is read.
+
+    Bad-input policies: ``error`` raises naming file, column and row group; ``skip``
+    drops the row and counts it; ``clip`` clamps ids into range; ``hash`` maps ids
+    modulo the cardinality; ``zero`` replaces NaN/inf dense values by 0.
+    """
+
+    train: str = "data/synth/train"
+    test: str = "data/synth/test"
+    batch_size: int = 512
+    eval_batch_size: int = 4096
+    shuffle: bool = True
+    shuffle_buffer_rows: int = 65_536
+    seed: int = 0
+    invalid_ids: str = "error"  # error | skip | clip | hash
+    invalid_dense: str = "error"  # error | skip | zero
+    invalid_labels: str = "error"  # error | skip
+    drop_last: bool = True
+    prefetch: int = 2
+
+
+@dataclass
+class ModelConfig:
+    """DLRM shape and which operator backends it runs on."""
+
+    arch: str = "dlrm"
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
+    top_mlp: list[int] = field(default_factory=lambda: [64, 32, 1])
+    interaction: str = "dot"
+    embedding_backend: str = "auto"  # auto | reference | triton | fbgemm | per_table
+    interaction_backend: str = "auto"  # auto | reference | triton
+    pooling: str = "sum"  # sum | mean
+
+
+@dataclass
+class OptimConfig:
+    """Dense optimizer for MLPs; sparse optimizer fused into the embedding backward."""
+
+    dense: str = "adam"  # adam | sgd | adagrad
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    sparse: str = "rowwise_adagrad"  # sgd | rowwise_adagrad | adam
+    sparse_lr: float = 0.05
+    eps: float = 1e-8
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    out_dir: str = "runs/debug"
+    epochs: int = 1
+    steps: int = 0  # > 0: stop after this many steps (overrides epochs)
+    loss: str = "auto"  # auto (from label_kind) | bce | mse
+    eval_every: int = 0  # steps; 0 = only at the end
+    checkpoint_every: int = 0  # steps; 0 = only at the end
+    log_every: int = 50
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True
+    deterministic: bool = False
+
+
+@dataclass
+class Config:
+    """The whole run."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    synth: SynthConfig = field(default_factory=SynthConfig)
+
+
+# Keys whose value must be one of a few words; checked when a config is built.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.invalid_ids": ("error", "skip", "clip", "hash"),
+    "data.invalid_dense": ("error", "skip", "zero"),
+    "data.invalid_labels": ("error", "skip"),
+    "model.arch": ("dlrm",),
+    "model.interaction": ("dot",),
+    "model.embedding_backend": ("auto", "reference", "triton", "fbgemm", "per_table"),
+    "model.interaction_backend": ("auto", "reference", "triton"),
+    "model.pooling": ("sum", "mean"),
+    "optim.dense": ("adam", "sgd", "adagrad"),
+    "optim.sparse": ("sgd", "rowwise_adagrad", "adam"),
+    "train.loss": ("auto", "bce", "mse"),
+}
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Loads a TOML config and applies ``section.key=value`` overrides.
+
+    Raises:
+        ConfigError: on a missing file, TOML syntax error, unknown key or bad value.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p}: {e}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        raw.setdefault(section, {})[key] = value
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Builds a :class:`Config` from nested dicts, checking every key and type."""
+    cfg = Config()
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    for section, values in raw.items():
+        if section not in sections:
+            raise ConfigError(f"unknown config section [{section}]{_suggest(section, sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section [{section}] must be a table, got {values!r}")
+        target = getattr(cfg, section)
+        fields = {f.name: f for f in dataclasses.fields(target)}
+        hints = typing.get_type_hints(type(target))
+        for key, value in values.items():
+            if key not in fields:
+                raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, fields, section + '.')}")
+            setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
+    for dotted, allowed in CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(f"config key {dotted} must be one of {', '.join(allowed)}; got {value!r}"
+                              f"{_suggest(value, allowed)}")
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def config_to_toml(cfg: Config) -> str:
+    """Serializes a resolved config as TOML (it loads back to an equal Config)."""
+    lines: list[str] = []
+    for section, values in config_to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue  # TOML has no null; None fields default to None on load
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    dotted, text = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {dotted!r} must look like section.key")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string: model.embedding_backend=triton
+    return parts[0], parts[1], value
+
+
+def _coerce(key: str, value: Any, hint: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"config key {key} must be a list, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config key {key} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config key {key} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"config key {key} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config key {key} must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"config key {key} has unsupported type {hint}")
+
+
+def _suggest(name: str, valid: Any, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else f" (valid: {', '.join(sorted(valid))})"

@@ -1,0 +1,132 @@
+"""Batch types: the unit of data between the reader, the loader and the model.
+
+Shapes: B batch, F sparse fields, Dd dense features, N total ids in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class SparseFeatures:
+    """Field-major CSR of sparse ids, the layout of TorchRec's KeyedJaggedTensor.
+
+    Bag ``(f, b)`` (field f, row b) holds ``values[offsets[f*B+b] : offsets[f*B+b+1]]``.
+
+    Attributes:
+        keys: F field names.
+        values: int64 [N] ids.
+        offsets: int64 [F*B+1], starting at 0 and non-decreasing.
+        weights: optional float32 [N] per-id weights.
+    """
+
+    keys: list[str]
+    values: Tensor
+    offsets: Tensor
+    weights: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.offsets.dim() != 1 or self.offsets.numel() < 1:
+            raise ValueError(f"offsets must be 1-D with at least one element, got shape {tuple(self.offsets.shape)}")
+        if self.keys and (self.offsets.numel() - 1) % len(self.keys) != 0:
+            raise ValueError(
+                f"offsets has {self.offsets.numel()} elements, not F*B+1 for F={len(self.keys)} fields"
+            )
+        if self.weights is not None and self.weights.shape != self.values.shape:
+            raise ValueError(f"weights shape {tuple(self.weights.shape)} != values shape {tuple(self.values.shape)}")
+
+    @property
+    def num_fields(self) -> int:
+        return len(self.keys)
+
+    @property
+    def batch_size(self) -> int:
+        return (self.offsets.numel() - 1) // max(len(self.keys), 1)
+
+    def lengths(self) -> Tensor:
+        """int64 [F*B] bag lengths."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def field(self, name: str) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Ids of one field as (values [n], offsets [B+1] starting at 0, weights [n] or None)."""
+        f = self.keys.index(name)
+        b = self.batch_size
+        off = self.offsets[f * b : (f + 1) * b + 1]
+        start, end = int(off[0]), int(off[-1])
+        w = None if self.weights is None else self.weights[start:end]
+        return self.values[start:end], off - start, w
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseFeatures":
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return SparseFeatures(self.keys, move(self.values), move(self.offsets), move(self.weights))
+
+    def pin_memory(self) -> "SparseFeatures":
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return SparseFeatures(self.keys, pin(self.values), pin(self.offsets), pin(self.weights))
+
+    @classmethod
+    def from_lengths(
+        cls, keys: list[str], values: Tensor, lengths: Tensor, weights: Tensor | None = None
+    ) -> "SparseFeatures":
+        """Builds from bag lengths int64 [F*B] instead of offsets."""
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return cls(keys, values, offsets, weights)
+
+    def to_kjt(self):
+        """Converts to a TorchRec KeyedJaggedTensor sharing this object's tensors (no copy).
+
+        Raises:
+            ImportError: if torchrec is not installed.
+        """
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        return KeyedJaggedTensor(
+            keys=list(self.keys), values=self.values, weights=self.weights, offsets=self.offsets
+        )
+
+    @classmethod
+    def from_kjt(cls, kjt) -> "SparseFeatures":
+        """Converts from a TorchRec KeyedJaggedTensor, sharing its tensors (no copy)."""
+        return cls(list(kjt.keys()), kjt.values(), kjt.offsets(), kjt.weights_or_none())
+
+
+@dataclass
+class Batch:
+    """One mini-batch.
+
+    Attributes:
+        dense: float32 [B, Dd].
+        sparse: the B rows' sparse ids.
+        labels: float32 [B].
+        weights: optional float32 [B] sample weights (also used as a row mask).
+    """
+
+    dense: Tensor
+    sparse: SparseFeatures
+    labels: Tensor
+    weights: Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.labels.shape[0]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> "Batch":
+        return Batch(
+            self.dense.pin_memory(),
+            self.sparse.pin_memory(),
+            self.labels.pin_memory(),
+            None if self.weights is None else self.weights.pin_memory(),
+        )

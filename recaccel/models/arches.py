@@ -1,0 +1,92 @@
+"""The small arches a DLRM is composed of (as in TorchRec's DLRM).
+
+Shapes: B batch, Dd dense features, F sparse fields, D embedding dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from recaccel.io.batch import SparseFeatures
+from recaccel.ops.interaction import dot_interaction
+
+
+def mlp(in_features: int, layer_sizes: list[int], *, final_activation: bool) -> nn.Sequential:
+    """Linear layers with ReLU between them (and after the last if ``final_activation``)."""
+    layers: list[nn.Module] = []
+    for i, out in enumerate(layer_sizes):
+        layers.append(nn.Linear(in_features, out))
+        if i < len(layer_sizes) - 1 or final_activation:
+            layers.append(nn.ReLU())
+        in_features = out
+    return nn.Sequential(*layers)
+
+
+class SparseArch(nn.Module):
+    """Pooled embeddings of every sparse field.
+
+    Args:
+        embedding: any module mapping SparseFeatures to [B, F, D]: recaccel's packed
+            embedding, the per-table baseline, or a TorchRec module wrapped to that shape.
+    """
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, sparse: SparseFeatures) -> Tensor:
+        """Returns [B, F, D]."""
+        return self.embedding(sparse)
+
+
+class DenseArch(nn.Module):
+    """Bottom MLP: dense features [B, Dd] to a vector [B, D] that joins the interaction."""
+
+    def __init__(self, num_dense: int, layer_sizes: list[int]) -> None:
+        super().__init__()
+        self.model = mlp(num_dense, layer_sizes, final_activation=True)
+
+    def forward(self, dense: Tensor) -> Tensor:
+        return self.model(dense)
+
+
+class InteractionArch(nn.Module):
+    """DLRM dot interaction of the dense vector with the pooled embeddings.
+
+    Args:
+        num_sparse: F.
+        dim: D.
+        backend: ``auto`` | ``reference`` | ``triton`` (see :mod:`recaccel.ops.interaction`).
+    """
+
+    def __init__(self, num_sparse: int, dim: int, backend: str = "auto") -> None:
+        super().__init__()
+        self.num_sparse = num_sparse
+        self.dim = dim
+        self.backend = backend
+
+    @property
+    def output_dim(self) -> int:
+        f = self.num_sparse + 1
+        return self.dim + f * (f - 1) // 2
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """Maps dense [B, D] and pooled [B, F, D] to [B, D + (F+1)F/2]."""
+        # Row 0 is the dense vector, rows 1..F the pooled embeddings: [B, F+1, D].
+        stacked = torch.cat([dense.unsqueeze(1), pooled], dim=1)
+        return dot_interaction(stacked, backend=self.backend)
+
+
+class OverArch(nn.Module):
+    """Top MLP ending in one logit per row."""
+
+    def __init__(self, in_features: int, layer_sizes: list[int]) -> None:
+        super().__init__()
+        if not layer_sizes or layer_sizes[-1] != 1:
+            raise ValueError(f"top MLP must end in one unit (a logit), got {layer_sizes}")
+        self.model = mlp(in_features, layer_sizes, final_activation=False)
+
+    def forward(self, features: Tensor) -> Tensor:
+        """Returns logits [B]."""
+        return self.model(features).squeeze(-1)

@@ -1,0 +1,48 @@
+"""DLRM composed of small arches.
+
+``embed`` and ``head`` are split so meta-learning can look embeddings up once and
+adapt the head functionally (see :mod:`recaccel.meta`).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from recaccel.io.batch import Batch, SparseFeatures
+from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
+
+
+class DLRM(nn.Module):
+    """Deep Learning Recommendation Model: bottom MLP, embeddings, dot interaction, top MLP.
+
+    Args:
+        sparse_arch: SparseFeatures -> [B, F, D].
+        dense_arch: [B, Dd] -> [B, D].
+        interaction_arch: ([B, D], [B, F, D]) -> [B, K].
+        over_arch: [B, K] -> logits [B].
+    """
+
+    def __init__(
+        self,
+        sparse_arch: SparseArch,
+        dense_arch: DenseArch,
+        interaction_arch: InteractionArch,
+        over_arch: OverArch,
+    ) -> None:
+        super().__init__()
+        self.sparse_arch = sparse_arch
+        self.dense_arch = dense_arch
+        self.interaction_arch = interaction_arch
+        self.over_arch = over_arch
+
+    def embed(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [B, F, D]."""
+        return self.sparse_arch(sparse)
+
+    def head(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """Logits [B] from dense features [B, Dd] and pooled embeddings [B, F, D]."""
+        return self.over_arch(self.interaction_arch(self.dense_arch(dense), pooled))
+
+    def forward(self, batch: Batch) -> Tensor:
+        """Logits [B]."""
+        return self.head(batch.dense, self.embed(batch.sparse))

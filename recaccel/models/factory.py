@@ -1,0 +1,69 @@
+"""Builds models from typed configs and a dataset's feature schema."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from recaccel.config import ModelConfig, OptimConfig
+from recaccel.errors import ConfigError
+from recaccel.io.schema import FeatureSchema
+from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
+from recaccel.models.dlrm import DLRM
+from recaccel.models.embedding import PerTableEmbeddingBag
+
+EMBEDDING_BACKENDS = ("auto", "reference", "triton", "fbgemm", "per_table")
+
+
+def build_embedding(
+    model_cfg: ModelConfig, optim_cfg: OptimConfig, schema: FeatureSchema, device: torch.device
+) -> nn.Module:
+    """The module behind SparseArch: packed (fused sparse optimizer) or per-table."""
+    backend = model_cfg.embedding_backend
+    if backend not in EMBEDDING_BACKENDS:
+        raise ConfigError(f"model.embedding_backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}")
+    if backend == "per_table":
+        return PerTableEmbeddingBag(
+            schema.sparse_names, schema.cardinalities, model_cfg.embedding_dim, model_cfg.pooling
+        ).to(device)
+    from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
+
+    tables = [
+        TableSpec(
+            name=f.name,
+            num_rows=f.cardinality,
+            dim=model_cfg.embedding_dim,
+            features=[f.name],
+            pooling=model_cfg.pooling,
+            optimizer=optim_cfg.sparse,
+        )
+        for f in schema.sparse
+    ]
+    optim = SparseOptimConfig(lr=optim_cfg.sparse_lr, eps=optim_cfg.eps)
+    return PackedEmbeddingBag(tables, backend=backend, mode="fused", optim=optim, device=device)
+
+
+def build_model(
+    model_cfg: ModelConfig, optim_cfg: OptimConfig, schema: FeatureSchema, device: torch.device
+) -> DLRM:
+    """A DLRM for ``schema``'s fields.
+
+    Raises:
+        ConfigError: on an unknown arch or inconsistent layer sizes.
+    """
+    if model_cfg.arch != "dlrm":
+        raise ConfigError(f"model.arch must be 'dlrm', got {model_cfg.arch!r}")
+    if model_cfg.interaction != "dot":
+        raise ConfigError(f"model.interaction must be 'dot', got {model_cfg.interaction!r}")
+    dim = model_cfg.embedding_dim
+    if not model_cfg.bottom_mlp or model_cfg.bottom_mlp[-1] != dim:
+        raise ConfigError(
+            f"model.bottom_mlp must end in model.embedding_dim={dim} units, got {model_cfg.bottom_mlp}"
+        )
+    interaction = InteractionArch(schema.num_sparse, dim, backend=model_cfg.interaction_backend)
+    return DLRM(
+        sparse_arch=SparseArch(build_embedding(model_cfg, optim_cfg, schema, device)),
+        dense_arch=DenseArch(schema.num_dense, model_cfg.bottom_mlp),
+        interaction_arch=interaction,
+        over_arch=OverArch(interaction.output_dim, model_cfg.top_mlp),
+    ).to(device)

@@ -1,0 +1,44 @@
+"""Evaluation of a model over a reader: logits collected, metrics computed exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from recaccel.io.batch import Batch
+from recaccel.metrics import binary_auc, binary_logloss
+
+
+@torch.no_grad()
+def predict(model: Callable[[Batch], Tensor], batches: Iterable[Batch]) -> tuple[Tensor, Tensor]:
+    """Logits [N] and labels [N] over all batches, on the CPU."""
+    logits, labels = [], []
+    for batch in batches:
+        logits.append(model(batch).float().cpu())
+        labels.append(batch.labels.float().cpu())
+    if not logits:
+        return torch.empty(0), torch.empty(0)
+    return torch.cat(logits), torch.cat(labels)
+
+
+def binary_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:
+    """AUC, logloss and CTR of click predictions."""
+    probs = torch.sigmoid(logits.double())
+    return {
+        "auc": binary_auc(logits, labels),
+        "logloss": binary_logloss(probs, labels),
+        "ctr": float(labels.double().mean()),
+        "eval_rows": int(labels.numel()),
+    }
+
+
+def rating_metrics(preds: Tensor, labels: Tensor) -> dict[str, float]:
+    """MAE and RMSE of rating predictions."""
+    err = preds.double() - labels.double()
+    return {
+        "mae": float(err.abs().mean()),
+        "rmse": float(err.pow(2).mean().sqrt()),
+        "eval_rows": int(labels.numel()),
+    }

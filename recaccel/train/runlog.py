@@ -1,0 +1,50 @@
+"""The run directory: resolved config, JSONL event log and final metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from recaccel.config import Config, config_to_toml
+
+CONFIG_FILE = "config.toml"
+LOG_FILE = "log.jsonl"
+METRICS_FILE = "metrics.json"
+
+
+class RunLog:
+    """Appends JSON events to ``run_dir/log.jsonl`` and writes the run's metrics."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.run_dir / LOG_FILE, "a", buffering=1)
+
+    def write_config(self, cfg: Config) -> None:
+        (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
+
+    def event(self, kind: str, **fields: Any) -> None:
+        record = {"event": kind, "time": round(time.time(), 3), **fields}
+        self._log.write(json.dumps(_finite(record)) + "\n")
+
+    def write_metrics(self, metrics: dict[str, Any]) -> Path:
+        path = self.run_dir / METRICS_FILE
+        path.write_text(json.dumps(_finite(metrics), indent=2, sort_keys=True) + "\n")
+        return path
+
+    def close(self) -> None:
+        self._log.close()
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN: write non-finite floats as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
