@@ -39,7 +39,9 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument("--config", required=required, help="TOML config file (see configs/)")
+    parser.add_argument(
+        "--config", required=required, help="TOML config file (see configs/); without it, built-in defaults"
+    )
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
         help="override a config value (repeatable), e.g. --set train.steps=100",
@@ -56,8 +58,6 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     args = parser.parse_args(argv)
-    if not args.config and not args.resume:
-        parser.error("one of --config or --resume is required")
     _setup_logging(args.verbose)
 
     def body() -> int:

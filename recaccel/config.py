@@ -100,6 +100,7 @@ class TrainConfig:
     """The training loop."""
 
     out_dir: str = "runs/debug"
+    mode: str = "dlrm"  # dlrm | meta
     epochs: int = 1
     steps: int = 0  # > 0: stop after this many steps (overrides epochs)
     loss: str = "auto"  # auto (from label_kind) | bce | mse
@@ -113,6 +114,31 @@ class TrainConfig:
 
 
 @dataclass
+class TasksConfig:
+    """Meta-IO: how rows are grouped into tasks with support and query sets."""
+
+    tasks_per_batch: int = 32  # T
+    support_size: int = 32  # S (rows beyond it are sampled away; fewer are padded)
+    query_size: int = 32  # Q
+    min_task_rows: int = 4  # smaller tasks are skipped and counted
+    split: str = "random"  # random | time
+    query_fraction: float = 0.5  # share of a task's rows that goes to the query set
+    shuffle_buffer_tasks: int = 1024
+
+
+@dataclass
+class MetaConfig:
+    """MAML-style meta-learning of the model head (``train.mode = "meta"``)."""
+
+    inner_steps: int = 1
+    inner_lr: float = 0.01
+    first_order: bool = False
+    meta_sgd: bool = False  # learn per-parameter inner learning rates
+    adapt: str = "top_mlp"  # top_mlp | head | head_and_embedding_shift
+    eval_states: list[str] = field(default_factory=list)  # extra test sets, "name=path"
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -121,6 +147,8 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     synth: SynthConfig = field(default_factory=SynthConfig)
+    tasks: TasksConfig = field(default_factory=TasksConfig)
+    meta: MetaConfig = field(default_factory=MetaConfig)
 
 
 # Keys whose value must be one of a few words; checked when a config is built.
@@ -136,6 +164,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optim.dense": ("adam", "sgd", "adagrad"),
     "optim.sparse": ("sgd", "rowwise_adagrad", "adam"),
     "train.loss": ("auto", "bce", "mse"),
+    "train.mode": ("dlrm", "meta"),
+    "tasks.split": ("random", "time"),
+    "meta.adapt": ("top_mlp", "head", "head_and_embedding_shift"),
 }
 
 

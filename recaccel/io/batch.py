@@ -130,3 +130,56 @@ class Batch:
             self.labels.pin_memory(),
             None if self.weights is None else self.weights.pin_memory(),
         )
+
+
+@dataclass
+class TaskBatch:
+    """T tasks for meta-learning, each with S support and Q query rows.
+
+    Rows are task-major: task t owns support rows ``t*S .. (t+1)*S - 1`` and query rows
+    ``t*Q .. (t+1)*Q - 1``. Tasks with fewer rows are padded; the masks mark real rows,
+    so every task has the same shape and the meta step can vmap over tasks.
+
+    Attributes:
+        support: Batch of T*S rows.
+        query: Batch of T*Q rows.
+        support_mask: float32 [T, S], 1 for a real row, 0 for padding.
+        query_mask: float32 [T, Q].
+        task_ids: int64 [T] task keys.
+    """
+
+    support: Batch
+    query: Batch
+    support_mask: Tensor
+    query_mask: Tensor
+    task_ids: Tensor
+
+    @property
+    def num_tasks(self) -> int:
+        return self.task_ids.shape[0]
+
+    @property
+    def support_size(self) -> int:
+        return self.support_mask.shape[1]
+
+    @property
+    def query_size(self) -> int:
+        return self.query_mask.shape[1]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TaskBatch":
+        return TaskBatch(
+            self.support.to(device, non_blocking),
+            self.query.to(device, non_blocking),
+            self.support_mask.to(device, non_blocking=non_blocking),
+            self.query_mask.to(device, non_blocking=non_blocking),
+            self.task_ids.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> "TaskBatch":
+        return TaskBatch(
+            self.support.pin_memory(),
+            self.query.pin_memory(),
+            self.support_mask.pin_memory(),
+            self.query_mask.pin_memory(),
+            self.task_ids.pin_memory(),
+        )

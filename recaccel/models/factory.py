@@ -60,6 +60,8 @@ def build_model(
         raise ConfigError(
             f"model.bottom_mlp must end in model.embedding_dim={dim} units, got {model_cfg.bottom_mlp}"
         )
+    if not model_cfg.top_mlp or model_cfg.top_mlp[-1] != 1:
+        raise ConfigError(f"model.top_mlp must end in 1 unit (the top MLP outputs a logit), got {model_cfg.top_mlp}")
     interaction = InteractionArch(schema.num_sparse, dim, backend=model_cfg.interaction_backend)
     return DLRM(
         sparse_arch=SparseArch(build_embedding(model_cfg, optim_cfg, schema, device)),

@@ -16,7 +16,8 @@ from recaccel.config import Config
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.batch import Batch
 from recaccel.io.loader import DeviceLoader
-from recaccel.io.parquet import BatchReader, open_dataset
+from recaccel.io.dataset import open_dataset
+from recaccel.io.parquet import BatchReader
 from recaccel.models.factory import build_model
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from recaccel.train.evaluation import binary_metrics, predict, rating_metrics

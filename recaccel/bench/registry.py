@@ -1,0 +1,37 @@
+"""The benchmarks ``recaccel-bench`` runs: name -> (help, add_args, main).
+
+Each benchmark module exposes ``add_args(parser)`` and ``main(args, command_line) -> int``;
+modules are imported only when their benchmark runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+from collections.abc import Callable
+
+_MODULES = {
+    "embedding": ("packed embedding bag vs per-table loop, reference, Triton, FBGEMM", "recaccel.bench.embedding"),
+    "interaction": ("fused DLRM dot interaction vs PyTorch eager", "recaccel.bench.interaction"),
+    "meta": ("vmapped MAML step vs per-task loop", "recaccel.bench.meta"),
+    "io": ("Parquet plain and task batches vs raw pyarrow", "recaccel.bench.io"),
+}
+
+
+def _lazy(module: str, attr: str) -> Callable:
+    def call(*args):
+        return getattr(importlib.import_module(module), attr)(*args)
+
+    return call
+
+
+def _available() -> dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable]]:
+    found = {}
+    for name, (help_text, module) in _MODULES.items():
+        if importlib.util.find_spec(module) is not None:
+            found[name] = (help_text, _lazy(module, "add_args"), _lazy(module, "main"))
+    return found
+
+
+BENCHMARKS = _available()

@@ -1,0 +1,109 @@
+"""End-to-end: synthetic Parquet -> DLRM -> metrics, resume, CLI contract, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from recaccel.cli import train_main
+from recaccel.config import load_config
+from recaccel.io.synth import generate_synthetic
+from recaccel.train.checkpoint import list_checkpoints
+
+TINY = [
+    "synth.train_rows=6000", "synth.test_rows=2000", "synth.num_dense=3", "synth.num_sparse=4",
+    "synth.cardinality=50", "synth.multi_hot_fields=1", "synth.rows_per_row_group=1000",
+    "synth.rows_per_file=3000",
+    "data.batch_size=256", "data.shuffle_buffer_rows=2000", "data.prefetch=2",
+    "model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]",
+    "train.log_every=5", "train.progress=false",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("synth")
+    cfg = load_config(None, [*TINY, f'synth.out_dir="{root}"'])
+    generate_synthetic(cfg.synth)
+    return root
+
+
+def _overrides(data: Path, out: Path, *extra: str) -> list[str]:
+    return [*TINY, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"',
+            f'train.out_dir="{out}"', *extra]
+
+
+def _argv(overrides: list[str]) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def test_cli_trains_and_writes_run_dir(tiny_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert train_main(_argv(_overrides(tiny_data, out, "train.epochs=2"))) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("auc", "logloss", "samples_per_s", "steps"):
+        assert key in metrics
+    assert metrics["steps"] == 2 * (6000 // 256)
+    assert 0.5 < metrics["auc"] <= 1.0
+    resolved = load_config(out / "config.toml")
+    assert resolved.train.epochs == 2 and resolved.model.embedding_dim == 8
+    events = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "train" and events[-1]["event"] == "final"
+    assert list_checkpoints(out)
+    assert "auc" in capsys.readouterr().out
+
+
+def _final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(list_checkpoints(run_dir)[-1], weights_only=True)
+
+
+@pytest.mark.parametrize("backend", ["per_table", "reference"])
+def test_resume_is_bit_identical(tiny_data, tmp_path, backend):
+    common = ["train.epochs=3", f"model.embedding_backend={backend}", "optim.sparse=adam"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train_main(_argv(_overrides(tiny_data, full, *common, "train.steps=40"))) == 0
+    # Interrupted mid-epoch at step 17 (an epoch is 23 steps), then resumed to step 40.
+    assert train_main(_argv(_overrides(tiny_data, part, *common, "train.steps=17"))) == 0
+    assert train_main(["--resume", str(part), "--set", "train.steps=40"]) == 0
+    a, b = _final_state(full), _final_state(part)
+    assert a["step"] == b["step"] == 40
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    ma = json.loads((full / "metrics.json").read_text())
+    mb = json.loads((part / "metrics.json").read_text())
+    assert ma["auc"] == mb["auc"] and ma["logloss"] == mb["logloss"]
+
+
+def test_bad_config_is_one_line_error(tiny_data, tmp_path, capsys):
+    code = train_main(_argv(_overrides(tiny_data, tmp_path / "r", "model.top_mlp=[16, 2]")))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "model.top_mlp" in err
+    code = train_main(["--config", str(tmp_path / "missing.toml")])
+    assert code == 2 and "missing.toml" in capsys.readouterr().err
+
+
+def test_bad_labels_name_file_and_column(tiny_data, tmp_path, capsys):
+    src = sorted((tiny_data / "train").glob("*.parquet"))[0]
+    table = pq.read_table(src)
+    labels = table.column("label").to_numpy().copy()
+    labels[5] = 2.0
+    bad_dir = tmp_path / "bad"
+    bad_dir.mkdir()
+    table = table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels, pa.float32()))
+    pq.write_table(table, bad_dir / "part-00000.parquet", row_group_size=1000)
+    code = train_main(_argv(_overrides(tiny_data, tmp_path / "r", f'data.train="{bad_dir}"')))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "part-00000.parquet" in err and "label" in err
+
+
+def test_missing_data_is_one_line_error(tmp_path, capsys):
+    code = train_main(_argv([*TINY, f'data.train="{tmp_path / "nowhere"}"', f'train.out_dir="{tmp_path}"']))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "nowhere" in err and len(err.splitlines()) == 1
