@@ -67,19 +67,22 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
         if args.resume:
             metrics = api.resume(args.resume, overrides)
-            out_dir = args.resume
+            cfg = load_config(Path(args.resume) / "config.toml")
         else:
             cfg = load_config(args.config, overrides)
             metrics = api.train(cfg)
-            out_dir = cfg.train.out_dir
-        _print_metrics(metrics, Path(out_dir))
+        _print_metrics(metrics, Path(cfg.train.out_dir), Path(cfg.data.test).parent)
         return 0
 
     return _run("recaccel-train", body)
 
 
-def _print_metrics(metrics: dict[str, Any], out_dir: Path) -> None:
+def _print_metrics(metrics: dict[str, Any], out_dir: Path, data_dir: Path | None = None) -> None:
     shown = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}
+    planted = data_dir / "synth.json" if data_dir is not None else None
+    if planted is not None and planted.is_file():
+        # Synthetic data: show how far the model is from the planted (Bayes-optimal) one.
+        shown["bayes_auc (planted model)"] = json.loads(planted.read_text())["report"]["bayes_auc"]
     width = max(len(k) for k in shown)
     for key in sorted(shown):
         value = shown[key]
@@ -98,6 +101,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
 
     synth = sub.add_parser("synth", help="Criteo-like synthetic data with a planted model ([synth] config)")
     _config_args(synth, required=False)
+    synth.add_argument("--overwrite", action="store_true", help="replace a dataset generated with another config")
 
     criteo = sub.add_parser("criteo", help="Criteo Kaggle/Terabyte TSV to Parquet")
     criteo.add_argument("src", help="TSV file (label, I1..I13, C1..C26)")
@@ -106,27 +110,44 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     criteo.add_argument("--test-fraction", type=float, default=0.2, help="last fraction of rows kept for test")
     criteo.add_argument("--rows-per-row-group", type=int, default=65_536)
     criteo.add_argument("--bad-rows", choices=["error", "skip"], default="error")
+    criteo.add_argument("--overwrite", action="store_true", help="replace existing Parquet files")
 
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
 
     def body() -> int:
         if args.command == "synth":
-            from recaccel.config import load_config
-            from recaccel.io.synth import generate_synthetic
-
-            report = generate_synthetic(load_config(args.config, args.overrides).synth, progress=True)
+            report = _synth(args)
         else:
             from recaccel.io.criteo import convert_criteo
 
             report = convert_criteo(
                 args.src, args.out_dir, cardinality=args.cardinality, test_fraction=args.test_fraction,
                 rows_per_row_group=args.rows_per_row_group, bad_rows=args.bad_rows, progress=True,
-            )
-        print(json.dumps(report.summary(), indent=2))
+                overwrite=args.overwrite,
+            ).to_dict()
+        hidden = ("schema", "train_paths", "test_paths", "skipped_lines")
+        print(json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=2))
         return 0
 
     return _run("recaccel-data", body)
+
+
+def _synth(args: argparse.Namespace) -> dict[str, Any]:
+    """Generates the [synth] dataset, or reuses it when synth.json shows the same config."""
+    import dataclasses
+
+    from recaccel.config import load_config
+    from recaccel.io.synth import generate_synthetic
+
+    cfg = load_config(args.config, args.overrides).synth
+    done = Path(cfg.out_dir) / "synth.json"
+    if done.is_file() and not args.overwrite:
+        saved = json.loads(done.read_text())
+        if saved.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))):
+            print(f"{cfg.out_dir} is up to date (same [synth] config); not regenerating", file=sys.stderr)
+            return saved["report"]
+    return generate_synthetic(cfg, progress=True, overwrite=args.overwrite).to_dict()
 
 
 # ---------------------------------------------------------------- recaccel-bench
@@ -141,7 +162,14 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     _setup_logging(False)
     command_line = "recaccel-bench " + " ".join(sys.argv[1:] if argv is None else argv)
-    return _run("recaccel-bench", lambda: registry[args.command][2](args, command_line))
+
+    def body() -> int:
+        summary = Path(registry[args.command][2](args, command_line))
+        print(summary.read_text())
+        print(f"results written to {summary}")
+        return 0
+
+    return _run("recaccel-bench", body)
 
 
 def _bench_registry() -> dict[str, tuple[str, Callable, Callable]]:

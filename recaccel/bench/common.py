@@ -1,0 +1,208 @@
+"""Shared benchmark helpers: interleaved timing, environment capture, markdown reports.
+
+Timing follows DESIGN.md's rules: candidates are timed in the same process and run,
+interleaved within every repeat (their order rotating from repeat to repeat, so drift
+and warm-cache position effects hit all alike), and summarised by the median. On CUDA
+each call is bracketed by CUDA events and the device synchronised before reading them;
+on CPU ``time.perf_counter`` brackets each call.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved_samples(
+    candidates: Mapping[str, Callable[[], object]],
+    repeats: int,
+    warmup: int,
+    device: torch.device | str,
+) -> dict[str, list[float]]:
+    """Times each candidate ``repeats`` times, interleaved; returns every sample in ms.
+
+    Args:
+        candidates: name -> zero-argument callable doing one unit of work.
+        repeats: Timed calls per candidate (>= 1).
+        warmup: Untimed calls per candidate first (compilation, caches, allocator).
+        device: Where the work runs; CUDA is timed with events.
+
+    Returns:
+        name -> ``repeats`` durations in milliseconds, in call order.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    device = torch.device(device)
+    names = list(candidates)
+    for _ in range(warmup):
+        for name in names:
+            candidates[name]()
+    _sync(device)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    if device.type == "cuda":
+        events = {name: [] for name in names}
+        for r in range(repeats):
+            for k in range(len(names)):
+                name = names[(r + k) % len(names)]
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                candidates[name]()
+                end.record()
+                events[name].append((start, end))
+        torch.cuda.synchronize(device)
+        for name in names:
+            samples[name] = [s.elapsed_time(e) for s, e in events[name]]
+        return samples
+    for r in range(repeats):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            t0 = time.perf_counter()
+            candidates[name]()
+            samples[name].append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def time_interleaved(
+    candidates: Mapping[str, Callable[[], object]],
+    repeats: int,
+    warmup: int,
+    device: torch.device | str,
+) -> dict[str, float]:
+    """Median milliseconds per candidate, timed interleaved (see :func:`time_interleaved_samples`)."""
+    samples = time_interleaved_samples(candidates, repeats, warmup, device)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def environment_info(device: torch.device | str) -> dict:
+    """What a result depends on: device, library versions, date (UTC), git commit."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        name = f"{props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)"
+    else:
+        name = f"CPU {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton_version,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "git_commit": _git_commit(),
+    }
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(rows: Sequence[Mapping]) -> str:
+    """A GitHub markdown table; columns are the union of the rows' keys, in first-seen order."""
+    if not rows:
+        return "(no results)\n"
+    columns: list[str] = []
+    for row in rows:
+        columns += [k for k in row if k not in columns]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_results_markdown(
+    path: str | Path,
+    title: str,
+    env: Mapping,
+    command: str,
+    table_rows: Sequence[Mapping],
+    notes: str | Sequence[str] = (),
+) -> Path:
+    """Writes a benchmark report: title, environment, exact command, results table, notes.
+
+    Args:
+        path: Output ``.md`` file (parent folders are created).
+        title: First heading.
+        env: From :func:`environment_info`.
+        command: The exact command line that produced the results.
+        table_rows: One mapping per result row.
+        notes: Free text (one string, or one bullet per item).
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    parts = [f"# {title}\n"]
+    parts += [f"- {key}: {_cell(value)}" for key, value in env.items()]
+    parts += ["", "Command:", "", "```", command, "```", "", markdown_table(table_rows)]
+    if isinstance(notes, str):
+        notes = [notes] if notes else []
+    if notes:
+        parts += ["Notes:", ""] + [f"- {n}" for n in notes] + [""]
+    path.write_text("\n".join(parts))
+    return path
+
+
+def measure_copy_bandwidth(
+    device: torch.device | str, nbytes: int | None = None, repeats: int = 20, warmup: int = 3
+) -> float:
+    """Achievable memory bandwidth in GB/s, counting bytes read plus bytes written.
+
+    A device-to-device copy of a large buffer on CUDA (default 1 GiB), a memcpy of a
+    large tensor on CPU (default 128 MiB); random contents, median of ``repeats``.
+
+    Args:
+        device: Where to measure.
+        nbytes: Buffer size in bytes.
+        repeats: Timed copies.
+        warmup: Untimed copies first.
+
+    Returns:
+        GB/s (1e9 bytes per second).
+    """
+    device = torch.device(device)
+    if nbytes is None:
+        nbytes = 2**30 if device.type == "cuda" else 2**27
+    n = nbytes // 4
+    src = torch.randint(-(2**31), 2**31 - 1, (n,), dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    ms = time_interleaved({"copy": lambda: dst.copy_(src)}, repeats, warmup, device)["copy"]
+    return 2 * n * 4 / (ms * 1e-3) / 1e9

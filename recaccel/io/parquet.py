@@ -1,0 +1,323 @@
+"""Streaming, shuffling, sharded, resumable batch reader over Parquet row groups.
+
+Epoch order. The dataset's non-empty row groups (file order) are permuted with an RNG
+seeded by ``(seed, epoch)`` when shuffling, then sharded: rank r takes the row groups
+at positions ``i`` of that list with ``i % world_size == r``. Sharding is by row group,
+so ranks may get unequal numbers of rows (and of batches) in an epoch: a data-parallel
+trainer must not assume equal batch counts per rank. This rank's row groups are grouped,
+in order, into buffers of whole row groups holding at least ``shuffle_buffer_rows``
+rows (footer counts); each buffer's rows are permuted with an RNG seeded by
+``(seed, epoch, rank, buffer_index)`` and batches are cut from that order. Rows left at
+the end of a buffer start the next batch, so batches cross buffer boundaries. Without
+shuffle every buffer is one row group and rows come in file order.
+
+Memory is bounded by one buffer plus one batch of carried rows, about
+``shuffle_buffer_rows + rows_per_row_group + batch_size`` rows, whatever the file
+sizes; ``stats["max_buffered_rows"]`` records the high-water mark.
+
+Position. The reader is a cursor: iterating yields the batches from the current
+position to the end of the epoch and moves the position along; ``state_dict()`` is
+the position just after the last yielded batch, as (epoch, buffer index, row offset in
+that buffer's shuffled order of the next batch's first row). Once the last batch of an
+epoch has been yielded the position says ``epoch_done`` and the next iteration (here,
+or in a reader given that state) runs epoch + 1. ``set_epoch(e)`` moves the position
+to the start of epoch e. Only one iteration may be in progress at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recaccel.config import DataConfig
+from recaccel.errors import ConfigError, DataError
+from recaccel.io.batch import Batch
+from recaccel.io.columns import Columns
+from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
+from recaccel.io.decode import Policies, Projection, new_decode_stats, row_group_to_columns
+from recaccel.io.parquet_writer import DatasetWriter, write_parquet
+from recaccel.io.schema import FeatureSchema
+
+__all__ = [
+    "BatchReader",
+    "Columns",
+    "DatasetInfo",
+    "DatasetWriter",
+    "Policies",
+    "Projection",
+    "RowGroupRef",
+    "open_dataset",
+    "row_group_to_columns",
+    "write_parquet",
+]
+
+_STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Position:
+    epoch: int
+    buffer: int
+    offset: int
+    done: bool
+
+
+class BatchReader:
+    """Iterable of CPU :class:`Batch` es read from Parquet (see the module docstring).
+
+    Each batch has dense float32 [B, Dd], sparse ids with keys = the projected sparse
+    fields in schema order (values int64 [N], offsets int64 [F*B+1]) and labels
+    float32 [B]; B = ``batch_size`` except maybe the last batch when not ``drop_last``.
+
+    Args:
+        path: a ``.parquet`` file or a directory of them.
+        batch_size: rows per batch (B).
+        schema: expected schema; None = the one stored in the files.
+        columns: dense/sparse feature names to read; None = all.
+        shuffle: shuffle row groups and rows within buffers.
+        seed: base seed of every shuffle (>= 0).
+        shuffle_buffer_rows: rows per shuffle buffer (whole row groups, at least this many).
+        rank: this process's shard, 0 <= rank < world_size.
+        world_size: number of shards.
+        drop_last: drop the epoch's last batch if it is short.
+        invalid_ids: ``error`` | ``skip`` | ``clip`` | ``hash``.
+        invalid_dense: ``error`` | ``skip`` | ``zero``.
+        invalid_labels: ``error`` | ``skip``.
+
+    Attributes:
+        info: the dataset footers (schema, files, row groups).
+        schema: the dataset schema.
+        stats: counters: those of :mod:`recaccel.io.decode` plus ``rows_yielded``,
+            ``batches_yielded``, ``rows_dropped_last`` and ``max_buffered_rows``;
+            they count what this object did (they are not part of the state).
+
+    Raises:
+        ConfigError: on bad arguments.
+        DataError: as :func:`open_dataset` does, and while iterating for unreadable row
+            groups or bad values under an ``error`` policy.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        batch_size: int,
+        *,
+        schema: FeatureSchema | None = None,
+        columns: list[str] | tuple[str, ...] | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        shuffle_buffer_rows: int = 65_536,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+        invalid_ids: str = "error",
+        invalid_dense: str = "error",
+        invalid_labels: str = "error",
+    ) -> None:
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        if seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {seed}")
+        if shuffle_buffer_rows < 1:
+            raise ConfigError(f"shuffle_buffer_rows must be >= 1, got {shuffle_buffer_rows}")
+        self.policies = Policies(invalid_ids, invalid_dense, invalid_labels)
+        self.info: DatasetInfo = open_dataset(path, schema)
+        self.schema = self.info.schema
+        self.projection = Projection.select(self.schema, columns)
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.shuffle_buffer_rows = shuffle_buffer_rows
+        self.rank = rank
+        self.world_size = world_size
+        self.drop_last = drop_last
+        self.stats: dict[str, int] = new_decode_stats()
+        self.stats.update(rows_yielded=0, batches_yielded=0, rows_dropped_last=0, max_buffered_rows=0)
+        self._pos = _Position(0, 0, 0, False)
+
+    @classmethod
+    def from_config(
+        cls,
+        path: str | Path,
+        data_cfg: DataConfig,
+        *,
+        train: bool,
+        rank: int = 0,
+        world_size: int = 1,
+        schema: FeatureSchema | None = None,
+        columns: list[str] | tuple[str, ...] | None = None,
+    ) -> BatchReader:
+        """A reader configured by ``data_cfg``; for eval (not ``train``): no shuffle, no
+        drop_last, ``eval_batch_size``."""
+        return cls(
+            path,
+            data_cfg.batch_size if train else data_cfg.eval_batch_size,
+            schema=schema,
+            columns=columns,
+            shuffle=data_cfg.shuffle if train else False,
+            seed=data_cfg.seed,
+            shuffle_buffer_rows=data_cfg.shuffle_buffer_rows,
+            rank=rank,
+            world_size=world_size,
+            drop_last=data_cfg.drop_last if train else False,
+            invalid_ids=data_cfg.invalid_ids,
+            invalid_dense=data_cfg.invalid_dense,
+            invalid_labels=data_cfg.invalid_labels,
+        )
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration reads."""
+        return self._pos.epoch + 1 if self._pos.done else self._pos.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Moves the position to the start of ``epoch``."""
+        if epoch < 0:
+            raise ConfigError(f"epoch must be >= 0, got {epoch}")
+        self._pos = _Position(epoch, 0, 0, False)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for batch, _ in self.iter_with_state():
+            yield batch
+
+    def iter_with_state(self) -> Iterator[tuple[Batch, dict[str, Any]]]:
+        """Like iterating, but yields each batch with the state just after it.
+
+        A prefetching loader runs ahead of the consumer; it should checkpoint the state
+        paired with the last batch the trainer consumed, not ``state_dict()``.
+        """
+        if self._pos.done:
+            self._pos = _Position(self._pos.epoch + 1, 0, 0, False)
+        start = self._pos
+        epoch = start.epoch
+        buffers = self.buffers(epoch)
+        rows_after = np.cumsum([0] + [sum(r.num_rows for r in buf) for buf in reversed(buffers)])[::-1]
+        bs = self.batch_size
+        carry: list[Columns] = []
+        carry_rows = 0
+        # Each iteration owns its file handles: an abandoned iterator closing them must
+        # not disturb a newer one.
+        source = RowGroupReader(self.schema, self.projection, self.policies, self.stats)
+        try:
+            for b in range(start.buffer, len(buffers)):
+                cols = Columns.concat([source.read(ref) for ref in buffers[b]])
+                n = cols.num_rows
+                i = start.offset if b == start.buffer else 0
+                if i > n:
+                    raise DataError(
+                        f"saved reader position (buffer {b}, row {i}) is past the buffer's {n} rows; "
+                        "did the dataset or the read policies change?"
+                    )
+                order = self._buffer_order(epoch, b, n)
+                self.stats["max_buffered_rows"] = max(self.stats["max_buffered_rows"], n + carry_rows)
+                while n - i >= bs - carry_rows:
+                    part = _rows_of(cols, order, i, i + bs - carry_rows)
+                    i += bs - carry_rows
+                    rows = Columns.concat(carry + [part])
+                    carry, carry_rows = [], 0
+                    left = (n - i) + int(rows_after[b + 1])  # an upper bound: skips only remove rows
+                    done = left == 0 or (self.drop_last and left < bs)
+                    self._pos = _Position(epoch, b, i, done) if i < n else _Position(epoch, b + 1, 0, done)
+                    yield self._emit(rows), self.state_dict()
+                if i < n:  # a copy, so the carry does not pin the whole buffer
+                    carry.append(cols.take(np.arange(i, n) if order is None else order[i:n]))
+                    carry_rows += n - i
+                del cols
+            end = _Position(epoch, len(buffers), 0, True)
+            if carry_rows and not self.drop_last:
+                self._pos = end
+                yield self._emit(Columns.concat(carry)), self.state_dict()
+            self.stats["rows_dropped_last"] += carry_rows if self.drop_last else 0
+            self._pos = end
+        finally:
+            source.close()
+
+    def buffers(self, epoch: int) -> list[list[RowGroupRef]]:
+        """This rank's row groups in ``epoch``, grouped into shuffle buffers, in read order."""
+        refs = self.info.row_groups
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(refs))
+        else:
+            order = np.arange(len(refs))
+        target = self.shuffle_buffer_rows if self.shuffle else 1
+        out: list[list[RowGroupRef]] = []
+        cur: list[RowGroupRef] = []
+        rows = 0
+        for i in order[self.rank :: self.world_size]:
+            cur.append(refs[i])
+            rows += refs[i].num_rows
+            if rows >= target:
+                out.append(cur)
+                cur, rows = [], 0
+        if cur:
+            out.append(cur)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last yielded batch, plus what it depends on (JSON-able)."""
+        p = self._pos
+        return {
+            "version": _STATE_VERSION,
+            "epoch": p.epoch,
+            "buffer_index": p.buffer,
+            "row_offset": p.offset,
+            "epoch_done": p.done,
+            **self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Makes the next iteration resume at ``state`` (from :meth:`state_dict`).
+
+        Raises:
+            ConfigError: if the state is malformed or was taken with a different seed,
+                shuffle, buffer size, rank, world size or read policies.
+            DataError: if it was taken on a dataset with other row groups.
+        """
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
+            raise ConfigError(f"reader state must be a dict with version {_STATE_VERSION}, got {state!r}")
+        for key, now in self._fingerprint().items():
+            saved = state.get(key)
+            if saved != now:
+                err = DataError if key in ("num_row_groups", "num_rows") else ConfigError
+                raise err(f"reader state was saved with {key}={saved!r}, but this reader has {key}={now!r}")
+        fields = [state.get(k) for k in ("epoch", "buffer_index", "row_offset")]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fields):
+            raise ConfigError(f"reader state has a bad position: {state!r}")
+        self._pos = _Position(*fields, bool(state.get("epoch_done", False)))
+
+    def _fingerprint(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shuffle_buffer_rows": self.shuffle_buffer_rows,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "policies": [
+                self.policies.invalid_ids,
+                self.policies.invalid_dense,
+                self.policies.invalid_labels,
+            ],
+            "num_row_groups": len(self.info.row_groups),
+            "num_rows": self.info.num_rows,
+        }
+
+    def _buffer_order(self, epoch: int, buffer: int, n: int) -> np.ndarray | None:
+        if not self.shuffle:
+            return None
+        return np.random.default_rng([self.seed, epoch, 1, self.rank, buffer]).permutation(n)
+
+    def _emit(self, rows: Columns) -> Batch:
+        self.stats["rows_yielded"] += rows.num_rows
+        self.stats["batches_yielded"] += 1
+        return rows.to_batch()
+
+
+def _rows_of(cols: Columns, order: np.ndarray | None, start: int, stop: int) -> Columns:
+    """Rows ``start .. stop-1`` of the buffer's read order."""
+    return cols.slice(start, stop) if order is None else cols.take(order[start:stop])
