@@ -155,7 +155,9 @@ class MeLU(DLRM):
     """
 
     def __init__(self, cfg: MeLUConfig, embedding: nn.Module | None = None) -> None:
-        dense_arch: nn.Module = DenseArch(cfg.num_dense, cfg.dense_mlp) if cfg.dense_mlp else DensePassThrough()
+        dense_arch: nn.Module = (
+            DenseArch(cfg.num_dense, cfg.dense_mlp) if cfg.dense_mlp else DensePassThrough()
+        )
         dense_dim = cfg.dense_mlp[-1] if cfg.dense_mlp else cfg.num_dense
         interaction = ConcatInteraction(len(cfg.fields), cfg.embedding_dim, dense_dim)
         super().__init__(

@@ -1,0 +1,347 @@
+"""PackedEmbeddingBag: every table of a model in a few packed buffers, one lookup per pack.
+
+Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from recaccel.errors import ConfigError, DataError
+from recaccel.io.batch import SparseFeatures
+from recaccel.ops.backend import check_triton_launchable, resolve_backend
+from recaccel.ops.embedding.fbgemm_backend import FbgemmPack, fbgemm_unsupported
+from recaccel.ops.embedding.optimizers import PackState, init_states
+from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch, gather_pack_ids
+from recaccel.ops.embedding.reference import ReferenceFusedLookup, reference_lookup
+from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig, TableSpec
+from recaccel.ops.embedding.state import load_tables, save_tables
+
+logger = logging.getLogger(__name__)
+
+_OP = "PackedEmbeddingBag"
+_MODES = ("fused", "autograd")
+_MAX_CACHED_ROUTES = 16
+
+
+def choose_backend(
+    backend: str, device: torch.device, tables: list[TableSpec], mode: str, config: SparseOptimConfig
+) -> str:
+    """Resolves ``backend`` for these tables on ``device``.
+
+    ``auto`` picks triton on CUDA, fbgemm on CPU when ``fbgemm_gpu`` imports and
+    supports the tables, mode and optimizer settings, else reference.
+
+    Raises:
+        ConfigError: ``fbgemm`` asked for explicitly with an option it does not support.
+        ValueError, RuntimeError: see :func:`recaccel.ops.backend.resolve_backend`.
+    """
+    name = resolve_backend(backend, device, available=("reference", "triton", "fbgemm"), op=_OP)
+    if name != "fbgemm":
+        return name
+    reason = fbgemm_unsupported(tables, mode, config)
+    if reason is None:
+        try:
+            import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
+        except (ImportError, OSError) as e:
+            reason = f"an fbgemm_gpu that does not import ({e})"
+    if reason is None:
+        return name
+    if backend == "fbgemm":
+        raise ConfigError(f"{_OP}: backend='fbgemm' does not support {reason}")
+    logger.info("%s: backend auto -> reference (fbgemm does not support %s)", _OP, reason)
+    return "reference"
+
+
+def init_table_weights(
+    tables: list[TableSpec], seed: int | None = None, generator: torch.Generator | None = None
+) -> dict[str, Tensor]:
+    """Initial rows of each table: uniform(-1/sqrt(R), 1/sqrt(R)), drawn on the CPU in table order.
+
+    The same tables, seed (or CPU generator state) give the same rows whatever the
+    backend and device.
+    """
+    if seed is not None and generator is not None:
+        raise ConfigError(f"{_OP}: pass seed or generator, not both")
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for t in tables:
+        bound = t.num_rows**-0.5
+        out[t.name] = torch.empty(t.num_rows, t.dim).uniform_(-bound, bound, generator=generator)
+    return out
+
+
+class PackedEmbeddingBag(nn.Module):
+    """Pooled embedding lookups of many tables, packed by (dim, optimizer).
+
+    Semantics (every backend): feature ``f`` of a batch looks up its table; bag ``(f, b)``
+    pools ``sum_i w_i * row(id_i)`` over its ids (``w_i`` = the per-id weight, 1 when
+    ``sf.weights`` is None). Mean pooling divides that sum by the bag's number of ids
+    ``L`` (not by the sum of the weights), as ``nn.EmbeddingBag(mode="mean")`` does; an
+    empty bag pools to zeros. Per-id weights are constants (no gradient flows to them).
+
+    Modes:
+        ``"fused"``: packed rows and optimizer state are buffers (``parameters()`` yields
+        none of them); in training mode with grad enabled, backward sums each touched
+        row's gradient and applies the table's sparse optimizer (see
+        :class:`SparseOptimConfig`) in place; no dense [R, D] gradient ever exists. In
+        eval mode the lookup builds no graph.
+        ``"autograd"``: packed rows are Parameters ``weight_<p>`` [R_p, D_p] and backward
+        returns their gradient (dense, or sparse COO with ``sparse_grad=True``); the
+        caller applies any optimizer.
+
+    Checkpoints use a backend-independent layout: per table ``<table>.weight`` [R, D],
+    and its optimizer state ``<table>.momentum1`` ([R] row-wise Adagrad, [R, D] Adam),
+    ``<table>.momentum2`` [R, D] and ``<table>.step`` (Adam). ``torch.load(...,
+    weights_only=True)`` reads it, and any backend loads what any backend saved.
+
+    Args:
+        tables: The tables.
+        backend: ``"auto"``, ``"reference"``, ``"triton"`` or ``"fbgemm"``
+            (see :func:`choose_backend`).
+        mode: ``"fused"`` or ``"autograd"``.
+        optim: Sparse optimizer hyper-parameters (fused mode).
+        bounds_check: Check every batch's ids (one vectorized check and host sync per
+            batch). The reference backend always checks.
+        sparse_grad: Autograd mode: give the packed weights sparse gradients.
+        device: Where the rows live. The fbgemm backend's tables stay there (``.to()``
+            does not move them); build the module on its final device.
+        seed: Seed of the initial rows.
+        generator: A CPU generator for the initial rows (instead of ``seed``).
+
+    Raises:
+        ConfigError: inconsistent tables or options.
+    """
+
+    def __init__(
+        self,
+        tables: list[TableSpec],
+        *,
+        backend: str = "auto",
+        mode: str = "fused",
+        optim: SparseOptimConfig | None = None,
+        bounds_check: bool = True,
+        sparse_grad: bool = False,
+        device: torch.device | str | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__()
+        tables = list(tables)
+        for t in tables:
+            if not isinstance(t, TableSpec):
+                raise ConfigError(f"{_OP}: tables must be TableSpec instances, got {type(t).__name__}")
+        if mode not in _MODES:
+            raise ConfigError(f"{_OP}: mode must be one of {_MODES}, got {mode!r}")
+        device = torch.device(device if device is not None else "cpu")
+        self.tables = tuple(tables)
+        self.plan = PackingPlan(tables)
+        self.mode = mode
+        self.optim = optim if optim is not None else SparseOptimConfig()
+        self.bounds_check = bounds_check
+        self.sparse_grad = sparse_grad
+        self.backend = choose_backend(backend, device, tables, mode, self.optim)
+        if self.backend == "triton":
+            from recaccel.ops.embedding import triton_kernels
+
+            check_triton_launchable(triton_kernels._embedding_bag_fwd_kernel, device, _OP)
+        init = init_table_weights(tables, seed, generator)
+        self._fbgemm: list[FbgemmPack] = []
+        self._steps = [torch.zeros((), dtype=torch.int64) for _ in self.plan.packs]
+        for layout in self.plan.packs:
+            rows = [init[t.name] for t in layout.tables]
+            if self.backend == "fbgemm":
+                self._fbgemm.append(FbgemmPack(layout, self.optim, device, rows))
+                continue
+            weight = torch.cat(rows).to(device)
+            if mode == "autograd":
+                self.register_parameter(f"weight_{layout.index}", nn.Parameter(weight))
+            else:
+                self.register_buffer(f"weight_{layout.index}", weight, persistent=False)
+            for name, tensor in init_states(layout.optimizer, layout.num_rows, layout.dim, device).items():
+                self.register_buffer(f"{name}_{layout.index}", tensor, persistent=False)
+        self._routes: dict[tuple, Routing] = {}
+
+    # ----------------------------------------------------------------- lookups
+
+    def forward(self, sf: SparseFeatures) -> Tensor:
+        """Pools every feature of a batch.
+
+        Args:
+            sf: F features of B rows (any subset of the tables' features, any order).
+
+        Returns:
+            float32 [B, F, D] in ``sf.keys`` order.
+
+        Raises:
+            ValueError: the batch's features have different dims (use
+                :meth:`forward_packs` or :meth:`forward_concat`).
+            InvalidIdError: an id outside its table, or malformed offsets.
+            DataError: an unknown or repeated feature.
+        """
+        routing, outs = self._lookup(sf)
+        if len(set(routing.dims)) > 1:
+            raise ValueError(
+                f"{_OP}.forward needs one dim for all features, got dims {sorted(set(routing.dims))}; "
+                "use forward_packs() or forward_concat()"
+            )
+        outs = [o for o in outs if o.shape[1] > 0]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out if routing.restore is None else out.index_select(1, routing.restore)
+
+    def forward_packs(self, sf: SparseFeatures) -> list[Tensor]:
+        """Pools a batch pack by pack (mixed dims).
+
+        Returns:
+            One float32 [B, F_p, D_p] per pack (F_p may be 0); :meth:`pack_features`
+            names the features of each.
+        """
+        return self._lookup(sf)[1]
+
+    def forward_concat(self, sf: SparseFeatures) -> Tensor:
+        """Pools a batch into one row per example: float32 [B, sum_f D_f], features in ``sf.keys`` order."""
+        routing, outs = self._lookup(sf)
+        flat = torch.cat([o.reshape(o.shape[0], o.shape[1] * o.shape[2]) for o in outs], dim=1)
+        return flat if routing.restore_columns is None else flat.index_select(1, routing.restore_columns)
+
+    def pack_features(self, keys: list[str]) -> list[list[str]]:
+        """Feature names of each of :meth:`forward_packs`'s outputs for a batch with ``keys``."""
+        return [[keys[i] for i in r.features] for r in self.plan.route(keys, torch.device("cpu")).packs]
+
+    def _lookup(self, sf: SparseFeatures) -> tuple[Routing, list[Tensor]]:
+        sf = self._validate(sf)
+        routing = self._route(sf.keys, sf.values.device)
+        batch_size = sf.batch_size
+        if self.bounds_check or self.backend == "reference":
+            check_batch(sf, routing, self.plan)
+        return routing, [self._lookup_pack(p, sf, r, batch_size) for p, r in enumerate(routing.packs)]
+
+    def _lookup_pack(self, p: int, sf: SparseFeatures, route: PackRoute, batch_size: int) -> Tensor:
+        layout = self.plan.packs[p]
+        local = route.local
+        if local.count == 0 or batch_size == 0:
+            return torch.zeros(batch_size, local.count, layout.dim, device=sf.values.device)
+        update = self.mode == "fused" and self.training and torch.is_grad_enabled()
+        if self.backend == "fbgemm":
+            return self._fbgemm[p].lookup(sf, route, batch_size, update)
+        weight = getattr(self, f"weight_{p}")
+        if self.backend == "triton":
+            from recaccel.ops.embedding import triton_autograd, triton_kernels
+
+            if self.mode == "autograd":
+                return triton_autograd.TritonEmbeddingBagFunction.apply(
+                    weight, sf, local, batch_size, self.sparse_grad
+                )
+            if not update:
+                return triton_kernels.embedding_bag_forward(weight, sf, local, batch_size)
+            return triton_autograd.TritonFusedEmbeddingBagFunction.apply(
+                self._anchor(weight), self._pack_state(p), self.optim, sf, local, batch_size
+            )
+        if self.mode == "autograd" or not update:
+            ids = gather_pack_ids(sf, local, batch_size)
+            return reference_lookup(weight, ids, batch_size, local.count, sparse_grad=self.sparse_grad)
+        return ReferenceFusedLookup.apply(
+            self._anchor(weight), self._pack_state(p), self.optim, sf, local, batch_size
+        )
+
+    @staticmethod
+    def _anchor(weight: Tensor) -> Tensor:
+        return torch.empty(0, device=weight.device, requires_grad=True)
+
+    def _pack_state(self, p: int) -> PackState:
+        layout = self.plan.packs[p]
+        states = {name: getattr(self, f"{name}_{p}") for name, _ in OPTIMIZER_STATES[layout.optimizer]}
+        return PackState(layout.optimizer, getattr(self, f"weight_{p}"), states, self._steps[p])
+
+    def _route(self, keys: list[str], device: torch.device) -> Routing:
+        key = (tuple(keys), device)
+        routing = self._routes.get(key)
+        if routing is None:
+            if len(self._routes) >= _MAX_CACHED_ROUTES:
+                self._routes.clear()
+            routing = self._routes[key] = self.plan.route(keys, device)
+        return routing
+
+    def _validate(self, sf: SparseFeatures) -> SparseFeatures:
+        if not sf.keys:
+            raise DataError(f"{_OP}: the batch has no sparse features")
+        if sf.values.dtype.is_floating_point or sf.values.dtype == torch.bool:
+            raise DataError(
+                f"{_OP}: sparse ids must be integers, got {sf.values.dtype} for features {sf.keys}"
+            )
+        device = self._device()
+        if sf.values.device != device and self.backend != "fbgemm":
+            raise ValueError(f"{_OP}: the batch is on {sf.values.device} but the tables are on {device}")
+        # The kernels read flat int64 ids/offsets and float32 weights (constants: no gradient).
+        values, offsets = sf.values.long().contiguous(), sf.offsets.long().contiguous()
+        weights = None if sf.weights is None else sf.weights.detach().float().contiguous()
+        if values is sf.values and offsets is sf.offsets and weights is sf.weights:
+            return sf
+        return SparseFeatures(sf.keys, values, offsets, weights)
+
+    def _device(self) -> torch.device:
+        if self._fbgemm:
+            return self._fbgemm[0].device
+        return self.weight_0.device
+
+    # ------------------------------------------------------- optimizer and state
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Changes the sparse optimizer's learning rate (e.g. from a schedule)."""
+        self.optim = dataclasses.replace(self.optim, lr=lr)
+        for pack in self._fbgemm:
+            pack.set_learning_rate(lr)
+
+    def table_state(self, name: str) -> dict[str, Tensor]:
+        """Views of one table's rows and optimizer state, by checkpoint name.
+
+        Returns:
+            ``{"weight": [R, D], ...}`` plus ``momentum1``/``momentum2``/``step`` as the
+            table's optimizer has them; writing into the tensors writes the module's state.
+
+        Raises:
+            KeyError: unknown table.
+        """
+        if name not in {t.name for t in self.tables}:
+            raise KeyError(f"no table named {name!r}; tables: {[t.name for t in self.tables]}")
+        return self.table_states()[name]
+
+    def table_states(self) -> dict[str, dict[str, Tensor]]:
+        """:meth:`table_state` of every table, by table name, in table order."""
+        out: dict[str, dict[str, Tensor]] = {}
+        for layout in self.plan.packs:
+            if self._fbgemm:
+                per_table = self._fbgemm[layout.index].table_tensors()
+            else:
+                weight = getattr(self, f"weight_{layout.index}").detach()
+                states = {
+                    s: getattr(self, f"{s}_{layout.index}") for s, _ in OPTIMIZER_STATES[layout.optimizer]
+                }
+                per_table = []
+                for table, start in zip(layout.tables, layout.row_offsets):
+                    rows = slice(start, start + table.num_rows)
+                    per_table.append({"weight": weight[rows], **{s: t[rows] for s, t in states.items()}})
+            for table, tensors in zip(layout.tables, per_table):
+                if table.optimizer == "adam":
+                    tensors["step"] = self._steps[layout.index]
+                out[table.name] = tensors
+        return {t.name: out[t.name] for t in self.tables}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        save_tables(self, destination, prefix)
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ) -> None:
+        load_tables(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        packs = ", ".join(
+            f"(D={p.dim}, {p.optimizer}, {len(p.tables)} tables, {p.num_rows} rows)" for p in self.plan.packs
+        )
+        return f"backend={self.backend!r}, mode={self.mode!r}, packs=[{packs}]"

@@ -1,0 +1,336 @@
+"""Packing: many tables become a few packed buffers, and a batch's ids are routed to them.
+
+Tables with the same dim and optimizer share one packed buffer [sum R, D]; table ``t``
+of a pack owns rows ``row_offset[t] .. row_offset[t] + R_t - 1``. A feature's id ``i``
+therefore reads packed row ``row_offset[table(feature)] + i``.
+
+Shapes: B batch, F features in a SparseFeatures, S features of one pack (its "local"
+features), N ids, D dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from recaccel.errors import ConfigError, DataError
+from recaccel.io.batch import SparseFeatures
+from recaccel.ops.embedding.specs import InvalidIdError, TableSpec
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """One packed buffer: tables of one dim and optimizer, stacked by rows.
+
+    Attributes:
+        index: Position of the pack in the module.
+        dim: D of every table in the pack.
+        optimizer: The tables' sparse optimizer.
+        tables: The tables, in the order of their rows.
+        row_offsets: First packed row of each table.
+        num_rows: Total rows (sum of the tables' R).
+    """
+
+    index: int
+    dim: int
+    optimizer: str
+    tables: tuple[TableSpec, ...]
+    row_offsets: tuple[int, ...]
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class FeatureSlot:
+    """Where one feature's lookups go."""
+
+    feature: str
+    table: TableSpec
+    pack: int
+    row_offset: int
+
+
+@dataclass
+class LocalFeatures:
+    """S features of one pack as its kernels see them (device tensors, cached per batch keys).
+
+    Local feature ``j`` reads the SparseFeatures bags ``src[j]*B + b``; ``src[j] = -1``
+    stands for a feature absent from the batch (all its bags are empty).
+
+    Attributes:
+        src: int64 [S] feature index in the batch, or -1.
+        row_offset: int64 [S] packed-row shift of each feature's ids.
+        is_mean: bool [S] mean pooling.
+        count: S.
+        identity: ``src`` is ``0..F-1``: the batch's CSR is used as is.
+        any_mean: some feature pools by mean.
+        any_shift: some row offset is non-zero.
+        any_missing: some ``src`` is -1.
+    """
+
+    src: Tensor
+    row_offset: Tensor
+    is_mean: Tensor
+    count: int
+    identity: bool
+    any_mean: bool
+    any_shift: bool
+    any_missing: bool
+
+    @classmethod
+    def build(
+        cls, src: list[int], row_offset: list[int], is_mean: list[bool], num_keys: int, device: torch.device
+    ) -> LocalFeatures:
+        as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
+        return cls(
+            src=as_long(src),
+            row_offset=as_long(row_offset),
+            is_mean=torch.tensor(is_mean, dtype=torch.bool, device=device),
+            count=len(src),
+            identity=src == list(range(num_keys)),
+            any_mean=any(is_mean),
+            any_shift=any(r != 0 for r in row_offset),
+            any_missing=any(s < 0 for s in src),
+        )
+
+
+@dataclass
+class PackRoute:
+    """How the features of one batch's keys reach one pack.
+
+    Attributes:
+        features: Batch feature indices in this pack, in batch order (F_p of them).
+        local: Those features, for the reference and Triton kernels.
+        slots: Every feature the pack's tables declare, grouped by table (FBGEMM's
+            feature order), absent ones with ``src = -1``; ids are not shifted.
+        slot_of_local: int64 [F_p] slot of each local feature.
+    """
+
+    features: list[int]
+    local: LocalFeatures
+    slots: LocalFeatures
+    slot_of_local: Tensor
+
+
+@dataclass
+class Routing:
+    """Everything about a batch's keys that does not depend on its ids.
+
+    Attributes:
+        keys: The batch's feature names.
+        packs: One route per pack.
+        num_rows: int64 [F] table size of each feature (for the bounds check).
+        dims: D of each feature.
+        restore: int64 [F] position of each batch feature in the packs' outputs
+            concatenated along the feature axis, or None when that is already batch order.
+        restore_columns: int64 [sum D] the same for the packs' outputs flattened to
+            [B, F_p*D_p] and concatenated, or None.
+    """
+
+    keys: tuple[str, ...]
+    packs: list[PackRoute]
+    num_rows: Tensor
+    dims: list[int]
+    restore: Tensor | None
+    restore_columns: Tensor | None
+
+
+@dataclass
+class PackIds:
+    """One pack's ids in CSR over its S local features, ready for an embedding bag.
+
+    Attributes:
+        rows: int64 [N_p] packed row of each id.
+        offsets: int64 [S*B+1] bag ``j*B + b`` holds ``rows[offsets[j*B+b]:offsets[j*B+b+1]]``.
+        scale: float32 [N_p] per-id multiplier (the id's weight, times ``1/L`` under mean
+            pooling), or None for all ones.
+        bags: int64 [N_p] bag of each id, or None when not asked for.
+    """
+
+    rows: Tensor
+    offsets: Tensor
+    scale: Tensor | None
+    bags: Tensor | None
+
+
+class PackingPlan:
+    """Groups tables into packs and maps feature names to their pack and row offset.
+
+    Args:
+        tables: The tables; packs follow the order in which each (dim, optimizer) first
+            appears, and tables keep their order inside a pack.
+
+    Raises:
+        ConfigError: duplicate table names, or a feature claimed by two tables.
+    """
+
+    def __init__(self, tables: list[TableSpec]) -> None:
+        if not tables:
+            raise ConfigError("a packed embedding bag needs at least one table")
+        names = [t.name for t in tables]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ConfigError(f"duplicate table names: {dup}")
+        groups: dict[tuple[int, str], list[TableSpec]] = {}
+        for t in tables:
+            groups.setdefault((t.dim, t.optimizer), []).append(t)
+        self.packs: list[PackLayout] = []
+        self.slots: dict[str, FeatureSlot] = {}
+        for p, ((dim, optimizer), members) in enumerate(groups.items()):
+            offsets, total = [], 0
+            for t in members:
+                offsets.append(total)
+                for f in t.features:
+                    if f in self.slots:
+                        raise ConfigError(
+                            f"feature {f!r} is claimed by tables {self.slots[f].table.name!r} and {t.name!r}"
+                        )
+                    self.slots[f] = FeatureSlot(f, t, p, total)
+                total += t.num_rows
+            self.packs.append(PackLayout(p, dim, optimizer, tuple(members), tuple(offsets), total))
+
+    def route(self, keys: list[str] | tuple[str, ...], device: torch.device) -> Routing:
+        """Routes a batch's features to the packs.
+
+        Raises:
+            DataError: a key no table declares, or a repeated key.
+        """
+        keys = tuple(keys)
+        seen: set[str] = set()
+        for k in keys:
+            if k not in self.slots:
+                raise DataError(
+                    f"sparse feature {k!r} is looked up by no table; known features: {sorted(self.slots)}",
+                    column=k,
+                )
+            if k in seen:
+                raise DataError(f"sparse feature {k!r} appears twice in the batch's keys", column=k)
+            seen.add(k)
+        index = {k: i for i, k in enumerate(keys)}
+        routes, order = [], []
+        for layout in self.packs:
+            feats = [i for i, k in enumerate(keys) if self.slots[k].pack == layout.index]
+            local = LocalFeatures.build(
+                feats,
+                [self.slots[keys[i]].row_offset for i in feats],
+                [self.slots[keys[i]].table.pooling == "mean" for i in feats],
+                len(keys),
+                device,
+            )
+            declared = [f for t in layout.tables for f in t.features]
+            slots = LocalFeatures.build(
+                [index.get(f, -1) for f in declared],
+                [0] * len(declared),
+                [self.slots[f].table.pooling == "mean" for f in declared],
+                len(keys),
+                device,
+            )
+            slot_of = torch.tensor([declared.index(keys[i]) for i in feats], dtype=torch.int64, device=device)
+            routes.append(PackRoute(feats, local, slots, slot_of))
+            order.extend(feats)
+        dims = [self.slots[k].table.dim for k in keys]
+        restore = restore_cols = None
+        if order != list(range(len(keys))):
+            pos = {f: j for j, f in enumerate(order)}
+            restore = torch.tensor([pos[f] for f in range(len(keys))], dtype=torch.int64, device=device)
+            starts, col = {}, 0
+            for f in order:
+                starts[f] = col
+                col += dims[f]
+            cols = [c for f in range(len(keys)) for c in range(starts[f], starts[f] + dims[f])]
+            restore_cols = torch.tensor(cols, dtype=torch.int64, device=device)
+        num_rows = torch.tensor(
+            [self.slots[k].table.num_rows for k in keys], dtype=torch.int64, device=device
+        )
+        return Routing(keys, routes, num_rows, dims, restore, restore_cols)
+
+
+def gather_pack_ids(
+    sf: SparseFeatures, local: LocalFeatures, batch_size: int, *, with_bags: bool = False
+) -> PackIds:
+    """Selects, shifts and scales the ids of one pack's local features.
+
+    Args:
+        sf: The batch (F features, B rows).
+        local: The pack's local features (S of them).
+        batch_size: B.
+        with_bags: Also return each id's bag.
+
+    Returns:
+        The pack's ids in CSR over ``S*B`` bags.
+    """
+    b, s = batch_size, local.count
+    device = sf.values.device
+    values, weights = sf.values, sf.weights
+    if local.identity:
+        offsets = sf.offsets
+        lengths = offsets[1:] - offsets[:-1]
+        n = values.numel()
+    else:
+        # Bag j*B + b of the pack is bag src[j]*B + b of the batch.
+        bag_src = (local.src.clamp(min=0)[:, None] * b + torch.arange(b, device=device)).reshape(-1)
+        lengths = sf.offsets[1:][bag_src] - sf.offsets[:-1][bag_src]
+        if local.any_missing:
+            lengths = lengths * (local.src >= 0).repeat_interleave(b)
+        offsets = torch.zeros(s * b + 1, dtype=torch.int64, device=device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        n = int(offsets[-1])
+        # Each id moves by (its bag's start in the batch) - (its bag's start in the pack).
+        shift = torch.repeat_interleave(sf.offsets[:-1][bag_src] - offsets[:-1], lengths, output_size=n)
+        gather = shift + torch.arange(n, device=device)
+        values = values[gather]
+        weights = None if weights is None else weights[gather]
+    bags = None
+    if with_bags or local.any_shift or local.any_mean:
+        bags = torch.repeat_interleave(torch.arange(s * b, device=device), lengths, output_size=n)
+    rows = values + local.row_offset[bags // b] if local.any_shift else values
+    scale = None if weights is None else weights.to(torch.float32)
+    if local.any_mean:
+        inv_len = (1.0 / lengths.clamp(min=1).to(torch.float32))[bags]
+        mean_scale = torch.where(local.is_mean[bags // b], inv_len, torch.ones_like(inv_len))
+        scale = mean_scale if scale is None else scale * mean_scale
+    return PackIds(rows, offsets, scale, bags if with_bags else None)
+
+
+def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None:
+    """Validates a batch's CSR and ids with one host synchronization.
+
+    Raises:
+        InvalidIdError: offsets that do not start at 0, end at ``len(values)`` and never
+            decrease; or an id < 0 or >= its feature's table size (naming the feature,
+            its table, the id and the batch row).
+    """
+    values, offsets = sf.values, sf.offsets
+    n, f = values.numel(), len(routing.keys)
+    b = sf.batch_size
+    diffs = offsets[1:] - offsets[:-1]
+    bad_offsets = (offsets[0] != 0) | (offsets[-1] != n) | (diffs < 0).any()
+    if b == 0 or n == 0:
+        bad_ids = torch.zeros((), dtype=torch.bool, device=values.device)
+        id_feat = None
+    else:
+        # searchsorted (not repeat_interleave) stays in range even if offsets are malformed.
+        feat_end = offsets[b::b].contiguous()
+        id_feat = torch.searchsorted(feat_end, torch.arange(n, device=values.device), right=True).clamp(
+            max=f - 1
+        )
+        bad_mask = (values < 0) | (values >= routing.num_rows[id_feat])
+        bad_ids = bad_mask.any()
+    if not bool(bad_offsets | bad_ids):
+        return
+    if bool(bad_offsets):
+        raise InvalidIdError(
+            f"malformed sparse offsets for features {list(routing.keys)}: they must start at 0, never "
+            f"decrease and end at len(values)={n}; got first={int(offsets[0])}, last={int(offsets[-1])}"
+        )
+    i = int(torch.nonzero(bad_mask)[0, 0])
+    feat = int(id_feat[i])
+    bag = int(torch.searchsorted(offsets, torch.tensor(i, device=offsets.device), right=True)) - 1
+    name = routing.keys[feat]
+    table = plan.slots[name].table
+    raise InvalidIdError(
+        f"feature {name!r}: id {int(values[i])} at batch row {bag - feat * b} is out of range "
+        f"[0, {table.num_rows}) of table {table.name!r}",
+        column=name,
+    )

@@ -1,0 +1,77 @@
+"""Backend-independent checkpoints of a packed embedding bag.
+
+Whatever the packing and backend, the state dict holds per table ``<table>.weight``
+[R, D] and the table's optimizer state (``<table>.momentum1``, ``<table>.momentum2``,
+``<table>.step``), so a checkpoint written by one backend loads in another, and a change
+of packing (new tables of another dim) leaves the other tables' keys unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from recaccel.ops.embedding.module import PackedEmbeddingBag
+
+
+def save_tables(module: PackedEmbeddingBag, destination: dict, prefix: str) -> None:
+    """Writes every table's rows and optimizer state under ``prefix``.
+
+    Rows are views of the packed buffers (``torch.save`` stores each buffer once);
+    ``step`` is a copy, a snapshot of the pack's counter.
+    """
+    for table_name, tensors in module.table_states().items():
+        for name, tensor in tensors.items():
+            destination[f"{prefix}{table_name}.{name}"] = (
+                tensor.clone() if name == "step" else tensor.detach()
+            )
+
+
+def load_tables(
+    module: PackedEmbeddingBag,
+    state_dict: dict,
+    prefix: str,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """Copies every table's rows and optimizer state from ``state_dict`` into the packs.
+
+    Follows ``nn.Module._load_from_state_dict``'s contract: absent keys go to
+    ``missing_keys``, keys under ``prefix`` that no table owns to ``unexpected_keys``
+    (when ``strict``), shape mismatches to ``error_msgs``. Tables sharing a pack share its
+    Adam step, which becomes the largest step of its tables in the checkpoint.
+    """
+    expected: set[str] = set()
+    steps: dict[int, tuple[Tensor, int]] = {}
+    for table_name, tensors in module.table_states().items():
+        for name, target in tensors.items():
+            key = f"{prefix}{table_name}.{name}"
+            expected.add(key)
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, Tensor):
+                error_msgs.append(f"{key}: expected a tensor, got {type(value).__name__}")
+                continue
+            if value.shape != target.shape:
+                error_msgs.append(
+                    f"size mismatch for {key}: copying a tensor of shape {tuple(value.shape)} from the "
+                    f"checkpoint, the shape in the current model is {tuple(target.shape)}"
+                )
+                continue
+            if name == "step":
+                _, best = steps.get(id(target), (target, -1))
+                steps[id(target)] = (target, max(best, int(value)))
+                continue
+            with torch.no_grad():
+                target.copy_(value)
+    for target, step in steps.values():
+        target.fill_(step)
+    if strict:
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)

@@ -1,0 +1,356 @@
+"""Triton packed embedding bag: forward, backward and fused sparse-optimizer kernels.
+
+Kernels (each with its launcher below it; the autograd Functions are in
+:mod:`recaccel.ops.embedding.triton_autograd`; the reference is
+:mod:`recaccel.ops.embedding.reference`):
+
+- ``_embedding_bag_fwd_kernel``: one launch pools every feature of a pack. Grid
+  ``(S*B, cdiv(D, BLOCK_D))``: program ``(j*B + b, d)`` reads bag ``src[j]*B + b`` of
+  the batch's CSR directly (no repacking of ids), shifts ids by the feature's table
+  row offset, loads ``BLOCK_L`` rows at a time, scales them by the per-id weights and
+  sums; mean pooling divides by the bag length.
+- Backward, both modes: the pack's ids are sorted by packed row on the device
+  (``torch.sort`` + ``unique_consecutive``), giving each unique row a contiguous
+  segment of occurrences, so every row is owned by one program and no atomics are needed.
+- ``_embedding_bag_bwd_kernel`` (autograd mode): grid ``(U, cdiv(D, BLOCK_D))``, sums
+  each unique row's occurrence gradients into a compact [U, D] tensor.
+- ``_embedding_bag_fused_update_kernel`` (fused mode): grid ``(U,)``, one program per
+  unique row with the whole row in registers: sums its gradient, then applies SGD,
+  row-wise Adagrad (which needs the full row for its mean of squares) or Adam to the
+  row and its state in the same pass.
+
+They run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
+this module is imported).
+
+Shapes: B batch, S features of the pack, D dim, R packed rows, N_p ids, U unique rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from recaccel.io.batch import SparseFeatures
+from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
+from recaccel.ops.embedding.packing import LocalFeatures, PackIds
+from recaccel.ops.embedding.specs import SparseOptimConfig
+
+_OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
+
+
+@triton.jit
+def _embedding_bag_fwd_kernel(
+    weight_ptr,  # float32 [R, D]
+    values_ptr,  # int64 [N] the batch's ids
+    offsets_ptr,  # int64 [F*B+1] the batch's CSR
+    id_weights_ptr,  # float32 [N] (read only if HAS_WEIGHTS)
+    src_ptr,  # int64 [S] batch feature of each local feature
+    row_offset_ptr,  # int64 [S]
+    is_mean_ptr,  # bool [S]
+    out_ptr,  # float32 [B, S, D]
+    batch_size,
+    dim,
+    stride_w,
+    stride_ob,
+    stride_of,
+    HAS_WEIGHTS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    bag = tl.program_id(0)
+    j = bag // batch_size
+    b = (bag % batch_size).to(tl.int64)
+    src_bag = tl.load(src_ptr + j) * batch_size + b
+    start = tl.load(offsets_ptr + src_bag)
+    end = tl.load(offsets_ptr + src_bag + 1)
+    shift = tl.load(row_offset_ptr + j)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    # A while loop, not range(start, end): the interpreter cannot take tensor bounds.
+    first = start
+    while first < end:
+        pos = first + tl.arange(0, BLOCK_L)
+        pos_mask = pos < end
+        first += BLOCK_L
+        rows = tl.load(values_ptr + pos, mask=pos_mask, other=0) + shift
+        vals = tl.load(
+            weight_ptr + rows[:, None] * stride_w + cols[None, :],
+            mask=pos_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if HAS_WEIGHTS:
+            w = tl.load(id_weights_ptr + pos, mask=pos_mask, other=0.0)
+            vals = vals * w[:, None]
+        acc += tl.sum(vals, axis=0)
+    is_mean = tl.load(is_mean_ptr + j)
+    denom = tl.where(is_mean, tl.maximum(end - start, 1), 1).to(tl.float32)
+    tl.store(out_ptr + b * stride_ob + j * stride_of + cols, acc / denom, mask=col_mask)
+
+
+def _block_d(dim: int, cap: int = 128) -> int:
+    return min(triton.next_power_of_2(dim), cap)
+
+
+def embedding_bag_forward(
+    weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+) -> Tensor:
+    """Pools every local feature of one pack in one launch.
+
+    Args:
+        weight: float32 [R, D] packed rows, row-major.
+        sf: The batch; ``sf.weights`` float32 or None.
+        local: The pack's S features (none absent).
+        batch_size: B.
+
+    Returns:
+        float32 [B, S, D].
+    """
+    dim = weight.shape[1]
+    out = torch.empty(batch_size, local.count, dim, dtype=torch.float32, device=weight.device)
+    if out.numel() == 0:
+        return out
+    has_weights = sf.weights is not None
+    grid = (local.count * batch_size, triton.cdiv(dim, _block_d(dim)))
+    _embedding_bag_fwd_kernel[grid](
+        weight,
+        sf.values,
+        sf.offsets,
+        sf.weights if has_weights else weight,
+        local.src,
+        local.row_offset,
+        local.is_mean,
+        out,
+        batch_size,
+        dim,
+        weight.stride(0),
+        out.stride(0),
+        out.stride(1),
+        HAS_WEIGHTS=has_weights,
+        BLOCK_L=16,
+        BLOCK_D=_block_d(dim),
+    )
+    return out
+
+
+@triton.jit
+def _row_grad_sum(
+    grad_out_ptr,
+    bags_ptr,
+    scale_ptr,
+    seg_start,
+    seg_end,
+    batch_size,
+    stride_gb,
+    stride_gf,
+    stride_gd,
+    cols,
+    col_mask,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Sums ``scale * grad_out[bag]`` over the occurrences ``seg_start .. seg_end-1`` of a row."""
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    first = seg_start
+    while first < seg_end:
+        pos = first + tl.arange(0, BLOCK_L)
+        pos_mask = pos < seg_end
+        first += BLOCK_L
+        bag = tl.load(bags_ptr + pos, mask=pos_mask, other=0)
+        j = bag // batch_size
+        b = bag % batch_size
+        g = tl.load(
+            grad_out_ptr + b[:, None] * stride_gb + j[:, None] * stride_gf + cols[None, :] * stride_gd,
+            mask=pos_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )
+        if HAS_SCALE:
+            s = tl.load(scale_ptr + pos, mask=pos_mask, other=0.0)
+            g = g * s[:, None]
+        acc += tl.sum(g, axis=0)
+    return acc
+
+
+@triton.jit
+def _embedding_bag_bwd_kernel(
+    grad_out_ptr,  # float32 [B, S, D], any strides
+    bags_ptr,  # int64 [N_p] bag of each occurrence, sorted by row
+    scale_ptr,  # float32 [N_p] (read only if HAS_SCALE)
+    seg_ptr,  # int64 [U+1] occurrence segment of each unique row
+    out_ptr,  # float32 [U, D]
+    batch_size,
+    dim,
+    stride_gb,
+    stride_gf,
+    stride_gd,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    u = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    acc = _row_grad_sum(
+        grad_out_ptr, bags_ptr, scale_ptr, tl.load(seg_ptr + u), tl.load(seg_ptr + u + 1),
+        batch_size, stride_gb, stride_gf, stride_gd, cols, col_mask, HAS_SCALE, BLOCK_L, BLOCK_D,
+    )  # fmt: skip
+    tl.store(out_ptr + u * dim + cols, acc, mask=col_mask)
+
+
+@triton.jit
+def _embedding_bag_fused_update_kernel(
+    weight_ptr,  # float32 [R, D], updated in place
+    m1_ptr,  # float32 [R] (row-wise Adagrad) or [R, D] (Adam)
+    m2_ptr,  # float32 [R, D] (Adam)
+    rows_ptr,  # int64 [U] unique packed rows
+    grad_out_ptr,
+    bags_ptr,
+    scale_ptr,
+    seg_ptr,
+    batch_size,
+    dim,
+    stride_w,
+    stride_gb,
+    stride_gf,
+    stride_gd,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    weight_decay,
+    bias_c1,
+    bias_c2,
+    OPTIMIZER: tl.constexpr,  # 0 sgd, 1 row-wise adagrad, 2 adam
+    HAS_SCALE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    u = tl.program_id(0).to(tl.int64)
+    row = tl.load(rows_ptr + u)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    g = _row_grad_sum(
+        grad_out_ptr, bags_ptr, scale_ptr, tl.load(seg_ptr + u), tl.load(seg_ptr + u + 1),
+        batch_size, stride_gb, stride_gf, stride_gd, cols, col_mask, HAS_SCALE, BLOCK_L, BLOCK_D,
+    )  # fmt: skip
+    w_ptrs = weight_ptr + row * stride_w + cols
+    w = tl.load(w_ptrs, mask=col_mask, other=0.0)
+    if OPTIMIZER == 0:
+        w = w - lr * (g + weight_decay * w)
+    elif OPTIMIZER == 1:
+        g = g + weight_decay * w
+        m = tl.load(m1_ptr + row) + tl.sum(g * g, axis=0) / dim
+        tl.store(m1_ptr + row, m)
+        w = w - (lr / (tl.sqrt_rn(m) + eps)) * g
+    else:
+        state = row * dim + cols
+        m1 = beta1 * tl.load(m1_ptr + state, mask=col_mask, other=0.0) + (1.0 - beta1) * g
+        m2 = beta2 * tl.load(m2_ptr + state, mask=col_mask, other=0.0) + (1.0 - beta2) * g * g
+        tl.store(m1_ptr + state, m1, mask=col_mask)
+        tl.store(m2_ptr + state, m2, mask=col_mask)
+        w = w - lr * ((m1 / bias_c1) / (tl.sqrt_rn(m2 / bias_c2) + eps) + weight_decay * w)
+    tl.store(w_ptrs, w, mask=col_mask)
+
+
+def sort_by_row(ids: PackIds) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Groups a pack's occurrences by packed row (the dedup step, on the device).
+
+    Returns:
+        (unique_rows int64 [U], segments int64 [U+1] so that the occurrences of
+        ``unique_rows[u]`` are ``segments[u] .. segments[u+1]-1`` of the sorted order,
+        bags int64 [N_p] and scale float32 [N_p] or None, both in sorted order).
+    """
+    sorted_rows, perm = torch.sort(ids.rows, stable=True)
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    segments = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=ids.rows.device)
+    torch.cumsum(counts, 0, out=segments[1:])
+    scale = None if ids.scale is None else ids.scale[perm]
+    return unique_rows, segments, ids.bags[perm], scale
+
+
+def embedding_bag_backward(grad_out: Tensor, ids: PackIds, batch_size: int) -> tuple[Tensor, Tensor]:
+    """Per-unique-row weight gradient of one pack (autograd mode).
+
+    Args:
+        grad_out: [B, S, D] gradient of the pooled output.
+        ids: The pack's ids, with ``bags``.
+        batch_size: B.
+
+    Returns:
+        (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
+    """
+    dim = grad_out.shape[2]
+    rows, segments, bags, scale = sort_by_row(ids)
+    grad = torch.empty(rows.numel(), dim, dtype=torch.float32, device=grad_out.device)
+    if rows.numel() == 0:
+        return rows, grad
+    grad_out = grad_out.to(torch.float32)
+    _embedding_bag_bwd_kernel[(rows.numel(), triton.cdiv(dim, _block_d(dim)))](
+        grad_out,
+        bags,
+        segments if scale is None else scale,
+        segments,
+        grad,
+        batch_size,
+        dim,
+        grad_out.stride(0),
+        grad_out.stride(1),
+        grad_out.stride(2),
+        HAS_SCALE=scale is not None,
+        BLOCK_L=16,
+        BLOCK_D=_block_d(dim),
+    )
+    return rows, grad
+
+
+def fused_update(
+    state: PackState, config: SparseOptimConfig, grad_out: Tensor, ids: PackIds, batch_size: int
+) -> None:
+    """Deduplicates a pack's rows and applies the sparse optimizer to them in one launch.
+
+    Args:
+        state: The pack's weight, optimizer state and step, updated in place.
+        config: Hyper-parameters.
+        grad_out: [B, S, D] gradient of the pooled output.
+        ids: The pack's ids, with ``bags``.
+        batch_size: B.
+    """
+    state.step.add_(1)
+    rows, segments, bags, scale = sort_by_row(ids)
+    if rows.numel() == 0:
+        return
+    dim = state.weight.shape[1]
+    grad_out = grad_out.to(torch.float32)
+    bc1, bc2 = adam_bias_corrections(config, int(state.step))
+    m1 = state.states.get("momentum1", state.weight)
+    m2 = state.states.get("momentum2", state.weight)
+    _embedding_bag_fused_update_kernel[(rows.numel(),)](
+        state.weight,
+        m1,
+        m2,
+        rows,
+        grad_out,
+        bags,
+        segments if scale is None else scale,
+        segments,
+        batch_size,
+        dim,
+        state.weight.stride(0),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        grad_out.stride(2),
+        config.lr,
+        config.eps,
+        config.beta1,
+        config.beta2,
+        config.weight_decay,
+        bc1,
+        bc2,
+        OPTIMIZER=_OPTIMIZER_CODES[state.optimizer],
+        HAS_SCALE=scale is not None,
+        BLOCK_L=16,
+        BLOCK_D=triton.next_power_of_2(dim),
+    )

@@ -1,0 +1,47 @@
+"""Shared setup of the ops tests.
+
+Without CUDA, Triton kernels run under Triton's interpreter: TRITON_INTERPRET=1 must be
+set before a kernel module is first imported (``triton.jit`` reads it then). pytest
+loads this file before it imports any test module of this folder.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from recaccel.io.batch import SparseFeatures
+
+
+def random_sparse_batch(
+    rows_by_feature: dict[str, int],
+    keys: list[str],
+    batch_size: int,
+    *,
+    max_len: int = 4,
+    weighted: bool = False,
+    generator: torch.Generator,
+    device: str | torch.device = "cpu",
+) -> SparseFeatures:
+    """A random batch: bag lengths uniform in [0, max_len] (so empty bags occur), ids uniform
+    in each feature's table (small tables give duplicates within and across bags)."""
+    lengths = torch.randint(0, max_len + 1, (len(keys) * batch_size,), generator=generator)
+    values = []
+    for f, key in enumerate(keys):
+        n = int(lengths[f * batch_size : (f + 1) * batch_size].sum())
+        values.append(torch.randint(0, rows_by_feature[key], (n,), generator=generator))
+    ids = torch.cat(values) if values else torch.zeros(0, dtype=torch.int64)
+    weights = torch.rand(ids.numel(), generator=generator) + 0.5 if weighted else None
+    return SparseFeatures.from_lengths(keys, ids, lengths, weights).to(device)
+
+
+@pytest.fixture(scope="session")
+def sparse_batch():
+    """Factory of random :class:`SparseFeatures` (see :func:`random_sparse_batch`)."""
+    return random_sparse_batch
