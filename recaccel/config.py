@@ -135,6 +135,7 @@ class MetaConfig:
     first_order: bool = False
     meta_sgd: bool = False  # learn per-parameter inner learning rates
     adapt: str = "top_mlp"  # top_mlp | head | head_and_embedding_shift
+    engine: str = "batched"  # batched (stacked bmm) | vmap (torch.func) | loop (per-task baseline)
     eval_states: list[str] = field(default_factory=list)  # extra test sets, "name=path"
 
 
@@ -167,6 +168,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.mode": ("dlrm", "meta"),
     "tasks.split": ("random", "time"),
     "meta.adapt": ("top_mlp", "head", "head_and_embedding_shift"),
+    "meta.engine": ("batched", "vmap", "loop"),
 }
 
 

@@ -4,7 +4,10 @@ Every op in :mod:`recaccel.ops` takes ``backend=``; this module turns that strin
 the concrete backend for a device, and says clearly why a requested backend cannot run.
 
 ``auto`` picks, among the backends the op has: ``triton`` on CUDA, then ``fbgemm``
-(CUDA or CPU, when ``fbgemm_gpu`` is installed), else ``reference``. Triton kernels run
+(when ``fbgemm_gpu`` is installed), else ``reference``. On CPU ``auto`` picks
+``reference``: measured end to end (debug DLRM, 2 cores), fbgemm-gpu-cpu 1.8.0 was no
+faster single-threaded and 20-60x slower with two OpenMP threads, where its thread pool
+and PyTorch's contend; ask for ``fbgemm`` explicitly to use it. Triton kernels run
 on CPU tensors only under Triton's interpreter (``TRITON_INTERPRET=1``), which is a
 debugging aid, so ``auto`` never picks it on CPU.
 """
@@ -20,7 +23,7 @@ import torch
 BACKENDS = ("reference", "triton", "fbgemm")
 
 # Preference order of ``auto`` per device type; reference is always the last resort.
-_AUTO_ORDER = {"cuda": ("triton", "fbgemm", "reference"), "cpu": ("fbgemm", "reference")}
+_AUTO_ORDER = {"cuda": ("triton", "fbgemm", "reference"), "cpu": ("reference",)}
 
 
 def triton_interpret_enabled() -> bool:

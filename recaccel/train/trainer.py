@@ -1,4 +1,4 @@
-"""The training loop shared by DLRM (and, through its step, meta-DLRM)."""
+"""The training loop shared by DLRM and meta-DLRM: the objective differs, the loop does not."""
 
 from __future__ import annotations
 
@@ -9,19 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from recaccel.config import Config
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.batch import Batch
-from recaccel.io.loader import DeviceLoader
 from recaccel.io.dataset import open_dataset
-from recaccel.io.parquet import BatchReader
+from recaccel.io.loader import DeviceLoader
 from recaccel.models.factory import build_model
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from recaccel.train.evaluation import binary_metrics, predict, rating_metrics
+from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
+from recaccel.train.parallel import Parallelism, SingleProcess
 from recaccel.train.runlog import RunLog
 
 logger = logging.getLogger(__name__)
@@ -38,112 +36,121 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"train.device={name!r} is not a device name (auto, cpu, cuda)") from None
 
 
+def loss_kind(cfg: Config, label_kind: str) -> str:
+    """``bce`` for click labels, ``mse`` for ratings (``train.loss = auto`` picks by data)."""
+    kind = cfg.train.loss
+    if kind == "auto":
+        return "bce" if label_kind == "binary" else "mse"
+    if kind == "bce" and label_kind != "binary":
+        raise ConfigError(f"train.loss=bce needs binary labels; {cfg.data.train} has {label_kind} labels")
+    return kind
+
+
 class Trainer:
     """Trains and evaluates one model as a config describes.
 
     Args:
         cfg: the resolved config; ``cfg.train.out_dir`` is the run directory.
         resume: continue from the newest checkpoint in the run directory.
+        parallel: the process layout (default: one process).
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False) -> None:
+    def __init__(self, cfg: Config, *, resume: bool = False, parallel: Parallelism | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.train.out_dir)
         self.device = resolve_device(cfg.train.device)
+        self.parallel = parallel or SingleProcess(self.device)
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.train.seed)
         self.schema = open_dataset(cfg.data.train).schema
-        self.loss_kind = self._loss_kind()
-        self.model = build_model(cfg.model, cfg.optim, self.schema, self.device)
-        self.optimizer = build_dense_optimizer(self.model, cfg.optim)
-        self.reader = BatchReader.from_config(cfg.data.train, cfg.data, train=True)
+        model = build_model(cfg.model, cfg.optim, self.schema, self.device)
+        kind = loss_kind(cfg, self.schema.label_kind)
+        objective_type = MetaObjective if cfg.train.mode == "meta" else DLRMObjective
+        self.objective: Objective = objective_type(cfg, model, kind)
+        self.module = self.parallel.wrap(self.objective.module)
+        self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
+        self.reader = self._reader(cfg.data.train, train=True)
         self.state = TrainState()
         if resume:
-            self.state = load_checkpoint(self.run_dir, self.model, self.optimizer, self.device)
+            self.state = load_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.device)
             logger.info("resumed %s at step %d", self.run_dir, self.state.step)
-        self.log = RunLog(self.run_dir)
-        self.log.write_config(cfg)
+        self.log = RunLog(self.run_dir) if self.parallel.is_main else None
+        if self.log is not None:
+            self.log.write_config(cfg)
 
-    def _loss_kind(self) -> str:
-        kind = self.cfg.train.loss
-        if kind == "auto":
-            return "bce" if self.schema.label_kind == "binary" else "mse"
-        if kind not in ("bce", "mse"):
-            raise ConfigError(f"train.loss must be auto, bce or mse, got {kind!r}")
-        if kind == "bce" and self.schema.label_kind != "binary":
-            raise ConfigError(f"train.loss=bce needs binary labels; {self.cfg.data.train} has rating labels")
-        return kind
+    def _reader(self, path: str, *, train: bool):
+        return self.objective.reader(path, train=train, rank=self.parallel.rank,
+                                     world_size=self.parallel.world_size)
 
-    def loss(self, logits: Tensor, batch: Batch) -> Tensor:
-        if self.loss_kind == "bce":
-            return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, weight=batch.weights)
-        err = (logits - batch.labels).pow(2)
-        return err.mean() if batch.weights is None else (err * batch.weights).sum() / batch.weights.sum()
+    def _event(self, kind: str, **fields: Any) -> None:
+        if self.log is not None:
+            self.log.event(kind, **fields)
 
-    def train_step(self, batch: Batch) -> Tensor:
-        """One optimizer step; the sparse update happens inside backward."""
+    def train_step(self, batch) -> torch.Tensor:
+        """One optimizer step; a fused embedding applies its sparse update inside backward."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss(self.model(batch), batch)
+        loss = self.objective.loss(batch)
         loss.backward()
         self.optimizer.step()
         return loss.detach()
 
-    def _done(self) -> bool:
+    def _reached_end(self) -> bool:
         t = self.cfg.train
-        return (t.steps > 0 and self.state.step >= t.steps) or (t.steps <= 0 and self.state.epoch >= t.epochs)
+        return self.state.step >= t.steps if t.steps > 0 else self.state.epoch >= t.epochs
 
     def _total_steps(self) -> int | None:
         t = self.cfg.train
-        if t.steps > 0:
-            return t.steps
         per_epoch = getattr(self.reader, "num_batches", None)
-        return per_epoch * t.epochs if per_epoch is not None else None
+        return t.steps if t.steps > 0 else (per_epoch * t.epochs if per_epoch else None)
+
+    def _checkpoint(self) -> None:
+        if self.parallel.is_main:
+            save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
 
     def fit(self) -> dict[str, Any]:
         """Trains until ``train.steps`` (or ``train.epochs``), evaluates, writes metrics.json."""
         t = self.cfg.train
-        bar = tqdm(total=self._total_steps(), initial=self.state.step, disable=not t.progress, unit="step")
+        bar = tqdm(total=self._total_steps(), initial=self.state.step, unit="step",
+                   disable=not (t.progress and self.parallel.is_main))
         loader = DeviceLoader(self.reader, self.device, self.cfg.data.prefetch)
         last_loss = math.nan
-        self.model.train()
-        while not self._done():
+        self.module.train()
+        while not self._reached_end():
             self.reader.set_epoch(self.state.epoch)
             if self.state.reader is not None:
                 self.reader.load_state_dict(self.state.reader)
-            started = time.perf_counter()
+            steps_before = self.state.step
+            clock = time.perf_counter()
             for batch in loader:
                 loss = self.train_step(batch)
                 self.state.step += 1
-                self.state.samples += batch.batch_size
+                self.state.samples += _rows(batch)
                 self.state.reader = loader.state_dict()
                 bar.update(1)
                 if self.state.step % t.log_every == 0 or self.state.step == 1:
                     last_loss = float(loss)
-                    self.state.train_seconds += time.perf_counter() - started
-                    started = time.perf_counter()
                     bar.set_postfix(loss=f"{last_loss:.4f}")
-                    self.log.event("train", step=self.state.step, epoch=self.state.epoch, loss=last_loss,
-                                   samples_per_s=self.state.samples / max(self.state.train_seconds, 1e-9))
+                    self._event("train", step=self.state.step, epoch=self.state.epoch, loss=last_loss)
                 if t.checkpoint_every > 0 and self.state.step % t.checkpoint_every == 0:
-                    self.state.train_seconds += time.perf_counter() - started
-                    started = time.perf_counter()
-                    save_checkpoint(self.run_dir, self.model, self.optimizer, self.state)
+                    self._checkpoint()
                 if t.eval_every > 0 and self.state.step % t.eval_every == 0:
-                    self.log.event("eval", step=self.state.step, **self.evaluate())
-                    self.model.train()
-                    started = time.perf_counter()
-                if self._done():
+                    # Evaluation time is not training time.
+                    self.state.train_seconds += time.perf_counter() - clock
+                    self._event("eval", step=self.state.step, **self.evaluate())
+                    self.module.train()
+                    clock = time.perf_counter()
+                if self._reached_end():
                     break
-            self.state.train_seconds += time.perf_counter() - started
+            self.state.train_seconds += time.perf_counter() - clock
+            if self.state.step == steps_before and self.state.reader is None:
+                raise DataError(f"no training batch could be formed from {self.cfg.data.train}")
             if not (t.steps > 0 and self.state.step >= t.steps):
                 self.state.epoch += 1
                 self.state.reader = None
-            if self.state.step == 0:
-                raise DataError(f"no training batch could be formed from {self.cfg.data.train}")
         bar.close()
-        save_checkpoint(self.run_dir, self.model, self.optimizer, self.state)
-        metrics = self.evaluate()
+        self._checkpoint()
+        metrics = self.evaluate_all()
         metrics.update(
             steps=self.state.step,
             epochs=self.state.epoch,
@@ -152,19 +159,39 @@ class Trainer:
             train_loss=last_loss,
             data=dict(getattr(self.reader, "stats", {})),
         )
-        self.log.event("final", **metrics)
-        self.log.write_metrics(metrics)
-        self.log.close()
+        self._event("final", **metrics)
+        if self.log is not None:
+            self.log.write_metrics(metrics)
+            self.log.close()
         return metrics
 
     def evaluate(self, path: str | None = None) -> dict[str, Any]:
         """Metrics of the current model on ``path`` (default ``data.test``)."""
         path = path or self.cfg.data.test
-        reader = BatchReader.from_config(path, self.cfg.data, train=False)
-        self.model.eval()
-        logits, labels = predict(self.model, DeviceLoader(reader, self.device, self.cfg.data.prefetch))
-        if labels.numel() == 0:
-            raise DataError(f"evaluation data {path} has no rows")
-        if self.loss_kind == "bce":
-            return binary_metrics(logits, labels)
-        return rating_metrics(logits, labels)
+        reader = self._reader(path, train=False)
+        self.module.eval()
+        batches = DeviceLoader(reader, self.device, self.cfg.data.prefetch)
+        if isinstance(self.objective, DLRMObjective):
+            logits, labels = self.objective.predictions(batches)
+            logits, labels = self.parallel.gather(logits), self.parallel.gather(labels)
+            if labels.numel() == 0:
+                raise DataError(f"evaluation data {path} has no rows")
+            return self.objective.metrics(logits, labels)
+        return self.objective.evaluate(batches)
+
+    def evaluate_all(self) -> dict[str, Any]:
+        """Metrics on data.test, plus one entry per ``meta.eval_states`` (``name=path``)."""
+        metrics = self.evaluate()
+        for spec in self.cfg.meta.eval_states:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"meta.eval_states entry {spec!r} must look like name=path")
+            metrics[name] = self.evaluate(path)
+        return metrics
+
+
+def _rows(batch) -> int:
+    """Training rows in a Batch, or support + query rows in a TaskBatch."""
+    if hasattr(batch, "support"):
+        return int(batch.support_mask.sum() + batch.query_mask.sum())
+    return batch.batch_size

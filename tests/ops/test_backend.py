@@ -12,9 +12,11 @@ def test_auto_on_cpu_is_reference_without_fbgemm_in_op():
     assert resolve_backend("auto", "cpu", available=("reference", "triton")) == "reference"
 
 
-def test_auto_on_cpu_prefers_fbgemm_when_installed():
-    want = "fbgemm" if fbgemm_installed() else "reference"
-    assert resolve_backend("auto", "cpu", available=("reference", "triton", "fbgemm")) == want
+def test_auto_on_cpu_is_reference_even_with_fbgemm():
+    # fbgemm-gpu-cpu measured slower end to end on CPU (see recaccel.ops.backend).
+    assert resolve_backend("auto", "cpu", available=("reference", "triton", "fbgemm")) == "reference"
+    if fbgemm_installed():
+        assert resolve_backend("fbgemm", "cpu", available=("reference", "triton", "fbgemm")) == "fbgemm"
 
 
 def test_auto_on_cuda_prefers_triton():

@@ -210,8 +210,9 @@ def test_fbgemm_rejects_unsupported_options(tables, mode, cfg, match):
 
 
 @needs_fbgemm
-def test_auto_picks_fbgemm_on_cpu_when_supported():
-    assert PackedEmbeddingBag(MIXED, backend="auto", device="cpu").backend == "fbgemm"
+def test_auto_picks_reference_on_cpu_and_fbgemm_only_when_asked():
+    assert PackedEmbeddingBag(MIXED, backend="auto", device="cpu").backend == "reference"
+    assert PackedEmbeddingBag(MIXED, backend="fbgemm", device="cpu").backend == "fbgemm"
 
 
 # --------------------------------------------------------------------------- GPU

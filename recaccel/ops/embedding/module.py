@@ -33,8 +33,9 @@ def choose_backend(
 ) -> str:
     """Resolves ``backend`` for these tables on ``device``.
 
-    ``auto`` picks triton on CUDA, fbgemm on CPU when ``fbgemm_gpu`` imports and
-    supports the tables, mode and optimizer settings, else reference.
+    ``auto`` picks triton on CUDA and reference on CPU (see :mod:`recaccel.ops.backend`
+    for why not fbgemm there); ``fbgemm`` runs when ``fbgemm_gpu`` imports and supports
+    the tables, mode and optimizer settings.
 
     Raises:
         ConfigError: ``fbgemm`` asked for explicitly with an option it does not support.

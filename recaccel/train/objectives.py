@@ -1,0 +1,80 @@
+"""What a training step optimizes: plain DLRM on Batches, or MAML on TaskBatches.
+
+The :class:`~recaccel.train.trainer.Trainer` loop is the same for both; an objective
+supplies the readers, the step loss and the evaluation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from torch import Tensor, nn
+
+from recaccel.config import Config
+from recaccel.io.batch import Batch, TaskBatch
+from recaccel.io.parquet import BatchReader
+from recaccel.train.evaluation import binary_metrics, predict, rating_metrics
+
+
+class Objective(Protocol):
+    """The mode-specific half of training."""
+
+    module: nn.Module  # what is optimized and checkpointed
+
+    def reader(self, path: str, *, train: bool, rank: int, world_size: int) -> Any: ...
+
+    def loss(self, batch: Any) -> Tensor: ...
+
+    def evaluate(self, batches: Iterable[Any]) -> dict[str, Any]: ...
+
+
+class DLRMObjective:
+    """Click (BCE) or rating (MSE) loss of a DLRM on row batches."""
+
+    def __init__(self, cfg: Config, model: nn.Module, loss_kind: str) -> None:
+        self.cfg = cfg
+        self.module = model
+        self.loss_kind = loss_kind
+
+    def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1) -> BatchReader:
+        return BatchReader.from_config(path, self.cfg.data, train=train, rank=rank, world_size=world_size)
+
+    def loss(self, batch: Batch) -> Tensor:
+        logits = self.module(batch)
+        if self.loss_kind == "bce":
+            return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, weight=batch.weights)
+        err = (logits - batch.labels).pow(2)
+        return err.mean() if batch.weights is None else (err * batch.weights).sum() / batch.weights.sum()
+
+    def predictions(self, batches: Iterable[Batch]) -> tuple[Tensor, Tensor]:
+        return predict(self.module, batches)
+
+    def metrics(self, logits: Tensor, labels: Tensor) -> dict[str, Any]:
+        return binary_metrics(logits, labels) if self.loss_kind == "bce" else rating_metrics(logits, labels)
+
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, Any]:
+        return self.metrics(*self.predictions(batches))
+
+
+class MetaObjective:
+    """MAML query loss after per-task adaptation on the support rows."""
+
+    def __init__(self, cfg: Config, model: nn.Module, loss_kind: str) -> None:
+        from recaccel.meta.learner import MetaLearner
+
+        self.cfg = cfg
+        self.module = MetaLearner(model, cfg.meta, loss=loss_kind, engine=cfg.meta.engine)
+
+    def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1):
+        from recaccel.io.tasks import TaskReader
+
+        return TaskReader.from_config(path, self.cfg, train=train, rank=rank, world_size=world_size)
+
+    def loss(self, batch: TaskBatch) -> Tensor:
+        return self.module.step_loss(batch)[0]
+
+    def evaluate(self, batches: Iterable[TaskBatch]) -> dict[str, Any]:
+        from recaccel.meta.evaluation import evaluate_meta
+
+        return evaluate_meta(self.module, batches)
