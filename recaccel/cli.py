@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -161,7 +162,7 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
         add_args(sub.add_parser(name, help=help_text))
     args = parser.parse_args(argv)
     _setup_logging(False)
-    command_line = "recaccel-bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command_line = shlex.join(["recaccel-bench", *(sys.argv[1:] if argv is None else argv)])
 
     def body() -> int:
         summary = Path(registry[args.command][2](args, command_line))

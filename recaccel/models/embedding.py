@@ -21,15 +21,18 @@ class PerTableEmbeddingBag(nn.Module):
         num_rows: rows of each feature's table.
         dim: embedding dim D (all tables).
         pooling: ``"sum"`` or ``"mean"``.
+        sparse: sparse row gradients (for SGD/SparseAdam/Adagrad) instead of dense [R, D] ones.
     """
 
-    def __init__(self, features: list[str], num_rows: list[int], dim: int, pooling: str = "sum") -> None:
+    def __init__(
+        self, features: list[str], num_rows: list[int], dim: int, pooling: str = "sum", sparse: bool = False
+    ) -> None:
         super().__init__()
         if len(features) != len(num_rows):
             raise ValueError(f"{len(features)} features but {len(num_rows)} table sizes")
         self.features = list(features)
         self.dim = dim
-        self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode=pooling) for n in num_rows)
+        self.bags = nn.ModuleList(nn.EmbeddingBag(n, dim, mode=pooling, sparse=sparse) for n in num_rows)
         for bag, n in zip(self.bags, num_rows):
             bound = n**-0.5
             nn.init.uniform_(bag.weight, -bound, bound)
