@@ -73,7 +73,7 @@ class DataConfig:
 class ModelConfig:
     """DLRM shape and which operator backends it runs on."""
 
-    arch: str = "dlrm"
+    arch: str = "dlrm"  # dlrm | melu
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
     top_mlp: list[int] = field(default_factory=lambda: [64, 32, 1])
@@ -81,6 +81,7 @@ class ModelConfig:
     embedding_backend: str = "auto"  # auto | reference | triton | fbgemm | per_table
     interaction_backend: str = "auto"  # auto | reference | triton
     pooling: str = "sum"  # sum | mean
+    item_fields: list[str] = field(default_factory=list)  # melu: the item attribute fields
 
 
 @dataclass
@@ -140,6 +141,27 @@ class MetaConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Multi-process training: ``hybrid`` = TorchRec-sharded embeddings + data-parallel dense.
+
+    Launch with ``recaccel-train --nproc N`` or ``torchrun --nproc-per-node N -m recaccel.cli``.
+    ``sharding`` is every table's layout (``auto`` = TorchRec's planner chooses);
+    ``table_sharding`` overrides it per table with ``"name=kind"`` entries. ``data``:
+    ``global`` = every rank reads the global batch of ``data.batch_size`` rows (or
+    ``tasks.tasks_per_batch`` tasks) and trains on its contiguous slice (same result as one
+    process); ``sharded`` = each rank reads its own row groups in batches of
+    ``data.batch_size`` (per rank) and all ranks stop an epoch when the first runs dry.
+    """
+
+    mode: str = "single"  # single | hybrid
+    sharding: str = "auto"  # auto | table_wise | row_wise | column_wise | data_parallel
+    table_sharding: list[str] = field(default_factory=list)  # "name=kind" per table
+    data: str = "global"  # global | sharded
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
+    timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+
+
+@dataclass
 class Config:
     """The whole run."""
 
@@ -150,6 +172,7 @@ class Config:
     synth: SynthConfig = field(default_factory=SynthConfig)
     tasks: TasksConfig = field(default_factory=TasksConfig)
     meta: MetaConfig = field(default_factory=MetaConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 # Keys whose value must be one of a few words; checked when a config is built.
@@ -157,7 +180,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.invalid_ids": ("error", "skip", "clip", "hash"),
     "data.invalid_dense": ("error", "skip", "zero"),
     "data.invalid_labels": ("error", "skip"),
-    "model.arch": ("dlrm",),
+    "model.arch": ("dlrm", "melu"),
     "model.interaction": ("dot",),
     "model.embedding_backend": ("auto", "reference", "triton", "fbgemm", "per_table"),
     "model.interaction_backend": ("auto", "reference", "triton"),
@@ -169,6 +192,10 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "tasks.split": ("random", "time"),
     "meta.adapt": ("top_mlp", "head", "head_and_embedding_shift"),
     "meta.engine": ("batched", "vmap", "loop"),
+    "parallel.mode": ("single", "hybrid"),
+    "parallel.sharding": ("auto", "table_wise", "row_wise", "column_wise", "data_parallel"),
+    "parallel.data": ("global", "sharded"),
+    "parallel.backend": ("auto", "nccl", "gloo"),
 }
 
 

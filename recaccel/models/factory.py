@@ -46,13 +46,15 @@ def build_embedding(
 def build_model(
     model_cfg: ModelConfig, optim_cfg: OptimConfig, schema: FeatureSchema, device: torch.device
 ) -> DLRM:
-    """A DLRM for ``schema``'s fields.
+    """A DLRM (or MeLU) for ``schema``'s fields.
 
     Raises:
         ConfigError: on an unknown arch or inconsistent layer sizes.
     """
-    if model_cfg.arch != "dlrm":
-        raise ConfigError(f"model.arch must be 'dlrm', got {model_cfg.arch!r}")
+    if not model_cfg.top_mlp or model_cfg.top_mlp[-1] != 1:
+        raise ConfigError(f"model.top_mlp must end in 1 unit (the top MLP outputs a logit), got {model_cfg.top_mlp}")
+    if model_cfg.arch == "melu":
+        return build_melu(model_cfg, optim_cfg, schema, device)
     if model_cfg.interaction != "dot":
         raise ConfigError(f"model.interaction must be 'dot', got {model_cfg.interaction!r}")
     dim = model_cfg.embedding_dim
@@ -60,8 +62,6 @@ def build_model(
         raise ConfigError(
             f"model.bottom_mlp must end in model.embedding_dim={dim} units, got {model_cfg.bottom_mlp}"
         )
-    if not model_cfg.top_mlp or model_cfg.top_mlp[-1] != 1:
-        raise ConfigError(f"model.top_mlp must end in 1 unit (the top MLP outputs a logit), got {model_cfg.top_mlp}")
     interaction = InteractionArch(schema.num_sparse, dim, backend=model_cfg.interaction_backend)
     return DLRM(
         sparse_arch=SparseArch(build_embedding(model_cfg, optim_cfg, schema, device)),
@@ -69,3 +69,29 @@ def build_model(
         interaction_arch=interaction,
         over_arch=OverArch(interaction.output_dim, model_cfg.top_mlp),
     ).to(device)
+
+
+def build_melu(
+    model_cfg: ModelConfig, optim_cfg: OptimConfig, schema: FeatureSchema, device: torch.device
+) -> DLRM:
+    """MeLU: ``model.item_fields`` are the item attributes, the other fields the user's.
+
+    The rating MLP has ``model.top_mlp`` layers (MeLU: [64, 64, 1]).
+    """
+    from recaccel.models.melu import MeLU, MeLUConfig
+
+    names = schema.sparse_names
+    unknown = sorted(set(model_cfg.item_fields) - set(names))
+    if not model_cfg.item_fields or unknown:
+        raise ConfigError(
+            f"model.item_fields must name item fields of the data ({names}); got {model_cfg.item_fields}"
+        )
+    items = [f for f in schema.sparse if f.name in model_cfg.item_fields]
+    users = [f for f in schema.sparse if f.name not in model_cfg.item_fields]
+    if names != [f.name for f in items + users]:
+        raise ConfigError(f"MeLU needs the item fields first in the data's field order; the data has {names}")
+    cfg = MeLUConfig(
+        item_fields=items, user_fields=users, embedding_dim=model_cfg.embedding_dim,
+        hidden=model_cfg.top_mlp[:-1], num_dense=schema.num_dense, pooling=model_cfg.pooling,
+    )
+    return MeLU(cfg, embedding=build_embedding(model_cfg, optim_cfg, schema, device)).to(device)
