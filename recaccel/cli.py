@@ -58,21 +58,34 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--nproc", type=int, metavar="N",
+        help="run as N processes on this host through torchrun (with parallel.mode=hybrid)",
+    )
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
 
     def body() -> int:
+        import os
+
         from recaccel import api
         from recaccel.config import load_config
 
         overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
+        if args.nproc is not None:
+            from recaccel.train.launch import check_launch, relaunch, strip_nproc
+
+            resolved = Path(args.resume) / "config.toml" if args.resume else args.config
+            check_launch(load_config(resolved, overrides), args.nproc)
+            return relaunch(args.nproc, strip_nproc(sys.argv[1:] if argv is None else argv))
         if args.resume:
             metrics = api.resume(args.resume, overrides)
             cfg = load_config(Path(args.resume) / "config.toml")
         else:
             cfg = load_config(args.config, overrides)
             metrics = api.train(cfg)
-        _print_metrics(metrics, Path(cfg.train.out_dir), Path(cfg.data.test).parent)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
+            _print_metrics(metrics, Path(cfg.train.out_dir), Path(cfg.data.test).parent)
         return 0
 
     return _run("recaccel-train", body)
@@ -113,27 +126,76 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     criteo.add_argument("--bad-rows", choices=["error", "skip"], default="error")
     criteo.add_argument("--overwrite", action="store_true", help="replace existing Parquet files")
 
+    movielens = sub.add_parser("movielens", help="MovieLens 100K to task-grouped Parquet (user = task)")
+    movielens.add_argument("src", help="folder with u.data, u.user, u.item, u.genre, u.occupation")
+    movielens.add_argument("out_dir", help="output folder (train/ and test/ are written inside)")
+    movielens.add_argument("--scenario", default="new_users",
+                           choices=["new_users", "new_items", "new_users_items", "time"],
+                           help="cold-start split: held-out users, items, both, or the latest ratings")
+    movielens.add_argument("--test-fraction", type=float, default=0.2)
+    movielens.add_argument("--seed", type=int, default=0)
+    movielens.add_argument("--binarize", action="store_true", help="label = rating >= 4 (clicks)")
+    movielens.add_argument("--overwrite", action="store_true")
+
+    melu = sub.add_parser("melu", help="MeLU's preprocessed MovieLens 1M states to task-grouped Parquet")
+    melu.add_argument("src", help="folder with *_state.json, *_state_y.json, users.dat, movies_extrainfos.dat")
+    melu.add_argument("out_dir", help="output folder (one folder per state)")
+    melu.add_argument("--binarize", action="store_true", help="label = rating >= 4 (clicks)")
+    melu.add_argument("--overwrite", action="store_true")
+
+    tasks = sub.add_parser("tasks", help="rewrite a recaccel Parquet dataset grouped by a task key")
+    tasks.add_argument("src", help="recaccel Parquet file or folder")
+    tasks.add_argument("out_dir")
+    tasks.add_argument("--task-key", required=True, help="column whose value names a row's task")
+    tasks.add_argument("--timestamp", help="column ordering rows within a task")
+    tasks.add_argument("--rows-per-row-group", type=int, default=8192)
+    tasks.add_argument("--memory-rows", type=int, default=1_000_000, help="rows sorted in memory per run")
+    tasks.add_argument("--overwrite", action="store_true")
+
     args = parser.parse_args(argv)
     _setup_logging(args.verbose)
 
     def body() -> int:
-        if args.command == "synth":
-            report = _synth(args)
-        else:
-            from recaccel.io.criteo import convert_criteo
-
-            report = convert_criteo(
-                args.src, args.out_dir, cardinality=args.cardinality, test_fraction=args.test_fraction,
-                rows_per_row_group=args.rows_per_row_group, bad_rows=args.bad_rows, progress=True,
-                overwrite=args.overwrite,
-            ).to_dict()
-        hidden = ("schema", "train_paths", "test_paths", "skipped_lines")
-        print(json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=2))
+        report = _DATA_COMMANDS[args.command](args)
+        hidden = ("schema", "train_paths", "test_paths", "skipped_lines", "paths")
+        print(json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=2, default=str))
         return 0
 
     return _run("recaccel-data", body)
 
 
+def _criteo(args: argparse.Namespace) -> dict[str, Any]:
+    from recaccel.io.criteo import convert_criteo
+
+    return convert_criteo(
+        args.src, args.out_dir, cardinality=args.cardinality, test_fraction=args.test_fraction,
+        rows_per_row_group=args.rows_per_row_group, bad_rows=args.bad_rows, progress=True,
+        overwrite=args.overwrite,
+    ).to_dict()
+
+
+def _movielens(args: argparse.Namespace) -> dict[str, Any]:
+    from recaccel.io.movielens import convert_movielens
+
+    return convert_movielens(
+        args.src, args.out_dir, scenario=args.scenario, test_fraction=args.test_fraction, seed=args.seed,
+        binarize=args.binarize, overwrite=args.overwrite,
+    ).to_dict()
+
+
+def _melu(args: argparse.Namespace) -> dict[str, Any]:
+    from recaccel.io.melu import convert_melu
+
+    return convert_melu(args.src, args.out_dir, binarize=args.binarize, overwrite=args.overwrite).to_dict()
+
+
+def _tasks(args: argparse.Namespace) -> dict[str, Any]:
+    from recaccel.io.task_grouping import group_by_task
+
+    return group_by_task(
+        args.src, args.out_dir, task_key=args.task_key, timestamp=args.timestamp,
+        rows_per_row_group=args.rows_per_row_group, memory_rows=args.memory_rows, overwrite=args.overwrite,
+    ).to_dict()
 def _synth(args: argparse.Namespace) -> dict[str, Any]:
     """Generates the [synth] dataset, or reuses it when synth.json shows the same config."""
     import dataclasses
@@ -149,6 +211,11 @@ def _synth(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{cfg.out_dir} is up to date (same [synth] config); not regenerating", file=sys.stderr)
             return saved["report"]
     return generate_synthetic(cfg, progress=True, overwrite=args.overwrite).to_dict()
+
+
+_DATA_COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
+    "synth": _synth, "criteo": _criteo, "movielens": _movielens, "melu": _melu, "tasks": _tasks,
+}
 
 
 # ---------------------------------------------------------------- recaccel-bench

@@ -67,6 +67,7 @@ class DataConfig:
     invalid_labels: str = "error"  # error | skip
     drop_last: bool = True
     prefetch: int = 2
+    loader_backend: str = "torch"  # torch | dali (host-to-device stage)
 
 
 @dataclass
@@ -124,7 +125,10 @@ class TasksConfig:
     min_task_rows: int = 4  # smaller tasks are skipped and counted
     split: str = "random"  # random | time
     query_fraction: float = 0.5  # share of a task's rows that goes to the query set
+    query_count: int = 0  # > 0: exactly this many query rows, the rest support (MeLU: 10)
     shuffle_buffer_tasks: int = 1024
+    unit_row_groups: int = 4  # consecutive row groups dealt to a rank together
+    read_ahead: int = 1  # units decoded ahead on worker threads
 
 
 @dataclass
@@ -180,6 +184,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.invalid_ids": ("error", "skip", "clip", "hash"),
     "data.invalid_dense": ("error", "skip", "zero"),
     "data.invalid_labels": ("error", "skip"),
+    "data.loader_backend": ("torch", "dali"),
     "model.arch": ("dlrm", "melu"),
     "model.interaction": ("dot",),
     "model.embedding_backend": ("auto", "reference", "triton", "fbgemm", "per_table"),

@@ -69,7 +69,10 @@ class MetaObjective:
     def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1):
         from recaccel.io.tasks import TaskReader
 
-        return TaskReader.from_config(path, self.cfg, train=train, rank=rank, world_size=world_size)
+        return TaskReader.from_config(
+            path, self.cfg.tasks, self.cfg.data, train=train, rank=rank, world_size=world_size,
+            query_count=self.cfg.tasks.query_count or None,
+        )
 
     def loss(self, batch: TaskBatch) -> Tensor:
         return self.module.step_loss(batch)[0]

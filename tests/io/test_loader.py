@@ -21,7 +21,9 @@ from recaccel.io.tasks import TaskReader
 from tests.io.test_tasks import write_tasks
 
 EXACT = dict(rtol=0, atol=0)
-HAS_DALI = importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.dali") is not None
+HAS_DALI = (
+    importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.dali") is not None
+)
 
 
 def make_batch(b: int, dd: int, keys: list[str], seed: int, weights: bool, id_weights: bool) -> Batch:
@@ -29,7 +31,10 @@ def make_batch(b: int, dd: int, keys: list[str], seed: int, weights: bool, id_we
     lengths = torch.randint(0, 4, (len(keys) * b,), generator=g)
     n = int(lengths.sum())
     sparse = SparseFeatures.from_lengths(
-        keys, torch.randint(0, 1000, (n,), generator=g), lengths, torch.rand(n, generator=g) if id_weights else None
+        keys,
+        torch.randint(0, 1000, (n,), generator=g),
+        lengths,
+        torch.rand(n, generator=g) if id_weights else None,
     )
     return Batch(
         torch.randn(b, dd, generator=g),
@@ -44,14 +49,22 @@ def assert_same(a, b) -> None:
     if isinstance(a, TaskBatch):
         for x, y in ((a.support, b.support), (a.query, b.query)):
             assert_same(x, y)
-        for x, y in ((a.support_mask, b.support_mask), (a.query_mask, b.query_mask), (a.task_ids, b.task_ids)):
+        for x, y in (
+            (a.support_mask, b.support_mask),
+            (a.query_mask, b.query_mask),
+            (a.task_ids, b.task_ids),
+        ):
             assert x.dtype == y.dtype
             torch.testing.assert_close(x.cpu(), y.cpu(), **EXACT)
         return
     assert a.sparse.keys == b.sparse.keys
     pairs = [
-        (a.dense, b.dense), (a.labels, b.labels), (a.weights, b.weights),
-        (a.sparse.values, b.sparse.values), (a.sparse.offsets, b.sparse.offsets), (a.sparse.weights, b.sparse.weights),
+        (a.dense, b.dense),
+        (a.labels, b.labels),
+        (a.weights, b.weights),
+        (a.sparse.values, b.sparse.values),
+        (a.sparse.offsets, b.sparse.offsets),
+        (a.sparse.weights, b.sparse.weights),
     ]
     for x, y in pairs:
         assert (x is None) == (y is None)
@@ -112,9 +125,17 @@ def test_cpu_loader_same_batches_with_and_without_prefetch_and_exact_states():
         schema = FeatureSchema(dense=("d",), sparse=(SparseField("s", 10), SparseField("m", 5, True)))
         rng = np.random.default_rng(0)
         off = np.concatenate([[0], np.cumsum(rng.integers(0, 3, 200))])
-        write_parquet(path, schema, {"label": rng.integers(0, 2, 200).astype(np.float32), "d": rng.normal(size=200),
-                                     "s": rng.integers(0, 10, 200), "m": (rng.integers(0, 5, off[-1]), off)},
-                      rows_per_row_group=30)
+        write_parquet(
+            path,
+            schema,
+            {
+                "label": rng.integers(0, 2, 200).astype(np.float32),
+                "d": rng.normal(size=200),
+                "s": rng.integers(0, 10, 200),
+                "m": (rng.integers(0, 5, off[-1]), off),
+            },
+            rows_per_row_group=30,
+        )
         reference = [(b, s) for b, s in BatchReader(path, 16, seed=2).iter_with_state()]
         for prefetch in (0, 1, 3):
             loader = DeviceLoader(BatchReader(path, 16, seed=2), "cpu", prefetch)
@@ -131,7 +152,9 @@ def test_loader_task_batches_and_resume_through_the_loader():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, list(range(1, 40)), 3, rg=17)
-        c = TasksConfig(tasks_per_batch=4, support_size=5, query_size=3, min_task_rows=2, shuffle_buffer_tasks=6)
+        c = TasksConfig(
+            tasks_per_batch=4, support_size=5, query_size=3, min_task_rows=2, shuffle_buffer_tasks=6
+        )
         full = list(TaskReader(path, c, seed=1))
         reader = TaskReader(path, c, seed=1)
         loader = DeviceLoader(reader, "cpu", prefetch=2)

@@ -37,7 +37,11 @@ def converted(src, tmp_path_factory):
 
 
 def vocab(src: Path, attr: str) -> list[str]:
-    return [line.strip() for line in (src / f"m_{attr}.txt").read_text(encoding="utf-8").split("\n") if line.strip()]
+    return [
+        line.strip()
+        for line in (src / f"m_{attr}.txt").read_text(encoding="utf-8").split("\n")
+        if line.strip()
+    ]
 
 
 def read_state(out: Path, state: str, columns: list[str]) -> dict[str, list]:
@@ -87,10 +91,17 @@ def test_attributes_match_the_raw_files(src, converted):
             list(dict.fromkeys(ids["actor"][a] for a in names(f[8]))),
         )
     users = {}
-    uv = {a: {v: i + 1 for i, v in enumerate(vocab(src, a))} for a in ("gender", "age", "occupation", "zipcode")}
+    uv = {
+        a: {v: i + 1 for i, v in enumerate(vocab(src, a))} for a in ("gender", "age", "occupation", "zipcode")
+    }
     for line in (src / "users.dat").read_text().splitlines():
         f = line.split("::")
-        users[int(f[0])] = (uv["gender"][f[1]], uv["age"][f[2]], uv["occupation"][f[3]], uv["zipcode"][f[4][:5]])
+        users[int(f[0])] = (
+            uv["gender"][f[1]],
+            uv["age"][f[2]],
+            uv["occupation"][f[3]],
+            uv["zipcode"][f[4][:5]],
+        )
     cols = ["user", "item_id", "rate", "genre", "director", "actor", "gender", "age", "occupation", "zipcode"]
     data = read_state(out, "user_and_item_cold_state", cols)
     for j in range(0, len(data["user"]), 37):
@@ -110,7 +121,9 @@ def test_melu_protocol_tasks(converted):
         sizes[u] += 1
     seen = {}
     for tb in reader:
-        for key, ns, nq in zip(tb.task_ids.tolist(), tb.support_mask.sum(1).tolist(), tb.query_mask.sum(1).tolist()):
+        for key, ns, nq in zip(
+            tb.task_ids.tolist(), tb.support_mask.sum(1).tolist(), tb.query_mask.sum(1).tolist()
+        ):
             seen[key] = (int(ns), int(nq))
     assert seen == {u: (n - 10, 10) for u, n in sizes.items() if n >= 13}
     assert reader.stats["tasks_skipped_small"] == sum(1 for n in sizes.values() if n < 13)

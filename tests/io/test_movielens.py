@@ -44,7 +44,10 @@ def raw(src):
 @pytest.fixture(scope="module")
 def converted(src, tmp_path_factory):
     out = tmp_path_factory.mktemp("movielens")
-    return {s: (convert_movielens(src, out / s, scenario=s, test_fraction=0.2, seed=3), out / s) for s in SCENARIOS}
+    return {
+        s: (convert_movielens(src, out / s, scenario=s, test_fraction=0.2, seed=3), out / s)
+        for s in SCENARIOS
+    }
 
 
 def rows(path: Path) -> list[dict]:
@@ -77,8 +80,12 @@ def test_splits_match_the_raw_ratings(converted, raw, scenario):
     if scenario == "new_users_items":
         assert not train_users & test_users and not train_items & test_items
         # A rating of a kept user on a kept item is in train; of a new user on a new item, in test.
-        assert Counter(r for r in ratings if r[0] in train_users and r[1] in train_items) == Counter(map(key, train))
-        assert Counter(r for r in ratings if r[0] in test_users and r[1] in test_items) == Counter(map(key, test))
+        assert Counter(r for r in ratings if r[0] in train_users and r[1] in train_items) == Counter(
+            map(key, train)
+        )
+        assert Counter(r for r in ratings if r[0] in test_users and r[1] in test_items) == Counter(
+            map(key, test)
+        )
         assert report.dropped_rows > 0
     if scenario == "time":
         assert max(r["timestamp"] for r in train) <= min(r["timestamp"] for r in test)

@@ -68,11 +68,17 @@ def test_matches_a_stable_sort(n, src_rg, memory_rows, by_field, with_ts, key_ra
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         schema = source_schema(not by_field, with_ts)
-        write_parquet(tmp / "src", schema, source_columns(n, seed, not by_field, with_ts, key_range),
-                      rows_per_row_group=src_rg, rows_per_file=97)
+        write_parquet(
+            tmp / "src",
+            schema,
+            source_columns(n, seed, not by_field, with_ts, key_range),
+            rows_per_row_group=src_rg,
+            rows_per_file=97,
+        )
         key = "uid" if by_field else "user"
-        report = group_by_task(tmp / "src", tmp / "out", task_key=key, rows_per_row_group=13,
-                               memory_rows=memory_rows)
+        report = group_by_task(
+            tmp / "src", tmp / "out", task_key=key, rows_per_row_group=13, memory_rows=memory_rows
+        )
         src = read_rows(tmp / "src")
         want = sorted(src, key=lambda r: (r[key], r["ts"] if with_ts else 0))  # Python's sort is stable
         got = read_rows(tmp / "out")
@@ -80,7 +86,9 @@ def test_matches_a_stable_sort(n, src_rg, memory_rows, by_field, with_ts, key_ra
         assert [r["rid"] for r in got] == [r["rid"] for r in want]
         for g, w in zip(got, want):
             assert g[out_key] == w[key]
-            assert {k: g[k] for k in w if k != "user" or not by_field} == {k: w[k] for k in w if k != "user" or not by_field}
+            assert {k: g[k] for k in w if k != "user" or not by_field} == {
+                k: w[k] for k in w if k != "user" or not by_field
+            }
         assert report.rows == n and report.tasks == len({r[key] for r in src})
         assert (report.runs > 0) == (n > memory_rows)  # spilled exactly when it does not fit
         info = open_dataset(tmp / "out")
@@ -96,9 +104,15 @@ def test_grouped_output_reads_as_tasks_and_keeps_memory_bounded():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         n = 3000
-        write_parquet(tmp / "src", source_schema(True, True), source_columns(n, 1, True, True, 40),
-                      rows_per_row_group=100)
-        report = group_by_task(tmp / "src", tmp / "out", task_key="user", memory_rows=400, rows_per_row_group=64)
+        write_parquet(
+            tmp / "src",
+            source_schema(True, True),
+            source_columns(n, 1, True, True, 40),
+            rows_per_row_group=100,
+        )
+        report = group_by_task(
+            tmp / "src", tmp / "out", task_key="user", memory_rows=400, rows_per_row_group=64
+        )
         assert report.runs == 8 and report.max_rows_in_memory <= 400 + 8 * 1024
         reader = TaskReader(tmp / "out", TasksConfig(min_task_rows=1, tasks_per_batch=7), train=False)
         keys = [k for tb in reader for k, _, _ in batch_tasks(tb)]

@@ -20,11 +20,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recaccel.config import DataConfig, TasksConfig
+from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
+from recaccel.io.columns import Columns
 from recaccel.io.parquet_writer import write_parquet
 from recaccel.io.schema import FeatureSchema, SparseField
 from recaccel.io.task_grouping import grouped_schema
+from recaccel.io.task_pool import take_batch
 from recaccel.io.tasks import TaskReader
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -42,11 +44,17 @@ def task_schema(n: int, *, timestamp: bool = True, grouped: bool = True) -> Feat
     return dataclasses.replace(base, task_key="user", timestamp="ts" if timestamp else None)
 
 
-def task_columns(sizes: list[int], seed: int, *, timestamp: bool = True, keys: list[int] | None = None) -> dict:
+def task_columns(
+    sizes: list[int], seed: int, *, timestamp: bool = True, keys: list[int] | None = None
+) -> dict:
     """Rows of tasks with ``sizes`` rows each, sorted by task key (rid = row number)."""
     rng = np.random.default_rng(seed)
     n = int(sum(sizes))
-    keys = keys if keys is not None else sorted(rng.choice(10 * len(sizes) + 10, len(sizes), replace=False).tolist())
+    keys = (
+        keys
+        if keys is not None
+        else sorted(rng.choice(10 * len(sizes) + 10, len(sizes), replace=False).tolist())
+    )
     lengths = rng.integers(0, 3, n)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     cols = {
@@ -62,7 +70,9 @@ def task_columns(sizes: list[int], seed: int, *, timestamp: bool = True, keys: l
     return cols
 
 
-def write_tasks(path: Path, sizes: list[int], seed: int = 0, rg: int = 16, per_file: int | None = None, **kw) -> dict:
+def write_tasks(
+    path: Path, sizes: list[int], seed: int = 0, rg: int = 16, per_file: int | None = None, **kw
+) -> dict:
     timestamp = kw.pop("timestamp", True)
     cols = task_columns(sizes, seed, timestamp=timestamp, **kw)
     schema = task_schema(int(sum(sizes)), timestamp=timestamp)
@@ -115,6 +125,38 @@ def check_shapes(tb, c: TasksConfig) -> None:
         assert torch.all(m[:, 1:] <= m[:, :-1])
 
 
+# ---------------------------------------------------------------- batch assembly
+
+
+@SETTINGS
+@given(st.integers(0, 30), st.integers(0, 3), st.lists(st.booleans(), max_size=6), st.integers(0, 2**16))
+def test_take_batch_equals_take_then_to_batch(n, dd, multi, seed):
+    rng = np.random.default_rng(seed)
+    values, offsets = [], []
+    for m in multi:
+        lengths = rng.integers(0, 4, n) if m else np.ones(n, dtype=np.int64)
+        offsets.append(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+        values.append(rng.integers(0, 100, int(lengths.sum())))
+    cols = Columns(
+        rng.normal(size=(n, dd)).astype(np.float32),
+        rng.random(n).astype(np.float32),
+        [f"f{i}" for i in range(len(multi))],
+        values,
+        offsets,
+    )
+    idx = rng.integers(0, n, int(rng.integers(0, 40))) if n else np.zeros(0, dtype=np.int64)
+    want, got = cols.take(idx).to_batch(), take_batch(cols, idx)
+    assert got.sparse.keys == want.sparse.keys and got.weights is None
+    for a, b in (
+        (got.dense, want.dense),
+        (got.labels, want.labels),
+        (got.sparse.values, want.sparse.values),
+        (got.sparse.offsets, want.sparse.offsets),
+    ):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, **EXACT)
+
+
 # ---------------------------------------------------------------- split rules
 
 
@@ -153,7 +195,9 @@ def test_eval_mode_keeps_every_row_with_the_split_rule(sizes, split, fraction, r
                 if sup:
                     assert max(ts[r] for r in sup) <= min(ts[r] for r in qry)
         again = [batch_tasks(tb) for tb in TaskReader(path, c, seed=seed, train=False)]
-        assert [x for b in again for x in b] == [(k, *seen[k]) for k in sorted(seen)]  # key order, deterministic
+        assert [x for b in again for x in b] == [
+            (k, *seen[k]) for k in sorted(seen)
+        ]  # key order, deterministic
 
 
 @SETTINGS
@@ -254,7 +298,9 @@ def test_every_row_once_per_epoch_across_ranks(world_size, train, unit):
             rids: Counter = Counter()
             keys: Counter = Counter()
             for rank in range(world_size):
-                reader = TaskReader(path, c, seed=5, train=train, rank=rank, world_size=world_size, unit_row_groups=unit)
+                reader = TaskReader(
+                    path, c, seed=5, train=train, rank=rank, world_size=world_size, unit_row_groups=unit
+                )
                 reader.set_epoch(epoch)
                 for tb in reader:
                     for key, sup, qry in batch_tasks(tb):
@@ -276,6 +322,14 @@ def test_shuffle_is_seeded_and_changes_with_epoch():
             return [batch_tasks(tb) for tb in r]
 
         assert order(1, 0) == order(1, 0)
+        # Loading units ahead on threads changes neither the batches nor the task counters.
+        runs = []
+        for ahead in (0, 1, 3):
+            r = TaskReader(path, c, seed=1, unit_row_groups=1, read_ahead=ahead)
+            batches = [batch_tasks(tb) for tb in r]
+            runs.append((batches, {k: v for k, v in r.stats.items() if k.startswith(("tasks", "rows_y"))}))
+        assert runs[0][0] == order(1, 0)
+        assert runs[0] == runs[1] == runs[2]
         assert order(1, 0) != order(1, 1)
         assert order(1, 0) != order(2, 0)
         keys = [k for b in order(1, 0) for k, _, _ in b]
@@ -366,6 +420,10 @@ def test_from_config_uses_data_settings():
         assert sum(tb.num_tasks for tb in r) == 9 and r.stats["tasks_dropped_last"] == 1
         ev = TaskReader.from_config(path, cfg(), data, train=False)
         assert not ev.train and not ev.shuffle and not ev.drop_last
+        whole = TaskReader.from_config(path, Config(data=data, tasks=cfg(tasks_per_batch=5)), train=True)
+        assert (whole.seed, whole.cfg.tasks_per_batch, whole.drop_last) == (9, 5, True)
+        with pytest.raises(ConfigError, match=r"\[data\]"):
+            TaskReader.from_config(path, cfg(), train=True)
 
 
 # ---------------------------------------------------------------- bad input
@@ -378,7 +436,9 @@ def test_unsorted_task_key_in_grouped_file_names_file_and_row_group():
         cols["user"] = np.array([1, 1, 1, 3, 3, 3, 2, 2, 4, 4, 4, 4])  # inside row group 0
         write_parquet(path, task_schema(12), cols, rows_per_row_group=8)
         reader = TaskReader(path, cfg(), seed=0)
-        with pytest.raises(DataError, match=r"part-00000.parquet, row group 0.*from 3 to 2 at row 6.*claims to be grouped"):
+        with pytest.raises(
+            DataError, match=r"part-00000.parquet, row group 0.*from 3 to 2 at row 6.*claims to be grouped"
+        ):
             list(reader)
     with tempfile.TemporaryDirectory() as tmp:  # across a row group boundary: found from the footers
         path = Path(tmp)
@@ -399,7 +459,9 @@ def test_missing_task_key_or_timestamp():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         schema = FeatureSchema(dense=("d0",), sparse=(SparseField("c", 3),))
-        write_parquet(path, schema, {"label": np.zeros(3, np.float32), "d0": np.ones(3), "c": np.zeros(3, int)})
+        write_parquet(
+            path, schema, {"label": np.zeros(3, np.float32), "d0": np.ones(3), "c": np.zeros(3, int)}
+        )
         with pytest.raises(DataError, match="no task key"):
             TaskReader(path, cfg(), seed=0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,262 @@
+"""Benchmark: Parquet reading throughput, recaccel vs raw pyarrow, on the same files.
+
+Candidates, each one full pass over a task-grouped dataset, timed interleaved in one
+process (median of ``repeats``):
+
+- ``raw_pyarrow``: ``pyarrow.parquet.ParquetFile.iter_batches`` over the label, dense
+  and sparse columns, nothing else (the ceiling: decoding only);
+- ``raw_pyarrow_tasks``: the same plus the task key column (the ceiling of the task reader);
+- ``plain``: :class:`~recaccel.io.parquet.BatchReader` (validated, shuffled batches);
+- ``plain_in_order``: the same without shuffling;
+- ``tasks``: :class:`~recaccel.io.tasks.TaskReader` (validated, split, sampled, padded
+  TaskBatches).
+
+Throughput is dataset rows per second (every candidate reads every row once per pass).
+Peak memory is measured separately (Linux): each candidate makes one pass in a fresh
+Python interpreter, which resets its peak resident set size (``/proc/self/clear_refs``)
+just before the pass and reports the peak (``VmHWM``) minus the RSS before the pass,
+so Arrow's buffers, numpy and torch all count.
+
+Without ``--path`` the data is generated with :func:`recaccel.io.synth.generate_synthetic`
+in a temporary folder and grouped with :func:`recaccel.io.task_grouping.group_by_task`
+by field ``C1`` (ids Zipf-skewed: a few heavy users, many light ones).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recaccel.bench.common import environment_info, time_interleaved_samples, write_results_markdown
+from recaccel.config import SynthConfig, TasksConfig
+from recaccel.io.dataset import open_dataset
+from recaccel.io.parquet import BatchReader
+from recaccel.io.task_grouping import group_by_task
+from recaccel.io.tasks import TaskReader
+
+log = logging.getLogger(__name__)
+
+
+def add_args(parser) -> None:
+    """``recaccel-bench io`` options."""
+    parser.add_argument(
+        "--path", help="a dataset, grouped by --task-field first if it has no task key (default: synthetic)"
+    )
+    parser.add_argument("--task-field", default="C1", help="single-hot field that groups a plain --path")
+    parser.add_argument("--rows", type=int, default=1_000_000, help="rows to generate")
+    parser.add_argument("--task-rows", type=int, default=64, help="mean rows per task when generating")
+    parser.add_argument("--zipf-a", type=float, default=0.5, help="id skew of the generated fields")
+    parser.add_argument("--rows-per-row-group", type=int, default=8192)
+    parser.add_argument("--batch-size", type=int, default=4096, help="plain batch size and raw batch size")
+    parser.add_argument("--tasks-per-batch", type=int, default=32)
+    parser.add_argument("--support-size", type=int, default=64)
+    parser.add_argument("--query-size", type=int, default=32)
+    parser.add_argument("--read-ahead", type=int, default=1, help="TaskReader units loaded ahead on threads")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument("--out", default="bench/results/io.md", help="markdown summary")
+
+
+def make_dataset(work: Path, rows: int, task_rows: int, zipf_a: float, rows_per_row_group: int) -> Path:
+    """Synthetic Criteo-like rows grouped by field C1 into ``work/tasks``."""
+    from recaccel.io.synth import generate_synthetic
+
+    cards = [max(2, rows // task_rows)] + [100_000] * 25
+    cfg = SynthConfig(
+        out_dir=str(work / "synth"),
+        train_rows=rows,
+        test_rows=1000,
+        cardinalities=cards,
+        zipf_a=zipf_a,
+        rows_per_row_group=rows_per_row_group,
+        rows_per_file=max(rows // 4, 1),
+    )
+    generate_synthetic(cfg)
+    group_by_task(
+        work / "synth" / "train",
+        work / "tasks",
+        task_key="C1",
+        rows_per_row_group=rows_per_row_group,
+        rows_per_file=max(rows // 4, 1),
+    )
+    return work / "tasks"
+
+
+def candidates(path: Path, args) -> dict:
+    """name -> zero-argument callable making one pass; returns rows read."""
+    info = open_dataset(path)
+    schema = info.schema
+    plain_cols = [schema.label, *schema.dense, *schema.sparse_names]
+    task_cols = plain_cols + [schema.task_key] + ([schema.timestamp] if schema.timestamp else [])
+    tcfg = TasksConfig(
+        tasks_per_batch=args.tasks_per_batch,
+        support_size=args.support_size,
+        query_size=args.query_size,
+        min_task_rows=2,
+        shuffle_buffer_tasks=1024,
+    )
+
+    def raw(columns):
+        n = 0
+        for f in info.files:
+            with pq.ParquetFile(str(f)) as pf:
+                for batch in pf.iter_batches(batch_size=args.batch_size, columns=columns, use_threads=False):
+                    n += batch.num_rows
+        return n
+
+    def plain(shuffle: bool):
+        reader = BatchReader(path, args.batch_size, seed=0, shuffle=shuffle, shuffle_buffer_rows=65_536)
+        for _ in reader:
+            pass
+        return reader.stats["rows_read"]
+
+    def tasks():
+        reader = TaskReader(path, tcfg, seed=0, read_ahead=args.read_ahead)
+        for _ in reader:
+            pass
+        return reader
+
+    return {
+        "raw_pyarrow": lambda: raw(plain_cols),
+        "raw_pyarrow_tasks": lambda: raw(task_cols),
+        "plain": lambda: plain(True),
+        "plain_in_order": lambda: plain(False),
+        "tasks": tasks,
+    }
+
+
+def _peak_rss_child(path: str, args_json: str, name: str, out_file: str) -> None:
+    """Runs in a fresh interpreter: one pass of ``name``, peak RSS growth (MiB) to ``out_file``."""
+    args = type("Args", (), json.loads(args_json))
+    run = candidates(Path(path), args)[name]
+    before = _status_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current RSS
+    run()
+    Path(out_file).write_text(str((_status_kib("VmHWM") - before) / 1024))
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+def peak_memory_mib(path: Path, args, names: list[str]) -> dict[str, float]:
+    """Peak RSS growth (MiB) of one pass per candidate, each in a fresh interpreter."""
+    keys = ("batch_size", "tasks_per_batch", "support_size", "query_size", "read_ahead")
+    args_json = json.dumps({k: getattr(args, k) for k in keys})
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            result = Path(tmp) / f"{name}.txt"
+            code = (
+                "from recaccel.bench.io import _peak_rss_child; "
+                f"_peak_rss_child({str(path)!r}, {args_json!r}, {name!r}, {str(result)!r})"
+            )
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0:
+                log.warning("memory pass of %s failed: %s", name, proc.stderr[-2000:])
+                out[name] = float("nan")
+            else:
+                out[name] = float(result.read_text())
+    return out
+
+
+def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
+    """Times the candidates on ``path``; returns table rows and notes."""
+    info = open_dataset(path)
+    cands = candidates(path, args)
+    last = {}
+
+    def timed(name):
+        def call():
+            last[name] = cands[name]()
+
+        return call
+
+    load_before = os.getloadavg()[0]
+    samples = time_interleaved_samples({n: timed(n) for n in cands}, args.repeats, 1, "cpu")
+    load_after = os.getloadavg()[0]
+    memory = {} if args.no_memory else peak_memory_mib(path, args, list(cands))
+    rows = info.num_rows
+    med = {n: sorted(s)[len(s) // 2] / 1e3 for n, s in samples.items()}
+    reader = last["tasks"]
+    table = []
+    for name in cands:
+        ceiling = "raw_pyarrow_tasks" if name == "tasks" else "raw_pyarrow"
+        row = {
+            "candidate": name,
+            "median_s": med[name],
+            "rows_per_s": rows / med[name],
+            "vs_raw_pyarrow": med[ceiling] / med[name],
+            "peak_rss_mib": memory.get(name),
+        }
+        if name == "tasks":
+            row["tasks_per_s"] = reader.stats["tasks_yielded"] / med[name]
+        table.append(row)
+    notes = [
+        f"dataset: {path} ({rows} rows, {len(info.files)} files, {len(info.row_groups)} row groups, "
+        f"{len(info.schema.dense)} dense + {len(info.schema.sparse)} sparse columns)",
+        "Candidates timed interleaved within each repeat (order rotating); median of "
+        f"{args.repeats} passes after one warm-up pass. Throughput = dataset rows / pass time.",
+        "vs_raw_pyarrow: the candidate's throughput over raw iter_batches of the same columns "
+        "(the task reader is compared with raw reading including the task key column). "
+        "Targets: plain >= 0.8, tasks >= 0.5.",
+        f"tasks: T={args.tasks_per_batch}, S={args.support_size}, Q={args.query_size}, "
+        f"shuffle_buffer_tasks=1024, read_ahead={args.read_ahead}; stats of the last pass: "
+        f"{_task_stats(reader)}",
+        f"machine: {os.cpu_count()} CPUs; 1-minute load average {load_before:.2f} before and "
+        f"{load_after:.2f} after the timed passes (other work on the machine slows every candidate).",
+        "peak_rss_mib: peak resident set growth of one pass in a fresh Python process "
+        "(VmHWM after the pass, reset before it, minus VmRSS before it).",
+    ]
+    return table, notes
+
+
+def _task_stats(reader: TaskReader) -> str:
+    keys = (
+        "tasks_yielded",
+        "tasks_skipped_small",
+        "tasks_subsampled",
+        "rows_read",
+        "row_groups_read",
+        "max_buffered_rows",
+    )
+    return ", ".join(f"{k}={reader.stats[k]}" for k in keys)
+
+
+def main(args, command_line: str) -> int:
+    """Runs the benchmark and writes ``args.out``."""
+    with tempfile.TemporaryDirectory(prefix="recaccel-bench-io-") as tmp:
+        if args.path is None:
+            path = make_dataset(Path(tmp), args.rows, args.task_rows, args.zipf_a, args.rows_per_row_group)
+        elif open_dataset(args.path).schema.task_key is None:  # group a plain dataset first
+            path = Path(tmp) / "tasks"
+            group_by_task(
+                args.path, path, task_key=args.task_field, rows_per_row_group=args.rows_per_row_group
+            )
+        else:
+            path = Path(args.path)
+        table, notes = run_io_bench(path, args)
+    env = {**environment_info("cpu"), "pyarrow": pa.__version__, "numpy": np.__version__}
+    out = write_results_markdown(
+        args.out,
+        "Parquet reading: recaccel vs raw pyarrow",
+        env,
+        command_line,
+        table,
+        notes,
+    )
+    log.info("wrote %s", out)
+    return 0

@@ -1,0 +1,133 @@
+"""Loading units (runs of row groups) into split tasks, optionally on worker threads.
+
+A :class:`UnitWorker` is one thread's reading state: its own row-group reader, task
+stream and counters, so workers share nothing mutable. :class:`UnitLoader` hands out
+units in order; with ``ahead > 0`` it keeps the next ``ahead`` units loading on as many
+threads while the caller batches the current one (Arrow decoding and most numpy work
+release the GIL). Each load returns its counter increments, which the caller adds to
+its own counters: task and split counts are the same with or without threads; decode
+counts may grow, as each worker has its own cache of decoded row groups and a task
+that crosses into the next unit's row group decodes that row group once more.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from recaccel.io.dataset import DatasetInfo, RowGroupReader
+from recaccel.io.decode import Policies, Projection, new_decode_stats
+from recaccel.io.task_pool import TaskPool
+from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec, split_tasks
+from recaccel.io.task_stream import TaskStream
+
+
+class UnitWorker:
+    """Reads the tasks owned by units of row groups and splits them.
+
+    Args:
+        info: the dataset.
+        projection: the columns to decode (task key and timestamp among the side columns).
+        policies: bad-value policies.
+        bounds: first / last task key of each row group (see ``task_stream.key_bounds``).
+        spec: the split rules.
+        seed_words: seed of the splits.
+    """
+
+    def __init__(
+        self,
+        info: DatasetInfo,
+        projection: Projection,
+        policies: Policies,
+        bounds,
+        spec: SplitSpec,
+        seed_words: tuple[int, ...],
+    ) -> None:
+        schema = info.schema
+        self.stats = new_decode_stats()
+        self.stats.update(dict.fromkeys(SPLIT_COUNTERS, 0), row_groups_read=0)
+        self.source = RowGroupReader(schema, projection, policies, self.stats)
+        self.stream = TaskStream(
+            info, self.source, schema.task_key, schema.timestamp, bounds=bounds, stats=self.stats
+        )
+        self.spec = spec
+        self.seed_words = seed_words
+
+    def load(self, unit: range) -> tuple[TaskPool | None, dict[str, int]]:
+        """The split (and, training, sampled) tasks the unit's row groups own, and the
+        counter increments."""
+        before = dict(self.stats)
+        pools = []
+        for g in unit:
+            for part in self.stream.owned(g):
+                split = split_tasks(part.keys, part.times, self.spec, self.seed_words)
+                for key, value in split.counters.items():
+                    self.stats[key] += value
+                if split.keys.size:
+                    sizes = (split.starts, split.num_support, split.num_query, split.keys)
+                    pools.append(TaskPool.single(part.cols, split.rows, *sizes))
+        delta = {k: v - before[k] for k, v in self.stats.items() if v != before[k]}
+        return (TaskPool.concat(pools) if pools else None), delta
+
+    def close(self) -> None:
+        self.source.close()
+
+
+class UnitLoader:
+    """Loads units ``0 .. count-1`` on request, in order, ``ahead`` of them in advance.
+
+    Args:
+        new_worker: makes a :class:`UnitWorker` (one per thread, created lazily).
+        units: the units, in read order.
+        unit_rows: rows of each unit (footer counts), for memory accounting.
+        ahead: units loaded in advance on that many threads; 0 = load on request.
+    """
+
+    def __init__(
+        self, new_worker: Callable[[], UnitWorker], units: list[range], unit_rows: list[int], ahead: int
+    ) -> None:
+        self._new_worker = new_worker
+        self._units = units
+        self._unit_rows = unit_rows
+        self._ahead = max(0, ahead)
+        self._local = threading.local()
+        self._workers: list[UnitWorker] = []
+        self._lock = threading.Lock()
+        self._pool = (
+            ThreadPoolExecutor(self._ahead, thread_name_prefix="recaccel-tasks") if self._ahead else None
+        )
+        self._futures: dict[int, Future] = {}
+
+    def get(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
+        """Unit ``u``'s tasks and counter increments (raises what loading raised)."""
+        if self._pool is None:
+            return self._work(u)
+        fut = self._futures.pop(u, None) or self._pool.submit(self._work, u)
+        for v in range(u + 1, min(u + 1 + self._ahead, len(self._units))):
+            if v not in self._futures:
+                self._futures[v] = self._pool.submit(self._work, v)
+        return fut.result()
+
+    def held_rows(self) -> int:
+        """Rows of units being loaded ahead (footer counts) and of the workers' caches."""
+        ahead = sum(self._unit_rows[v] for v in self._futures)
+        return ahead + sum(w.stream.cached_rows for w in list(self._workers))
+
+    def close(self) -> None:
+        """Cancels loads not started, waits for running ones, closes the workers' files."""
+        for fut in self._futures.values():
+            fut.cancel()
+        self._futures.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for w in self._workers:
+            w.close()
+
+    def _work(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
+        worker = getattr(self._local, "worker", None)
+        if worker is None:
+            worker = self._local.worker = self._new_worker()
+            with self._lock:
+                self._workers.append(worker)
+        return worker.load(self._units[u])
