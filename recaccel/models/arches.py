@@ -41,13 +41,19 @@ class SparseArch(nn.Module):
 
 
 class DenseArch(nn.Module):
-    """Bottom MLP: dense features [B, Dd] to a vector [B, D] that joins the interaction."""
+    """Bottom MLP: dense features [B, Dd] to a vector [B, D] that joins the interaction.
+
+    Without dense features (Dd = 0, e.g. MovieLens) the vector is a learned constant.
+    """
 
     def __init__(self, num_dense: int, layer_sizes: list[int]) -> None:
         super().__init__()
-        self.model = mlp(num_dense, layer_sizes, final_activation=True)
+        self.model = mlp(num_dense, layer_sizes, final_activation=True) if num_dense > 0 else None
+        self.constant = None if num_dense > 0 else nn.Parameter(torch.zeros(layer_sizes[-1]))
 
     def forward(self, dense: Tensor) -> Tensor:
+        if self.model is None:
+            return self.constant.expand(dense.shape[0], -1)
         return self.model(dense)
 
 
