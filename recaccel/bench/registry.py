@@ -16,6 +16,7 @@ _MODULES = {
     "interaction": ("fused DLRM dot interaction vs PyTorch eager", "recaccel.bench.interaction"),
     "meta": ("vmapped MAML step vs per-task loop", "recaccel.bench.meta"),
     "io": ("Parquet plain and task batches vs raw pyarrow", "recaccel.bench.io"),
+    "comm": ("hybrid step bytes: measured vs analytic", "recaccel.bench.comm"),
 }
 
 

@@ -1,11 +1,24 @@
-"""How a run is spread over processes. Single-process here; hybrid in recaccel.train.hybrid."""
+"""How a run is spread over processes: the strategy a Trainer delegates to.
+
+:class:`SingleProcess` is one process on one device; :class:`recaccel.train.hybrid.
+HybridParallel` shards embeddings through TorchRec and sums dense gradients over ranks.
+The Trainer calls the same methods on either, so its loop has no mode branches.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+
+from recaccel.config import Config
+from recaccel.errors import ConfigError
+from recaccel.io.batch import Batch, TaskBatch
+from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 
 
 class Parallelism(Protocol):
@@ -13,15 +26,51 @@ class Parallelism(Protocol):
 
     rank: int
     world_size: int
+    device: torch.device
+    step_rows: int  # training rows of the last step, over all ranks
 
     @property
     def is_main(self) -> bool: ...
 
     def wrap(self, module: nn.Module) -> nn.Module: ...
 
+    def reader(self, make: Callable[[int, int], Any], *, train: bool) -> Any: ...
+
+    def batches(self, loader: Iterable, objective: Any) -> Iterator: ...
+
+    def train_step(self, objective: Any, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor: ...
+
     def gather(self, tensor: Tensor) -> Tensor: ...
 
+    def save_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: TrainState) -> Path | None: ...
+
+    def load_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState: ...
+
     def close(self) -> None: ...
+
+
+def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
+    """The process layout ``cfg.parallel.mode`` asks for.
+
+    Raises:
+        ConfigError: ``single`` mode in a multi-process launch.
+    """
+    if cfg.parallel.mode == "hybrid":
+        from recaccel.train.hybrid import HybridParallel
+
+        return HybridParallel(cfg, device)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise ConfigError(f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid")
+    return SingleProcess(device)
+
+
+def batch_rows(batch: Batch | TaskBatch) -> int:
+    """Training rows of a batch: rows of a Batch, real support + query rows of a TaskBatch."""
+    if isinstance(batch, TaskBatch):
+        return int(batch.support_mask.sum() + batch.query_mask.sum())
+    return batch.batch_size
 
 
 class SingleProcess:
@@ -32,6 +81,7 @@ class SingleProcess:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.step_rows = 0
 
     @property
     def is_main(self) -> bool:
@@ -40,9 +90,32 @@ class SingleProcess:
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
 
+    def reader(self, make: Callable[[int, int], Any], *, train: bool) -> Any:
+        return make(0, 1)
+
+    def batches(self, loader: Iterable, objective: Any) -> Iterator:
+        for batch in loader:
+            self.step_rows = batch_rows(batch)
+            yield batch
+
+    def train_step(self, objective: Any, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
+        """One optimizer step; a fused embedding applies its sparse update inside backward."""
+        optimizer.zero_grad(set_to_none=True)
+        loss = objective.loss(batch)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
     def gather(self, tensor: Tensor) -> Tensor:
         """Concatenates a per-rank [N, ...] tensor over ranks (here: itself)."""
         return tensor
+
+    def save_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                        state: TrainState) -> Path:
+        return save_checkpoint(run_dir, model, optimizer, state)
+
+    def load_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+        return load_checkpoint(run_dir, model, optimizer, self.device)
 
     def close(self) -> None:
         pass

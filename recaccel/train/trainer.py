@@ -16,10 +16,10 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.models.factory import build_model
-from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from recaccel.train.checkpoint import TrainState
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.parallel import Parallelism, SingleProcess
+from recaccel.train.parallel import Parallelism, build_parallel
 from recaccel.train.runlog import RunLog
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = Path(cfg.train.out_dir)
         self.device = resolve_device(cfg.train.device)
-        self.parallel = parallel or SingleProcess(self.device)
+        self.parallel = parallel or build_parallel(cfg, self.device)
+        self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
         torch.manual_seed(cfg.train.seed)
@@ -73,15 +74,17 @@ class Trainer:
         self.reader = self._reader(cfg.data.train, train=True)
         self.state = TrainState()
         if resume:
-            self.state = load_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.device)
+            self.state = self.parallel.load_checkpoint(self.run_dir, self.objective.module, self.optimizer)
             logger.info("resumed %s at step %d", self.run_dir, self.state.step)
         self.log = RunLog(self.run_dir) if self.parallel.is_main else None
         if self.log is not None:
             self.log.write_config(cfg)
 
     def _reader(self, path: str, *, train: bool):
-        return self.objective.reader(path, train=train, rank=self.parallel.rank,
-                                     world_size=self.parallel.world_size)
+        def make(rank: int, world_size: int):
+            return self.objective.reader(path, train=train, rank=rank, world_size=world_size)
+
+        return self.parallel.reader(make, train=train)
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.log is not None:
@@ -89,11 +92,7 @@ class Trainer:
 
     def train_step(self, batch) -> torch.Tensor:
         """One optimizer step; a fused embedding applies its sparse update inside backward."""
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self.objective.loss(batch)
-        loss.backward()
-        self.optimizer.step()
-        return loss.detach()
+        return self.parallel.train_step(self.objective, self.optimizer, batch)
 
     def _reached_end(self) -> bool:
         t = self.cfg.train
@@ -105,15 +104,14 @@ class Trainer:
         return t.steps if t.steps > 0 else (per_epoch * t.epochs if per_epoch else None)
 
     def _checkpoint(self) -> None:
-        if self.parallel.is_main:
-            save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
+        self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
 
     def fit(self) -> dict[str, Any]:
         """Trains until ``train.steps`` (or ``train.epochs``), evaluates, writes metrics.json."""
         t = self.cfg.train
         bar = tqdm(total=self._total_steps(), initial=self.state.step, unit="step",
                    disable=not (t.progress and self.parallel.is_main))
-        loader = DeviceLoader(self.reader, self.device, self.cfg.data.prefetch)
+        loader = DeviceLoader(self.reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
         last_loss = math.nan
         self.module.train()
         while not self._reached_end():
@@ -122,10 +120,11 @@ class Trainer:
                 self.reader.load_state_dict(self.state.reader)
             steps_before = self.state.step
             clock = time.perf_counter()
-            for batch in loader:
+            # Hybrid: every rank agrees before each step that all ranks have a batch.
+            for batch in self.parallel.batches(loader, self.objective):
                 loss = self.train_step(batch)
                 self.state.step += 1
-                self.state.samples += _rows(batch)
+                self.state.samples += self.parallel.step_rows
                 self.state.reader = loader.state_dict()
                 bar.update(1)
                 if self.state.step % t.log_every == 0 or self.state.step == 1:
@@ -163,6 +162,7 @@ class Trainer:
         if self.log is not None:
             self.log.write_metrics(metrics)
             self.log.close()
+        self.parallel.close()  # hybrid: leaves the process group only if it started it
         return metrics
 
     def evaluate(self, path: str | None = None) -> dict[str, Any]:
@@ -170,7 +170,7 @@ class Trainer:
         path = path or self.cfg.data.test
         reader = self._reader(path, train=False)
         self.module.eval()
-        batches = DeviceLoader(reader, self.device, self.cfg.data.prefetch)
+        batches = DeviceLoader(reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
         if isinstance(self.objective, DLRMObjective):
             logits, labels = self.objective.predictions(batches)
             logits, labels = self.parallel.gather(logits), self.parallel.gather(labels)
@@ -189,9 +189,3 @@ class Trainer:
             metrics[name] = self.evaluate(path)
         return metrics
 
-
-def _rows(batch) -> int:
-    """Training rows in a Batch, or support + query rows in a TaskBatch."""
-    if hasattr(batch, "support"):
-        return int(batch.support_mask.sum() + batch.query_mask.sum())
-    return batch.batch_size
