@@ -97,6 +97,10 @@ def _print_metrics(metrics: dict[str, Any], out_dir: Path, data_dir: Path | None
     if planted is not None and planted.is_file():
         # Synthetic data: show how far the model is from the planted (Bayes-optimal) one.
         shown["bayes_auc (planted model)"] = json.loads(planted.read_text())["report"]["bayes_auc"]
+    for state, values in metrics.get("states", {}).items():
+        for key in ("mae", "rmse", "auc", "gauc", "ndcg@1", "ndcg@3", "mae_no_adapt", "ndcg@3_no_adapt"):
+            if key in values:
+                shown[f"{state}.{key}"] = values[key]
     width = max(len(k) for k in shown)
     for key in sorted(shown):
         value = shown[key]

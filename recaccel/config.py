@@ -103,6 +103,7 @@ class TrainConfig:
 
     out_dir: str = "runs/debug"
     mode: str = "dlrm"  # dlrm | meta
+    eval_tasks: bool = False  # dlrm mode: evaluate on task batches like a meta-learner
     epochs: int = 1
     steps: int = 0  # > 0: stop after this many steps (overrides epochs)
     loss: str = "auto"  # auto (from label_kind) | bce | mse

@@ -69,9 +69,13 @@ class Trainer:
         kind = loss_kind(cfg, self.schema.label_kind)
         objective_type = MetaObjective if cfg.train.mode == "meta" else DLRMObjective
         self.objective: Objective = objective_type(cfg, model, kind)
+        # train.eval_tasks: score a plain DLRM like a meta-learner (fine-tuned on each
+        # task's support rows, and as is), on the same query rows: the meta baselines.
+        plain_on_tasks = cfg.train.eval_tasks and objective_type is DLRMObjective
+        self.evaluator: Objective = MetaObjective(cfg, model, kind) if plain_on_tasks else self.objective
         self.module = self.parallel.wrap(self.objective.module)
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
-        self.reader = self._reader(cfg.data.train, train=True)
+        self.reader = self._reader(self.objective, cfg.data.train, train=True)
         self.state = TrainState()
         if resume:
             self.state = self.parallel.load_checkpoint(self.run_dir, self.objective.module, self.optimizer)
@@ -80,9 +84,9 @@ class Trainer:
         if self.log is not None:
             self.log.write_config(cfg)
 
-    def _reader(self, path: str, *, train: bool):
+    def _reader(self, objective: Objective, path: str, *, train: bool):
         def make(rank: int, world_size: int):
-            return self.objective.reader(path, train=train, rank=rank, world_size=world_size)
+            return objective.reader(path, train=train, rank=rank, world_size=world_size)
 
         return self.parallel.reader(make, train=train)
 
@@ -168,24 +172,28 @@ class Trainer:
     def evaluate(self, path: str | None = None) -> dict[str, Any]:
         """Metrics of the current model on ``path`` (default ``data.test``)."""
         path = path or self.cfg.data.test
-        reader = self._reader(path, train=False)
+        reader = self._reader(self.evaluator, path, train=False)
         self.module.eval()
         batches = DeviceLoader(reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
-        if isinstance(self.objective, DLRMObjective):
-            logits, labels = self.objective.predictions(batches)
+        if isinstance(self.evaluator, DLRMObjective):
+            logits, labels = self.evaluator.predictions(batches)
             logits, labels = self.parallel.gather(logits), self.parallel.gather(labels)
             if labels.numel() == 0:
                 raise DataError(f"evaluation data {path} has no rows")
-            return self.objective.metrics(logits, labels)
-        return self.objective.evaluate(batches)
+            return self.evaluator.metrics(logits, labels)
+        return self.evaluator.evaluate(batches)
 
     def evaluate_all(self) -> dict[str, Any]:
-        """Metrics on data.test, plus one entry per ``meta.eval_states`` (``name=path``)."""
+        """Metrics on data.test at the top level; with ``meta.eval_states`` (``name=path``)
+        also one entry per state under ``states``, data.test's named after its folder."""
         metrics = self.evaluate()
-        for spec in self.cfg.meta.eval_states:
-            name, sep, path = spec.partition("=")
-            if not sep or not name or not path:
-                raise ConfigError(f"meta.eval_states entry {spec!r} must look like name=path")
-            metrics[name] = self.evaluate(path)
+        if self.cfg.meta.eval_states:
+            states = {Path(self.cfg.data.test).name: dict(metrics)}
+            for spec in self.cfg.meta.eval_states:
+                name, sep, path = spec.partition("=")
+                if not sep or not name or not path:
+                    raise ConfigError(f"meta.eval_states entry {spec!r} must look like name=path")
+                states[name] = self.evaluate(path)
+            metrics["states"] = states
         return metrics
 
