@@ -23,7 +23,9 @@ from recaccel.ops.embedding import (
     SparseOptimConfig,
     TableSpec,
     init_table_weights,
+    reference,
 )
+from recaccel.ops.embedding.packing import gather_pack_ids
 
 TABLES = [
     TableSpec("a", 11, 4, pooling="mean", optimizer="sgd"),
@@ -130,7 +132,10 @@ def test_autograd_gradients_match_naive(sparse_grad, sparse_batch):
 
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.05])
-def test_fused_step_matches_documented_rules(optimizer, weight_decay, sparse_batch):
+@pytest.mark.parametrize("piece_rows", [None, 2])
+def test_fused_step_matches_documented_rules(optimizer, weight_decay, piece_rows, sparse_batch, monkeypatch):
+    if piece_rows is not None:  # coalesce and update a few rows at a time
+        monkeypatch.setattr(reference, "rows_per_piece", lambda dim: piece_rows)
     tables = [dataclasses.replace(t, optimizer=optimizer) for t in TABLES]
     cfg = SparseOptimConfig(lr=0.1, eps=1e-3, weight_decay=weight_decay)
     m = PackedEmbeddingBag(tables, backend="reference", optim=cfg, seed=7)
@@ -262,8 +267,14 @@ def test_bad_batches_raise_clear_errors(sparse_batch):
         m(SparseFeatures(["zz"], sf.values, sf.offsets))
     with pytest.raises(DataError, match="appears twice"):
         m(SparseFeatures(["a", "a"], torch.zeros(0, dtype=torch.int64), torch.zeros(5, dtype=torch.int64)))
-    with pytest.raises(InvalidIdError, match="malformed sparse offsets"):
-        m(SparseFeatures(["a"], torch.zeros(2, dtype=torch.int64), torch.tensor([0, 1, 3])))
+    for keys, offsets in [
+        (["a"], [0, 1, 3]),  # ends past len(values)
+        (["a"], [0, 2, 1, 2]),  # decreasing
+        (["a", "b1"], [0, 5, 2]),  # a feature ends past len(values)
+        (["a", "b1"], [0, -3, 2]),  # a feature ends before 0
+    ]:
+        with pytest.raises(InvalidIdError, match="malformed sparse offsets"):
+            m.forward_concat(SparseFeatures(keys, torch.zeros(2, dtype=torch.int64), torch.tensor(offsets)))
     with pytest.raises(DataError, match="must be integers"):
         m(SparseFeatures(["a"], torch.zeros(2), torch.tensor([0, 1, 2])))
     with pytest.raises(ValueError, match="different dims|one dim"):
@@ -294,3 +305,89 @@ def test_zero_row_batch():
     sf = SparseFeatures(["a", "c"], torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     assert m.forward_concat(sf).shape == (0, 12)
     assert [tuple(o.shape) for o in m.forward_packs(sf)] == [(0, 1, 4), (0, 0, 4), (0, 1, 8)]
+
+
+# keys, bag lengths (feature-major, B=2), index of the bad id, its feature and batch row.
+EMPTY_FEATURE_CASES = [
+    (["a", "b1", "d"], [2, 0, 0, 0, 0, 1], 0, "a", 0),  # first id of the batch
+    (["a", "b1", "d"], [2, 0, 0, 0, 0, 1], 2, "d", 1),  # first id after an empty feature
+    (["b1", "a", "d"], [0, 0, 1, 1, 0, 0], 1, "a", 1),  # last id, then an empty feature
+    (["b1", "d", "a"], [0, 0, 0, 1, 0, 0], 0, "d", 1),  # only id, empty features around it
+]
+
+
+@pytest.mark.parametrize("keys, lengths, bad, feature, row", EMPTY_FEATURE_CASES)
+def test_bad_id_next_to_empty_features_names_its_feature(keys, lengths, bad, feature, row):
+    m = PackedEmbeddingBag(TABLES, backend="reference", seed=0)
+    per_feature = [lengths[2 * f] + lengths[2 * f + 1] for f in range(len(keys))]
+    # Every id at its table's last row: all in range.
+    values = torch.tensor([ROWS[k] - 1 for k, n in zip(keys, per_feature) for _ in range(n)])
+    sf = SparseFeatures.from_lengths(keys, values, torch.tensor(lengths))
+    expected = naive_pool(TABLES, init_table_weights(TABLES, seed=0), sf)
+    torch.testing.assert_close(m.forward_concat(sf), torch.cat(expected, dim=1))
+    values = values.clone()
+    values[bad] = ROWS[feature]  # one past the end of its table
+    with pytest.raises(
+        InvalidIdError,
+        match=rf"feature '{feature}': id {ROWS[feature]} at batch row {row} .* \[0, {ROWS[feature]}\)",
+    ):
+        m.forward_concat(SparseFeatures(keys, values, sf.offsets))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    keys=st.permutations(list(ROWS)).flatmap(lambda p: st.integers(1, len(p)).map(lambda k: p[:k])),
+    batch_size=st.integers(1, 3),
+    data=st.data(),
+)
+def test_id_check_finds_the_first_bad_id(keys, batch_size, data):
+    """Against a loop over features and bags: the first bad id in the batch's order is named."""
+    num_bags = len(keys) * batch_size
+    lengths = data.draw(st.lists(st.integers(0, 2), min_size=num_bags, max_size=num_bags))
+    values, first_bad = [], None
+    for f, key in enumerate(keys):
+        for b in range(batch_size):
+            for _ in range(lengths[f * batch_size + b]):
+                v = data.draw(st.integers(-1, ROWS[key]))
+                if first_bad is None and not 0 <= v < ROWS[key]:
+                    first_bad = (key, v, b)
+                values.append(v)
+    sf = SparseFeatures.from_lengths(keys, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths))
+    m = PackedEmbeddingBag(TABLES, backend="reference", seed=0)
+    if first_bad is None:
+        m.forward_concat(sf)
+        return
+    key, v, b = first_bad
+    with pytest.raises(InvalidIdError, match=rf"feature '{key}': id {v} at batch row {b} "):
+        m.forward_concat(sf)
+
+
+@pytest.mark.parametrize("max_rows", [1, 3, 1000])
+@pytest.mark.parametrize("layout", ["batch_major", "feature_major", "broadcast"])
+def test_row_gradients_in_pieces_equal_the_dense_gradient(max_rows, layout, sparse_batch):
+    """Pieces of coalesced row gradients, put together, are autograd's dense gradient."""
+    m = PackedEmbeddingBag(TABLES, backend="reference", seed=3)
+    sf = _batch(sparse_batch, 4, batch_size=4)
+    layout_of = m.plan.packs[1]  # tables b (features b1, b2) and d: shared table, row shift, mean
+    route = m.plan.route(sf.keys, torch.device("cpu")).packs[1]
+    names = [sf.keys[i] for i in route.features]
+    b, s, dim = sf.batch_size, len(names), layout_of.dim
+    gen = torch.Generator().manual_seed(5)
+    if layout == "batch_major":
+        grad_out = torch.randn(b, s, dim, generator=gen)
+    elif layout == "feature_major":
+        grad_out = torch.randn(s, b, dim, generator=gen).transpose(0, 1)
+    else:
+        grad_out = torch.randn(1, s, dim, generator=gen).expand(b, s, dim)
+    weights = {k: v.requires_grad_() for k, v in init_table_weights(TABLES, seed=3).items()}
+    pooled = naive_pool(TABLES, weights, sf)
+    (torch.stack([pooled[sf.keys.index(n)] for n in names], dim=1) * grad_out).sum().backward()
+    dense = torch.cat([weights[t.name].grad for t in layout_of.tables])
+
+    ids = gather_pack_ids(sf, route.local, b, with_bags=True)
+    pieces = list(reference.coalesce_row_grads(grad_out, ids, max_rows=max_rows))
+    rows = torch.cat([r for r, _ in pieces])
+    assert all(0 < r.numel() <= max_rows for r, _ in pieces)
+    assert torch.equal(rows, torch.unique(ids.rows))  # ascending, each touched row once
+    got = torch.zeros_like(dense).index_copy_(0, rows, torch.cat([g for _, g in pieces]))
+    torch.testing.assert_close(got, dense)

@@ -49,32 +49,55 @@ def adam_bias_corrections(config: SparseOptimConfig, step: int) -> tuple[float, 
     return 1.0 - config.beta1**step, 1.0 - config.beta2**step
 
 
+# Rows updated per piece: a piece's rows are read, updated and written back while they
+# are still in cache, and its temporaries stay small enough (~1 MB) for the allocator to
+# recycle instead of mapping fresh, page-faulting memory every step.
+MAX_ROWS_PER_PIECE = 65536
+PIECE_FLOATS = 2**18
+
+
+def rows_per_piece(dim: int) -> int:
+    """Unique rows per piece of a coalesce-and-update pass: [rows, D] float32 is ~1 MB."""
+    return max(1024, min(MAX_ROWS_PER_PIECE, PIECE_FLOATS // max(dim, 1)))
+
+
 @torch.no_grad()
-def reference_update(state: PackState, config: SparseOptimConfig, rows: Tensor, grad: Tensor) -> None:
-    """Applies one sparse optimizer step to the touched rows, in place.
+def update_rows(state: PackState, config: SparseOptimConfig, rows: Tensor, grad: Tensor) -> None:
+    """Applies one sparse optimizer step to some rows, in place; the caller counts the step.
+
+    A step adds 1 to ``state.step`` first (Adam reads it), then updates the rows it
+    touched, in one call or in pieces (:func:`rows_per_piece`): each row is updated
+    independently of the others. Rows are read with ``index_select`` and written back
+    with ``index_copy_`` (both faster than ``x[rows]`` on the CPU), hence ``rows`` unique.
 
     Args:
-        state: The pack's weight, optimizer state and step (all updated in place).
+        state: The pack's weight and optimizer state (updated in place); ``step`` is read.
         config: Hyper-parameters.
         rows: int64 [U] unique packed rows.
-        grad: float32 [U, D] summed gradient of each row.
+        grad: float32 [U, D] summed gradient of each row (not modified).
     """
-    state.step.add_(1)
-    w = state.weight[rows]
+    weight = state.weight
+    w = weight.index_select(0, rows)
     lr, wd = config.lr, config.weight_decay
     if state.optimizer == "sgd":
-        state.weight[rows] = w - lr * (grad + wd * w)
+        if wd == 0:
+            w.add_(grad, alpha=-lr)  # one pass: w + (-lr) * g
+        else:
+            w.sub_((w * wd).add_(grad).mul_(lr))
     elif state.optimizer == "rowwise_adagrad":
-        g = grad + wd * w
-        m = state.states["momentum1"][rows] + (g * g).mean(dim=1)
-        state.states["momentum1"][rows] = m
-        state.weight[rows] = w - (lr / (m.sqrt() + config.eps))[:, None] * g
+        g = grad if wd == 0 else grad + wd * w
+        momentum = state.states["momentum1"]
+        m = momentum.index_select(0, rows).add_((g * g).mean(dim=1))
+        momentum.index_copy_(0, rows, m)
+        w.sub_((lr / (m.sqrt() + config.eps))[:, None] * g)
     elif state.optimizer == "adam":
         bc1, bc2 = adam_bias_corrections(config, int(state.step))
-        m1 = config.beta1 * state.states["momentum1"][rows] + (1 - config.beta1) * grad
-        m2 = config.beta2 * state.states["momentum2"][rows] + (1 - config.beta2) * grad * grad
-        state.states["momentum1"][rows] = m1
-        state.states["momentum2"][rows] = m2
-        state.weight[rows] = w - lr * ((m1 / bc1) / ((m2 / bc2).sqrt() + config.eps) + wd * w)
+        m1_all, m2_all = state.states["momentum1"], state.states["momentum2"]
+        m1 = m1_all.index_select(0, rows).mul_(config.beta1).add_((1 - config.beta1) * grad)
+        m2 = m2_all.index_select(0, rows).mul_(config.beta2).add_((1 - config.beta2) * grad * grad)
+        m1_all.index_copy_(0, rows, m1)
+        m2_all.index_copy_(0, rows, m2)
+        w.sub_(lr * ((m1 / bc1) / ((m2 / bc2).sqrt() + config.eps) + wd * w))
     else:
         raise ValueError(f"unknown sparse optimizer {state.optimizer!r}")
+    weight.index_copy_(0, rows, w)

@@ -270,27 +270,34 @@ def gather_pack_ids(
     else:
         # Bag j*B + b of the pack is bag src[j]*B + b of the batch.
         bag_src = (local.src.clamp(min=0)[:, None] * b + torch.arange(b, device=device)).reshape(-1)
-        lengths = sf.offsets[1:][bag_src] - sf.offsets[:-1][bag_src]
+        starts = sf.offsets.index_select(0, bag_src)
+        lengths = sf.offsets.index_select(0, bag_src + 1) - starts
         if local.any_missing:
             lengths = lengths * (local.src >= 0).repeat_interleave(b)
         offsets = torch.zeros(s * b + 1, dtype=torch.int64, device=device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         n = int(offsets[-1])
         # Each id moves by (its bag's start in the batch) - (its bag's start in the pack).
-        shift = torch.repeat_interleave(sf.offsets[:-1][bag_src] - offsets[:-1], lengths, output_size=n)
+        shift = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=n)
         gather = shift + torch.arange(n, device=device)
-        values = values[gather]
-        weights = None if weights is None else weights[gather]
+        values = values.index_select(0, gather)
+        weights = None if weights is None else weights.index_select(0, gather)
+    # The pack's ids are feature-major: per-feature and per-bag quantities reach them by
+    # repeat_interleave, a linear pass, rather than by a gather through each id's bag.
     bags = None
-    if with_bags or local.any_shift or local.any_mean:
+    if with_bags:
         bags = torch.repeat_interleave(torch.arange(s * b, device=device), lengths, output_size=n)
-    rows = values + local.row_offset[bags // b] if local.any_shift else values
+    rows = values
+    if local.any_shift and b > 0:
+        feat_counts = offsets[b::b] - offsets[: s * b : b]
+        rows = values + torch.repeat_interleave(local.row_offset, feat_counts, output_size=n)
     scale = None if weights is None else weights.to(torch.float32)
     if local.any_mean:
-        inv_len = (1.0 / lengths.clamp(min=1).to(torch.float32))[bags]
-        mean_scale = torch.where(local.is_mean[bags // b], inv_len, torch.ones_like(inv_len))
+        inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
+        bag_scale = torch.where(local.is_mean.repeat_interleave(b), inv_len, torch.ones_like(inv_len))
+        mean_scale = torch.repeat_interleave(bag_scale, lengths, output_size=n)
         scale = mean_scale if scale is None else scale * mean_scale
-    return PackIds(rows, offsets, scale, bags if with_bags else None)
+    return PackIds(rows, offsets, scale, bags)
 
 
 def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None:
@@ -310,12 +317,13 @@ def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None
         bad_ids = torch.zeros((), dtype=torch.bool, device=values.device)
         id_feat = None
     else:
-        # searchsorted (not repeat_interleave) stays in range even if offsets are malformed.
-        feat_end = offsets[b::b].contiguous()
-        id_feat = torch.searchsorted(feat_end, torch.arange(n, device=values.device), right=True).clamp(
-            max=f - 1
-        )
-        bad_mask = (values < 0) | (values >= routing.num_rows[id_feat])
+        # id_feat[i] = number of features 1..F-1 starting at or before id i: a count, not a
+        # search, so it is linear and stays in [0, F-1] even if the offsets are malformed.
+        feat_start = offsets[b : f * b : b].clamp(0, n)
+        marks = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
+        marks.index_add_(0, feat_start, torch.ones_like(feat_start))
+        id_feat = marks[:n].cumsum(0)
+        bad_mask = (values < 0) | (values >= routing.num_rows.index_select(0, id_feat))
         bad_ids = bad_mask.any()
     if not bool(bad_offsets | bad_ids):
         return

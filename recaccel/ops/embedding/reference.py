@@ -4,21 +4,25 @@ One ``torch.nn.functional.embedding_bag`` per pack looks up every feature of the
 ids are shifted by their table's row offset (:func:`gather_pack_ids`) and pooled with
 ``mode="sum"`` and per-id scales (the id's weight, times ``1/L`` for mean pooling).
 
-Fused mode wraps it in :class:`ReferenceFusedLookup`, whose backward computes each
-occurrence's gradient, sums duplicates per unique row (``torch.unique`` + ``index_add``)
-and applies the sparse optimizer to those rows; no dense [R, D] gradient exists.
+Fused mode wraps it in :class:`ReferenceFusedLookup`, whose backward sorts the ids by
+row, sums each unique row's occurrence gradients (one ``embedding_bag`` over the output
+gradient) and applies the sparse optimizer to those rows, a piece of rows at a time
+(:func:`~recaccel.ops.embedding.optimizers.rows_per_piece`); no dense [R, D] gradient
+exists.
 
 Shapes: B batch, S features of the pack, D dim, N_p ids of the pack, U unique rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from recaccel.io.batch import SparseFeatures
-from recaccel.ops.embedding.optimizers import PackState, reference_update
+from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids
 from recaccel.ops.embedding.specs import SparseOptimConfig
 
@@ -53,26 +57,54 @@ def reference_lookup(
     return pooled.view(num_local, batch_size, dim).transpose(0, 1)
 
 
-def coalesce_row_grads(grad_out: Tensor, ids: PackIds, batch_size: int) -> tuple[Tensor, Tensor]:
-    """Sums the gradient of every occurrence of each unique row.
+def coalesce_row_grads(
+    grad_out: Tensor, ids: PackIds, *, max_rows: int | None = None
+) -> Iterator[tuple[Tensor, Tensor]]:
+    """Sums the gradient of every occurrence of each unique row, in pieces of rows.
+
+    The ids are sorted by row (stable: a row's occurrences keep their order); then each
+    piece of unique rows pools its occurrences' output gradients with one
+    ``embedding_bag`` (a row is a "bag" of the output-gradient rows of its occurrences,
+    weighted by their scale), which fuses the gather, the scaling and the sum.
 
     Args:
         grad_out: [B, S, D] gradient of the pooled output.
         ids: The pack's ids, with ``bags``.
-        batch_size: B.
+        max_rows: Unique rows per piece (default :func:`rows_per_piece` of D).
 
-    Returns:
-        (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
+    Yields:
+        (rows int64 [U_k] unique packed rows, grad float32 [U_k, D]); the pieces cover the
+        sorted unique rows in ascending order.
     """
-    dim = grad_out.shape[2]
-    per_bag = grad_out.transpose(0, 1).reshape(-1, dim)
-    per_id = per_bag[ids.bags]
-    if ids.scale is not None:
-        per_id = per_id * ids.scale[:, None]
-    rows, inverse = torch.unique(ids.rows, return_inverse=True)
-    grad = torch.zeros(rows.numel(), dim, dtype=torch.float32, device=grad_out.device)
-    grad.index_add_(0, inverse, per_id.to(torch.float32))
-    return rows, grad
+    b, s, dim = grad_out.shape
+    max_rows = rows_per_piece(dim) if max_rows is None else max_rows
+    grad_out = grad_out.to(torch.float32)
+    # Bag j*B + b of the pack is output row (b, j): read a contiguous grad_out where it lies
+    # rather than copying it to feature-major order.
+    in_place = grad_out.is_contiguous()
+    table = grad_out.view(b * s, dim) if in_place else grad_out.transpose(0, 1).reshape(b * s, dim)
+    sorted_rows, order = torch.sort(ids.rows, stable=True)
+    rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    del sorted_rows
+    num_unique = rows.numel()
+    segments = torch.zeros(num_unique + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(counts, 0, out=segments[1:])
+    starts = list(range(0, num_unique, max_rows))
+    # One host read for all the pieces' bounds.
+    bounds = segments[starts + [num_unique]].tolist()
+    for k, u0 in enumerate(starts):
+        u1 = min(u0 + max_rows, num_unique)
+        lo, hi = bounds[k], bounds[k + 1]
+        occ = order[lo:hi]
+        bags = ids.bags.index_select(0, occ)
+        if in_place:
+            bags = (bags % b) * s + bags // b
+        scale = None if ids.scale is None else ids.scale.index_select(0, occ)
+        grad = F.embedding_bag(
+            bags, table, segments[u0 : u1 + 1] - lo, mode="sum", per_sample_weights=scale,
+            include_last_offset=True,
+        )  # fmt: skip
+        yield rows[u0:u1], grad
 
 
 class ReferenceFusedLookup(torch.autograd.Function):
@@ -95,11 +127,12 @@ class ReferenceFusedLookup(torch.autograd.Function):
         ids = gather_pack_ids(sf, local, batch_size, with_bags=True)
         with torch.no_grad():
             out = reference_lookup(state.weight, ids, batch_size, local.count)
-        ctx.ids, ctx.state, ctx.config, ctx.batch_size = ids, state, config, batch_size
+        ctx.ids, ctx.state, ctx.config = ids, state, config
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        rows, grad = coalesce_row_grads(grad_out, ctx.ids, ctx.batch_size)
-        reference_update(ctx.state, ctx.config, rows, grad)
+        ctx.state.step.add_(1)
+        for rows, grad in coalesce_row_grads(grad_out, ctx.ids):
+            update_rows(ctx.state, ctx.config, rows, grad)
         return None, None, None, None, None, None
