@@ -236,8 +236,8 @@ def _task_stats(reader: TaskReader) -> str:
     return ", ".join(f"{k}={reader.stats[k]}" for k in keys)
 
 
-def main(args, command_line: str) -> int:
-    """Runs the benchmark and writes ``args.out``."""
+def main(args, command_line: str) -> Path:
+    """Runs the benchmark and writes ``args.out``; returns its path."""
     with tempfile.TemporaryDirectory(prefix="recaccel-bench-io-") as tmp:
         if args.path is None:
             path = make_dataset(Path(tmp), args.rows, args.task_rows, args.zipf_a, args.rows_per_row_group)
@@ -259,4 +259,4 @@ def main(args, command_line: str) -> int:
         notes,
     )
     log.info("wrote %s", out)
-    return 0
+    return Path(out)

@@ -1,6 +1,7 @@
 """The benchmarks ``recaccel-bench`` runs: name -> (help, add_args, main).
 
-Each benchmark module exposes ``add_args(parser)`` and ``main(args, command_line) -> int``;
+Each benchmark module exposes ``add_args(parser)`` and ``main(args, command_line) -> Path``
+(the markdown summary it wrote);
 modules are imported only when their benchmark runs.
 """
 

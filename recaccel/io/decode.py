@@ -162,32 +162,38 @@ def row_group_to_columns(
     _count(stats, "rows_read", n)
     drop = np.zeros(n, dtype=bool)
 
-    labels, bad = _decode_labels(table, schema, policies, path, row_group)
+    by_name = dict(zip(table.column_names, table.columns))  # one lookup table per row group
+    labels, bad = _decode_labels(by_name, schema, policies, path, row_group)
     _drop_rows(stats, drop, bad, "rows_skipped_invalid_labels")
 
     dense = np.empty((n, len(proj.dense)), dtype=np.float32)
     dense_bad = np.zeros(n, dtype=bool)
     for j, name in enumerate(proj.dense):
         dense[:, j], bad = _decode_dense(
-            _column(table, name, path, row_group), name, policies, path, row_group, stats
+            _column(by_name, name, path, row_group), name, policies, path, row_group, stats
         )
-        dense_bad |= bad
+        if bad is not None:
+            dense_bad |= bad
     _drop_rows(stats, drop, dense_bad, "rows_skipped_invalid_dense")
 
+    # One read-only arange serves as the offsets of every single-hot field.
+    steps = np.arange(n + 1, dtype=np.int64)
+    steps.flags.writeable = False
     values, offsets = [], []
     ids_bad = np.zeros(n, dtype=bool)
     for sf in proj.sparse:
         val, off, bad = _decode_ids(
-            _column(table, sf.name, path, row_group), sf, policies, path, row_group, stats
+            _column(by_name, sf.name, path, row_group), sf, policies, path, row_group, stats, steps
         )
         values.append(val)
         offsets.append(off)
-        ids_bad |= bad
+        if bad is not None:
+            ids_bad |= bad
     _drop_rows(stats, drop, ids_bad, "rows_skipped_invalid_ids")
 
     extra = {}
     for name in proj.extra:
-        arr = _column(table, name, path, row_group)
+        arr = _column(by_name, name, path, row_group)
         if arr.null_count:
             row = int(np.flatnonzero(_null_mask(arr))[0])
             raise DataError(f"null value at row {row}", path=path, column=name, row_group=row_group)
@@ -201,12 +207,13 @@ def row_group_to_columns(
     return cols
 
 
-def _column(table: pa.Table, name: str, path: str, row_group: int) -> pa.Array:
-    idx = table.schema.get_field_index(name)
-    if idx < 0:
+def _column(by_name: dict[str, pa.ChunkedArray], name: str, path: str, row_group: int) -> pa.Array:
+    col = by_name.get(name)
+    if col is None:
         raise DataError("column is missing", path=path, column=name, row_group=row_group)
-    col = table.column(idx)
-    return col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(col, pa.ChunkedArray):  # one chunk is the common case: no copy then
+        return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+    return col
 
 
 def _null_mask(arr: pa.Array) -> np.ndarray:
@@ -223,9 +230,9 @@ def _numbers(arr: pa.Array) -> np.ndarray:
 
 
 def _decode_labels(
-    table: pa.Table, schema: FeatureSchema, policies: Policies, path: str, row_group: int
+    by_name: dict[str, pa.ChunkedArray], schema: FeatureSchema, policies: Policies, path: str, row_group: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    arr = _column(table, schema.label, path, row_group)
+    arr = _column(by_name, schema.label, path, row_group)
     nulls = _null_mask(arr)
     labels = _numbers(arr).astype(np.float32)
     bad = nulls | ~np.isfinite(labels)
@@ -243,12 +250,17 @@ def _decode_labels(
 
 def _decode_dense(
     arr: pa.Array, name: str, policies: Policies, path: str, row_group: int, stats: dict[str, int]
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Returns (values float32 [n], bad-row mask [n] or None when no row is bad)."""
+    # float64 beyond float32 range becomes inf: bad. The caller copies the values.
+    vals = _numbers(arr).astype(np.float32, copy=False)
+    if arr.null_count == 0 and np.isfinite(vals.min(initial=0.0)) and np.isfinite(vals.max(initial=0.0)):
+        return vals, None  # min/max are NaN or inf exactly when some value is
     nulls = _null_mask(arr)
-    vals = _numbers(arr).astype(np.float32)  # float64 beyond float32 range becomes inf: bad
     bad = nulls | ~np.isfinite(vals)
     if not bad.any():
-        return vals, bad
+        return vals, None
+    vals = vals.copy()  # may be a read-only view of Arrow memory
     if policies.invalid_dense == "error":
         row = int(np.flatnonzero(bad)[0])
         shown = "null" if nulls[row] else repr(float(vals[row]))
@@ -258,32 +270,45 @@ def _decode_dense(
     if policies.invalid_dense == "zero":
         vals[bad] = 0.0
         _count(stats, "dense_zeroed", int(bad.sum()))
-        return vals, np.zeros_like(bad)
+        return vals, None
     return vals, bad
 
 
 def _decode_ids(
-    arr: pa.Array, sf: SparseField, policies: Policies, path: str, row_group: int, stats: dict[str, int]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Returns (values int64 [N], offsets int64 [n+1], bad-row mask [n])."""
+    arr: pa.Array,
+    sf: SparseField,
+    policies: Policies,
+    path: str,
+    row_group: int,
+    stats: dict[str, int],
+    steps: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Returns (values int64 [N], offsets int64 [n+1], bad-row mask [n] or None when no
+    row is bad); ``steps`` is ``arange(n+1)``, the offsets of a single-hot field."""
     n = len(arr)
-    row_null = _null_mask(arr)
     if sf.multi_hot:
         lengths = _numbers(pc.list_value_length(arr)).astype(np.int64)  # null list -> 0
         flat = arr.flatten()  # skips the contents of null lists
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
     else:
-        lengths = np.ones(n, dtype=np.int64)
+        lengths = None
         flat = arr
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    elem_null = _null_mask(flat)
+        offsets = steps
     raw = _numbers(flat)
-    # Compare in the stored dtype so uint64 ids beyond int64 range are still caught.
-    out_of_range = (raw < 0) | (raw >= sf.cardinality)  # nulls were filled with 0: in range
+    # Compare in the stored dtype so uint64 ids beyond int64 range are still caught;
+    # nulls were filled with 0 (in range). min/max first: no mask in the common case.
+    if arr.null_count == 0 and flat.null_count == 0 and (
+        raw.size == 0 or (raw.min() >= 0 and raw.max() < sf.cardinality)
+    ):
+        return raw.astype(np.int64, copy=False), offsets, None
+    row_null = _null_mask(arr)
+    elem_null = _null_mask(flat)
+    out_of_range = (raw < 0) | (raw >= sf.cardinality)
     null_rows = row_null.copy() if sf.multi_hot else row_null
     has_bad_elem = out_of_range | elem_null
     if not (has_bad_elem.any() or null_rows.any()):
-        return raw.astype(np.int64, copy=False), offsets, np.zeros(n, dtype=bool)
+        return raw.astype(np.int64, copy=False), offsets, None
 
     parent = (
         np.repeat(np.arange(n, dtype=np.int64), lengths) if sf.multi_hot else np.arange(n, dtype=np.int64)

@@ -12,8 +12,10 @@ the end of a buffer start the next batch, so batches cross buffer boundaries. Wi
 shuffle every buffer is one row group and rows come in file order.
 
 Memory is bounded by one buffer plus one batch of carried rows, about
-``shuffle_buffer_rows + rows_per_row_group + batch_size`` rows, whatever the file
-sizes; ``stats["max_buffered_rows"]`` records the high-water mark.
+``shuffle_buffer_rows + rows_per_row_group + batch_size`` rows, plus as much again for
+each buffer decoded ahead on the background thread (``read_ahead``, default 1),
+whatever the file sizes; ``stats["max_buffered_rows"]`` records the high-water mark.
+Batches are gathered from the buffer straight into their own arrays.
 
 Position. The reader is a cursor: iterating yields the batches from the current
 position to the end of the epoch and moves the position along; ``state_dict()`` is
@@ -27,6 +29,7 @@ to the start of epoch e. Only one iteration may be in progress at a time.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +39,7 @@ import numpy as np
 from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.batch import Batch
-from recaccel.io.columns import Columns
+from recaccel.io.columns import Columns, take_batch
 from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.decode import Policies, Projection, new_decode_stats, row_group_to_columns
 from recaccel.io.parquet_writer import DatasetWriter, write_parquet
@@ -87,6 +90,9 @@ class BatchReader:
         invalid_ids: ``error`` | ``skip`` | ``clip`` | ``hash``.
         invalid_dense: ``error`` | ``skip`` | ``zero``.
         invalid_labels: ``error`` | ``skip``.
+        read_ahead: shuffle buffers decoded in advance on a background thread while
+            batches are cut from the current one (0 = decode inline). Each one adds a
+            buffer to the memory held; batches, order and state do not depend on it.
 
     Attributes:
         info: the dataset footers (schema, files, row groups).
@@ -117,6 +123,7 @@ class BatchReader:
         invalid_ids: str = "error",
         invalid_dense: str = "error",
         invalid_labels: str = "error",
+        read_ahead: int = 1,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -126,6 +133,8 @@ class BatchReader:
             raise ConfigError(f"seed must be >= 0, got {seed}")
         if shuffle_buffer_rows < 1:
             raise ConfigError(f"shuffle_buffer_rows must be >= 1, got {shuffle_buffer_rows}")
+        if read_ahead < 0:
+            raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
         self.policies = Policies(invalid_ids, invalid_dense, invalid_labels)
         self.info: DatasetInfo = open_dataset(path, schema)
         self.schema = self.info.schema
@@ -137,6 +146,7 @@ class BatchReader:
         self.rank = rank
         self.world_size = world_size
         self.drop_last = drop_last
+        self.read_ahead = read_ahead
         self.stats: dict[str, int] = new_decode_stats()
         self.stats.update(rows_yielded=0, batches_yielded=0, rows_dropped_last=0, max_buffered_rows=0)
         self._pos = _Position(0, 0, 0, False)
@@ -197,16 +207,19 @@ class BatchReader:
         start = self._pos
         epoch = start.epoch
         buffers = self.buffers(epoch)
-        rows_after = np.cumsum([0] + [sum(r.num_rows for r in buf) for buf in reversed(buffers)])[::-1]
+        sizes = [sum(r.num_rows for r in buf) for buf in buffers]
+        rows_after = np.cumsum([0] + sizes[::-1])[::-1]
         bs = self.batch_size
-        carry: list[Columns] = []
+        carry: Columns | None = None
         carry_rows = 0
-        # Each iteration owns its file handles: an abandoned iterator closing them must
-        # not disturb a newer one.
-        source = RowGroupReader(self.schema, self.projection, self.policies, self.stats)
+        # Each iteration owns its loader (file handles, thread): an abandoned iterator
+        # closing them must not disturb a newer one.
+        loader = _BufferLoader(self, buffers, start.buffer)
         try:
             for b in range(start.buffer, len(buffers)):
-                cols = Columns.concat([source.read(ref) for ref in buffers[b]])
+                cols, delta = loader.get(b)
+                for key, value in delta.items():
+                    self.stats[key] += value
                 n = cols.num_rows
                 i = start.offset if b == start.buffer else 0
                 if i > n:
@@ -215,28 +228,33 @@ class BatchReader:
                         "did the dataset or the read policies change?"
                     )
                 order = self._buffer_order(epoch, b, n)
-                self.stats["max_buffered_rows"] = max(self.stats["max_buffered_rows"], n + carry_rows)
+                held = n + carry_rows + loader.ahead_rows()
+                self.stats["max_buffered_rows"] = max(self.stats["max_buffered_rows"], held)
                 while n - i >= bs - carry_rows:
-                    part = _rows_of(cols, order, i, i + bs - carry_rows)
-                    i += bs - carry_rows
-                    rows = Columns.concat(carry + [part])
-                    carry, carry_rows = [], 0
+                    j = i + bs - carry_rows
+                    if carry is None:  # gathered once, straight into the batch's arrays
+                        batch = take_batch(cols, slice(i, j) if order is None else order[i:j])
+                    else:
+                        batch = Columns.concat([carry, _rows_of(cols, order, i, j)]).to_batch()
+                    i = j
+                    carry, carry_rows = None, 0
                     left = (n - i) + int(rows_after[b + 1])  # an upper bound: skips only remove rows
                     done = left == 0 or (self.drop_last and left < bs)
                     self._pos = _Position(epoch, b, i, done) if i < n else _Position(epoch, b + 1, 0, done)
-                    yield self._emit(rows), self.state_dict()
+                    yield self._emit(batch), self.state_dict()
                 if i < n:  # a copy, so the carry does not pin the whole buffer
-                    carry.append(cols.take(np.arange(i, n) if order is None else order[i:n]))
+                    rest = cols.take(np.arange(i, n) if order is None else order[i:n])
+                    carry = rest if carry is None else Columns.concat([carry, rest])
                     carry_rows += n - i
                 del cols
             end = _Position(epoch, len(buffers), 0, True)
             if carry_rows and not self.drop_last:
                 self._pos = end
-                yield self._emit(Columns.concat(carry)), self.state_dict()
+                yield self._emit(carry.to_batch()), self.state_dict()
             self.stats["rows_dropped_last"] += carry_rows if self.drop_last else 0
             self._pos = end
         finally:
-            source.close()
+            loader.close()
 
     def buffers(self, epoch: int) -> list[list[RowGroupRef]]:
         """This rank's row groups in ``epoch``, grouped into shuffle buffers, in read order."""
@@ -312,10 +330,63 @@ class BatchReader:
             return None
         return np.random.default_rng([self.seed, epoch, 1, self.rank, buffer]).permutation(n)
 
-    def _emit(self, rows: Columns) -> Batch:
-        self.stats["rows_yielded"] += rows.num_rows
+    def _emit(self, batch: Batch) -> Batch:
+        self.stats["rows_yielded"] += batch.batch_size
         self.stats["batches_yielded"] += 1
-        return rows.to_batch()
+        return batch
+
+
+class _BufferLoader:
+    """Decodes the shuffle buffers of one iteration, ``read_ahead`` buffers in advance.
+
+    With ``read_ahead > 0`` one worker thread decodes the next buffers (its own file
+    handles and counters) while the caller cuts batches from the current one; Arrow
+    decoding and numpy's large-array work release the GIL. Buffers come back in order
+    with their counter increments, and a decode error is raised when its buffer is
+    asked for, so results, counters and errors are those of an inline read.
+    """
+
+    def __init__(self, reader: BatchReader, buffers: list[list[RowGroupRef]], first: int) -> None:
+        self._buffers = buffers
+        self._ahead = reader.read_ahead
+        self._shuffle = reader.shuffle
+        # Counters start from the reader's, so the decoder's first-occurrence warnings
+        # fire as they would inline.
+        self._stats = {k: reader.stats[k] for k in new_decode_stats()}
+        self._source = RowGroupReader(reader.schema, reader.projection, reader.policies, self._stats)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="recaccel-read") if self._ahead else None
+        self._futures: dict[int, Future] = {}
+        self._next = first
+
+    def get(self, b: int) -> tuple[Columns, dict[str, int]]:
+        """Buffer ``b``'s rows and the decode counter increments (raises what decoding raised)."""
+        if self._pool is None:
+            return self._load(b)
+        fut = self._futures.pop(b, None) or self._pool.submit(self._load, b)
+        for a in range(b + 1, min(b + 1 + self._ahead, len(self._buffers))):
+            if a not in self._futures:
+                self._futures[a] = self._pool.submit(self._load, a)
+        return fut.result()
+
+    def ahead_rows(self) -> int:
+        """Rows (footer counts) of the buffers being decoded ahead."""
+        return sum(r.num_rows for a in self._futures for r in self._buffers[a])
+
+    def close(self) -> None:
+        """Cancels decodes not started, waits for a running one, closes the files."""
+        for fut in self._futures.values():
+            fut.cancel()
+        self._futures.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._source.close()
+
+    def _load(self, b: int) -> tuple[Columns, dict[str, int]]:
+        before = dict(self._stats)
+        # Shuffled rows are gathered at random: row-major ids make that cache-friendly.
+        parts = [self._source.read(ref) for ref in self._buffers[b]]
+        cols = Columns.concat(parts, row_major_ids=self._shuffle)
+        return cols, {k: v - before[k] for k, v in self._stats.items() if v != before[k]}
 
 
 def _rows_of(cols: Columns, order: np.ndarray | None, start: int, stop: int) -> Columns:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recaccel.io.batch import Batch, SparseFeatures, TaskBatch
-from recaccel.io.columns import Columns, take_csr
+from recaccel.io.batch import Batch, TaskBatch
+from recaccel.io.columns import Columns, take_batch
 
 
 @dataclass
@@ -165,38 +165,3 @@ def _gather_batch(pool: TaskPool, row_chunk: np.ndarray, pos: np.ndarray) -> Bat
         return _gather(pool, row_chunk, pos).to_batch()
     c = int(row_chunk[0]) if row_chunk.size else 0
     return take_batch(pool.chunks[c], pool.rows[c][pos])
-
-
-def take_batch(cols: Columns, idx: np.ndarray) -> Batch:
-    """Rows ``idx`` of ``cols`` as a CPU Batch, gathered once into the batch's arrays.
-
-    Same result as ``cols.take(idx).to_batch()`` (field-major CSR, offsets int64
-    [F*B+1]) without the intermediate copy.
-
-    Args:
-        cols: the rows.
-        idx: int64 [B] rows to gather (any order, repeats allowed).
-    """
-    b = idx.shape[0]
-    bags = [
-        None if single else take_csr(v, o, idx)
-        for v, o, single in zip(cols.values, cols.offsets, cols.single)
-    ]
-    sizes = [b if bag is None else bag[0].shape[0] for bag in bags]
-    values = np.empty(sum(sizes), dtype=np.int64)
-    offsets = np.empty(len(bags) * b + 1, dtype=np.int64)
-    offsets[0] = 0
-    steps = np.arange(1, b + 1, dtype=np.int64)
-    base = 0
-    for f, (bag, size) in enumerate(zip(bags, sizes)):
-        out = offsets[f * b + 1 : (f + 1) * b + 1]
-        if bag is None:
-            np.take(cols.values[f], idx, out=values[base : base + size])
-            np.add(steps, base, out=out)
-        else:
-            values[base : base + size] = bag[0]
-            np.add(bag[1][1:], base, out=out)
-        base += size
-    sparse = SparseFeatures(list(cols.keys), torch.from_numpy(values), torch.from_numpy(offsets))
-    dense = np.take(cols.dense, idx, axis=0)
-    return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(np.take(cols.labels, idx)))

@@ -390,12 +390,51 @@ def test_memory_bounded_by_shuffle_buffer(tmp_path):
     write_parquet(
         tmp_path, schema, make_columns(schema, 10 * buffer_rows, 0), rows_per_row_group=rg, rows_per_file=3000
     )
-    reader = BatchReader(tmp_path, batch, shuffle_buffer_rows=buffer_rows)
-    rows = sum(b.batch_size for b in reader)
-    assert rows == 10 * buffer_rows
-    assert buffer_rows <= reader.stats["max_buffered_rows"] <= buffer_rows + rg + batch
-    plain = BatchReader(tmp_path, batch, shuffle=False)
-    assert sum(b.batch_size for b in plain) == rows and plain.stats["max_buffered_rows"] <= rg + batch
+    for ahead in (0, 1, 2):  # each buffer decoded ahead adds one buffer
+        reader = BatchReader(tmp_path, batch, shuffle_buffer_rows=buffer_rows, read_ahead=ahead)
+        rows = sum(b.batch_size for b in reader)
+        assert rows == 10 * buffer_rows
+        most = (1 + ahead) * (buffer_rows + rg) + batch
+        assert buffer_rows <= reader.stats["max_buffered_rows"] <= most
+        plain = BatchReader(tmp_path, batch, shuffle=False, read_ahead=ahead)
+        assert sum(b.batch_size for b in plain) == rows
+        assert plain.stats["max_buffered_rows"] <= (1 + ahead) * rg + batch
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_read_ahead_changes_nothing_but_timing(tmp_path, shuffle):
+    schema = small_dataset(tmp_path, n=400, rg=30)
+    table = pq.read_table(tmp_path / "part-00001.parquet")
+    ids = table.column("s0").to_numpy().copy()
+    ids[::7] = 10_000  # out of range: repaired by the hash policy and counted
+    pq.write_table(
+        table.set_column(table.schema.get_field_index("s0"), "s0", pa.array(ids)),
+        tmp_path / "part-00001.parquet",
+        row_group_size=30,
+    )
+    kw = dict(shuffle=shuffle, seed=5, shuffle_buffer_rows=70, invalid_ids="hash", schema=schema)
+    runs = []
+    for ahead in (0, 1, 3):
+        reader = BatchReader(tmp_path, 24, read_ahead=ahead, **kw)
+        out = list(reader.iter_with_state())
+        stats = {k: v for k, v in reader.stats.items() if k != "max_buffered_rows"}
+        runs.append(([b for b, _ in out], [s for _, s in out], stats))
+    for batches, states, stats in runs[1:]:
+        same_batches(batches, runs[0][0])
+        assert states == runs[0][1] and stats == runs[0][2]
+    assert runs[0][2]["ids_hashed"] > 0
+    with pytest.raises(ConfigError, match="read_ahead"):
+        BatchReader(tmp_path, 8, read_ahead=-1)
+
+
+def test_abandoned_iteration_with_read_ahead_then_resume(tmp_path):
+    small_dataset(tmp_path, n=300, rg=20)
+    expected = list(BatchReader(tmp_path, 16, seed=1, shuffle_buffer_rows=40, read_ahead=0))
+    reader = BatchReader(tmp_path, 16, seed=1, shuffle_buffer_rows=40, read_ahead=2)
+    it = iter(reader)
+    head = [next(it) for _ in range(5)]
+    it.close()  # stops the worker thread and closes the files
+    same_batches(head + list(reader), expected)
 
 
 def test_column_projection(tmp_path):
