@@ -24,7 +24,9 @@ whether the file claimed to be grouped (written by ``recaccel-data tasks``).
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +54,52 @@ class OwnedRows:
     cols: Columns
     keys: np.ndarray
     times: np.ndarray | None
+
+
+class HeadStash:
+    """Heads of row groups kept for a unit read later, shared by the streams of one pass.
+
+    The head of row group ``h`` is its rows that complete row group ``h-1``'s last task.
+    When ``h`` starts a unit and ``h-1`` ends a unit read later, the owner of ``h`` keeps
+    a copy of that head here (a few rows), so completing the task does not decode ``h``
+    a second time. Thread-safe.
+
+    Args:
+        wanted: the row groups whose heads a later unit needs.
+
+    Attributes:
+        rows: rows held.
+    """
+
+    def __init__(self, wanted: set[int]) -> None:
+        self._wanted = set(wanted)
+        self._heads: dict[int, Columns] = {}
+        self._lock = threading.Lock()
+        self.rows = 0
+
+    def offer(self, g: int, head: Callable[[], Columns]) -> None:
+        """Keeps ``head()`` (called only if needed) as row group ``g``'s head."""
+        with self._lock:
+            if g in self._wanted:
+                self._wanted.discard(g)
+                cols = self._heads[g] = head()
+                self.rows += cols.num_rows
+
+    def claim(self, g: int) -> Columns | None:
+        """Row group ``g``'s head if kept (then dropped from here); None otherwise, and
+        then it is no longer wanted (the caller decodes ``g`` itself)."""
+        with self._lock:
+            self._wanted.discard(g)
+            cols = self._heads.pop(g, None)
+            if cols is not None:
+                self.rows -= cols.num_rows
+            return cols
+
+
+def wanted_heads(units: list[range]) -> set[int]:
+    """Row groups starting a unit whose predecessor ends a unit later in ``units``."""
+    pos = {g: i for i, unit in enumerate(units) for g in unit}
+    return {u.start for j, u in enumerate(units) if len(u) and pos.get(u.start - 1, -1) > j}
 
 
 def key_bounds(info: DatasetInfo, column: str) -> tuple[np.ndarray, np.ndarray]:
@@ -114,6 +162,7 @@ class TaskStream:
             usually the next owner).
         bounds: the (first, last) key arrays of :func:`key_bounds` if already known.
         stats: counter dict to update (``row_groups_read``: row groups decoded).
+        heads: heads of row groups shared with other streams of the pass, or None.
 
     Attributes:
         first, last: int64 [G] first / last task key of each row group.
@@ -132,6 +181,7 @@ class TaskStream:
         cache_row_groups: int = 2,
         bounds: tuple[np.ndarray, np.ndarray] | None = None,
         stats: dict[str, int] | None = None,
+        heads: HeadStash | None = None,
     ) -> None:
         self.info = info
         self.source = source
@@ -143,6 +193,7 @@ class TaskStream:
         self.cached_rows = 0
         self.stats = stats if stats is not None else {}
         self.stats.setdefault("row_groups_read", 0)
+        self.heads = heads
         check_order(info, self.first, self.last, task_key)
 
     @property
@@ -165,15 +216,19 @@ class TaskStream:
         cols = self._read(g)
         keys = cols.extra[self.task_key]
         start = int(np.searchsorted(keys, skip, "right")) if skip is not None else 0
+        if start and self.heads is not None:
+            self.heads.offer(g, lambda: cols.take(np.arange(start)))
         h = g + 1
         if h >= self.num_row_groups or int(self.first[h]) != last:
             return [self._part(cols.slice(start, cols.num_rows))]
         tail = max(start, int(np.searchsorted(keys, last, "left")))
         parts = [cols.slice(tail, cols.num_rows)]
         while h < self.num_row_groups and int(self.first[h]) == last:
-            nxt = self._read(h)
-            stop = int(np.searchsorted(nxt.extra[self.task_key], last, "right"))
-            parts.append(nxt.slice(0, stop))
+            head = self.heads.claim(h) if self.heads is not None else None
+            if head is None:
+                nxt = self._read(h)
+                head = nxt.slice(0, int(np.searchsorted(nxt.extra[self.task_key], last, "right")))
+            parts.append(head)
             if int(self.last[h]) != last:
                 break
             h += 1

@@ -7,7 +7,8 @@ threads while the caller batches the current one (Arrow decoding and most numpy 
 release the GIL). Each load returns its counter increments, which the caller adds to
 its own counters: task and split counts are the same with or without threads; decode
 counts may grow, as each worker has its own cache of decoded row groups and a task
-that crosses into the next unit's row group decodes that row group once more.
+that crosses into the next unit's row group decodes that row group once more, unless
+that unit was loaded first and kept the rows in the shared :class:`HeadStash`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from recaccel.io.dataset import DatasetInfo, RowGroupReader
 from recaccel.io.decode import Policies, Projection, new_decode_stats
 from recaccel.io.task_pool import TaskPool
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec, split_tasks
-from recaccel.io.task_stream import TaskStream
+from recaccel.io.task_stream import HeadStash, TaskStream
 
 
 class UnitWorker:
@@ -33,6 +34,7 @@ class UnitWorker:
         bounds: first / last task key of each row group (see ``task_stream.key_bounds``).
         spec: the split rules.
         seed_words: seed of the splits.
+        heads: row-group heads shared by the workers of one pass, or None.
     """
 
     def __init__(
@@ -43,13 +45,14 @@ class UnitWorker:
         bounds,
         spec: SplitSpec,
         seed_words: tuple[int, ...],
+        heads: HeadStash | None = None,
     ) -> None:
         schema = info.schema
         self.stats = new_decode_stats()
         self.stats.update(dict.fromkeys(SPLIT_COUNTERS, 0), row_groups_read=0)
         self.source = RowGroupReader(schema, projection, policies, self.stats)
         self.stream = TaskStream(
-            info, self.source, schema.task_key, schema.timestamp, bounds=bounds, stats=self.stats
+            info, self.source, schema.task_key, schema.timestamp, bounds=bounds, stats=self.stats, heads=heads
         )
         self.spec = spec
         self.seed_words = seed_words
@@ -82,10 +85,16 @@ class UnitLoader:
         units: the units, in read order.
         unit_rows: rows of each unit (footer counts), for memory accounting.
         ahead: units loaded in advance on that many threads; 0 = load on request.
+        heads: the workers' shared row-group heads (counted in ``held_rows``), or None.
     """
 
     def __init__(
-        self, new_worker: Callable[[], UnitWorker], units: list[range], unit_rows: list[int], ahead: int
+        self,
+        new_worker: Callable[[], UnitWorker],
+        units: list[range],
+        unit_rows: list[int],
+        ahead: int,
+        heads: HeadStash | None = None,
     ) -> None:
         self._new_worker = new_worker
         self._units = units
@@ -98,6 +107,7 @@ class UnitLoader:
             ThreadPoolExecutor(self._ahead, thread_name_prefix="recaccel-tasks") if self._ahead else None
         )
         self._futures: dict[int, Future] = {}
+        self._heads = heads
 
     def get(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
         """Unit ``u``'s tasks and counter increments (raises what loading raised)."""
@@ -110,9 +120,11 @@ class UnitLoader:
         return fut.result()
 
     def held_rows(self) -> int:
-        """Rows of units being loaded ahead (footer counts) and of the workers' caches."""
+        """Rows of units being loaded ahead (footer counts), of the workers' caches and
+        of the kept heads."""
         ahead = sum(self._unit_rows[v] for v in self._futures)
-        return ahead + sum(w.stream.cached_rows for w in list(self._workers))
+        heads = self._heads.rows if self._heads is not None else 0
+        return ahead + heads + sum(w.stream.cached_rows for w in list(self._workers))
 
     def close(self) -> None:
         """Cancels loads not started, waits for running ones, closes the workers' files."""

@@ -39,7 +39,9 @@ Position. As in :class:`~recaccel.io.parquet.BatchReader`: ``state_dict()`` is t
 position after the last yielded batch: (epoch, window index, the window's first unit,
 tasks of the window already consumed). Resuming rebuilds that window from its first
 unit and yields exactly the remaining batches. Decode counters (``rows_read``, ...)
-count decodes: a row group decoded again to complete a task counts twice; the task
+count decodes: a row group decoded again to complete a task counts twice (this
+happens when a unit is read before the unit its last task runs into; read after it,
+the task's rows there were kept by that unit, see ``task_stream.HeadStash``); the task
 and row counters count each task and row once.
 """
 
@@ -60,7 +62,7 @@ from recaccel.io.decode import Policies, Projection, new_decode_stats
 from recaccel.io.schema import FeatureSchema
 from recaccel.io.task_pool import TaskPool, build_task_batch
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec
-from recaccel.io.task_stream import check_order, key_bounds
+from recaccel.io.task_stream import HeadStash, check_order, key_bounds, wanted_heads
 from recaccel.io.task_units import UnitLoader, UnitWorker
 
 _STATE_VERSION = 1
@@ -281,12 +283,15 @@ class TaskReader:
         end = _Position(start.epoch, 0, 0, 0, True)
         units = self.units(start.epoch)
         seed_words = (self.seed, 1, start.epoch) if self.train else (self.seed, 0)
-        args = (self.info, self.projection, self.policies, self._bounds, self.spec, seed_words)
+        # A unit read before the unit its last task runs into gets that head from there.
+        heads = HeadStash(wanted_heads(units[start.unit :]))
+        args = (self.info, self.projection, self.policies, self._bounds, self.spec, seed_words, heads)
         loader = UnitLoader(
             lambda: UnitWorker(*args),
             units,
             [sum(self.info.row_groups[g].num_rows for g in unit) for unit in units],
             self.read_ahead,
+            heads,
         )
         batches = self._batches(start, units, loader)
         try:

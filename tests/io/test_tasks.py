@@ -361,6 +361,28 @@ def test_resume_mid_epoch_yields_exactly_the_rest(train):
         assert reader.epoch == 1
 
 
+@pytest.mark.parametrize("read_ahead", [0, 2])
+def test_a_unit_read_after_the_next_one_reuses_its_kept_head(read_ahead):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        sizes = [5] * 40  # rg=7: tasks cross row groups, none spans three
+        write_tasks(path, sizes, 9, rg=7)
+        reader = TaskReader(path, cfg(min_task_rows=1), seed=2, unit_row_groups=1, read_ahead=read_ahead)
+        rids = Counter(r for tb in reader for _, sup, qry in batch_tasks(tb) for r in sup + qry)
+        assert rids == Counter(range(sum(sizes)))
+        units = [u.start for u in reader.units(0)]
+        pos = {g: i for i, g in enumerate(units)}
+        keys = task_columns(sizes, 9)["user"]
+        rg_rows = [len(keys[g : g + 7]) for g in range(0, len(keys), 7)]
+        first, last = keys[::7], keys[6::7]
+        # Row group h is decoded again only when h-1's last task runs into it and h-1 is
+        # read first (fewer times: a worker's cache may still hold it).
+        again = [h for h in range(1, len(rg_rows)) if first[h] == last[h - 1] and pos[h - 1] < pos[h]]
+        crossing = sum(first[h] == last[h - 1] for h in range(1, len(rg_rows)))
+        assert 0 < len(again) < crossing
+        assert sum(sizes) <= reader.stats["rows_read"] <= sum(sizes) + sum(rg_rows[h] for h in again)
+
+
 def test_files_without_statistics_read_the_key_column():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
