@@ -29,7 +29,6 @@ to the start of epoch e. Only one iteration may be in progress at a time.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ from recaccel.io.columns import Columns, take_batch
 from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.decode import Policies, Projection, new_decode_stats, row_group_to_columns
 from recaccel.io.parquet_writer import DatasetWriter, write_parquet
+from recaccel.io.read_ahead import ReadAhead
 from recaccel.io.schema import FeatureSchema
 
 __all__ = [
@@ -354,31 +354,20 @@ class _BufferLoader:
         # fire as they would inline.
         self._stats = {k: reader.stats[k] for k in new_decode_stats()}
         self._source = RowGroupReader(reader.schema, reader.projection, reader.policies, self._stats)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="recaccel-read") if self._ahead else None
-        self._futures: dict[int, Future] = {}
+        self._loads = ReadAhead(self._load, len(buffers), self._ahead, threads=1)
         self._next = first
 
     def get(self, b: int) -> tuple[Columns, dict[str, int]]:
         """Buffer ``b``'s rows and the decode counter increments (raises what decoding raised)."""
-        if self._pool is None:
-            return self._load(b)
-        fut = self._futures.pop(b, None) or self._pool.submit(self._load, b)
-        for a in range(b + 1, min(b + 1 + self._ahead, len(self._buffers))):
-            if a not in self._futures:
-                self._futures[a] = self._pool.submit(self._load, a)
-        return fut.result()
+        return self._loads.get(b)
 
     def ahead_rows(self) -> int:
         """Rows (footer counts) of the buffers being decoded ahead."""
-        return sum(r.num_rows for a in self._futures for r in self._buffers[a])
+        return sum(r.num_rows for a in self._loads.pending() for r in self._buffers[a])
 
     def close(self) -> None:
         """Cancels decodes not started, waits for a running one, closes the files."""
-        for fut in self._futures.values():
-            fut.cancel()
-        self._futures.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._loads.close()
         self._source.close()
 
     def _load(self, b: int) -> tuple[Columns, dict[str, int]]:

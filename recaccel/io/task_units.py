@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from recaccel.io.dataset import DatasetInfo, RowGroupReader
 from recaccel.io.decode import Policies, Projection, new_decode_stats
+from recaccel.io.read_ahead import ReadAhead
 from recaccel.io.task_pool import TaskPool
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec, split_tasks
 from recaccel.io.task_stream import HeadStash, TaskStream
@@ -103,36 +103,23 @@ class UnitLoader:
         self._local = threading.local()
         self._workers: list[UnitWorker] = []
         self._lock = threading.Lock()
-        self._pool = (
-            ThreadPoolExecutor(self._ahead, thread_name_prefix="recaccel-tasks") if self._ahead else None
-        )
-        self._futures: dict[int, Future] = {}
+        self._loads = ReadAhead(self._work, len(units), self._ahead, threads=self._ahead, name="recaccel-tasks")
         self._heads = heads
 
     def get(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
         """Unit ``u``'s tasks and counter increments (raises what loading raised)."""
-        if self._pool is None:
-            return self._work(u)
-        fut = self._futures.pop(u, None) or self._pool.submit(self._work, u)
-        for v in range(u + 1, min(u + 1 + self._ahead, len(self._units))):
-            if v not in self._futures:
-                self._futures[v] = self._pool.submit(self._work, v)
-        return fut.result()
+        return self._loads.get(u)
 
     def held_rows(self) -> int:
         """Rows of units being loaded ahead (footer counts), of the workers' caches and
         of the kept heads."""
-        ahead = sum(self._unit_rows[v] for v in self._futures)
+        ahead = sum(self._unit_rows[v] for v in self._loads.pending())
         heads = self._heads.rows if self._heads is not None else 0
         return ahead + heads + sum(w.stream.cached_rows for w in list(self._workers))
 
     def close(self) -> None:
         """Cancels loads not started, waits for running ones, closes the workers' files."""
-        for fut in self._futures.values():
-            fut.cancel()
-        self._futures.clear()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._loads.close()
         for w in self._workers:
             w.close()
 

@@ -1,0 +1,48 @@
+"""Loading numbered items ahead of the consumer on worker threads, results in order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ReadAhead(Generic[T]):
+    """Calls ``load(i)`` for items ``0 .. count-1`` as they are asked for, and the next
+    ``ahead`` items in advance on ``threads`` worker threads.
+
+    An item's result (or the exception its load raised) comes back when it is asked for,
+    so results and errors are those of loading inline; ``ahead = 0`` loads inline.
+    """
+
+    def __init__(self, load: Callable[[int], T], count: int, ahead: int, *, threads: int = 1,
+                 name: str = "recaccel-read") -> None:
+        self._load = load
+        self._count = count
+        self._ahead = max(0, ahead)
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=name) if self._ahead else None
+        self._futures: dict[int, Future] = {}
+
+    def get(self, i: int) -> T:
+        """Item ``i`` (raises what its load raised)."""
+        if self._pool is None:
+            return self._load(i)
+        fut = self._futures.pop(i, None) or self._pool.submit(self._load, i)
+        for j in range(i + 1, min(i + 1 + self._ahead, self._count)):
+            if j not in self._futures:
+                self._futures[j] = self._pool.submit(self._load, j)
+        return fut.result()
+
+    def pending(self) -> list[int]:
+        """Items being loaded ahead (for memory accounting)."""
+        return list(self._futures)
+
+    def close(self) -> None:
+        """Cancels loads not started and waits for running ones."""
+        for fut in self._futures.values():
+            fut.cancel()
+        self._futures.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
