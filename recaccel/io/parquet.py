@@ -186,6 +186,13 @@ class BatchReader:
         """The epoch the next iteration reads."""
         return self._pos.epoch + 1 if self._pos.done else self._pos.epoch
 
+    @property
+    def num_batches(self) -> int:
+        """Batches per epoch for a progress bar: exact for one rank when no row is skipped;
+        with several ranks (whole row groups per rank) the mean over ranks."""
+        rows = sum(ref.num_rows for ref in self.info.row_groups) // self.world_size
+        return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
+
     def set_epoch(self, epoch: int) -> None:
         """Moves the position to the start of ``epoch``."""
         if epoch < 0:

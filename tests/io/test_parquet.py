@@ -754,3 +754,14 @@ def test_repair_policies_on_every_kind_of_bad_value(tmp_path, ids, dense):
     check_stats(reader, stats, len(want))
     if ids == "hash":
         assert (49,) in [row[2][0] for row in got]  # -101 mod 50, Python-style
+
+
+def test_num_batches_matches_an_epoch(tmp_path):
+    schema = FeatureSchema(("d",), (SparseField("c", 5),))
+    rng = np.random.default_rng(0)
+    cols = {"label": rng.integers(0, 2, 1003).astype(np.float32), "d": rng.random(1003).astype(np.float32),
+            "c": rng.integers(0, 5, 1003)}
+    write_parquet(tmp_path, schema, cols, rows_per_row_group=100)
+    for drop_last in (True, False):
+        reader = BatchReader(tmp_path, 64, drop_last=drop_last, shuffle_buffer_rows=300)
+        assert reader.num_batches == sum(1 for _ in reader)
