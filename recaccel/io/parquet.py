@@ -43,6 +43,7 @@ from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_d
 from recaccel.io.decode import Policies, Projection, new_decode_stats, row_group_to_columns
 from recaccel.io.parquet_writer import DatasetWriter, write_parquet
 from recaccel.io.read_ahead import ReadAhead
+from recaccel.io.reader_state import check_reader_args, data_fingerprint, restore_position
 from recaccel.io.schema import FeatureSchema
 
 __all__ = [
@@ -127,14 +128,9 @@ class BatchReader:
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        if seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {seed}")
+        check_reader_args(seed=seed, rank=rank, world_size=world_size, read_ahead=read_ahead)
         if shuffle_buffer_rows < 1:
             raise ConfigError(f"shuffle_buffer_rows must be >= 1, got {shuffle_buffer_rows}")
-        if read_ahead < 0:
-            raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
         self.policies = Policies(invalid_ids, invalid_dense, invalid_labels)
         self.info: DatasetInfo = open_dataset(path, schema)
         self.schema = self.info.schema
@@ -221,7 +217,7 @@ class BatchReader:
         carry_rows = 0
         # Each iteration owns its loader (file handles, thread): an abandoned iterator
         # closing them must not disturb a newer one.
-        loader = _BufferLoader(self, buffers, start.buffer)
+        loader = _BufferLoader(self, buffers)
         try:
             for b in range(start.buffer, len(buffers)):
                 cols, delta = loader.get(b)
@@ -304,17 +300,9 @@ class BatchReader:
                 shuffle, buffer size, rank, world size or read policies.
             DataError: if it was taken on a dataset with other row groups.
         """
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION:
-            raise ConfigError(f"reader state must be a dict with version {_STATE_VERSION}, got {state!r}")
-        for key, now in self._fingerprint().items():
-            saved = state.get(key)
-            if saved != now:
-                err = DataError if key in ("num_row_groups", "num_rows") else ConfigError
-                raise err(f"reader state was saved with {key}={saved!r}, but this reader has {key}={now!r}")
-        fields = [state.get(k) for k in ("epoch", "buffer_index", "row_offset")]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fields):
-            raise ConfigError(f"reader state has a bad position: {state!r}")
-        self._pos = _Position(*fields, bool(state.get("epoch_done", False)))
+        keys = ("epoch", "buffer_index", "row_offset")
+        fields, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, "reader")
+        self._pos = _Position(*fields, done)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
@@ -323,13 +311,7 @@ class BatchReader:
             "shuffle_buffer_rows": self.shuffle_buffer_rows,
             "rank": self.rank,
             "world_size": self.world_size,
-            "policies": [
-                self.policies.invalid_ids,
-                self.policies.invalid_dense,
-                self.policies.invalid_labels,
-            ],
-            "num_row_groups": len(self.info.row_groups),
-            "num_rows": self.info.num_rows,
+            **data_fingerprint(self.info, self.policies),
         }
 
     def _buffer_order(self, epoch: int, buffer: int, n: int) -> np.ndarray | None:
@@ -353,16 +335,14 @@ class _BufferLoader:
     asked for, so results, counters and errors are those of an inline read.
     """
 
-    def __init__(self, reader: BatchReader, buffers: list[list[RowGroupRef]], first: int) -> None:
+    def __init__(self, reader: BatchReader, buffers: list[list[RowGroupRef]]) -> None:
         self._buffers = buffers
-        self._ahead = reader.read_ahead
         self._shuffle = reader.shuffle
         # Counters start from the reader's, so the decoder's first-occurrence warnings
         # fire as they would inline.
         self._stats = {k: reader.stats[k] for k in new_decode_stats()}
         self._source = RowGroupReader(reader.schema, reader.projection, reader.policies, self._stats)
-        self._loads = ReadAhead(self._load, len(buffers), self._ahead, threads=1)
-        self._next = first
+        self._loads = ReadAhead(self._load, len(buffers), reader.read_ahead, threads=1)
 
     def get(self, b: int) -> tuple[Columns, dict[str, int]]:
         """Buffer ``b``'s rows and the decode counter increments (raises what decoding raised)."""

@@ -59,6 +59,7 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.batch import TaskBatch
 from recaccel.io.dataset import DatasetInfo, open_dataset
 from recaccel.io.decode import Policies, Projection, new_decode_stats
+from recaccel.io.reader_state import check_reader_args, data_fingerprint, restore_position
 from recaccel.io.schema import FeatureSchema
 from recaccel.io.task_pool import TaskPool, build_task_batch
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec
@@ -100,8 +101,8 @@ class TaskReader:
         world_size: number of shards.
         drop_last: drop an epoch's last batch if it has fewer than T tasks.
         query_count: > 0: exactly this many query rows per task (the rest support),
-            instead of ``cfg.query_fraction``. None = ``cfg.query_count`` if the config
-            has it, else ``cfg.query_size`` when ``cfg.query_fraction <= 0``, else 0.
+            instead of ``cfg.query_fraction``. None = ``cfg.query_count`` if > 0, else
+            ``cfg.query_size`` when ``cfg.query_fraction <= 0``, else 0.
         unit_row_groups: row groups per unit of shuffling and sharding. A unit's last
             task usually runs into the next row group, which is then decoded once
             more; longer units make that rarer.
@@ -148,16 +149,11 @@ class TaskReader:
             raise ConfigError(f"tasks.tasks_per_batch must be >= 1, got {cfg.tasks_per_batch}")
         if cfg.shuffle_buffer_tasks < 1:
             raise ConfigError(f"tasks.shuffle_buffer_tasks must be >= 1, got {cfg.shuffle_buffer_tasks}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        if seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {seed}")
-        if read_ahead < 0:
-            raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
+        check_reader_args(seed=seed, rank=rank, world_size=world_size, read_ahead=read_ahead)
         if unit_row_groups < 1:
             raise ConfigError(f"unit_row_groups must be >= 1, got {unit_row_groups}")
         if query_count is None:
-            query_count = int(getattr(cfg, "query_count", 0) or 0)
+            query_count = cfg.query_count
             if query_count == 0 and cfg.query_fraction <= 0:
                 query_count = cfg.query_size
         self.spec = SplitSpec(
@@ -243,9 +239,8 @@ class TaskReader:
             world_size=world_size,
             drop_last=data_cfg.drop_last,
             query_count=query_count,
-            # Proposed [tasks] keys; the constructor's defaults until config.py has them.
-            unit_row_groups=getattr(tasks_cfg, "unit_row_groups", 4),
-            read_ahead=getattr(tasks_cfg, "read_ahead", 1),
+            unit_row_groups=tasks_cfg.unit_row_groups,
+            read_ahead=tasks_cfg.read_ahead,
             invalid_ids=data_cfg.invalid_ids,
             invalid_dense=data_cfg.invalid_dense,
             invalid_labels=data_cfg.invalid_labels,
@@ -405,23 +400,9 @@ class TaskReader:
             ConfigError: if the state is malformed or was taken with other settings.
             DataError: if it was taken on a dataset with other row groups.
         """
-        if (
-            not isinstance(state, dict)
-            or state.get("version") != _STATE_VERSION
-            or "task_offset" not in state
-        ):
-            raise ConfigError(
-                f"task reader state must be a dict with version {_STATE_VERSION}, got {state!r}"
-            )
-        for key, now in self._fingerprint().items():
-            saved = state.get(key)
-            if saved != now:
-                err = DataError if key in ("num_row_groups", "num_rows") else ConfigError
-                raise err(f"reader state was saved with {key}={saved!r}, but this reader has {key}={now!r}")
-        fields = [state.get(k) for k in ("epoch", "window", "unit", "task_offset")]
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fields):
-            raise ConfigError(f"task reader state has a bad position: {state!r}")
-        self._pos = _Position(*fields, bool(state.get("epoch_done", False)))
+        keys = ("epoch", "window", "unit", "task_offset")
+        fields, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, "task reader")
+        self._pos = _Position(*fields, done)
 
     def _fingerprint(self) -> dict[str, Any]:
         s = self.spec
@@ -441,11 +422,5 @@ class TaskReader:
             ],
             "shuffle_buffer_tasks": self.cfg.shuffle_buffer_tasks,
             "unit_row_groups": self.unit_row_groups,
-            "policies": [
-                self.policies.invalid_ids,
-                self.policies.invalid_dense,
-                self.policies.invalid_labels,
-            ],
-            "num_row_groups": len(self.info.row_groups),
-            "num_rows": self.info.num_rows,
+            **data_fingerprint(self.info, self.policies),
         }

@@ -1,0 +1,63 @@
+"""Argument and saved-state checks shared by the resumable readers (BatchReader, TaskReader)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from recaccel.errors import ConfigError, DataError
+from recaccel.io.dataset import DatasetInfo
+from recaccel.io.decode import Policies
+
+# Fingerprint keys that describe the data rather than the settings.
+_DATA_KEYS = ("num_row_groups", "num_rows")
+
+
+def check_reader_args(*, seed: int, rank: int, world_size: int, read_ahead: int) -> None:
+    """Raises ConfigError unless ``seed >= 0``, ``0 <= rank < world_size`` and ``read_ahead >= 0``."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    if seed < 0:
+        raise ConfigError(f"seed must be >= 0, got {seed}")
+    if read_ahead < 0:
+        raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
+
+
+def data_fingerprint(info: DatasetInfo, policies: Policies) -> dict[str, Any]:
+    """The read policies and dataset sizes a saved position depends on (JSON-able)."""
+    return {
+        "policies": [policies.invalid_ids, policies.invalid_dense, policies.invalid_labels],
+        "num_row_groups": len(info.row_groups),
+        "num_rows": info.num_rows,
+    }
+
+
+def restore_position(
+    state: Any, version: int, fingerprint: dict[str, Any], keys: tuple[str, ...], what: str
+) -> tuple[list[int], bool]:
+    """Validates a reader's saved ``state`` and returns its position.
+
+    Args:
+        state: the dict from the reader's ``state_dict()``.
+        version: the state format version the reader writes.
+        fingerprint: the reader's current settings; each must equal the saved one.
+        keys: the position fields, each a non-negative int.
+        what: the reader's name for messages.
+
+    Returns:
+        The position fields in ``keys`` order, and ``epoch_done``.
+
+    Raises:
+        ConfigError: if the state is malformed or a setting differs.
+        DataError: if it was taken on a dataset with other row groups.
+    """
+    if not isinstance(state, dict) or state.get("version") != version or not all(k in state for k in keys):
+        raise ConfigError(f"{what} state must be a dict with version {version} and {list(keys)}, got {state!r}")
+    for key, now in fingerprint.items():
+        saved = state.get(key)
+        if saved != now:
+            err = DataError if key in _DATA_KEYS else ConfigError
+            raise err(f"reader state was saved with {key}={saved!r}, but this reader has {key}={now!r}")
+    fields = [state[k] for k in keys]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in fields):
+        raise ConfigError(f"{what} state has a bad position: {state!r}")
+    return fields, bool(state.get("epoch_done", False))
