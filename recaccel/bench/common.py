@@ -181,6 +181,17 @@ def write_results_markdown(
     return path
 
 
+def save_figure(fig, path: str | Path, dpi: int) -> Path:
+    """Saves a matplotlib figure as a PNG (parent folders created) and closes it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def measure_copy_bandwidth(
     device: torch.device | str, nbytes: int | None = None, repeats: int = 20, warmup: int = 3
 ) -> float:

@@ -195,6 +195,11 @@ def per_table_candidate(case: EmbeddingCase, init: Mapping[str, Tensor], device:
         for name, bag in zip(case.keys, module.bags):
             bag.weight.copy_(init[name])
     module.to(device)
+    return _torch_optim_candidate("per_table", module, case)
+
+
+def _torch_optim_candidate(name: str, module: torch.nn.Module, case: EmbeddingCase) -> Candidate:
+    """``module`` trained on sparse gradients by :func:`baseline_optimizer`: zero_grad, backward, step."""
     opt = baseline_optimizer(case, module.parameters())
 
     def forward(sf: SparseFeatures) -> Tensor:
@@ -207,7 +212,7 @@ def per_table_candidate(case: EmbeddingCase, init: Mapping[str, Tensor], device:
         opt.step()
 
     same_rule = case.optimizer != "rowwise_adagrad"
-    return Candidate("per_table", forward, train_step, same_update_as_reference=same_rule)
+    return Candidate(name, forward, train_step, same_update_as_reference=same_rule)
 
 
 def _packed(case: EmbeddingCase, device: torch.device, backend: str, seed: int) -> PackedEmbeddingBag:
@@ -255,19 +260,7 @@ def packed_autograd_candidate(seed: int) -> CandidateFactory:
             device=device,
             seed=seed,
         )
-        opt = baseline_optimizer(case, module.parameters())
-
-        def forward(sf: SparseFeatures) -> Tensor:
-            with torch.no_grad():
-                return module(sf)
-
-        def train_step(sf: SparseFeatures, grad: Tensor) -> None:
-            opt.zero_grad(set_to_none=True)
-            module(sf).backward(grad)
-            opt.step()
-
-        same_rule = case.optimizer != "rowwise_adagrad"
-        return Candidate("reference_autograd", forward, train_step, same_update_as_reference=same_rule)
+        return _torch_optim_candidate("reference_autograd", module, case)
 
     return build
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from recaccel.bench.common import environment_info, measure_copy_bandwidth, time_interleaved
+from recaccel.bench.common import environment_info, measure_copy_bandwidth, save_figure, time_interleaved
 from recaccel.bench.embedding_cases import (
     BenchInputs,
     Candidate,
@@ -261,9 +261,5 @@ def plot_speedups(rows: Sequence[dict], path: str | Path) -> Path:
                 ax.set_ylabel("speedup over per-table loop (x)")
             ax.legend(fontsize=7)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 

@@ -20,6 +20,7 @@ import torch
 from recaccel.bench.common import (
     environment_info,
     measure_copy_bandwidth,
+    save_figure,
     time_interleaved,
     write_results_markdown,
 )
@@ -171,11 +172,7 @@ def plot_speedups(results: Sequence[dict], path: str | Path) -> Path:
     ax.set_title(f"Dot interaction, Triton fused vs eager ({dtype})")
     ax.legend()
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def write_markdown_summary(results: Sequence[dict], path: str | Path, command: str) -> Path:

@@ -63,8 +63,8 @@ def dot_interaction_backward_reference(grad_out: Tensor, x: Tensor) -> Tensor:
     """Gradient of :func:`dot_interaction_reference` w.r.t. ``x``, written out.
 
     ``grad_x = (G + G^T) x`` with G the pair gradients scattered into the strict upper
-    triangle of an [R, R] matrix, plus the dense gradient on row 0. Differentiable, so
-    the Triton path uses it for double backward.
+    triangle of an [R, R] matrix, plus the dense gradient on row 0: the specification
+    the Triton backward kernel is tested against.
 
     Args:
         grad_out: [B, D + R(R-1)/2].

@@ -65,9 +65,9 @@ def rows_per_piece(dim: int) -> int:
 def update_rows(state: PackState, config: SparseOptimConfig, rows: Tensor, grad: Tensor) -> None:
     """Applies one sparse optimizer step to some rows, in place; the caller counts the step.
 
-    A step adds 1 to ``state.step`` first (Adam reads it), then updates the rows it
-    touched, in one call or in pieces (:func:`rows_per_piece`): each row is updated
-    independently of the others. Rows are read with ``index_select`` and written back
+    The caller adds 1 to ``state.step`` once per step, before its first call (Adam reads
+    it), then updates the rows the step touched in one call or in pieces
+    (:func:`rows_per_piece`): each row is updated independently of the others. Rows are read with ``index_select`` and written back
     with ``index_copy_`` (both faster than ``x[rows]`` on the CPU), hence ``rows`` unique.
 
     Args:

@@ -300,6 +300,24 @@ def gather_pack_ids(
     return PackIds(rows, offsets, scale, bags)
 
 
+def group_by_row(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Groups a pack's id occurrences by packed row (the dedup step of every backward).
+
+    Args:
+        rows: int64 [N_p] packed row of each occurrence.
+
+    Returns:
+        (order int64 [N_p] occurrences sorted by row, stable; unique_rows int64 [U]
+        ascending; segments int64 [U+1], so that the occurrences of ``unique_rows[u]``
+        are ``order[segments[u]:segments[u+1]]``).
+    """
+    sorted_rows, order = torch.sort(rows, stable=True)
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    segments = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=rows.device)
+    torch.cumsum(counts, 0, out=segments[1:])
+    return order, unique_rows, segments
+
+
 def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None:
     """Validates a batch's CSR and ids with one host synchronization.
 

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from recaccel.io.batch import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
-from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids
+from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 
 
@@ -83,12 +83,8 @@ def coalesce_row_grads(
     # rather than copying it to feature-major order.
     in_place = grad_out.is_contiguous()
     table = grad_out.view(b * s, dim) if in_place else grad_out.transpose(0, 1).reshape(b * s, dim)
-    sorted_rows, order = torch.sort(ids.rows, stable=True)
-    rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    del sorted_rows
+    order, rows, segments = group_by_row(ids.rows)
     num_unique = rows.numel()
-    segments = torch.zeros(num_unique + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(counts, 0, out=segments[1:])
     starts = list(range(0, num_unique, max_rows))
     # One host read for all the pieces' bounds.
     bounds = segments[starts + [num_unique]].tolist()

@@ -34,10 +34,11 @@ from torch import Tensor
 
 from recaccel.io.batch import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
-from recaccel.ops.embedding.packing import LocalFeatures, PackIds
+from recaccel.ops.embedding.packing import LocalFeatures, PackIds, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 
 _OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
+_BLOCK_L = 16  # ids (or occurrences) loaded per loop iteration
 
 
 @triton.jit
@@ -90,8 +91,9 @@ def _embedding_bag_fwd_kernel(
     tl.store(out_ptr + b * stride_ob + j * stride_of + cols, acc / denom, mask=col_mask)
 
 
-def _block_d(dim: int, cap: int = 128) -> int:
-    return min(triton.next_power_of_2(dim), cap)
+def _block_d(dim: int) -> int:
+    """Columns per program of the forward and autograd-backward kernels."""
+    return min(triton.next_power_of_2(dim), 128)
 
 
 def embedding_bag_forward(
@@ -113,7 +115,8 @@ def embedding_bag_forward(
     if out.numel() == 0:
         return out
     has_weights = sf.weights is not None
-    grid = (local.count * batch_size, triton.cdiv(dim, _block_d(dim)))
+    block_d = _block_d(dim)
+    grid = (local.count * batch_size, triton.cdiv(dim, block_d))
     _embedding_bag_fwd_kernel[grid](
         weight,
         sf.values,
@@ -129,8 +132,8 @@ def embedding_bag_forward(
         out.stride(0),
         out.stride(1),
         HAS_WEIGHTS=has_weights,
-        BLOCK_L=16,
-        BLOCK_D=_block_d(dim),
+        BLOCK_L=_BLOCK_L,
+        BLOCK_D=block_d,
     )
     return out
 
@@ -263,10 +266,7 @@ def sort_by_row(ids: PackIds) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         ``unique_rows[u]`` are ``segments[u] .. segments[u+1]-1`` of the sorted order,
         bags int64 [N_p] and scale float32 [N_p] or None, both in sorted order).
     """
-    sorted_rows, perm = torch.sort(ids.rows, stable=True)
-    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    segments = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=ids.rows.device)
-    torch.cumsum(counts, 0, out=segments[1:])
+    perm, unique_rows, segments = group_by_row(ids.rows)
     scale = None if ids.scale is None else ids.scale[perm]
     return unique_rows, segments, ids.bags[perm], scale
 
@@ -288,7 +288,8 @@ def embedding_bag_backward(grad_out: Tensor, ids: PackIds, batch_size: int) -> t
     if rows.numel() == 0:
         return rows, grad
     grad_out = grad_out.to(torch.float32)
-    _embedding_bag_bwd_kernel[(rows.numel(), triton.cdiv(dim, _block_d(dim)))](
+    block_d = _block_d(dim)
+    _embedding_bag_bwd_kernel[(rows.numel(), triton.cdiv(dim, block_d))](
         grad_out,
         bags,
         segments if scale is None else scale,
@@ -300,8 +301,8 @@ def embedding_bag_backward(grad_out: Tensor, ids: PackIds, batch_size: int) -> t
         grad_out.stride(1),
         grad_out.stride(2),
         HAS_SCALE=scale is not None,
-        BLOCK_L=16,
-        BLOCK_D=_block_d(dim),
+        BLOCK_L=_BLOCK_L,
+        BLOCK_D=block_d,
     )
     return rows, grad
 
@@ -351,6 +352,6 @@ def fused_update(
         bc2,
         OPTIMIZER=_OPTIMIZER_CODES[state.optimizer],
         HAS_SCALE=scale is not None,
-        BLOCK_L=16,
+        BLOCK_L=_BLOCK_L,
         BLOCK_D=triton.next_power_of_2(dim),
     )
