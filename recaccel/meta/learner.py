@@ -118,7 +118,12 @@ class MetaLearner(nn.Module):
         return initial_params(self.model, self.plan, pooled), support, query
 
     def _run(self, tb: TaskBatch, steps: int, first_order: bool) -> MetaOutput:
-        init, support, query = self._blocks(tb)
+        return self._adapt(self._blocks(tb), steps, first_order)
+
+    def _adapt(
+        self, blocks: tuple[dict[str, Tensor], Block, Block], steps: int, first_order: bool
+    ) -> MetaOutput:
+        init, support, query = blocks
         # Without grad mode there is no outer graph; first order gives the same values.
         first_order = first_order or not torch.is_grad_enabled()
         return run_engine(
@@ -174,11 +179,7 @@ class MetaLearner(nn.Module):
     @torch.no_grad()
     def predict(self, tb: TaskBatch) -> tuple[Tensor, Tensor]:
         """``(adapted, unadapted)`` query predictions [T, Q] from one embedding lookup."""
-        init, support, query = self._blocks(tb)
-        rates = self.inner_rates()
-        kw = {"first_order": True, "kind": self.loss_kind}
-        adapted = run_engine(
-            self.engine, self.head, init, rates, support, query, steps=int(self.cfg.inner_steps), **kw
-        )
-        base = run_engine(self.engine, self.head, init, rates, support, query, steps=0, **kw)
+        blocks = self._blocks(tb)
+        adapted = self._adapt(blocks, int(self.cfg.inner_steps), True)
+        base = self._adapt(blocks, 0, True)
         return adapted.query_pred.detach(), base.query_pred.detach()

@@ -13,14 +13,13 @@ differentiates through them. The engines:
 - ``batched`` (default): the per-task parameters are stacked on a task axis and the
   head runs as batched matmuls for all T tasks at once; one ``autograd.grad`` call per
   inner step gives every task's gradient (task losses are independent, so the gradient
-  of their sum w.r.t. task t's copy is task t's gradient).
+  of their sum w.r.t. task t's copy is task t's gradient). It is ``vmap`` written out
+  by hand for Linear/ReLU heads: the same batched matmuls without functorch's per-op
+  wrapping (recaccel-bench meta: about 1.25x faster than ``vmap`` for the whole step on
+  2 CPU cores at T=S=Q=32).
 - ``vmap``: the textbook ``torch.func.vmap`` of ``torch.func.grad`` over tasks through
   the model's own modules; works for any head whose ops ``vmap`` supports (in the
   ``head`` modes the interaction runs under ``vmap``: use its reference backend there).
-
-``batched`` is ``vmap`` written out by hand for Linear/ReLU heads: the same batched
-matmuls without functorch's per-op wrapping (recaccel-bench meta: about 1.25x faster
-than ``vmap`` for the whole step on 2 CPU cores at T=S=Q=32).
 - ``loop``: a Python loop over tasks with ``torch.autograd.grad``; the baseline.
 
 Nothing here communicates: the inner loop is local to the process by construction.

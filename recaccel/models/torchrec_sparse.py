@@ -19,9 +19,8 @@ Shapes: B batch, F fields, D embedding dim, R rows of a table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import warnings
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn

@@ -54,6 +54,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def state_entries(state: TrainState) -> dict[str, Any]:
+    """The checkpoint entries of ``state``: its counters, its reader position (JSON) and the
+    current RNG state."""
+    return {
+        "step": state.step,
+        "epoch": state.epoch,
+        "samples": state.samples,
+        "train_seconds": state.train_seconds,
+        "reader": json.dumps(state.reader),
+        "rng": rng_state(),
+    }
+
+
+def restore_state(entries: dict[str, Any]) -> TrainState:
+    """Restores the RNG state of :func:`state_entries`' output and returns its TrainState."""
+    rng = entries["rng"]
+    rng["torch"] = rng["torch"].cpu()
+    if "cuda" in rng:
+        rng["cuda"] = [s.cpu() for s in rng["cuda"]]
+    set_rng_state(rng)
+    return TrainState(
+        step=entries["step"],
+        epoch=entries["epoch"],
+        samples=entries["samples"],
+        train_seconds=entries["train_seconds"],
+        reader=json.loads(entries["reader"]),
+    )
+
+
 def _np_json(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return obj.tolist()
@@ -69,16 +98,7 @@ def save_checkpoint(
     folder = Path(run_dir) / CHECKPOINT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{state.step:09d}.pt"
-    payload = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "step": state.step,
-        "epoch": state.epoch,
-        "samples": state.samples,
-        "train_seconds": state.train_seconds,
-        "reader": json.dumps(state.reader),
-        "rng": rng_state(),
-    }
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state_entries(state)}
     tmp = path.with_suffix(".tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -112,15 +132,4 @@ def load_checkpoint(
         raise RecaccelError(f"cannot load checkpoint {path}: {e}") from None
     model.load_state_dict(payload["model"])
     optimizer.load_state_dict(payload["optimizer"])
-    rng = payload["rng"]
-    rng["torch"] = rng["torch"].cpu()
-    if "cuda" in rng:
-        rng["cuda"] = [s.cpu() for s in rng["cuda"]]
-    set_rng_state(rng)
-    return TrainState(
-        step=payload["step"],
-        epoch=payload["epoch"],
-        samples=payload["samples"],
-        train_seconds=payload["train_seconds"],
-        reader=json.loads(payload["reader"]),
-    )
+    return restore_state(payload)

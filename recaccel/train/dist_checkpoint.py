@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import CHECKPOINT_DIR, TrainState, rng_state, set_rng_state
+from recaccel.train.checkpoint import CHECKPOINT_DIR, TrainState, restore_state, state_entries
 
 if TYPE_CHECKING:
     from recaccel.train.hybrid import HybridParallel
@@ -101,12 +101,12 @@ def save_sharded(
     sd["dense_optim"] = _blob(optimizer.state_dict())
     if parallel.replicated_optimizer is not None:
         sd["replicated_optim"] = _blob(parallel.replicated_optimizer.state_dict())
-    counters = {"step": state.step, "epoch": state.epoch, "samples": state.samples}
-    counters["train_seconds"] = state.train_seconds
-    sd[f"ranks.{parallel.rank}"] = _blob({"reader": json.dumps(state.reader), "rng": rng_state(), **counters})
+    entries = state_entries(state)
+    sd[f"ranks.{parallel.rank}"] = _blob(entries)
     dcp.save(sd, checkpoint_id=str(partial))
     dist.barrier()
     if parallel.is_main:
+        counters = {k: v for k, v in entries.items() if k not in ("reader", "rng")}
         info = {"format": FORMAT, "world_size": parallel.world_size, **counters}
         (partial / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         shutil.rmtree(final, ignore_errors=True)
@@ -154,15 +154,7 @@ def load_sharded(
     if parallel.replicated is not None:
         parallel.replicated.load_state_dict(sd["replicated"])
         parallel.replicated_optimizer.load_state_dict(_unblob(sd["replicated_optim"]))
-    mine = _unblob(sd[f"ranks.{parallel.rank}"])
-    set_rng_state(mine["rng"])
-    return TrainState(
-        step=mine["step"],
-        epoch=mine["epoch"],
-        samples=mine["samples"],
-        train_seconds=mine["train_seconds"],
-        reader=json.loads(mine["reader"]),
-    )
+    return restore_state(_unblob(sd[f"ranks.{parallel.rank}"]))
 
 
 def _local_pieces(parallel: HybridParallel) -> list[tuple[str, tuple[int, ...], tuple[int, ...], Tensor]]:

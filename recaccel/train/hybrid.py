@@ -281,7 +281,7 @@ class HybridParallel:
         rank whether all have a batch, the global normaliser (:attr:`step_rows` gets the
         global row count). A rank that runs dry still joins it, so all stop together.
         """
-        kind = _loss_kind(objective)
+        kind = objective.loss_kind
         items = iter(loader)
         while True:
             batch = next(items, None)
@@ -324,7 +324,7 @@ class HybridParallel:
             self.replicated_optimizer.zero_grad(set_to_none=True)
         with self.collectives("the training step"):
             loss = objective.loss(batch)
-            share = loss_denominator(batch, _loss_kind(objective)) / max(self._step_denominator, 1e-12)
+            share = loss_denominator(batch, objective.loss_kind) / max(self._step_denominator, 1e-12)
             scaled = loss * share
             scaled.backward()
             total = self._sync.allreduce(scaled.detach().reshape(1).float())
@@ -374,12 +374,3 @@ class HybridParallel:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_group = False
-
-
-def _loss_kind(objective: Any) -> str:
-    """``bce`` or ``mse``: a DLRM objective's own, or its meta-learner's."""
-    kind = getattr(objective, "loss_kind", None)
-    kind = kind or getattr(getattr(objective, "module", None), "loss_kind", None)
-    if kind is None:
-        raise ConfigError(f"cannot tell the loss kind of {type(objective).__name__}")
-    return kind

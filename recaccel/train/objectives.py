@@ -21,6 +21,7 @@ class Objective(Protocol):
     """The mode-specific half of training."""
 
     module: nn.Module  # what is optimized and checkpointed
+    loss_kind: str  # "bce" or "mse"
 
     def reader(self, path: str, *, train: bool, rank: int, world_size: int) -> Any: ...
 
@@ -64,6 +65,7 @@ class MetaObjective:
         from recaccel.meta.learner import MetaLearner
 
         self.cfg = cfg
+        self.loss_kind = loss_kind
         self.module = MetaLearner(model, cfg.meta, loss=loss_kind, engine=cfg.meta.engine)
 
     def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1):
