@@ -181,7 +181,10 @@ def write_markdown_summary(results: Sequence[dict], path: str | Path, command: s
     notes = (
         []
         if device.startswith("cuda")
-        else ["Not CUDA: Triton ran under its interpreter; its times are not speed."]
+        else [
+            "Not CUDA: Triton is timed only on CUDA (on CPU it runs only under its interpreter, "
+            "whose times are not speed); '-' = not timed, so this run shows the eager baseline alone."
+        ]
     )
     notes += [
         "Candidates are timed interleaved within each repeat (order rotating); median ms reported.",
