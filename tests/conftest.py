@@ -30,6 +30,21 @@ def shared_dataset(name: str) -> Path:
     return path
 
 
+@pytest.fixture
+def one_rank_group():
+    """A real one-process gloo group, for code that issues (or must not issue) collectives."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -53,16 +52,6 @@ class _OpLog(TorchDispatchMode):
 
 
 @pytest.fixture
-def process_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture
 def counted(monkeypatch):
     calls: list[str] = []
     for name in _COLLECTIVES:
@@ -78,7 +67,7 @@ def counted(monkeypatch):
     return calls
 
 
-def test_detectors_see_a_collective(process_group, counted):
+def test_detectors_see_a_collective(one_rank_group, counted):
     log = _OpLog()
     with log:
         dist.all_reduce(torch.ones(3))
@@ -87,7 +76,7 @@ def test_detectors_see_a_collective(process_group, counted):
 
 
 @pytest.mark.parametrize("first_order", [True, False])
-def test_meta_step_issues_no_collective(process_group, counted, first_order):
+def test_meta_step_issues_no_collective(one_rank_group, counted, first_order):
     cfg = MetaConfig(
         inner_steps=2, inner_lr=0.1, first_order=first_order, meta_sgd=True, adapt="head_and_embedding_shift"
     )

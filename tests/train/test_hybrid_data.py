@@ -4,7 +4,6 @@ batches, loss shares, the dense-gradient bucket, config parsing, launching."""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 import torch
@@ -155,16 +154,6 @@ def test_global_slices_partition_every_batch():
     assert uneven.batch_size == 1  # evaluation slices may differ by one row
     tb = _task_batch(4, 2, 2, gen)
     assert next(iter(GlobalSlices(_Reader([tb]), 1, 2, train=False, whole_tasks=True))) is tb
-
-
-@pytest.fixture
-def one_rank_group():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_dense_grad_sync_is_one_bucket(one_rank_group, monkeypatch):
