@@ -22,12 +22,23 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
-def shared_dataset(name: str) -> Path:
-    """Path of a real dataset in ../shared/data, or skip the test with the reason."""
+def shared_dataset(name: str, required: str | None = None) -> Path:
+    """Folder of a real dataset in ../shared/data, or skip the test with the reason.
+
+    Args:
+        name: the dataset's folder.
+        required: a file the test needs inside it.
+    """
     path = SHARED_DATA / name
-    if not path.exists():
+    if not (path / required if required else path).exists():
         pytest.skip(f"real dataset {path} is absent (licences forbid copying it into the repository)")
     return path
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """:func:`shared_dataset`, for tests: ``shared_data("movielens-100k", "u.data")``."""
+    return shared_dataset
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from recaccel.io import criteo
 from recaccel.io.criteo import convert_criteo
 from recaccel.io.schema import FeatureSchema
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "criteo-kaggle-head10k"
 MASK64 = (1 << 64) - 1
 
 
@@ -238,10 +237,8 @@ def test_existing_output_needs_overwrite(tmp_path):
     assert convert_criteo(src, tmp_path / "out", cardinality=10, overwrite=True).train_rows == 8
 
 
-def test_real_criteo_sample(tmp_path):
-    src = DATA / "train_examples.txt"
-    if not src.is_file():
-        pytest.skip(f"Criteo sample not found at {src} (shared data folder absent)")
+def test_real_criteo_sample(tmp_path, shared_data):
+    src = shared_data("criteo-kaggle-head10k", "train_examples.txt") / "train_examples.txt"
     cardinality = 50_000
     report = convert_criteo(src, tmp_path / "out", cardinality=cardinality, progress=True)
     assert (report.train_rows, report.test_rows, report.skipped_rows) == (8000, 2000, 0)

@@ -20,14 +20,9 @@ from recaccel.io.melu import STATES, convert_melu
 from recaccel.io.task_grouping import grouped_claim
 from recaccel.io.tasks import TaskReader
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "melu-ml-1m"
-
-
 @pytest.fixture(scope="module")
-def src() -> Path:
-    if not (DATA / "warm_state.json").is_file():
-        pytest.skip(f"real dataset {DATA} is absent (licences forbid copying it into the repository)")
-    return DATA
+def src(shared_data) -> Path:
+    return shared_data("melu-ml-1m", "warm_state.json")
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,9 @@ from recaccel.io.movielens import SCENARIOS, convert_movielens
 from recaccel.io.task_grouping import grouped_claim
 from recaccel.io.tasks import TaskReader
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "movielens-100k"
-
-
 @pytest.fixture(scope="module")
-def src() -> Path:
-    if not (DATA / "u.data").is_file():
-        pytest.skip(f"real dataset {DATA} is absent (licences forbid copying it into the repository)")
-    return DATA
+def src(shared_data) -> Path:
+    return shared_data("movielens-100k", "u.data")
 
 
 @pytest.fixture(scope="module")
