@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from recaccel.errors import ConfigError
 from recaccel.io.batch import SparseFeatures
+from recaccel.io.schema import SparseField
+
+EMBEDDING_BACKENDS = ("auto", "reference", "triton", "fbgemm", "per_table")
 
 
 class PerTableEmbeddingBag(nn.Module):
@@ -58,3 +62,46 @@ class PerTableEmbeddingBag(nn.Module):
                 )
             pooled.append(bag(values, offsets[:-1], per_sample_weights=weights))
         return torch.stack(pooled, dim=1)
+
+
+def field_embedding(
+    fields: list[SparseField],
+    dim: int,
+    *,
+    backend: str,
+    pooling: str = "sum",
+    mode: str = "fused",
+    optimizer: str = "sgd",
+    optim=None,
+    device: torch.device | str | None = None,
+    seed: int | None = None,
+) -> nn.Module:
+    """One table per field, looked up per table (``per_table``) or packed.
+
+    Args:
+        fields: the F sparse fields, in the order of the output's field axis.
+        dim: D.
+        backend: ``per_table`` or a :class:`~recaccel.ops.embedding.PackedEmbeddingBag`
+            backend (``auto``, ``reference``, ``triton``, ``fbgemm``).
+        pooling: ``sum`` or ``mean`` of a multi-hot bag.
+        mode: packed only: ``fused`` (sparse optimizer in backward) or ``autograd``.
+        optimizer: packed only: the fused sparse optimizer's name.
+        optim: packed only: a :class:`~recaccel.ops.embedding.SparseOptimConfig`.
+        device: where the tables live.
+        seed: packed only: seed of the initial rows.
+
+    Returns:
+        A module mapping SparseFeatures to [B, F, D].
+
+    Raises:
+        ConfigError: unknown backend.
+    """
+    if backend not in EMBEDDING_BACKENDS:
+        raise ConfigError(f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}")
+    if backend == "per_table":
+        names, rows = [f.name for f in fields], [f.cardinality for f in fields]
+        return PerTableEmbeddingBag(names, rows, dim, pooling).to(device)
+    from recaccel.ops.embedding import PackedEmbeddingBag, TableSpec
+
+    tables = [TableSpec(f.name, f.cardinality, dim, pooling=pooling, optimizer=optimizer) for f in fields]
+    return PackedEmbeddingBag(tables, backend=backend, mode=mode, optim=optim, device=device, seed=seed)

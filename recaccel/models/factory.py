@@ -10,37 +10,20 @@ from recaccel.errors import ConfigError
 from recaccel.io.schema import FeatureSchema
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
-from recaccel.models.embedding import PerTableEmbeddingBag
-
-EMBEDDING_BACKENDS = ("auto", "reference", "triton", "fbgemm", "per_table")
+from recaccel.models.embedding import field_embedding
 
 
 def build_embedding(
     model_cfg: ModelConfig, optim_cfg: OptimConfig, schema: FeatureSchema, device: torch.device
 ) -> nn.Module:
     """The module behind SparseArch: packed (fused sparse optimizer) or per-table."""
-    backend = model_cfg.embedding_backend
-    if backend not in EMBEDDING_BACKENDS:
-        raise ConfigError(f"model.embedding_backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}")
-    if backend == "per_table":
-        return PerTableEmbeddingBag(
-            schema.sparse_names, schema.cardinalities, model_cfg.embedding_dim, model_cfg.pooling
-        ).to(device)
-    from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
+    from recaccel.ops.embedding import SparseOptimConfig
 
-    tables = [
-        TableSpec(
-            name=f.name,
-            num_rows=f.cardinality,
-            dim=model_cfg.embedding_dim,
-            features=[f.name],
-            pooling=model_cfg.pooling,
-            optimizer=optim_cfg.sparse,
-        )
-        for f in schema.sparse
-    ]
     optim = SparseOptimConfig(lr=optim_cfg.sparse_lr, eps=optim_cfg.eps)
-    return PackedEmbeddingBag(tables, backend=backend, mode="fused", optim=optim, device=device)
+    return field_embedding(
+        list(schema.sparse), model_cfg.embedding_dim, backend=model_cfg.embedding_backend,
+        pooling=model_cfg.pooling, optimizer=optim_cfg.sparse, optim=optim, device=device,
+    )
 
 
 def build_model(
@@ -52,7 +35,9 @@ def build_model(
         ConfigError: on an unknown arch or inconsistent layer sizes.
     """
     if not model_cfg.top_mlp or model_cfg.top_mlp[-1] != 1:
-        raise ConfigError(f"model.top_mlp must end in 1 unit (the top MLP outputs a logit), got {model_cfg.top_mlp}")
+        raise ConfigError(
+            f"model.top_mlp must end in 1 unit (the top MLP outputs a logit), got {model_cfg.top_mlp}"
+        )
     if model_cfg.arch == "melu":
         return build_melu(model_cfg, optim_cfg, schema, device)
     if model_cfg.interaction != "dot":

@@ -26,9 +26,8 @@ from recaccel.errors import ConfigError
 from recaccel.io.schema import SparseField
 from recaccel.models.arches import DenseArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
-from recaccel.models.embedding import PerTableEmbeddingBag
+from recaccel.models.embedding import field_embedding
 
-EMBEDDINGS = ("per_table", "auto", "reference", "triton", "fbgemm")
 
 
 @dataclass
@@ -132,17 +131,10 @@ def melu_embedding(
     Raises:
         ConfigError: unknown backend.
     """
-    if backend not in EMBEDDINGS:
-        raise ConfigError(f"MeLU embedding backend must be one of {EMBEDDINGS}, got {backend!r}")
-    fields = cfg.fields
-    if backend == "per_table":
-        return PerTableEmbeddingBag(
-            [f.name for f in fields], [f.cardinality for f in fields], cfg.embedding_dim, cfg.pooling
-        ).to(device)
-    from recaccel.ops.embedding import PackedEmbeddingBag, TableSpec
-
-    tables = [TableSpec(f.name, f.cardinality, cfg.embedding_dim, pooling=cfg.pooling) for f in fields]
-    return PackedEmbeddingBag(tables, backend=backend, mode=mode, optim=optim, device=device, seed=seed)
+    return field_embedding(
+        cfg.fields, cfg.embedding_dim, backend=backend, pooling=cfg.pooling, mode=mode, optim=optim,
+        device=device, seed=seed,
+    )
 
 
 class MeLU(DLRM):
