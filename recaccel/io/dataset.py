@@ -165,7 +165,7 @@ class RowGroupReader:
         """
         pf = self._file(ref.path)
         try:
-            table = pf.read_row_group(ref.row_group, columns=self._names, use_threads=False)
+            table = pf.read_row_group(ref.row_group, columns=self._names, use_threads=True)
         except _READ_ERRORS as e:
             raise DataError(
                 f"cannot read row group: {e}", path=str(ref.path), row_group=ref.row_group

@@ -6,6 +6,13 @@ shorter) and page CRC checksums, which the reader verifies so that corrupted pag
 are an error rather than silent garbage. A file is written under a ``.tmp`` name and
 renamed when complete, so a reader never sees a half-written file.
 
+Task-aligned row groups. When the schema has a task key, a row group ends at the last
+task boundary (change of key) within ``rows_per_row_group`` rows, so a task spans row
+groups only if it alone is longer than a row group or the data arrives unsorted, and a
+file ends before a row group that could take it past ``rows_per_file``. The task reader
+then decodes every row group once per pass instead of decoding the next one again to
+complete a task. Row groups and files never exceed their sizes.
+
 Column data convention (``columns`` maps every schema column name to its data):
 
 - label, dense, single-hot, task key, timestamp: a 1-D numpy array or sequence, or a
@@ -48,6 +55,8 @@ class DatasetWriter:
         prefix: file name prefix.
         overwrite: delete existing ``{prefix}-*.parquet`` files first instead of failing.
         compression: Parquet compression codec.
+        align_tasks: with a task key in the schema, end row groups at task boundaries
+            (module docstring); False = cut every ``rows_per_row_group`` rows.
 
     Raises:
         DataError: if ``out_dir`` already holds ``{prefix}-*.parquet`` files and not
@@ -64,6 +73,7 @@ class DatasetWriter:
         prefix: str = "part",
         overwrite: bool = False,
         compression: str = "snappy",
+        align_tasks: bool = True,
     ) -> None:
         if rows_per_row_group <= 0:
             raise ValueError(f"rows_per_row_group must be > 0, got {rows_per_row_group}")
@@ -76,6 +86,7 @@ class DatasetWriter:
         self.prefix = prefix
         self.compression = compression
         self._arrow_schema = schema.arrow_schema()
+        self._aligned = align_tasks and schema.task_key is not None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         existing = sorted(self.out_dir.glob(f"{prefix}-*.parquet"))
         if existing and not overwrite:
@@ -150,13 +161,32 @@ class DatasetWriter:
         while self._pending_rows >= rg or (final and self._pending_rows > 0):
             room = rg if self.rows_per_file is None else min(rg, self.rows_per_file - self._rows_in_file)
             n = min(room, self._pending_rows)
+            if self._aligned and n < self._pending_rows:
+                n = self._last_task_boundary(n)
             chunk = self._pop_pending(n)
             if self._writer is None:
                 self._open_file()
             self._writer.write_table(chunk, row_group_size=n)
             self._rows_in_file += n
-            if self.rows_per_file is not None and self._rows_in_file >= self.rows_per_file:
+            # Aligned files end before a full row group would overflow them, so no row
+            # group is cut short (mid-task) by the file limit.
+            limit = None if self.rows_per_file is None else self.rows_per_file - (rg if self._aligned else 0)
+            if limit is not None and self._rows_in_file >= max(limit, 1):
                 self._finish_file()
+
+    def _last_task_boundary(self, n: int) -> int:
+        """The largest cut ``1 <= i <= n`` between two tasks of the pending rows; ``n``
+        when the first task alone runs past ``n`` rows."""
+        parts, rows = [], 0
+        for table in self._pending:  # the key column of the first n + 1 pending rows
+            take = min(table.num_rows, n + 1 - rows)
+            parts.append(table.column(self.schema.task_key).slice(0, take).to_numpy())
+            rows += take
+            if rows > n:
+                break
+        keys = np.concatenate(parts)
+        cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1  # i: rows i-1 and i differ
+        return int(cuts[-1]) if cuts.size else n
 
     def _pop_pending(self, n: int) -> pa.Table:
         table = pa.concat_tables(self._pending) if len(self._pending) > 1 else self._pending[0]
@@ -211,6 +241,7 @@ def write_parquet(
     rows_per_file: int | None = None,
     prefix: str = "part",
     overwrite: bool = False,
+    align_tasks: bool = True,
 ) -> list[Path]:
     """Writes in-memory columns as a recaccel dataset (see :class:`DatasetWriter`).
 
@@ -218,7 +249,13 @@ def write_parquet(
         The files written, in order.
     """
     with DatasetWriter(
-        out_dir, schema, rows_per_row_group, rows_per_file, prefix=prefix, overwrite=overwrite
+        out_dir,
+        schema,
+        rows_per_row_group,
+        rows_per_file,
+        prefix=prefix,
+        overwrite=overwrite,
+        align_tasks=align_tasks,
     ) as writer:
         writer.write(columns)
     return writer.paths

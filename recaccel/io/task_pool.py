@@ -99,7 +99,7 @@ class TaskPool:
         rows = [r + b for r, b in zip(self.rows, base)]
         lengths = np.cumsum([0] + [r.shape[0] for r in rows[:-1]])
         return TaskPool.single(
-            Columns.concat(self.chunks),
+            Columns.concat(self.chunks, row_major_ids=True),
             np.concatenate(rows).astype(np.int64),
             self.starts + lengths[self.chunk],
             self.num_support,

@@ -98,6 +98,21 @@ def test_matches_a_stable_sort(n, src_rg, memory_rows, by_field, with_ts, key_ra
         if n:
             md = pq.ParquetFile(info.files[0]).metadata
             assert all(md.row_group(i).num_rows <= 13 for i in range(md.num_row_groups))
+            assert_task_aligned(info.files, out_key)
+
+
+def assert_task_aligned(files: tuple[Path, ...], key: str) -> None:
+    """Every row group ends at a task boundary unless it holds one task only (a task
+    longer than a row group), across files too."""
+    groups = [
+        pf.read_row_group(i, columns=[key]).column(0).to_pylist()
+        for f in files
+        for pf in [pq.ParquetFile(f)]
+        for i in range(pf.num_row_groups)
+    ]
+    for before, after in zip(groups, groups[1:]):
+        if before and after and before[-1] == after[0]:
+            assert len(set(before)) == 1, (before, after)
 
 
 def test_grouped_output_reads_as_tasks_and_keeps_memory_bounded():

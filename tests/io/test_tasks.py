@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.columns import Columns
+from recaccel.io.dataset import open_dataset
 from recaccel.io.parquet_writer import write_parquet
 from recaccel.io.schema import FeatureSchema, SparseField
 from recaccel.io.task_grouping import grouped_schema
@@ -74,9 +75,11 @@ def write_tasks(
     path: Path, sizes: list[int], seed: int = 0, rg: int = 16, per_file: int | None = None, **kw
 ) -> dict:
     timestamp = kw.pop("timestamp", True)
+    # Unaligned by default: tasks then cross row groups, as in files from other tools.
+    align = kw.pop("align_tasks", False)
     cols = task_columns(sizes, seed, timestamp=timestamp, **kw)
     schema = task_schema(int(sum(sizes)), timestamp=timestamp)
-    write_parquet(path, schema, cols, rows_per_row_group=rg, rows_per_file=per_file)
+    write_parquet(path, schema, cols, rows_per_row_group=rg, rows_per_file=per_file, align_tasks=align)
     return cols
 
 
@@ -383,6 +386,28 @@ def test_a_unit_read_after_the_next_one_reuses_its_kept_head(read_ahead):
         assert sum(sizes) <= reader.stats["rows_read"] <= sum(sizes) + sum(rg_rows[h] for h in again)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_task_aligned_row_groups_are_decoded_once(train):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        sizes = [5, 3, 8, 2, 7, 4, 4, 1, 7, 6] * 4  # none longer than a row group
+        write_tasks(path / "aligned", sizes, 3, rg=8, align_tasks=True)
+        write_tasks(path / "cut", sizes, 3, rg=8)
+        c = cfg(min_task_rows=1)
+
+        def read(p):
+            reader = TaskReader(p, c, seed=4, train=train, unit_row_groups=1, read_ahead=0)
+            return sorted(t for tb in reader for t in batch_tasks(tb)), reader.stats
+
+        got, stats = read(path / "aligned")
+        want, _ = read(path / "cut")
+        assert got == want  # a task's split and sample do not depend on the layout
+        info = open_dataset(path / "aligned")
+        assert stats["rows_read"] == sum(sizes)
+        assert stats["row_groups_read"] == len(info.row_groups)
+        assert all(rg.num_rows <= 8 for rg in info.row_groups)
+
+
 def test_files_without_statistics_read_the_key_column():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
@@ -456,7 +481,7 @@ def test_unsorted_task_key_in_grouped_file_names_file_and_row_group():
         path = Path(tmp)
         cols = task_columns([3, 3, 3, 3], 0, keys=[1, 2, 3, 4])
         cols["user"] = np.array([1, 1, 1, 3, 3, 3, 2, 2, 4, 4, 4, 4])  # inside row group 0
-        write_parquet(path, task_schema(12), cols, rows_per_row_group=8)
+        write_parquet(path, task_schema(12), cols, rows_per_row_group=8, align_tasks=False)
         reader = TaskReader(path, cfg(), seed=0)
         with pytest.raises(
             DataError, match=r"part-00000.parquet, row group 0.*from 3 to 2 at row 6.*claims to be grouped"
@@ -466,13 +491,13 @@ def test_unsorted_task_key_in_grouped_file_names_file_and_row_group():
         path = Path(tmp)
         cols = task_columns([4, 4, 4], 0, keys=[1, 2, 3])
         cols["user"] = np.array([5, 5, 5, 5, 1, 1, 1, 1, 2, 2, 2, 2])
-        write_parquet(path, task_schema(12), cols, rows_per_row_group=4)
+        write_parquet(path, task_schema(12), cols, rows_per_row_group=4, align_tasks=False)
         with pytest.raises(DataError, match=r"row group 1.*decreases from 5 to 1"):
             TaskReader(path, cfg(), seed=0)
     with tempfile.TemporaryDirectory() as tmp:  # not claimed: same check, other advice
         path = Path(tmp)
         cols = task_columns([2, 2], 0, keys=[2, 1])
-        write_parquet(path, task_schema(4, grouped=False), cols, rows_per_row_group=4)
+        write_parquet(path, task_schema(4, grouped=False), cols, rows_per_row_group=4, align_tasks=False)
         with pytest.raises(DataError, match="not sorted by task key; rewrite it"):
             list(TaskReader(path, cfg(), seed=0))
 
