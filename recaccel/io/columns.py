@@ -140,7 +140,11 @@ class Columns:
         n = sum(p.num_rows for p in parts)
         single = [all(p.single[f] for p in parts) for f in range(len(first.keys))]
         steps = _steps(n)
-        ids = _stack_ids(parts, single, n) if row_major_ids and any(single) else None
+        ids = None
+        if row_major_ids and any(single):
+            stacked = all(p.ids is not None and p.single == single for p in parts)
+            # Parts already row-major join with one contiguous copy.
+            ids = np.concatenate([p.ids for p in parts]) if stacked else _stack_ids(parts, single, n)
         values, offsets = [], []
         k = 0
         for f in range(len(first.keys)):
@@ -221,21 +225,29 @@ def take_batch(cols: Columns, rows: np.ndarray | slice) -> Batch:
     values = np.empty(sum(sizes), dtype=np.int64)
     offsets = np.empty(len(bags) * b + 1, dtype=np.int64)
     offsets[0] = 0
-    steps = np.arange(1, b + 1, dtype=np.int64)
     base = 0
     k = 0  # column of the next single-hot field in ``ids``
-    for f, ((bag, off), size) in enumerate(zip(bags, sizes)):
-        out = offsets[f * b + 1 : (f + 1) * b + 1]
-        dst = values[base : base + size]
+    f = 0
+    while f < len(bags):
+        bag, off = bags[f]
+        # A run of r consecutive fields whose ids come from the gathered rows is one
+        # transposed block copy; any other field is one bag.
+        r = 1
+        if bag is None and ids is not None:
+            while f + r < len(bags) and bags[f + r][0] is None:
+                r += 1
+        dst = values[base : base + r * b] if bag is None else values[base : base + sizes[f]]
         if bag is not None:
             dst[...] = bag
         elif ids is not None:
-            dst[...] = ids[:, k]
+            np.copyto(dst.reshape(r, b), ids[:, k : k + r].T)
         else:  # a single-hot field gathered straight into the batch
             np.take(cols.values[f], idx, out=dst)
-        k += cols.single[f]
-        np.add(steps if off is None else off[1:], base, out=out)
-        base += size
+        ends = np.arange(1, r * b + 1, dtype=np.int64) if off is None else off[1:]
+        np.add(ends, base, out=offsets[f * b + 1 : (f + r) * b + 1])
+        k += sum(cols.single[f : f + r])
+        base += dst.shape[0]
+        f += r
     sparse = SparseFeatures(list(cols.keys), torch.from_numpy(values), torch.from_numpy(offsets))
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
 

@@ -165,6 +165,7 @@ class RowGroupReader:
         """
         pf = self._file(ref.path)
         try:
+            # Columns decode in parallel on Arrow's CPU pool (pyarrow.set_cpu_count).
             table = pf.read_row_group(ref.row_group, columns=self._names, use_threads=True)
         except _READ_ERRORS as e:
             raise DataError(

@@ -254,8 +254,10 @@ def _decode_dense(
     """Returns (values float32 [n], bad-row mask [n] or None when no row is bad)."""
     # float64 beyond float32 range becomes inf: bad. The caller copies the values.
     vals = _numbers(arr).astype(np.float32, copy=False)
-    if arr.null_count == 0 and np.isfinite(vals.min(initial=0.0)) and np.isfinite(vals.max(initial=0.0)):
-        return vals, None  # min/max are NaN or inf exactly when some value is
+    # A NaN or inf makes the sum NaN or inf; a finite sum clears the column in one pass
+    # (a sum that overflows only sends it down the exact path).
+    if arr.null_count == 0 and np.isfinite(vals.sum(dtype=np.float32)):
+        return vals, None
     nulls = _null_mask(arr)
     bad = nulls | ~np.isfinite(vals)
     if not bad.any():
@@ -297,10 +299,8 @@ def _decode_ids(
         offsets = steps
     raw = _numbers(flat)
     # Compare in the stored dtype so uint64 ids beyond int64 range are still caught;
-    # nulls were filled with 0 (in range). min/max first: no mask in the common case.
-    if arr.null_count == 0 and flat.null_count == 0 and (
-        raw.size == 0 or (raw.min() >= 0 and raw.max() < sf.cardinality)
-    ):
+    # nulls were filled with 0 (in range). A range check first: no mask in the common case.
+    if arr.null_count == 0 and flat.null_count == 0 and _all_in_range(raw, sf.cardinality):
         return raw.astype(np.int64, copy=False), offsets, None
     row_null = _null_mask(arr)
     elem_null = _null_mask(flat)
@@ -330,6 +330,15 @@ def _decode_ids(
             vals[out_of_range] = np.mod(raw[out_of_range], sf.cardinality).astype(np.int64)
             _count(stats, "ids_hashed", int(out_of_range.sum()))
     return vals, offsets, null_rows  # a null cannot be repaired: drop its row
+
+
+def _all_in_range(raw: np.ndarray, cardinality: int) -> bool:
+    """Whether every id is in ``[0, cardinality)``, in one pass for 64-bit ids."""
+    if raw.size == 0:
+        return True
+    if raw.dtype == np.int64:  # negatives wrap to >= 2**63 as uint64: one max() checks both ends
+        return int(raw.view(np.uint64).max()) < cardinality
+    return int(raw.min()) >= 0 and int(raw.max()) < cardinality
 
 
 def _raise_first_bad_id(

@@ -13,7 +13,7 @@ shuffle every buffer is one row group and rows come in file order.
 
 Memory is bounded by one buffer plus one batch of carried rows, about
 ``shuffle_buffer_rows + rows_per_row_group + batch_size`` rows, plus as much again for
-each buffer decoded ahead on the background thread (``read_ahead``, default 1),
+each buffer decoded ahead on worker threads (``read_ahead``, default 1),
 whatever the file sizes; ``stats["max_buffered_rows"]`` records the high-water mark.
 Batches are gathered from the buffer straight into their own arrays.
 
@@ -42,7 +42,7 @@ from recaccel.io.columns import Columns, take_batch
 from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.decode import Policies, Projection, new_decode_stats, row_group_to_columns
 from recaccel.io.parquet_writer import DatasetWriter, write_parquet
-from recaccel.io.read_ahead import ReadAhead
+from recaccel.io.read_ahead import PerThread, ReadAhead
 from recaccel.io.reader_state import check_reader_args, data_fingerprint, restore_position
 from recaccel.io.schema import FeatureSchema
 
@@ -91,9 +91,9 @@ class BatchReader:
         invalid_ids: ``error`` | ``skip`` | ``clip`` | ``hash``.
         invalid_dense: ``error`` | ``skip`` | ``zero``.
         invalid_labels: ``error`` | ``skip``.
-        read_ahead: shuffle buffers decoded in advance on a background thread while
-            batches are cut from the current one (0 = decode inline). Each one adds a
-            buffer to the memory held; batches, order and state do not depend on it.
+        read_ahead: shuffle buffers decoded in advance, each on its own worker thread,
+            while batches are cut from the current one (0 = decode inline). Each one
+            adds a buffer to the memory held; batches, order and state do not depend on it.
 
     Attributes:
         info: the dataset footers (schema, files, row groups).
@@ -328,21 +328,21 @@ class BatchReader:
 class _BufferLoader:
     """Decodes the shuffle buffers of one iteration, ``read_ahead`` buffers in advance.
 
-    With ``read_ahead > 0`` one worker thread decodes the next buffers (its own file
-    handles and counters) while the caller cuts batches from the current one; Arrow
-    decoding and numpy's large-array work release the GIL. Buffers come back in order
-    with their counter increments, and a decode error is raised when its buffer is
-    asked for, so results, counters and errors are those of an inline read.
+    With ``read_ahead > 0`` that many worker threads decode the next buffers (each with
+    its own file handles and counters) while the caller cuts batches from the current
+    one; Arrow decoding and numpy's large-array work release the GIL. Buffers come back
+    in order with their counter increments, and a decode error is raised when its buffer
+    is asked for, so results, counters and errors are those of an inline read (a
+    first-occurrence warning may be logged once per thread).
     """
 
     def __init__(self, reader: BatchReader, buffers: list[list[RowGroupRef]]) -> None:
         self._buffers = buffers
         self._shuffle = reader.shuffle
-        # Counters start from the reader's, so the decoder's first-occurrence warnings
-        # fire as they would inline.
-        self._stats = {k: reader.stats[k] for k in new_decode_stats()}
-        self._source = RowGroupReader(reader.schema, reader.projection, reader.policies, self._stats)
-        self._loads = ReadAhead(self._load, len(buffers), reader.read_ahead, threads=1)
+        self._sources = PerThread(
+            lambda: RowGroupReader(reader.schema, reader.projection, reader.policies, new_decode_stats())
+        )
+        self._loads = ReadAhead(self._load, len(buffers), reader.read_ahead, threads=reader.read_ahead)
 
     def get(self, b: int) -> tuple[Columns, dict[str, int]]:
         """Buffer ``b``'s rows and the decode counter increments (raises what decoding raised)."""
@@ -353,16 +353,18 @@ class _BufferLoader:
         return sum(r.num_rows for a in self._loads.pending() for r in self._buffers[a])
 
     def close(self) -> None:
-        """Cancels decodes not started, waits for a running one, closes the files."""
+        """Cancels decodes not started, waits for running ones, closes the files."""
         self._loads.close()
-        self._source.close()
+        for source in self._sources.all():
+            source.close()
 
     def _load(self, b: int) -> tuple[Columns, dict[str, int]]:
-        before = dict(self._stats)
+        source = self._sources.get()
+        before = dict(source.stats)
         # Shuffled rows are gathered at random: row-major ids make that cache-friendly.
-        parts = [self._source.read(ref) for ref in self._buffers[b]]
+        parts = [source.read(ref) for ref in self._buffers[b]]
         cols = Columns.concat(parts, row_major_ids=self._shuffle)
-        return cols, {k: v - before[k] for k, v in self._stats.items() if v != before[k]}
+        return cols, {k: v - before[k] for k, v in source.stats.items() if v != before[k]}
 
 
 def _rows_of(cols: Columns, order: np.ndarray | None, start: int, stop: int) -> Columns:

@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+S = TypeVar("S")
+
+
+class PerThread(Generic[S]):
+    """One ``make()`` object per thread (file handles, counters), made on first use."""
+
+    def __init__(self, make: Callable[[], S]) -> None:
+        self._make = make
+        self._local = threading.local()
+        self._made: list[S] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> S:
+        """This thread's object."""
+        obj = getattr(self._local, "obj", None)
+        if obj is None:
+            obj = self._local.obj = self._make()
+            with self._lock:
+                self._made.append(obj)
+        return obj
+
+    def all(self) -> list[S]:
+        """Every object made so far (to close them, or read their state)."""
+        with self._lock:
+            return list(self._made)
 
 
 class ReadAhead(Generic[T]):

@@ -68,16 +68,19 @@ class TaskPool:
             self.keys[idx],
         )
 
-    def compact(self) -> TaskPool:
-        """The same tasks with only their rows copied into one chunk (frees the rest).
+    def compact(self, row_major_ids: bool = False) -> TaskPool:
+        """The same tasks with only their rows copied into one chunk (frees the rest),
+        each task's rows contiguous (support, then query).
 
-        Tasks come out grouped by chunk (stable), which keeps a gather to one pass per chunk.
+        Tasks come out grouped by chunk (stable), which keeps a gather to one pass per
+        chunk. ``row_major_ids`` stores the single-hot ids row-major (see
+        :meth:`Columns.concat`), as batches gather from a merged window.
         """
         pool = self.subset(np.argsort(self.chunk, kind="stable"))
         sizes = pool.num_support + pool.num_query
         new_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
         pos = np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(pool.starts - new_starts, sizes)
-        cols = _gather(pool, np.repeat(pool.chunk, sizes), pos)
+        cols = _gather(pool, np.repeat(pool.chunk, sizes), pos, row_major_ids)
         return TaskPool.single(
             cols,
             np.arange(pos.shape[0], dtype=np.int64),
@@ -148,7 +151,7 @@ def build_task_batch(pool: TaskPool, support_size: int, query_size: int) -> Task
     return TaskBatch(support, query, smask, qmask, torch.from_numpy(np.array(pool.keys, dtype=np.int64)))
 
 
-def _gather(pool: TaskPool, row_chunk: np.ndarray, pos: np.ndarray) -> Columns:
+def _gather(pool: TaskPool, row_chunk: np.ndarray, pos: np.ndarray, row_major_ids: bool = False) -> Columns:
     """Rows ``pool.rows[row_chunk[i]][pos[i]]`` of their chunks; ``row_chunk`` grouped."""
     cuts = np.flatnonzero(row_chunk[1:] != row_chunk[:-1]) + 1
     bounds = [0, *cuts.tolist(), row_chunk.shape[0]]
@@ -156,7 +159,7 @@ def _gather(pool: TaskPool, row_chunk: np.ndarray, pos: np.ndarray) -> Columns:
     for a, b in zip(bounds[:-1], bounds[1:]):
         c = int(row_chunk[a]) if b > a else 0
         parts.append(pool.chunks[c].take(pool.rows[c][pos[a:b]]))
-    return Columns.concat(parts)
+    return Columns.concat(parts, row_major_ids=row_major_ids)
 
 
 def _gather_batch(pool: TaskPool, row_chunk: np.ndarray, pos: np.ndarray) -> Batch:

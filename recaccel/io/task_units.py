@@ -13,12 +13,11 @@ that unit was loaded first and kept the rows in the shared :class:`HeadStash`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from recaccel.io.dataset import DatasetInfo, RowGroupReader
 from recaccel.io.decode import Policies, Projection, new_decode_stats
-from recaccel.io.read_ahead import ReadAhead
+from recaccel.io.read_ahead import PerThread, ReadAhead
 from recaccel.io.task_pool import TaskPool
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec, split_tasks
 from recaccel.io.task_stream import HeadStash, TaskStream
@@ -71,7 +70,9 @@ class UnitWorker:
                     sizes = (split.starts, split.num_support, split.num_query, split.keys)
                     pools.append(TaskPool.single(part.cols, split.rows, *sizes))
         delta = {k: v - before[k] for k, v in self.stats.items() if v != before[k]}
-        return (TaskPool.concat(pools) if pools else None), delta
+        # Only the kept rows, copied here on the worker thread: the caller's window
+        # merge is then one contiguous copy and the decoded row groups are freed.
+        return (TaskPool.concat(pools).compact(row_major_ids=True) if pools else None), delta
 
     def close(self) -> None:
         self.source.close()
@@ -96,13 +97,10 @@ class UnitLoader:
         ahead: int,
         heads: HeadStash | None = None,
     ) -> None:
-        self._new_worker = new_worker
         self._units = units
         self._unit_rows = unit_rows
         self._ahead = max(0, ahead)
-        self._local = threading.local()
-        self._workers: list[UnitWorker] = []
-        self._lock = threading.Lock()
+        self._workers = PerThread(new_worker)
         self._loads = ReadAhead(self._work, len(units), self._ahead, threads=self._ahead, name="recaccel-tasks")
         self._heads = heads
 
@@ -115,18 +113,13 @@ class UnitLoader:
         of the kept heads."""
         ahead = sum(self._unit_rows[v] for v in self._loads.pending())
         heads = self._heads.rows if self._heads is not None else 0
-        return ahead + heads + sum(w.stream.cached_rows for w in list(self._workers))
+        return ahead + heads + sum(w.stream.cached_rows for w in self._workers.all())
 
     def close(self) -> None:
         """Cancels loads not started, waits for running ones, closes the workers' files."""
         self._loads.close()
-        for w in self._workers:
+        for w in self._workers.all():
             w.close()
 
     def _work(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
-        worker = getattr(self._local, "worker", None)
-        if worker is None:
-            worker = self._local.worker = self._new_worker()
-            with self._lock:
-                self._workers.append(worker)
-        return worker.load(self._units[u])
+        return self._workers.get().load(self._units[u])

@@ -29,11 +29,12 @@ Padding rows repeat the task's first row (valid ids, same bag structure); the ma
 side's ``Batch.weights`` holds the same mask flattened ([T*S] / [T*Q]). In a batch
 that starts with tasks carried over from the previous window, those come first.
 
-Memory. A window holds the decoded rows of its units (one copy, see
+Memory. A window holds the kept (split and sampled) rows of its units' tasks, which the
+worker that loaded a unit copied out of its decoded row groups (see
 :mod:`recaccel.io.task_pool`): about ``shuffle_buffer_tasks`` plus one unit's worth of
-tasks, plus up to T-1 carried tasks (their kept rows only), the next unit being
-decoded ahead (``read_ahead``) and two cached row groups; a task is assembled whole
-before it is sampled. ``stats["max_buffered_rows"]`` is the high-water mark.
+tasks, plus up to T-1 carried tasks, the units being loaded ahead (``read_ahead``,
+each with its decoded row groups and two cached ones); a task is assembled whole before
+it is sampled. ``stats["max_buffered_rows"]`` is the high-water mark.
 
 Position. As in :class:`~recaccel.io.parquet.BatchReader`: ``state_dict()`` is the
 position after the last yielded batch: (epoch, window index, the window's first unit,
