@@ -66,6 +66,7 @@ class DataConfig:
     invalid_dense: str = "error"  # error | skip | zero
     invalid_labels: str = "error"  # error | skip
     drop_last: bool = True
+    read_ahead: int = 2  # shuffle buffers decoded ahead, one worker thread each
     prefetch: int = 2
     loader_backend: str = "torch"  # torch | dali (host-to-device stage)
 
@@ -129,7 +130,7 @@ class TasksConfig:
     query_count: int = 0  # > 0: exactly this many query rows, the rest support (MeLU: 10)
     shuffle_buffer_tasks: int = 1024
     unit_row_groups: int = 4  # consecutive row groups dealt to a rank together
-    read_ahead: int = 1  # units decoded ahead on worker threads
+    read_ahead: int = 2  # units decoded ahead, one worker thread each
 
 
 @dataclass

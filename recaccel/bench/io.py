@@ -4,8 +4,12 @@ Candidates, each one full pass over a task-grouped dataset, timed interleaved in
 process (median of ``repeats``):
 
 - ``raw_pyarrow``: ``pyarrow.parquet.ParquetFile.iter_batches`` over the label, dense
-  and sparse columns, nothing else (the ceiling: decoding only);
-- ``raw_pyarrow_tasks``: the same plus the task key column (the ceiling of the task reader);
+  and sparse columns, nothing else, on one thread (``use_threads=False``; the ceiling
+  of one decoding thread);
+- ``raw_pyarrow_threads``: the same with pyarrow's default ``use_threads=True`` (columns
+  decoded on every core: the ceiling of the machine);
+- ``raw_pyarrow_tasks``: one-thread raw reading plus the task key column (the ceiling
+  of the task reader);
 - ``plain``: :class:`~recaccel.io.parquet.BatchReader` (validated, shuffled batches);
 - ``plain_in_order``: the same without shuffling;
 - ``tasks``: :class:`~recaccel.io.tasks.TaskReader` (validated, split, sampled, padded
@@ -16,6 +20,11 @@ Peak memory is measured separately (Linux): each candidate makes one pass in a f
 Python interpreter, which resets its peak resident set size (``/proc/self/clear_refs``)
 just before the pass and reports the peak (``VmHWM``) minus the RSS before the pass,
 so Arrow's buffers, numpy and torch all count.
+
+Data wait (``--train-steps``, default 300): the debug DLRM (``--train-config``) trains
+that many steps on ``--device`` through the trainer's loader, and the run's
+``data_wait_fraction`` (host time blocked waiting for the next batch over training
+time, the first batch's start-up excluded) is reported.
 
 Without ``--path`` the data is generated with :func:`recaccel.io.synth.generate_synthetic`
 in a temporary folder and grouped with :func:`recaccel.io.task_grouping.group_by_task`
@@ -60,9 +69,14 @@ def add_args(parser) -> None:
     parser.add_argument("--tasks-per-batch", type=int, default=32)
     parser.add_argument("--support-size", type=int, default=64)
     parser.add_argument("--query-size", type=int, default=32)
-    parser.add_argument("--read-ahead", type=int, default=1, help="TaskReader units loaded ahead on threads")
+    parser.add_argument(
+        "--read-ahead", type=int, default=2, help="buffers (plain) and units (tasks) loaded ahead, one thread each"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    parser.add_argument("--train-steps", type=int, default=300, help="debug DLRM steps for data wait; 0 = skip")
+    parser.add_argument("--train-config", default="configs/debug.toml", help="config of the data-wait run")
+    parser.add_argument("--device", default="auto", help="device of the data-wait run: auto | cpu | cuda")
     parser.add_argument("--out", default="bench/results/io.md", help="markdown summary")
 
 
@@ -105,16 +119,18 @@ def candidates(path: Path, args) -> dict:
         shuffle_buffer_tasks=1024,
     )
 
-    def raw(columns):
+    def raw(columns, threads=False):
         n = 0
         for f in info.files:
             with pq.ParquetFile(str(f)) as pf:
-                for batch in pf.iter_batches(batch_size=args.batch_size, columns=columns, use_threads=False):
+                for batch in pf.iter_batches(batch_size=args.batch_size, columns=columns, use_threads=threads):
                     n += batch.num_rows
         return n
 
     def plain(shuffle: bool):
-        reader = BatchReader(path, args.batch_size, seed=0, shuffle=shuffle, shuffle_buffer_rows=65_536)
+        reader = BatchReader(
+            path, args.batch_size, seed=0, shuffle=shuffle, shuffle_buffer_rows=65_536, read_ahead=args.read_ahead
+        )
         for _ in reader:
             pass
         return reader.stats["rows_read"]
@@ -127,6 +143,7 @@ def candidates(path: Path, args) -> dict:
 
     return {
         "raw_pyarrow": lambda: raw(plain_cols),
+        "raw_pyarrow_threads": lambda: raw(plain_cols, threads=True),
         "raw_pyarrow_tasks": lambda: raw(task_cols),
         "plain": lambda: plain(True),
         "plain_in_order": lambda: plain(False),
@@ -198,8 +215,10 @@ def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
         row = {
             "candidate": name,
             "median_s": med[name],
+            "min_s": min(samples[name]) / 1e3,
             "rows_per_s": rows / med[name],
             "vs_raw_pyarrow": med[ceiling] / med[name],
+            "vs_raw_threads": med["raw_pyarrow_threads"] / med[name],
             "peak_rss_mib": memory.get(name),
         }
         if name == "tasks":
@@ -210,11 +229,15 @@ def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
         f"{len(info.schema.dense)} dense + {len(info.schema.sparse)} sparse columns)",
         "Candidates timed interleaved within each repeat (order rotating); median of "
         f"{args.repeats} passes after one warm-up pass. Throughput = dataset rows / pass time.",
-        "vs_raw_pyarrow: the candidate's throughput over raw iter_batches of the same columns "
-        "(the task reader is compared with raw reading including the task key column). "
+        "vs_raw_pyarrow: the candidate's throughput over one-thread raw iter_batches of the same "
+        "columns (the task reader is compared with raw reading including the task key column); "
+        "vs_raw_threads: over raw iter_batches with pyarrow's default use_threads=True. "
         "Targets: plain >= 0.8, tasks >= 0.5.",
+        f"recaccel readers: read_ahead={args.read_ahead} (buffers or units decoded ahead, one worker "
+        "thread each, every row group decoded with Arrow's threads), page checksums verified, "
+        "every value validated.",
         f"tasks: T={args.tasks_per_batch}, S={args.support_size}, Q={args.query_size}, "
-        f"shuffle_buffer_tasks=1024, read_ahead={args.read_ahead}; stats of the last pass: "
+        f"shuffle_buffer_tasks=1024; stats of the last pass: "
         f"{_task_stats(reader)}",
         f"machine: {os.cpu_count()} CPUs; 1-minute load average {load_before:.2f} before and "
         f"{load_after:.2f} after the timed passes (other work on the machine slows every candidate).",
@@ -222,6 +245,51 @@ def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
         "(VmHWM after the pass, reset before it, minus VmRSS before it).",
     ]
     return table, notes
+
+
+def measure_data_wait(work: Path, args) -> tuple[dict, str, str]:
+    """Trains the debug DLRM ``args.train_steps`` steps on its synthetic data in ``work``.
+
+    Returns:
+        A table row, a note, and the device it ran on.
+
+    Raises:
+        ConfigError: if ``args.train_config`` cannot be read.
+    """
+    from recaccel.api import train
+    from recaccel.config import load_config
+    from recaccel.io.synth import generate_synthetic
+    from recaccel.train.trainer import resolve_device
+
+    cfg = load_config(
+        args.train_config,
+        [
+            f'synth.out_dir="{work / "data"}"',
+            f'data.train="{work / "data" / "train"}"',
+            f'data.test="{work / "data" / "test"}"',
+            f'train.out_dir="{work / "run"}"',
+            f"train.steps={args.train_steps}",
+            f'train.device="{args.device}"',
+            "train.progress=false",
+        ],
+    )
+    device = str(resolve_device(cfg.train.device))
+    generate_synthetic(cfg.synth)
+    metrics = train(cfg)
+    steady = metrics["data_wait_fraction"]
+    row = {
+        "candidate": f"debug_dlrm_train ({device})",
+        "rows_per_s": metrics["samples_per_s"],
+        "data_wait_fraction": steady,
+    }
+    note = (
+        f"debug_dlrm_train: {args.train_config} for {metrics['steps']} steps of batch "
+        f"{cfg.data.batch_size} on {device} through the trainer's DeviceLoader (prefetch "
+        f"{cfg.data.prefetch}); data_wait_fraction = host time blocked on the next batch / training "
+        f"time, after the first batch (start-up {metrics['data_startup_s']:.2f} s excluded; steady "
+        f"wait {metrics['data_wait_s']:.3f} s). Target on GPU: < 0.02."
+    )
+    return row, note, device
 
 
 def _task_stats(reader: TaskReader) -> str:
@@ -249,7 +317,12 @@ def main(args, command_line: str) -> Path:
         else:
             path = Path(args.path)
         table, notes = run_io_bench(path, args)
-    env = {**environment_info("cpu"), "pyarrow": pa.__version__, "numpy": np.__version__}
+        device = "cpu"
+        if args.train_steps > 0:
+            row, note, device = measure_data_wait(Path(tmp) / "train", args)
+            table.append(row)
+            notes.append(note)
+    env = {**environment_info(device), "pyarrow": pa.__version__, "numpy": np.__version__}
     out = write_results_markdown(
         args.out,
         "Parquet reading: recaccel vs raw pyarrow",

@@ -13,7 +13,7 @@ shuffle every buffer is one row group and rows come in file order.
 
 Memory is bounded by one buffer plus one batch of carried rows, about
 ``shuffle_buffer_rows + rows_per_row_group + batch_size`` rows, plus as much again for
-each buffer decoded ahead on worker threads (``read_ahead``, default 1),
+each buffer decoded ahead on worker threads (``read_ahead``, default 2),
 whatever the file sizes; ``stats["max_buffered_rows"]`` records the high-water mark.
 Batches are gathered from the buffer straight into their own arrays.
 
@@ -124,7 +124,7 @@ class BatchReader:
         invalid_ids: str = "error",
         invalid_dense: str = "error",
         invalid_labels: str = "error",
-        read_ahead: int = 1,
+        read_ahead: int = 2,
     ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
@@ -175,6 +175,7 @@ class BatchReader:
             invalid_ids=data_cfg.invalid_ids,
             invalid_dense=data_cfg.invalid_dense,
             invalid_labels=data_cfg.invalid_labels,
+            read_ahead=data_cfg.read_ahead,
         )
 
     @property

@@ -141,7 +141,7 @@ class TaskReader:
         drop_last: bool = False,
         query_count: int | None = None,
         unit_row_groups: int = 4,
-        read_ahead: int = 1,
+        read_ahead: int = 2,
         invalid_ids: str = "error",
         invalid_dense: str = "error",
         invalid_labels: str = "error",

@@ -17,6 +17,7 @@ from recaccel.io.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.models.factory import build_model
 from recaccel.train.checkpoint import TrainState
+from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, build_parallel
@@ -117,6 +118,8 @@ class Trainer:
                    disable=not (t.progress and self.parallel.is_main))
         loader = DeviceLoader(self.reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
         last_loss = math.nan
+        wait = DataWait()
+        seconds_before = self.state.train_seconds
         self.module.train()
         while not self._reached_end():
             self.reader.set_epoch(self.state.epoch)
@@ -125,7 +128,7 @@ class Trainer:
             steps_before = self.state.step
             clock = time.perf_counter()
             # Hybrid: every rank agrees before each step that all ranks have a batch.
-            for batch in self.parallel.batches(loader, self.objective):
+            for batch in wait.wrap(self.parallel.batches(loader, self.objective)):
                 loss = self.train_step(batch)
                 self.state.step += 1
                 self.state.samples += self.parallel.step_rows
@@ -160,6 +163,9 @@ class Trainer:
             train_samples=self.state.samples,
             samples_per_s=self.state.samples / max(self.state.train_seconds, 1e-9),
             train_loss=last_loss,
+            data_wait_s=wait.seconds,
+            data_startup_s=wait.startup_seconds,
+            data_wait_fraction=wait.fraction(self.state.train_seconds - seconds_before),
             data=dict(getattr(self.reader, "stats", {})),
         )
         self._event("final", **metrics)

@@ -7,12 +7,19 @@ from recaccel.cli import bench_main
 
 def test_bench_io_through_the_cli(tmp_path, capsys):
     out = tmp_path / "io.md"
+    train_cfg = tmp_path / "tiny.toml"
+    train_cfg.write_text(
+        "[synth]\ntrain_rows = 2000\ntest_rows = 500\nnum_sparse = 3\ncardinality = 20\n"
+        "[data]\nbatch_size = 128\n[model]\nembedding_dim = 4\nbottom_mlp = [8, 4]\ntop_mlp = [8, 1]\n"
+    )
     argv = ["io", "--rows", "6000", "--rows-per-row-group", "1000", "--batch-size", "256",
             "--tasks-per-batch", "4", "--support-size", "8", "--query-size", "4", "--repeats", "1",
-            "--no-memory", "--out", str(out)]
+            "--no-memory", "--train-steps", "5", "--train-config", str(train_cfg), "--device", "cpu",
+            "--out", str(out)]
     assert bench_main(argv) == 0
     text = out.read_text()
-    assert "raw_pyarrow" in text and "tasks" in text and "recaccel-bench io" in text
+    assert "raw_pyarrow" in text and "raw_pyarrow_threads" in text and "tasks" in text
+    assert "recaccel-bench io" in text and "debug_dlrm_train (cpu)" in text and "data_wait_fraction" in text
     assert f"results written to {out}" in capsys.readouterr().out
 
 

@@ -48,6 +48,8 @@ def test_cli_trains_and_writes_run_dir(tiny_data, tmp_path, capsys):
     metrics = json.loads((out / "metrics.json").read_text())
     for key in ("auc", "logloss", "samples_per_s", "steps"):
         assert key in metrics
+    assert 0.0 <= metrics["data_wait_fraction"] < 1.0
+    assert metrics["data_wait_s"] >= 0.0 and metrics["data_startup_s"] > 0.0
     assert metrics["steps"] == 2 * (6000 // 256)
     assert 0.5 < metrics["auc"] <= 1.0
     resolved = load_config(out / "config.toml")
