@@ -76,12 +76,22 @@ class Columns:
         return self.num_rows
 
     def take(self, idx: np.ndarray) -> Columns:
-        """Rows ``idx`` (int [m], any order, repeats allowed) as new arrays."""
+        """Rows ``idx`` (int [m], any order, repeats allowed) as new arrays (row-major
+        ids stay row-major)."""
         idx = np.asarray(idx, dtype=np.int64)
         steps = _steps(idx.shape[0])  # shared by every single-hot field
+        # Row-major ids stay row-major: one gather of whole rows, fields as views.
+        ids = None if self.ids is None else np.take(self.ids, idx, axis=0)
         values, offsets = [], []
+        k = 0
         for val, off, single in zip(self.values, self.offsets, self.single):
-            v, o = (np.take(val, idx), steps) if single else take_csr(val, off, idx)
+            if not single:
+                v, o = take_csr(val, off, idx)
+            elif ids is not None:
+                v, o = ids[:, k], steps
+                k += 1
+            else:
+                v, o = np.take(val, idx), steps
             values.append(v)
             offsets.append(o)
         return Columns(
@@ -92,6 +102,7 @@ class Columns:
             offsets=offsets,
             extra={k: np.take(v, idx) for k, v in self.extra.items()},
             single=list(self.single),
+            ids=ids,
         )
 
     def slice(self, start: int, stop: int) -> Columns:
