@@ -76,7 +76,11 @@ def test_gathers_match_python_rows(part_rows, dd, multi, row_major, seed):
         assert cols.ids is not None and cols.ids.flags.c_contiguous
     idx = rng.integers(0, n, int(rng.integers(0, 30))) if n else np.zeros(0, dtype=np.int64)
     check_batch(take_batch(cols, idx), [rows[i] for i in idx], keys, dd)
-    check_batch(cols.take(idx).to_batch(), [rows[i] for i in idx], keys, dd)
+    taken = cols.take(idx)
+    check_batch(taken.to_batch(), [rows[i] for i in idx], keys, dd)
+    assert (taken.ids is not None) == (cols.ids is not None)  # row-major stays row-major
+    joined = Columns.concat([taken, cols], row_major_ids=True)  # stacked parts: one copy
+    assert python_rows(joined) == [rows[i] for i in idx] + rows
     a, b = sorted(int(x) for x in rng.integers(0, n + 1, 2))
     check_batch(take_batch(cols, slice(a, b)), rows[a:b], keys, dd)
     sliced = cols.slice(a, b)
