@@ -9,7 +9,10 @@ in order, into buffers of whole row groups holding at least ``shuffle_buffer_row
 rows (footer counts); each buffer's rows are permuted with an RNG seeded by
 ``(seed, epoch, rank, buffer_index)`` and batches are cut from that order. Rows left at
 the end of a buffer start the next batch, so batches cross buffer boundaries. Without
-shuffle every buffer is one row group and rows come in file order.
+shuffle every buffer is one row group and rows come in file order. Inside a
+``torch.utils.data.DataLoader`` with W > 1 workers, worker w of rank r reads shard
+``r * W + w`` of ``world_size * W`` (the reader is an ``IterableDataset``), so every row
+is still read once per epoch.
 
 Memory is bounded by one buffer plus one batch of carried rows, about
 ``shuffle_buffer_rows + rows_per_row_group + batch_size`` rows, plus as much again for
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
@@ -43,7 +47,7 @@ from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_d
 from recaccel.io.decode import Policies, Projection, new_decode_stats, row_group_to_columns
 from recaccel.io.parquet_writer import DatasetWriter, write_parquet
 from recaccel.io.read_ahead import PerThread, ReadAhead
-from recaccel.io.reader_state import check_reader_args, data_fingerprint, restore_position
+from recaccel.io.reader_state import check_reader_args, data_fingerprint, data_shard, restore_position
 from recaccel.io.schema import FeatureSchema
 
 __all__ = [
@@ -70,7 +74,7 @@ class _Position:
     done: bool
 
 
-class BatchReader:
+class BatchReader(IterableDataset):
     """Iterable of CPU :class:`Batch` es read from Parquet (see the module docstring).
 
     Each batch has dense float32 [B, Dd], sparse ids with keys = the projected sparse
@@ -210,7 +214,8 @@ class BatchReader:
             self._pos = _Position(self._pos.epoch + 1, 0, 0, False)
         start = self._pos
         epoch = start.epoch
-        buffers = self.buffers(epoch)
+        shard = data_shard(self.rank, self.world_size, mid_epoch=start.buffer > 0 or start.offset > 0)
+        buffers = self.buffers(epoch, shard)
         sizes = [sum(r.num_rows for r in buf) for buf in buffers]
         rows_after = np.cumsum([0] + sizes[::-1])[::-1]
         bs = self.batch_size
@@ -231,7 +236,7 @@ class BatchReader:
                         f"saved reader position (buffer {b}, row {i}) is past the buffer's {n} rows; "
                         "did the dataset or the read policies change?"
                     )
-                order = self._buffer_order(epoch, b, n)
+                order = self._buffer_order(epoch, shard[0], b, n)
                 held = n + carry_rows + loader.ahead_rows()
                 self.stats["max_buffered_rows"] = max(self.stats["max_buffered_rows"], held)
                 while n - i >= bs - carry_rows:
@@ -260,8 +265,15 @@ class BatchReader:
         finally:
             loader.close()
 
-    def buffers(self, epoch: int) -> list[list[RowGroupRef]]:
-        """This rank's row groups in ``epoch``, grouped into shuffle buffers, in read order."""
+    def buffers(self, epoch: int, shard: tuple[int, int] | None = None) -> list[list[RowGroupRef]]:
+        """This rank's row groups in ``epoch``, grouped into shuffle buffers, in read order.
+
+        Args:
+            epoch: the epoch.
+            shard: (shard, shards) to read instead of (rank, world_size) (DataLoader
+                workers split a rank's share, see ``reader_state.data_shard``).
+        """
+        index, count = shard if shard is not None else (self.rank, self.world_size)
         refs = self.info.row_groups
         if self.shuffle:
             order = np.random.default_rng([self.seed, epoch, 0]).permutation(len(refs))
@@ -271,7 +283,7 @@ class BatchReader:
         out: list[list[RowGroupRef]] = []
         cur: list[RowGroupRef] = []
         rows = 0
-        for i in order[self.rank :: self.world_size]:
+        for i in order[index::count]:
             cur.append(refs[i])
             rows += refs[i].num_rows
             if rows >= target:
@@ -315,10 +327,10 @@ class BatchReader:
             **data_fingerprint(self.info, self.policies),
         }
 
-    def _buffer_order(self, epoch: int, buffer: int, n: int) -> np.ndarray | None:
+    def _buffer_order(self, epoch: int, shard: int, buffer: int, n: int) -> np.ndarray | None:
         if not self.shuffle:
             return None
-        return np.random.default_rng([self.seed, epoch, 1, self.rank, buffer]).permutation(n)
+        return np.random.default_rng([self.seed, epoch, 1, shard, buffer]).permutation(n)
 
     def _emit(self, batch: Batch) -> Batch:
         self.stats["rows_yielded"] += batch.batch_size

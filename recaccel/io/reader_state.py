@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.utils.data
+
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.dataset import DatasetInfo
 from recaccel.io.decode import Policies
@@ -20,6 +22,26 @@ def check_reader_args(*, seed: int, rank: int, world_size: int, read_ahead: int)
         raise ConfigError(f"seed must be >= 0, got {seed}")
     if read_ahead < 0:
         raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
+
+
+def data_shard(rank: int, world_size: int, mid_epoch: bool) -> tuple[int, int]:
+    """(shard, shards) this reader reads: its rank's, split further among the workers
+    when it runs inside a ``torch.utils.data.DataLoader`` with several workers (worker w
+    of W on rank r reads shard ``r * W + w`` of ``world_size * W``).
+
+    Raises:
+        ConfigError: when resuming mid-epoch inside such workers (a saved position
+            belongs to one shard, not to each worker's).
+    """
+    worker = torch.utils.data.get_worker_info()
+    if worker is None or worker.num_workers <= 1:
+        return rank, world_size
+    if mid_epoch:
+        raise ConfigError(
+            "a reader cannot resume mid-epoch inside DataLoader workers: the saved position "
+            "is one shard's; resume with num_workers <= 1 (or recaccel's DeviceLoader)"
+        )
+    return rank * worker.num_workers + worker.id, world_size * worker.num_workers
 
 
 def data_fingerprint(info: DatasetInfo, policies: Policies) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Epoch order and sharding. The dataset's non-empty row groups, cut into units of
 ``(seed, epoch)`` when shuffling and dealt out: rank r takes the units at positions
 ``i % world_size == r`` of that list, and with them the tasks that *start* in their row
 groups (a task crossing into the next row group is completed from it). Every task, and
-every row, goes to exactly one rank; ranks may get unequal task counts.
+every row, goes to exactly one rank; ranks may get unequal task counts. Inside a
+``torch.utils.data.DataLoader`` with W > 1 workers, worker w of rank r reads shard
+``r * W + w`` of ``world_size * W`` (the reader is an ``IterableDataset``).
 
 Shuffle buffer. The rank's units are read in order into windows holding at least
 ``shuffle_buffer_tasks`` kept tasks (whole units); each window's tasks are permuted
@@ -54,13 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from torch.utils.data import IterableDataset
 
 from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.batch import TaskBatch
 from recaccel.io.dataset import DatasetInfo, open_dataset
 from recaccel.io.decode import Policies, Projection, new_decode_stats
-from recaccel.io.reader_state import check_reader_args, data_fingerprint, restore_position
+from recaccel.io.reader_state import check_reader_args, data_fingerprint, data_shard, restore_position
 from recaccel.io.schema import FeatureSchema
 from recaccel.io.task_pool import TaskPool, build_task_batch
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec
@@ -87,7 +90,7 @@ class _Window:
     pool: TaskPool
 
 
-class TaskReader:
+class TaskReader(IterableDataset):
     """Iterable of CPU :class:`TaskBatch` es read from task-grouped Parquet (module doc).
 
     Args:
@@ -258,14 +261,21 @@ class TaskReader:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         self._pos = _Position(epoch, 0, 0, 0, False)
 
-    def units(self, epoch: int) -> list[range]:
+    def units(self, epoch: int, shard: tuple[int, int] | None = None) -> list[range]:
         """This rank's units (runs of ``unit_row_groups`` consecutive row groups, as
-        indices into ``info.row_groups``) in read order."""
+        indices into ``info.row_groups``) in read order.
+
+        Args:
+            epoch: the epoch.
+            shard: (shard, shards) to read instead of (rank, world_size) (DataLoader
+                workers split a rank's share, see ``reader_state.data_shard``).
+        """
+        index, count = shard if shard is not None else (self.rank, self.world_size)
         g, b = len(self.info.row_groups), self.unit_row_groups
         blocks = [range(lo, min(lo + b, g)) for lo in range(0, g, b)]
         n = len(blocks)
         order = np.random.default_rng([self.seed, epoch, 0]).permutation(n) if self.shuffle else np.arange(n)
-        return [blocks[i] for i in order[self.rank :: self.world_size]]
+        return [blocks[i] for i in order[index::count]]
 
     def __iter__(self) -> Iterator[TaskBatch]:
         for batch, _ in self.iter_with_state():
@@ -277,7 +287,8 @@ class TaskReader:
             self._pos = _Position(self._pos.epoch + 1, 0, 0, 0, False)
         start = self._pos
         end = _Position(start.epoch, 0, 0, 0, True)
-        units = self.units(start.epoch)
+        shard = data_shard(self.rank, self.world_size, mid_epoch=start.unit > 0 or start.offset > 0)
+        units = self.units(start.epoch, shard)
         seed_words = (self.seed, 1, start.epoch) if self.train else (self.seed, 0)
         # A unit read before the unit its last task runs into gets that head from there.
         heads = HeadStash(wanted_heads(units[start.unit :]))
@@ -289,7 +300,7 @@ class TaskReader:
             self.read_ahead,
             heads,
         )
-        batches = self._batches(start, units, loader)
+        batches = self._batches(start, units, loader, shard[0])
         try:
             pending = next(batches, None)
             while pending is not None:
@@ -305,11 +316,11 @@ class TaskReader:
             loader.close()
 
     def _batches(
-        self, start: _Position, units: list[range], loader: UnitLoader
+        self, start: _Position, units: list[range], loader: UnitLoader, shard: int
     ) -> Iterator[tuple[TaskBatch, _Position]]:
         epoch, t = start.epoch, self.cfg.tasks_per_batch
         carry: TaskPool | None = None
-        for win in self._windows(epoch, start, units, loader):
+        for win in self._windows(epoch, start, units, loader, shard):
             pool, n = win.pool, win.pool.num_tasks
             i = start.offset if win.index == start.window else 0
             if i > n:
@@ -346,7 +357,7 @@ class TaskReader:
                 yield self._build(carry), _Position(epoch, 0, 0, 0, True)
 
     def _windows(
-        self, epoch: int, start: _Position, units: list[range], loader: UnitLoader
+        self, epoch: int, start: _Position, units: list[range], loader: UnitLoader, shard: int
     ) -> Iterator[_Window]:
         target = self.cfg.shuffle_buffer_tasks if self.shuffle else 1
         u, w = start.unit, start.window
@@ -364,7 +375,7 @@ class TaskReader:
                 return
             pool = TaskPool.concat(pools).merged()
             if self.shuffle:
-                perm = np.random.default_rng([self.seed, epoch, 1, self.rank, w]).permutation(pool.num_tasks)
+                perm = np.random.default_rng([self.seed, epoch, 1, shard, w]).permutation(pool.num_tasks)
                 pool = pool.subset(perm)
             yield _Window(w, first, u, pool)
             w += 1

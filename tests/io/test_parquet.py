@@ -317,6 +317,16 @@ def test_ranks_partition_the_rows(spec, batch_size, world_size, shuffle):
         assert Counter(rows) == Counter(reference_rows(Path(tmp), schema))
 
 
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_ranks_and_dataloader_workers_partition_the_rows(tmp_path, shuffle):
+    schema = small_dataset(tmp_path, n=500, rg=20)
+    rows = []
+    for rank in range(2):
+        reader = BatchReader(tmp_path, 16, shuffle=shuffle, shuffle_buffer_rows=50, seed=3, rank=rank, world_size=2)
+        rows += all_rows(torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2))
+    assert Counter(rows) == Counter(reference_rows(tmp_path, schema))
+
+
 @SETTINGS
 @given(datasets(min_rows=1), st.integers(1, 30), st.booleans(), st.booleans(), st.integers(1, 60), st.data())
 def test_resume_yields_exactly_the_remaining_batches(spec, batch_size, shuffle, drop_last, buffer_rows, data):

@@ -313,6 +313,28 @@ def test_every_row_once_per_epoch_across_ranks(world_size, train, unit):
             assert rids == Counter(r for rows in ref.values() for r, _ in rows)
 
 
+@pytest.mark.parametrize("train", [True, False])
+def test_every_row_once_across_ranks_and_dataloader_workers(train):
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        sizes = np.random.default_rng(8).integers(1, 25, 60).tolist()
+        write_tasks(path, sizes, 4, rg=9, per_file=100)
+        ref = file_tasks(path)
+        c = cfg(support_size=30, query_size=30, min_task_rows=1, shuffle_buffer_tasks=4)
+        rids: Counter = Counter()
+        for rank in range(2):
+            reader = TaskReader(path, c, seed=5, train=train, rank=rank, world_size=2, unit_row_groups=1)
+            loader = torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2)
+            for tb in loader:
+                rids.update(r for _, sup, qry in batch_tasks(tb) for r in sup + qry)
+        assert rids == Counter(r for rows in ref.values() for r, _ in rows)
+        reader = TaskReader(path, c, seed=5, train=train, unit_row_groups=1)
+        state = next(iter(reader.iter_with_state()))[1]
+        reader.load_state_dict(state)  # mid-epoch: one shard's position, not each worker's
+        with pytest.raises(ConfigError, match="resume mid-epoch inside DataLoader workers"):
+            list(torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2))
+
+
 def test_shuffle_is_seeded_and_changes_with_epoch():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
