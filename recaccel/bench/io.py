@@ -78,6 +78,7 @@ def add_args(parser) -> None:
     parser.add_argument("--train-config", default="configs/debug.toml", help="config of the data-wait run")
     parser.add_argument("--device", default="auto", help="device of the data-wait run: auto | cpu | cuda")
     parser.add_argument("--out", default="bench/results/io.md", help="markdown summary")
+    parser.add_argument("--plot", default="bench/results/io.png", help="PNG of the throughputs ('' = none)")
 
 
 def make_dataset(work: Path, rows: int, task_rows: int, zipf_a: float, rows_per_row_group: int) -> Path:
@@ -292,6 +293,37 @@ def measure_data_wait(work: Path, args) -> tuple[dict, str, str]:
     return row, note, device
 
 
+def plot_throughput(table: list[dict], path: str | Path) -> Path:
+    """Horizontal bars of rows/s per reading candidate (median; the whisker reaches the
+    best pass), with the targets as dashed lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from recaccel.bench.common import save_figure
+
+    rows = [r for r in table if r.get("median_s")]
+    per_s = {r["candidate"]: r["rows_per_s"] for r in rows}
+    best = [r["rows_per_s"] * r["median_s"] / r["min_s"] - r["rows_per_s"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7.0, 0.5 * len(rows) + 1.5))
+    pos = list(range(len(rows)))
+    colors = ["tab:grey" if r["candidate"].startswith("raw") else "tab:blue" for r in rows]
+    ax.barh(pos, [r["rows_per_s"] / 1e6 for r in rows], xerr=[[0] * len(rows), [b / 1e6 for b in best]],
+            color=colors, capsize=3)
+    ax.set_yticks(pos, [r["candidate"] for r in rows])
+    ax.invert_yaxis()
+    for share, ceiling, style in ((0.8, "raw_pyarrow", "--"), (0.5, "raw_pyarrow_tasks", ":")):
+        if ceiling in per_s:
+            ax.axvline(share * per_s[ceiling] / 1e6, color="tab:red", linestyle=style,
+                       label=f"target: {share:g} x {ceiling}")
+    ax.set_xlabel("million rows / s (median pass; whisker: best pass)")
+    ax.set_title("Parquet reading throughput, same files, one run")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return save_figure(fig, path, dpi=120)
+
+
 def _task_stats(reader: TaskReader) -> str:
     keys = (
         "tasks_yielded",
@@ -317,6 +349,8 @@ def main(args, command_line: str) -> Path:
         else:
             path = Path(args.path)
         table, notes = run_io_bench(path, args)
+        if args.plot:
+            plot_throughput(table, args.plot)
         device = "cpu"
         if args.train_steps > 0:
             row, note, device = measure_data_wait(Path(tmp) / "train", args)

@@ -15,11 +15,12 @@ def test_bench_io_through_the_cli(tmp_path, capsys):
     argv = ["io", "--rows", "6000", "--rows-per-row-group", "1000", "--batch-size", "256",
             "--tasks-per-batch", "4", "--support-size", "8", "--query-size", "4", "--repeats", "1",
             "--no-memory", "--train-steps", "5", "--train-config", str(train_cfg), "--device", "cpu",
-            "--out", str(out)]
+            "--out", str(out), "--plot", str(tmp_path / "io.png")]
     assert bench_main(argv) == 0
     text = out.read_text()
     assert "raw_pyarrow" in text and "raw_pyarrow_threads" in text and "tasks" in text
     assert "recaccel-bench io" in text and "debug_dlrm_train (cpu)" in text and "data_wait_fraction" in text
+    assert (tmp_path / "io.png").is_file()
     assert f"results written to {out}" in capsys.readouterr().out
 
 
