@@ -43,6 +43,7 @@ class SynthConfig:
     signal_scale: float = 1.0  # scale of the planted logit; larger = easier task
     rows_per_row_group: int = 8192
     rows_per_file: int = 100_000
+    compression: str = "snappy"  # Parquet codec: snappy | lz4 | zstd | gzip | none
     seed: int = 0
 
 
@@ -187,6 +188,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.invalid_dense": ("error", "skip", "zero"),
     "data.invalid_labels": ("error", "skip"),
     "data.loader_backend": ("torch", "dali"),
+    "synth.compression": ("snappy", "lz4", "zstd", "gzip", "none"),
     "model.arch": ("dlrm", "melu"),
     "model.interaction": ("dot",),
     "model.embedding_backend": ("auto", "reference", "triton", "fbgemm", "per_table"),

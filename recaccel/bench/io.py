@@ -65,6 +65,9 @@ def add_args(parser) -> None:
     parser.add_argument("--task-rows", type=int, default=64, help="mean rows per task when generating")
     parser.add_argument("--zipf-a", type=float, default=0.5, help="id skew of the generated fields")
     parser.add_argument("--rows-per-row-group", type=int, default=8192)
+    parser.add_argument(
+        "--compression", default="snappy", help="Parquet codec of the generated (or grouped) files"
+    )
     parser.add_argument("--batch-size", type=int, default=4096, help="plain batch size and raw batch size")
     parser.add_argument("--tasks-per-batch", type=int, default=32)
     parser.add_argument("--support-size", type=int, default=64)
@@ -81,8 +84,10 @@ def add_args(parser) -> None:
     parser.add_argument("--plot", default="bench/results/io.png", help="PNG of the throughputs ('' = none)")
 
 
-def make_dataset(work: Path, rows: int, task_rows: int, zipf_a: float, rows_per_row_group: int) -> Path:
-    """Synthetic Criteo-like rows grouped by field C1 into ``work/tasks``."""
+def make_dataset(
+    work: Path, rows: int, task_rows: int, zipf_a: float, rows_per_row_group: int, compression: str = "snappy"
+) -> Path:
+    """Synthetic Criteo-like rows grouped by field C1 into ``work/tasks`` (``compression``: codec)."""
     from recaccel.io.synth import generate_synthetic
 
     cards = [max(2, rows // task_rows)] + [100_000] * 25
@@ -94,6 +99,7 @@ def make_dataset(work: Path, rows: int, task_rows: int, zipf_a: float, rows_per_
         zipf_a=zipf_a,
         rows_per_row_group=rows_per_row_group,
         rows_per_file=max(rows // 4, 1),
+        compression=compression,
     )
     generate_synthetic(cfg)
     group_by_task(
@@ -102,6 +108,7 @@ def make_dataset(work: Path, rows: int, task_rows: int, zipf_a: float, rows_per_
         task_key="C1",
         rows_per_row_group=rows_per_row_group,
         rows_per_file=max(rows // 4, 1),
+        compression=compression,
     )
     return work / "tasks"
 
@@ -225,8 +232,10 @@ def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
         if name == "tasks":
             row["tasks_per_s"] = reader.stats["tasks_yielded"] / med[name]
         table.append(row)
+    codec = pq.ParquetFile(info.files[0]).metadata.row_group(0).column(0).compression
     notes = [
         f"dataset: {path} ({rows} rows, {len(info.files)} files, {len(info.row_groups)} row groups, "
+        f"{codec} compression, "
         f"{len(info.schema.dense)} dense + {len(info.schema.sparse)} sparse columns)",
         "Candidates timed interleaved within each repeat (order rotating); median of "
         f"{args.repeats} passes after one warm-up pass. Throughput = dataset rows / pass time.",
@@ -340,11 +349,17 @@ def main(args, command_line: str) -> Path:
     """Runs the benchmark and writes ``args.out``; returns its path."""
     with tempfile.TemporaryDirectory(prefix="recaccel-bench-io-") as tmp:
         if args.path is None:
-            path = make_dataset(Path(tmp), args.rows, args.task_rows, args.zipf_a, args.rows_per_row_group)
+            path = make_dataset(
+                Path(tmp), args.rows, args.task_rows, args.zipf_a, args.rows_per_row_group, args.compression
+            )
         elif open_dataset(args.path).schema.task_key is None:  # group a plain dataset first
             path = Path(tmp) / "tasks"
             group_by_task(
-                args.path, path, task_key=args.task_field, rows_per_row_group=args.rows_per_row_group
+                args.path,
+                path,
+                task_key=args.task_field,
+                rows_per_row_group=args.rows_per_row_group,
+                compression=args.compression,
             )
         else:
             path = Path(args.path)

@@ -148,6 +148,7 @@ def convert_criteo(
     bad_rows: str = "error",
     overwrite: bool = False,
     progress: bool = False,
+    compression: str = "snappy",
 ) -> CriteoReport:
     """Converts a Criteo TSV to ``<out_dir>/{train,test}/part-*.parquet`` (module doc).
 
@@ -161,6 +162,8 @@ def convert_criteo(
         bad_rows: ``"error"`` raises on the first bad line; ``"skip"`` drops and counts.
         overwrite: Replace existing part files in the split directories.
         progress: Show a progress bar over the bytes read.
+        compression: Parquet codec of the written files (``snappy``, ``lz4``, ``zstd``,
+            ``gzip``, ``none``; see :mod:`recaccel.io.parquet_writer`).
 
     Returns:
         The report.
@@ -184,7 +187,9 @@ def convert_criteo(
     train_lines = total_lines - int(round(total_lines * test_fraction))
     splits = ("train", "test")
     writers = {
-        s: DatasetWriter(out / s, schema, rows_per_row_group, rows_per_file, overwrite=overwrite)
+        s: DatasetWriter(
+            out / s, schema, rows_per_row_group, rows_per_file, overwrite=overwrite, compression=compression
+        )
         for s in splits
     }
     rows = dict.fromkeys(splits, 0)

@@ -128,6 +128,7 @@ def convert_melu(
     max_ratings: int | None = None,
     rows_per_row_group: int = 8192,
     overwrite: bool = False,
+    compression: str = "snappy",
 ) -> MeluReport:
     """Converts MeLU's states to ``<out_dir>/<state>/`` (module docstring).
 
@@ -143,6 +144,8 @@ def convert_melu(
             protocol uses 13..100: 10 query + 3..90 support); others are counted.
         rows_per_row_group: Parquet row group size.
         overwrite: replace existing part files.
+        compression: Parquet codec of the written files (``snappy``, ``lz4``, ``zstd``,
+            ``gzip``, ``none``; see :mod:`recaccel.io.parquet_writer`).
 
     Raises:
         ConfigError: on bad arguments.
@@ -167,7 +170,9 @@ def convert_melu(
         order = task_order(user, None)
         user, item, rating = user[order], item[order], rating[order]
         cols = _columns(user, item, rating, users, movies, include_ids, binarize)
-        with DatasetWriter(out / state, schema, rows_per_row_group, overwrite=overwrite) as writer:
+        with DatasetWriter(
+            out / state, schema, rows_per_row_group, overwrite=overwrite, compression=compression
+        ) as writer:
             writer.write(cols)
         report.rows[state] = int(user.shape[0])
         report.users[state] = int(np.unique(user).size)

@@ -126,8 +126,12 @@ def convert_movielens(
     binarize: bool = False,
     rows_per_row_group: int = 8192,
     overwrite: bool = False,
+    compression: str = "snappy",
 ) -> MovieLensReport:
     """Converts MovieLens 100K into task-grouped ``train`` and ``test`` splits (module doc).
+
+    ``compression`` is the Parquet codec of the written files (see
+    :data:`recaccel.io.parquet_writer.COMPRESSIONS`).
 
     Raises:
         ConfigError: on a bad scenario or fraction.
@@ -145,7 +149,8 @@ def convert_movielens(
         t.user_attrs.shape[0], t.item_year.shape[0], t.num_genres, t.num_occupations, binarize
     )
     writers = {
-        s: DatasetWriter(out / s, schema, rows_per_row_group, overwrite=overwrite) for s in ("train", "test")
+        s: DatasetWriter(out / s, schema, rows_per_row_group, overwrite=overwrite, compression=compression)
+        for s in ("train", "test")
     }
     counts = {}
     with writers["train"], writers["test"]:

@@ -418,7 +418,12 @@ def generate_synthetic(cfg: SynthConfig, progress: bool = False, *, overwrite: b
     # Both writers open before anything is written, so an existing dataset fails early.
     writers = {
         split: DatasetWriter(
-            out / split, model.schema, cfg.rows_per_row_group, cfg.rows_per_file, overwrite=overwrite
+            out / split,
+            model.schema,
+            cfg.rows_per_row_group,
+            cfg.rows_per_file,
+            overwrite=overwrite,
+            compression=cfg.compression,
         )
         for split in sizes
     }

@@ -174,6 +174,7 @@ def group_by_task(
     policies: Policies | None = None,
     overwrite: bool = False,
     tmp_dir: str | Path | None = None,
+    compression: str = "snappy",
 ) -> GroupReport:
     """Rewrites ``src`` as ``out_dir/part-*.parquet`` sorted by task key, then timestamp.
 
@@ -190,6 +191,8 @@ def group_by_task(
         policies: bad-value policies for reading the source (default: error).
         overwrite: replace existing part files in ``out_dir``.
         tmp_dir: where sorted runs are spilled (default: inside ``out_dir``); removed after.
+        compression: Parquet codec of the written files (``snappy``, ``lz4``, ``zstd``,
+            ``gzip``, ``none``; see :mod:`recaccel.io.parquet_writer`).
 
     Returns:
         The report (rows, tasks, runs, files, output schema).
@@ -211,7 +214,11 @@ def group_by_task(
     reader = RowGroupReader(
         info.schema, Projection.select(info.schema, None, ks.extra), policies or Policies(), stats
     )
-    out = _Sink(DatasetWriter(out_dir, ks.out_schema, rows_per_row_group, rows_per_file, overwrite=overwrite))
+    out = _Sink(
+        DatasetWriter(
+            out_dir, ks.out_schema, rows_per_row_group, rows_per_file, overwrite=overwrite, compression=compression
+        )
+    )
     runs = 0
     try:
         if info.num_rows <= memory_rows:

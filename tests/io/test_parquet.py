@@ -317,6 +317,20 @@ def test_ranks_partition_the_rows(spec, batch_size, world_size, shuffle):
         assert Counter(rows) == Counter(reference_rows(Path(tmp), schema))
 
 
+@pytest.mark.parametrize("codec", ["lz4", "zstd", "none"])
+def test_every_codec_reads_back_the_same_rows(tmp_path, codec):
+    schema = make_schema(2, [False, True], [50, 20])
+    cols = make_columns(schema, 90, 4)
+    write_parquet(tmp_path / "snappy", schema, cols, rows_per_row_group=40)
+    write_parquet(tmp_path / codec, schema, cols, rows_per_row_group=40, compression=codec)
+    meta = pq.ParquetFile(next((tmp_path / codec).glob("*.parquet"))).metadata
+    assert meta.row_group(0).column(0).compression == {"lz4": "LZ4", "zstd": "ZSTD", "none": "UNCOMPRESSED"}[codec]
+    read = [all_rows(BatchReader(tmp_path / d, 16, shuffle=False)) for d in ("snappy", codec)]
+    assert read[0] == read[1] == reference_rows(tmp_path / "snappy", schema)
+    with pytest.raises(ConfigError, match="compression must be one of"):
+        write_parquet(tmp_path / "bad", schema, cols, compression="brotli2")
+
+
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_ranks_and_dataloader_workers_partition_the_rows(tmp_path, shuffle):
     schema = small_dataset(tmp_path, n=500, rg=20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -165,3 +166,16 @@ def test_empty_source_writes_one_empty_grouped_file():
         assert report.rows == 0 and report.tasks == 0 and len(report.paths) == 1
         info = open_dataset(tmp / "out")
         assert info.num_rows == 0 and GROUPED_KEY in info.schema.extra
+
+
+def test_cli_groups_with_the_chosen_codec(tmp_path, capsys):
+    from recaccel.cli import data_main
+
+    write_parquet(tmp_path / "src", source_schema(True, False), source_columns(50, 2, True, False, 6))
+    argv = ["tasks", str(tmp_path / "src"), str(tmp_path / "out"), "--task-key", "user", "--compression", "lz4"]
+    assert data_main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 50
+    md = pq.ParquetFile(next((tmp_path / "out").glob("*.parquet"))).metadata
+    assert md.row_group(0).column(0).compression == "LZ4"
+    with pytest.raises(SystemExit):  # argparse names the valid choices
+        data_main([*argv[:5], "--compression", "brotli2"])
