@@ -214,7 +214,7 @@ def _tasks(args: argparse.Namespace) -> dict[str, Any]:
     return group_by_task(
         args.src, args.out_dir, task_key=args.task_key, timestamp=args.timestamp,
         rows_per_row_group=args.rows_per_row_group, memory_rows=args.memory_rows, overwrite=args.overwrite,
-        compression=args.compression,
+        compression=args.compression, progress=True,
     ).to_dict()
 def _synth(args: argparse.Namespace) -> dict[str, Any]:
     """Generates the [synth] dataset, or reuses it when synth.json shows the same config."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from recaccel.errors import ConfigError
 from recaccel.io.columns import Columns
@@ -175,6 +176,7 @@ def group_by_task(
     overwrite: bool = False,
     tmp_dir: str | Path | None = None,
     compression: str = "snappy",
+    progress: bool = False,
 ) -> GroupReport:
     """Rewrites ``src`` as ``out_dir/part-*.parquet`` sorted by task key, then timestamp.
 
@@ -191,6 +193,8 @@ def group_by_task(
         policies: bad-value policies for reading the source (default: error).
         overwrite: replace existing part files in ``out_dir``.
         tmp_dir: where sorted runs are spilled (default: inside ``out_dir``); removed after.
+        progress: show a progress bar over the rows read (and, when runs are spilled,
+            over the rows merged).
         compression: Parquet codec of the written files (``snappy``, ``lz4``, ``zstd``,
             ``gzip``, ``none``; see :mod:`recaccel.io.parquet_writer`).
 
@@ -214,15 +218,21 @@ def group_by_task(
     reader = RowGroupReader(
         info.schema, Projection.select(info.schema, None, ks.extra), policies or Policies(), stats
     )
+    spills = info.num_rows > memory_rows
+    bar = tqdm(total=info.num_rows * (2 if spills else 1), unit="rows", desc="group by task", disable=not progress)
     out = _Sink(
         DatasetWriter(
             out_dir, ks.out_schema, rows_per_row_group, rows_per_file, overwrite=overwrite, compression=compression
-        )
+        ),
+        bar if spills else None,
     )
     runs = 0
     try:
-        if info.num_rows <= memory_rows:
-            parts = [reader.read(ref) for ref in info.row_groups]
+        if not spills:
+            parts = []
+            for ref in info.row_groups:
+                parts.append(reader.read(ref))
+                bar.update(ref.num_rows)
             if parts:
                 cols = Columns.concat(parts)
                 out.high(cols.num_rows)
@@ -232,7 +242,7 @@ def group_by_task(
             try:
                 k = -(-info.num_rows // memory_rows)
                 merge_rows = max(_MIN_MERGE_ROWS, memory_rows // (2 * k))
-                run_dirs = _spill_runs(info.row_groups, reader, ks, memory_rows, merge_rows, work, out)
+                run_dirs = _spill_runs(info.row_groups, reader, ks, memory_rows, merge_rows, work, out, bar)
                 runs = len(run_dirs)
                 _merge(run_dirs, ks.out_schema, out)
             finally:
@@ -243,6 +253,7 @@ def group_by_task(
         raise
     finally:
         reader.close()
+        bar.close()
     if stats["rows_skipped"]:
         logger.warning("group_by_task: %d bad source rows skipped (policy)", stats["rows_skipped"])
     return GroupReport(
@@ -260,10 +271,12 @@ def group_by_task(
 
 
 class _Sink:
-    """The output writer plus counters (rows, distinct tasks, memory high-water mark)."""
+    """The output writer plus counters (rows, distinct tasks, memory high-water mark);
+    ``bar``, if given, advances by the rows written."""
 
-    def __init__(self, writer: DatasetWriter) -> None:
+    def __init__(self, writer: DatasetWriter, bar: tqdm | None = None) -> None:
         self.writer = writer
+        self.bar = bar
         self.rows = 0
         self.tasks = 0
         self.max_rows = 0
@@ -288,6 +301,8 @@ class _Sink:
         self._last = int(keys[-1])
         self.rows += cols.num_rows
         self.writer.write(writer_columns(cols, self.writer.schema, keys, times))
+        if self.bar is not None:
+            self.bar.update(cols.num_rows)
 
 
 def _spill_runs(
@@ -298,8 +313,10 @@ def _spill_runs(
     merge_rows: int,
     work: Path,
     out: _Sink,
+    bar: tqdm,
 ) -> list[Path]:
-    """Writes sorted runs of at most ``memory_rows`` rows (or one row group) under ``work``."""
+    """Writes sorted runs of at most ``memory_rows`` rows (or one row group) under ``work``;
+    ``bar`` advances by the rows read."""
     run_dirs: list[Path] = []
 
     def spill(parts: list[Columns]) -> None:
@@ -319,6 +336,7 @@ def _spill_runs(
             parts, held = [], 0
         parts.append(reader.read(ref))
         held += ref.num_rows
+        bar.update(ref.num_rows)
     if parts:
         spill(parts)
     return run_dirs

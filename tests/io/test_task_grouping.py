@@ -171,10 +171,16 @@ def test_empty_source_writes_one_empty_grouped_file():
 def test_cli_groups_with_the_chosen_codec(tmp_path, capsys):
     from recaccel.cli import data_main
 
-    write_parquet(tmp_path / "src", source_schema(True, False), source_columns(50, 2, True, False, 6))
-    argv = ["tasks", str(tmp_path / "src"), str(tmp_path / "out"), "--task-key", "user", "--compression", "lz4"]
+    write_parquet(
+        tmp_path / "src", source_schema(True, False), source_columns(50, 2, True, False, 6), rows_per_row_group=10
+    )
+    argv = ["tasks", str(tmp_path / "src"), str(tmp_path / "out"), "--task-key", "user", "--compression", "lz4",
+            "--memory-rows", "20"]
     assert data_main(argv) == 0
-    assert json.loads(capsys.readouterr().out)["rows"] == 50
+    printed = capsys.readouterr()
+    report = json.loads(printed.out)
+    assert report["rows"] == 50 and report["runs"] == 3
+    assert "group by task" in printed.err and "100/100" in printed.err  # read, then merged
     md = pq.ParquetFile(next((tmp_path / "out").glob("*.parquet"))).metadata
     assert md.row_group(0).column(0).compression == "LZ4"
     with pytest.raises(SystemExit):  # argparse names the valid choices
