@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from recaccel.errors import RecaccelError
+from recaccel.errors import DataError, RecaccelError
 
 
 def _run(prog: str, body: Callable[[], int]) -> int:
@@ -217,9 +217,12 @@ def _tasks(args: argparse.Namespace) -> dict[str, Any]:
         compression=args.compression, progress=True,
     ).to_dict()
 def _synth(args: argparse.Namespace) -> dict[str, Any]:
-    """Generates the [synth] dataset, or reuses it when synth.json shows the same config."""
-    import dataclasses
+    """Generates the [synth] dataset, or reuses it when synth.json shows the same config.
 
+    Raises:
+        DataError: if the folder holds data generated with another config (and not
+            ``--overwrite``).
+    """
     from recaccel.config import load_config
     from recaccel.io.synth import generate_synthetic
 
@@ -227,10 +230,27 @@ def _synth(args: argparse.Namespace) -> dict[str, Any]:
     done = Path(cfg.out_dir) / "synth.json"
     if done.is_file() and not args.overwrite:
         saved = json.loads(done.read_text())
-        if saved.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))):
+        differ = _synth_config_diff(saved.get("config") or {}, cfg)
+        if not differ:
             print(f"{cfg.out_dir} is up to date (same [synth] config); not regenerating", file=sys.stderr)
             return saved["report"]
+        raise DataError(
+            f"was generated with another [synth] config (differs in: {', '.join(differ)}); "
+            "pass --overwrite to regenerate it",
+            path=str(cfg.out_dir),
+        )
     return generate_synthetic(cfg, progress=True, overwrite=args.overwrite).to_dict()
+
+
+def _synth_config_diff(saved: dict[str, Any], cfg: Any) -> list[str]:
+    """Keys where a saved [synth] config differs from ``cfg``; a key the saved one lacks
+    (added to SynthConfig since) counts at its default."""
+    import dataclasses
+
+    current = json.loads(json.dumps(dataclasses.asdict(cfg)))
+    defaults = json.loads(json.dumps(dataclasses.asdict(type(cfg)())))
+    keys = sorted(set(saved) | set(current))
+    return [k for k in keys if k not in current or saved.get(k, defaults[k]) != current[k]]
 
 
 _DATA_COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

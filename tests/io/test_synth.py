@@ -242,3 +242,21 @@ def test_rows_from_table_rejects_out_of_range_ids(small):
 def test_progress_bar(tmp_path, capsys):
     generate_synthetic(_cfg(tmp_path, train_rows=300, test_rows=200), progress=True)
     assert "synth" in capsys.readouterr().err
+
+
+def test_cli_reuses_data_of_the_same_config_and_names_what_differs(tmp_path, capsys):
+    from recaccel.cli import data_main
+
+    cfg = tmp_path / "s.toml"
+    cfg.write_text(f'[synth]\nout_dir = "{tmp_path / "d"}"\ntrain_rows = 300\ntest_rows = 50\nnum_sparse = 2\n')
+    assert data_main(["synth", "--config", str(cfg)]) == 0
+    done = tmp_path / "d" / "synth.json"
+    saved = json.loads(done.read_text())
+    del saved["config"]["compression"]  # written before the key existed: its default applies
+    done.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert data_main(["synth", "--config", str(cfg)]) == 0
+    assert "up to date" in capsys.readouterr().err
+    assert data_main(["synth", "--config", str(cfg), "--set", 'synth.compression="lz4"']) == 2
+    assert "differs in: compression" in capsys.readouterr().err
+    assert data_main(["synth", "--config", str(cfg), "--set", 'synth.compression="lz4"', "--overwrite"]) == 0
