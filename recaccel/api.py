@@ -26,13 +26,19 @@ def resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
 
 
 def evaluate(cfg: Config, path: str | None = None) -> dict[str, Any]:
-    """Evaluates the newest checkpoint of ``cfg.train.out_dir`` on ``path`` (default data.test)."""
-    from recaccel.train.checkpoint import load_checkpoint
+    """Evaluates the newest checkpoint of ``cfg.train.out_dir`` on ``path`` (default
+    data.test); the run directory is only read.
+
+    Raises:
+        RecaccelError: if the run has no checkpoint or it cannot be read.
+    """
     from recaccel.train.trainer import Trainer
 
-    trainer = Trainer(cfg)
-    load_checkpoint(trainer.run_dir, trainer.model, trainer.optimizer, trainer.device)
-    return trainer.evaluate(path)
+    trainer = Trainer(cfg, resume=True)  # loads the newest checkpoint, as the parallel layout saved it
+    try:
+        return trainer.evaluate(path)
+    finally:
+        trainer.parallel.close()
 
 
 def _toml_str(value: str | Path) -> str:

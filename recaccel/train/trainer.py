@@ -81,9 +81,8 @@ class Trainer:
         if resume:
             self.state = self.parallel.load_checkpoint(self.run_dir, self.objective.module, self.optimizer)
             logger.info("resumed %s at step %d", self.run_dir, self.state.step)
-        self.log = RunLog(self.run_dir) if self.parallel.is_main else None
-        if self.log is not None:
-            self.log.write_config(cfg)
+        # Opened by fit(): evaluating a run's checkpoint must not rewrite its record.
+        self.log: RunLog | None = None
 
     def _reader(self, objective: Objective, path: str, *, train: bool):
         def make(rank: int, world_size: int):
@@ -112,8 +111,12 @@ class Trainer:
         self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
 
     def fit(self) -> dict[str, Any]:
-        """Trains until ``train.steps`` (or ``train.epochs``), evaluates, writes metrics.json."""
+        """Trains until ``train.steps`` (or ``train.epochs``), evaluates, writes metrics.json
+        (and the resolved config.toml and log.jsonl in the run directory)."""
         t = self.cfg.train
+        if self.parallel.is_main:
+            self.log = RunLog(self.run_dir)
+            self.log.write_config(self.cfg)
         bar = tqdm(total=self._total_steps(), initial=self.state.step, unit="step",
                    disable=not (t.progress and self.parallel.is_main))
         loader = DeviceLoader(self.reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)

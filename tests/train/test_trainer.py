@@ -128,3 +128,19 @@ def test_debug_preset_end_to_end(repo_root, tmp_path, capsys):
     assert "bayes_auc (planted model)" in printed
     # A second synth call with the same config reuses the data instead of failing.
     assert data_main(["synth", "--config", preset, *_argv(small)]) == 0
+
+
+def test_api_evaluate_scores_the_checkpoint_and_leaves_the_run_record(tiny_data, tmp_path):
+    import recaccel.api as api
+
+    out = tmp_path / "run"
+    cfg = load_config(None, _overrides(tiny_data, out, "train.steps=12"))
+    metrics = api.train(cfg)
+    record = {name: (out / name).read_bytes() for name in ("config.toml", "log.jsonl", "metrics.json")}
+    other = load_config(None, _overrides(tiny_data, out, "data.eval_batch_size=300"))
+    again = api.evaluate(other)  # the newest checkpoint is the trained model: same scores
+    assert again["auc"] == pytest.approx(metrics["auc"], abs=1e-6)
+    assert again["logloss"] == pytest.approx(metrics["logloss"], abs=1e-6)
+    on_train = api.evaluate(other, str(tiny_data / "train"))
+    assert on_train["auc"] != again["auc"]
+    assert {name: (out / name).read_bytes() for name in record} == record
