@@ -29,16 +29,10 @@ from recaccel.io.batch import Batch, SparseFeatures, TaskBatch  # noqa: E402
 from recaccel.io.schema import FeatureSchema, SparseField  # noqa: E402
 from recaccel.io.synth import generate_synthetic  # noqa: E402
 from recaccel.train.checkpoint import list_checkpoints  # noqa: E402
+from tests.train.test_trainer import TINY as TINY_DLRM  # noqa: E402
 
 WORLD = 2
-TINY = [
-    "synth.train_rows=6000", "synth.test_rows=2000", "synth.num_dense=3", "synth.num_sparse=4",
-    "synth.cardinality=50", "synth.multi_hot_fields=1", "synth.rows_per_row_group=1000",
-    "synth.rows_per_file=3000",
-    "data.batch_size=256", "data.shuffle_buffer_rows=2000", "data.prefetch=2",
-    "model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]",
-    "train.log_every=5", "train.progress=false", "optim.sparse=rowwise_adagrad",
-]
+TINY = [*TINY_DLRM, "optim.sparse=rowwise_adagrad"]
 STEPS = 12  # an epoch is 23 steps: runs and the resume point are mid-epoch
 # name -> (overrides of the hybrid run, overrides shared with its single-process reference)
 RUNS = {
