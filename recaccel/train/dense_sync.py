@@ -17,7 +17,7 @@ code on the same parameters, so the pattern is the same everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -53,25 +53,43 @@ class DenseGradSync:
         grads = [p.grad for p in self.params if p.grad is not None]
         if any(g.is_sparse for g in grads):
             raise ValueError("DenseGradSync sums dense gradients; a parameter has a sparse gradient")
-        buckets: dict[torch.dtype, list[Tensor]] = {}
-        for g in grads:
-            buckets.setdefault(g.dtype, []).append(g)
-        if extras is not None:
-            extras = extras.detach().reshape(-1)
-            first = next(iter(buckets), extras.dtype)
-            buckets.setdefault(first, [])
-            extras = extras.to(first)
-        reduced_extras = None
-        for i, (dtype, members) in enumerate(buckets.items()):
-            parts = [g.reshape(-1) for g in members]
-            if i == 0 and extras is not None:
-                parts.append(extras.to(members[0].device) if members else extras)
+        tail = None if extras is None else extras.detach().reshape(-1)
+        return flat_collective(grads, lambda flat: dist.all_reduce(flat, group=self.group), tail)
+
+
+def flat_collective(
+    tensors: list[Tensor], collective: Callable[[Tensor], object], tail: Tensor | None = None
+) -> Tensor | None:
+    """Runs ``collective`` in place on one flat buffer per dtype of ``tensors`` and
+    copies the results back into them (one collective per dtype, not per tensor).
+
+    Args:
+        tensors: the tensors, updated in place.
+        collective: an in-place collective on a 1-D tensor (``all_reduce``, ``broadcast``).
+        tail: a 1-D tensor that rides at the end of the first buffer (cast to its dtype).
+
+    Returns:
+        ``tail`` after the collective (None when not given).
+    """
+    buckets: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault(t.dtype, []).append(t)
+    if tail is not None:
+        buckets.setdefault(next(iter(buckets), tail.dtype), [])
+    result = None
+    with torch.no_grad():
+        for i, members in enumerate(buckets.values()):
+            parts = [t.detach().reshape(-1) for t in members]
+            if i == 0 and tail is not None:
+                dtype = members[0].dtype if members else tail.dtype
+                device = members[0].device if members else tail.device
+                parts.append(tail.to(device=device, dtype=dtype))
             flat = torch.cat(parts)
-            dist.all_reduce(flat, group=self.group)
+            collective(flat)
             offset = 0
-            for g in members:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            if i == 0 and extras is not None:
-                reduced_extras = flat[offset:]
-        return reduced_extras
+            for t in members:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+            if i == 0 and tail is not None:
+                result = flat[offset:]
+    return result

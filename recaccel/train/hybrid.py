@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from recaccel.config import Config
 from recaccel.errors import ConfigError, RecaccelError
 from recaccel.train.checkpoint import TrainState
-from recaccel.train.dense_sync import DenseGradSync
+from recaccel.train.dense_sync import DenseGradSync, flat_collective
 from recaccel.train.hybrid_data import GlobalSlices, loss_denominator
 from recaccel.train.parallel import batch_rows
 
@@ -249,17 +249,7 @@ class HybridParallel:
         tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
         if self.replicated is not None:
             tensors += list(self.replicated.parameters())
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                dist.broadcast(flat, src=0)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                    offset += t.numel()
+        flat_collective(tensors, lambda flat: dist.broadcast(flat, src=0))
 
     # ------------------------------------------------------------------- data
 
