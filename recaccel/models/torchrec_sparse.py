@@ -104,12 +104,15 @@ def select_fields(sf: SparseFeatures, names: list[str]) -> SparseFeatures:
     if list(names) == list(sf.keys):
         return sf
     b = sf.batch_size
-    values, lengths, weights = [], [], []
     for name in names:
         if name not in sf.keys:
             raise DataError(f"the batch has no sparse field {name!r}; it has {sf.keys}")
+    # Every field's first value, read to the host at once: one device sync, not two per field.
+    firsts = sf.offsets[::b].tolist() if b else [0] * (len(sf.keys) + 1)
+    values, lengths, weights = [], [], []
+    for name in names:
         f = sf.keys.index(name)
-        lo, hi = int(sf.offsets[f * b]), int(sf.offsets[(f + 1) * b])
+        lo, hi = firsts[f], firsts[f + 1]
         values.append(sf.values[lo:hi])
         lengths.append(sf.offsets[f * b + 1 : (f + 1) * b + 1] - sf.offsets[f * b : (f + 1) * b])
         if sf.weights is not None:

@@ -1,0 +1,46 @@
+"""select_fields: fields of a field-major CSR batch, against per-bag Python lists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recaccel.errors import DataError
+from recaccel.io.batch import SparseFeatures
+from recaccel.models.torchrec_sparse import select_fields
+
+
+def random_features(b: int, keys: list[str], seed: int, weighted: bool) -> SparseFeatures:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 4, (len(keys) * b,), generator=g)  # empty bags included
+    n = int(lengths.sum())
+    values = torch.randint(0, 1000, (n,), generator=g)
+    weights = torch.rand(n, generator=g) if weighted else None
+    return SparseFeatures.from_lengths(keys, values, lengths, weights)
+
+
+def bags(sf: SparseFeatures) -> dict[str, list]:
+    b, off = sf.batch_size, sf.offsets.tolist()
+    out = {}
+    for f, key in enumerate(sf.keys):
+        rows = []
+        for i in range(b):
+            lo, hi = off[f * b + i], off[f * b + i + 1]
+            w = None if sf.weights is None else sf.weights[lo:hi].tolist()
+            rows.append((sf.values[lo:hi].tolist(), w))
+        out[key] = rows
+    return out
+
+
+@pytest.mark.parametrize("b", [0, 1, 5])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_selected_fields_keep_their_bags_in_the_asked_order(b, weighted):
+    keys = ["a", "b", "c", "d"]
+    sf = random_features(b, keys, seed=b, weighted=weighted)
+    want = bags(sf)
+    for names in (["c", "a"], ["d"], keys, ["b", "c", "d", "a"]):
+        got = select_fields(sf, names)
+        assert got.keys == names and got.batch_size == b
+        assert bags(got) == {n: want[n] for n in names}
+    with pytest.raises(DataError, match="no sparse field 'z'"):
+        select_fields(sf, ["a", "z"])
