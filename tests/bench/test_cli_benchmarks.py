@@ -24,6 +24,17 @@ def test_bench_io_through_the_cli(tmp_path, capsys):
     assert f"results written to {out}" in capsys.readouterr().out
 
 
+def test_bench_io_keeps_its_reading_results_when_the_training_run_fails(tmp_path, capsys):
+    out = tmp_path / "io.md"
+    argv = ["io", "--rows", "3000", "--rows-per-row-group", "1000", "--batch-size", "256",
+            "--tasks-per-batch", "4", "--support-size", "8", "--query-size", "4", "--repeats", "1",
+            "--no-memory", "--train-steps", "5", "--train-config", str(tmp_path / "missing.toml"),
+            "--plot", "", "--out", str(out)]
+    assert bench_main(argv) == 2  # the config error ends the command
+    text = out.read_text()
+    assert "raw_pyarrow" in text and "debug_dlrm_train FAILED (ConfigError" in text
+
+
 def test_bench_interaction_through_the_cli(tmp_path):
     out = tmp_path / "interaction.md"
     argv = ["interaction", "--batch", "32", "--fields", "3", "--dim", "8", "--repeats", "2", "--device", "cpu",
