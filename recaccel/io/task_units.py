@@ -4,7 +4,9 @@ A :class:`UnitWorker` is one thread's reading state: its own row-group reader, t
 stream and counters, so workers share nothing mutable. :class:`UnitLoader` hands out
 units in order; with ``ahead > 0`` it keeps the next ``ahead`` units loading on as many
 threads while the caller batches the current one (Arrow decoding and most numpy work
-release the GIL). Each load returns its counter increments, which the caller adds to
+release the GIL). A loaded unit is its kept tasks' rows only (split, sampled, copied
+out of the decoded row groups with row-major ids), so a window is one cheap
+concatenation and the row groups are freed early. Each load returns its counter increments, which the caller adds to
 its own counters: task and split counts are the same with or without threads; decode
 counts may grow, as each worker has its own cache of decoded row groups and a task
 that crosses into the next unit's row group decodes that row group once more, unless

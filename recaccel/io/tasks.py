@@ -110,8 +110,9 @@ class TaskReader(IterableDataset):
         unit_row_groups: row groups per unit of shuffling and sharding. A unit's last
             task usually runs into the next row group, which is then decoded once
             more; longer units make that rarer.
-        read_ahead: units decoded and split in advance, each on its own thread, while
-            the current one is batched (see :mod:`recaccel.io.task_units`); 0 = none.
+        read_ahead: units decoded, split and compacted in advance, each on its own
+            thread, while the current one is batched (see :mod:`recaccel.io.task_units`);
+            0 = none.
         invalid_ids, invalid_dense, invalid_labels: bad-value policies (see
             :mod:`recaccel.io.decode`).
 
