@@ -43,7 +43,7 @@ class SynthConfig:
     signal_scale: float = 1.0  # scale of the planted logit; larger = easier task
     rows_per_row_group: int = 8192
     rows_per_file: int = 100_000
-    compression: str = "snappy"  # Parquet codec: snappy | lz4 | zstd | gzip | none
+    compression: str = "snappy"  # Parquet codec, one of PARQUET_CODECS
     seed: int = 0
 
 
@@ -182,13 +182,16 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
+# Parquet codecs recaccel's writers accept (pyarrow names).
+PARQUET_CODECS = ("snappy", "lz4", "zstd", "gzip", "none")
+
 # Keys whose value must be one of a few words; checked when a config is built.
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.invalid_ids": ("error", "skip", "clip", "hash"),
     "data.invalid_dense": ("error", "skip", "zero"),
     "data.invalid_labels": ("error", "skip"),
     "data.loader_backend": ("torch", "dali"),
-    "synth.compression": ("snappy", "lz4", "zstd", "gzip", "none"),
+    "synth.compression": PARQUET_CODECS,
     "model.arch": ("dlrm", "melu"),
     "model.interaction": ("dot",),
     "model.embedding_backend": ("auto", "reference", "triton", "fbgemm", "per_table"),

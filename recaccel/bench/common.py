@@ -181,6 +181,17 @@ def write_results_markdown(
     return path
 
 
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (plots are written to files,
+    often on machines without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig, path: str | Path, dpi: int) -> Path:
     """Saves a matplotlib figure as a PNG (parent folders created) and closes it; returns the path."""
     import matplotlib.pyplot as plt

@@ -23,7 +23,13 @@ from pathlib import Path
 
 import torch
 
-from recaccel.bench.common import environment_info, measure_copy_bandwidth, save_figure, time_interleaved
+from recaccel.bench.common import (
+    environment_info,
+    measure_copy_bandwidth,
+    pyplot,
+    save_figure,
+    time_interleaved,
+)
 from recaccel.bench.embedding_cases import (
     BenchInputs,
     Candidate,
@@ -236,10 +242,7 @@ def plot_speedups(rows: Sequence[dict], path: str | Path) -> Path:
     One row of panels per (B, D, L) sweep: forward on the left, fwd+bwd+update on the right;
     one line per candidate.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     sweeps = sorted({(r["B"], r["D"], r["L"]) for r in rows})
     fig, axes = plt.subplots(

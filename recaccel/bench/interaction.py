@@ -20,6 +20,7 @@ import torch
 from recaccel.bench.common import (
     environment_info,
     measure_copy_bandwidth,
+    pyplot,
     save_figure,
     time_interleaved,
     write_results_markdown,
@@ -153,10 +154,7 @@ def run_interaction_bench(
 
 def plot_speedups(results: Sequence[dict], path: str | Path) -> Path:
     """Bar chart of Triton's speedup over eager (forward, forward+backward) per shape."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     labels = [f"B={r['batch']}\nF={r['fields']} D={r['dim']}" for r in results]
     fwd = [r.get("fwd_speedup") or 0.0 for r in results]

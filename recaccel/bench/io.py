@@ -45,7 +45,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recaccel.bench.common import environment_info, time_interleaved_samples, write_results_markdown
+from recaccel.bench.common import (
+    environment_info,
+    pyplot,
+    save_figure,
+    time_interleaved_samples,
+    write_results_markdown,
+)
 from recaccel.config import SynthConfig, TasksConfig
 from recaccel.io.dataset import open_dataset
 from recaccel.io.parquet import BatchReader
@@ -286,11 +292,10 @@ def measure_data_wait(work: Path, args) -> tuple[dict, str, str]:
     device = str(resolve_device(cfg.train.device))
     generate_synthetic(cfg.synth)
     metrics = train(cfg)
-    steady = metrics["data_wait_fraction"]
     row = {
         "candidate": f"debug_dlrm_train ({device})",
         "rows_per_s": metrics["samples_per_s"],
-        "data_wait_fraction": steady,
+        "data_wait_fraction": metrics["data_wait_fraction"],
     }
     note = (
         f"debug_dlrm_train: {args.train_config} for {metrics['steps']} steps of batch "
@@ -305,12 +310,7 @@ def measure_data_wait(work: Path, args) -> tuple[dict, str, str]:
 def plot_throughput(table: list[dict], path: str | Path) -> Path:
     """Horizontal bars of rows/s per reading candidate (median; the whisker reaches the
     best pass), with the targets as dashed lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from recaccel.bench.common import save_figure
+    plt = pyplot()
 
     rows = [r for r in table if r.get("median_s")]
     per_s = {r["candidate"]: r["rows_per_s"] for r in rows}

@@ -83,13 +83,13 @@ class Columns:
         # Row-major ids stay row-major: one gather of whole rows, fields as views.
         ids = None if self.ids is None else np.take(self.ids, idx, axis=0)
         values, offsets = [], []
-        k = 0
+        col = 0  # column of the next single-hot field in ``ids``
         for val, off, single in zip(self.values, self.offsets, self.single):
             if not single:
                 v, o = take_csr(val, off, idx)
             elif ids is not None:
-                v, o = ids[:, k], steps
-                k += 1
+                v, o = ids[:, col], steps
+                col += 1
             else:
                 v, o = np.take(val, idx), steps
             values.append(v)

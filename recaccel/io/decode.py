@@ -129,6 +129,11 @@ def new_decode_stats() -> dict[str, int]:
     return {k: 0 for k in DECODE_COUNTERS}
 
 
+def counter_increments(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The counters of ``after`` that grew since the snapshot ``before``, by how much."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def row_group_to_columns(
     table: pa.Table,
     schema: FeatureSchema,

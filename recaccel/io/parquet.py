@@ -44,7 +44,13 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.batch import Batch
 from recaccel.io.columns import Columns, take_batch
 from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
-from recaccel.io.decode import Policies, Projection, new_decode_stats, row_group_to_columns
+from recaccel.io.decode import (
+    Policies,
+    Projection,
+    counter_increments,
+    new_decode_stats,
+    row_group_to_columns,
+)
 from recaccel.io.parquet_writer import DatasetWriter, write_parquet
 from recaccel.io.read_ahead import PerThread, ReadAhead
 from recaccel.io.reader_state import check_reader_args, data_fingerprint, data_shard, restore_position
@@ -355,7 +361,7 @@ class _BufferLoader:
         self._sources = PerThread(
             lambda: RowGroupReader(reader.schema, reader.projection, reader.policies, new_decode_stats())
         )
-        self._loads = ReadAhead(self._load, len(buffers), reader.read_ahead, threads=reader.read_ahead)
+        self._loads = ReadAhead(self._load, len(buffers), reader.read_ahead)
 
     def get(self, b: int) -> tuple[Columns, dict[str, int]]:
         """Buffer ``b``'s rows and the decode counter increments (raises what decoding raised)."""
@@ -377,7 +383,7 @@ class _BufferLoader:
         # Shuffled rows are gathered at random: row-major ids make that cache-friendly.
         parts = [source.read(ref) for ref in self._buffers[b]]
         cols = Columns.concat(parts, row_major_ids=self._shuffle)
-        return cols, {k: v - before[k] for k, v in source.stats.items() if v != before[k]}
+        return cols, counter_increments(before, source.stats)
 
 
 def _rows_of(cols: Columns, order: np.ndarray | None, start: int, stop: int) -> Columns:

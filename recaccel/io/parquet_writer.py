@@ -37,11 +37,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recaccel.config import PARQUET_CODECS
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.schema import FeatureSchema
 
 
-COMPRESSIONS = ("snappy", "lz4", "zstd", "gzip", "none")
+COMPRESSIONS = PARQUET_CODECS
 
 
 class DatasetWriter:
@@ -94,6 +95,11 @@ class DatasetWriter:
         self.compression = compression
         self._arrow_schema = schema.arrow_schema()
         self._aligned = align_tasks and schema.task_key is not None
+        # A file ends once it holds this many rows. Aligned files end before a full row
+        # group could overflow them, so the file limit never cuts a row group mid-task.
+        self._file_limit = (
+            None if rows_per_file is None else max(rows_per_file - (rows_per_row_group if self._aligned else 0), 1)
+        )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         existing = sorted(self.out_dir.glob(f"{prefix}-*.parquet"))
         if existing and not overwrite:
@@ -175,10 +181,7 @@ class DatasetWriter:
                 self._open_file()
             self._writer.write_table(chunk, row_group_size=n)
             self._rows_in_file += n
-            # Aligned files end before a full row group would overflow them, so no row
-            # group is cut short (mid-task) by the file limit.
-            limit = None if self.rows_per_file is None else self.rows_per_file - (rg if self._aligned else 0)
-            if limit is not None and self._rows_in_file >= max(limit, 1):
+            if self._file_limit is not None and self._rows_in_file >= self._file_limit:
                 self._finish_file()
 
     def _last_task_boundary(self, n: int) -> int:

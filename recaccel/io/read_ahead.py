@@ -37,18 +37,17 @@ class PerThread(Generic[S]):
 
 class ReadAhead(Generic[T]):
     """Calls ``load(i)`` for items ``0 .. count-1`` as they are asked for, and the next
-    ``ahead`` items in advance on ``threads`` worker threads.
+    ``ahead`` items in advance, one worker thread each.
 
     An item's result (or the exception its load raised) comes back when it is asked for,
     so results and errors are those of loading inline; ``ahead = 0`` loads inline.
     """
 
-    def __init__(self, load: Callable[[int], T], count: int, ahead: int, *, threads: int = 1,
-                 name: str = "recaccel-read") -> None:
+    def __init__(self, load: Callable[[int], T], count: int, ahead: int, *, name: str = "recaccel-read") -> None:
         self._load = load
         self._count = count
         self._ahead = max(0, ahead)
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix=name) if self._ahead else None
+        self._pool = ThreadPoolExecutor(self._ahead, thread_name_prefix=name) if self._ahead else None
         self._futures: dict[int, Future] = {}
 
     def get(self, i: int) -> T:

@@ -6,9 +6,9 @@ units in order; with ``ahead > 0`` it keeps the next ``ahead`` units loading on 
 threads while the caller batches the current one (Arrow decoding and most numpy work
 release the GIL). A loaded unit is its kept tasks' rows only (split, sampled, copied
 out of the decoded row groups with row-major ids), so a window is one cheap
-concatenation and the row groups are freed early. Each load returns its counter increments, which the caller adds to
-its own counters: task and split counts are the same with or without threads; decode
-counts may grow, as each worker has its own cache of decoded row groups and a task
+concatenation and the row groups are freed early. Each load returns its counter
+increments, which the caller adds to its own counters: task and split counts are the
+same with or without threads; decode counts may grow, as each worker has its own cache of decoded row groups and a task
 that crosses into the next unit's row group decodes that row group once more, unless
 that unit was loaded first and kept the rows in the shared :class:`HeadStash`.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from recaccel.io.dataset import DatasetInfo, RowGroupReader
-from recaccel.io.decode import Policies, Projection, new_decode_stats
+from recaccel.io.decode import Policies, Projection, counter_increments, new_decode_stats
 from recaccel.io.read_ahead import PerThread, ReadAhead
 from recaccel.io.task_pool import TaskPool
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec, split_tasks
@@ -71,7 +71,7 @@ class UnitWorker:
                 if split.keys.size:
                     sizes = (split.starts, split.num_support, split.num_query, split.keys)
                     pools.append(TaskPool.single(part.cols, split.rows, *sizes))
-        delta = {k: v - before[k] for k, v in self.stats.items() if v != before[k]}
+        delta = counter_increments(before, self.stats)
         # Only the kept rows, copied here on the worker thread: the caller's window
         # merge is then one contiguous copy and the decoded row groups are freed.
         return (TaskPool.concat(pools).compact(row_major_ids=True) if pools else None), delta
@@ -103,7 +103,7 @@ class UnitLoader:
         self._unit_rows = unit_rows
         self._ahead = max(0, ahead)
         self._workers = PerThread(new_worker)
-        self._loads = ReadAhead(self._work, len(units), self._ahead, threads=self._ahead, name="recaccel-tasks")
+        self._loads = ReadAhead(self._work, len(units), self._ahead, name="recaccel-tasks")
         self._heads = heads
 
     def get(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
