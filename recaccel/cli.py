@@ -286,5 +286,10 @@ def _bench_registry() -> dict[str, tuple[str, Callable, Callable]]:
     return registry.BENCHMARKS
 
 
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(train_main())
+if __name__ == "__main__":  # pragma: no cover  (torchrun runs each rank as `python -m recaccel.cli`)
+    from recaccel.train.launch import exit_rank, under_torchrun
+
+    status = train_main()
+    if under_torchrun():
+        exit_rank(status)
+    sys.exit(status)

@@ -20,10 +20,12 @@ shows a progress bar; every rank writes its shards of each checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from recaccel.config import Config
 from recaccel.errors import ConfigError
@@ -83,6 +85,23 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
     # One intra-op thread pool per rank would oversubscribe the host's cores.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     return subprocess.run(torchrun_command(nproc, argv), env=env, check=False).returncode
+
+
+def exit_rank(code: int) -> NoReturn:
+    """Ends a torchrun rank process with exit status ``code``, skipping interpreter teardown.
+
+    When a rank returns, its results are on disk (checkpoint shards, and on rank 0 the
+    closed log and metrics.json). Tearing the interpreter down after a gloo process group
+    and Arrow's thread pool have run can abort intermittently ("terminate called without
+    an active exception", exit -6): native worker threads re-enter the finalizing
+    interpreter or are destroyed while joinable (pytorch/pytorch#179291,
+    apache/arrow#34314 and #39862). torchrun would then report the finished run as failed,
+    so a rank flushes its streams and logs and leaves with ``os._exit``.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def strip_nproc(argv: Sequence[str]) -> list[str]:

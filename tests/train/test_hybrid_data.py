@@ -4,6 +4,7 @@ batches, loss shares, the dense-gradient bucket, config parsing, launching."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -191,6 +192,28 @@ def test_launch_helpers(monkeypatch):
     with pytest.raises(ConfigError, match="parallel.mode=hybrid"):
         check_launch(load_config(None, []), 2)
     check_launch(load_config(None, ["parallel.mode=hybrid"]), 2)
+
+
+def test_a_rank_exits_with_its_status_and_flushed_output(tmp_path):
+    import subprocess
+    import sys
+
+    # Buffered stdout (a pipe), a log record and an error status must all survive os._exit.
+    script = (
+        "import logging, sys; from recaccel.train.launch import exit_rank; "
+        "logging.basicConfig(stream=sys.stderr); print('metrics', end=''); "
+        "logging.getLogger('r').warning('logged'); exit_rank(3)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (3, "metrics") and "logged" in done.stderr
+
+    # A rank (RANK/WORLD_SIZE set) of `python -m recaccel.cli` keeps the CLI's error status.
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    done = subprocess.run(
+        [sys.executable, "-m", "recaccel.cli", "--config", str(tmp_path / "missing.toml")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert done.returncode == 2 and "missing.toml" in done.stderr
 
 
 def test_hybrid_needs_a_launcher_and_single_mode_refuses_many_ranks(monkeypatch):
