@@ -157,6 +157,9 @@ def _worker(rank: int, port: int, args: argparse.Namespace, kinds: list[str], ou
     results = {kind: _run_kind(rank, args, kind) for kind in kinds}
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
+    from recaccel.train.launch import exit_rank
+
+    exit_rank(0)  # results are written; skip the teardown that can abort after gloo
 
 
 def analytic_bytes(
