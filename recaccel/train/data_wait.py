@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -21,9 +21,13 @@ class DataWait:
         seconds: steady-state wait (every batch after a pass's first, and each pass's end).
         startup_seconds: wait for the first batch of each pass.
         batches: batches handed out.
+
+    Args:
+        clock: seconds from a monotonic clock (tests pass a simulated one).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
         self.seconds = 0.0
         self.startup_seconds = 0.0
         self.batches = 0
@@ -33,13 +37,13 @@ class DataWait:
         it = iter(batches)
         first = True
         while True:
-            start = time.perf_counter()
+            start = self._clock()
             try:
                 batch = next(it)
             except StopIteration:
-                self.seconds += time.perf_counter() - start
+                self.seconds += self._clock() - start
                 return
-            waited = time.perf_counter() - start
+            waited = self._clock() - start
             if first:
                 self.startup_seconds += waited
                 first = False
