@@ -79,7 +79,7 @@ class Columns:
         """Rows ``idx`` (int [m], any order, repeats allowed) as new arrays (row-major
         ids stay row-major)."""
         idx = np.asarray(idx, dtype=np.int64)
-        steps = _steps(idx.shape[0])  # shared by every single-hot field
+        steps = single_hot_offsets(idx.shape[0])  # shared by every single-hot field
         # Row-major ids stay row-major: one gather of whole rows, fields as views.
         ids = None if self.ids is None else np.take(self.ids, idx, axis=0)
         values, offsets = [], []
@@ -110,7 +110,7 @@ class Columns:
         start, stop = max(0, start), min(self.num_rows, stop)
         stop = max(start, stop)
         values = [val[off[start] : off[stop]] for val, off in zip(self.values, self.offsets)]
-        steps = _steps(stop - start)
+        steps = single_hot_offsets(stop - start)
         offsets = [
             steps if single else off[start : stop + 1] - off[start]
             for off, single in zip(self.offsets, self.single)
@@ -150,7 +150,7 @@ class Columns:
                 raise ValueError("Columns.concat: parts have different columns")
         n = sum(p.num_rows for p in parts)
         single = [all(p.single[f] for p in parts) for f in range(len(first.keys))]
-        steps = _steps(n)
+        steps = single_hot_offsets(n)
         ids = None
         if row_major_ids and any(single):
             stacked = all(p.ids is not None and p.single == single for p in parts)
@@ -299,7 +299,7 @@ def _stack_ids(parts: list[Columns], single: list[bool], n: int) -> np.ndarray:
     return ids
 
 
-def _steps(n: int) -> np.ndarray:
+def single_hot_offsets(n: int) -> np.ndarray:
     """Read-only ``arange(n+1)``: the offsets of a single-hot field, shared between fields."""
     steps = np.arange(n + 1, dtype=np.int64)
     steps.flags.writeable = False

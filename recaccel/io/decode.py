@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.columns import Columns
+from recaccel.io.columns import Columns, single_hot_offsets
 from recaccel.io.schema import FeatureSchema, SparseField
 
 logger = logging.getLogger(__name__)
@@ -134,6 +134,12 @@ def counter_increments(before: dict[str, int], after: dict[str, int]) -> dict[st
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
+def add_counts(stats: dict[str, int], increments: dict[str, int]) -> None:
+    """Adds ``increments`` (e.g. from :func:`counter_increments`) to the counters ``stats``."""
+    for key, value in increments.items():
+        stats[key] = stats.get(key, 0) + value
+
+
 def row_group_to_columns(
     table: pa.Table,
     schema: FeatureSchema,
@@ -181,9 +187,7 @@ def row_group_to_columns(
             dense_bad |= bad
     _drop_rows(stats, drop, dense_bad, "rows_skipped_invalid_dense")
 
-    # One read-only arange serves as the offsets of every single-hot field.
-    steps = np.arange(n + 1, dtype=np.int64)
-    steps.flags.writeable = False
+    steps = single_hot_offsets(n)  # shared by every single-hot field
     values, offsets = [], []
     ids_bad = np.zeros(n, dtype=bool)
     for sf in proj.sparse:

@@ -47,6 +47,7 @@ from recaccel.io.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_d
 from recaccel.io.decode import (
     Policies,
     Projection,
+    add_counts,
     counter_increments,
     new_decode_stats,
     row_group_to_columns,
@@ -233,8 +234,7 @@ class BatchReader(IterableDataset):
         try:
             for b in range(start.buffer, len(buffers)):
                 cols, delta = loader.get(b)
-                for key, value in delta.items():
-                    self.stats[key] += value
+                add_counts(self.stats, delta)
                 n = cols.num_rows
                 i = start.offset if b == start.buffer else 0
                 if i > n:

@@ -8,9 +8,10 @@ release the GIL). A loaded unit is its kept tasks' rows only (split, sampled, co
 out of the decoded row groups with row-major ids), so a window is one cheap
 concatenation and the row groups are freed early. Each load returns its counter
 increments, which the caller adds to its own counters: task and split counts are the
-same with or without threads; decode counts may grow, as each worker has its own cache of decoded row groups and a task
-that crosses into the next unit's row group decodes that row group once more, unless
-that unit was loaded first and kept the rows in the shared :class:`HeadStash`.
+same with or without threads; decode counts may grow, as each worker has its own cache
+of decoded row groups and a task that crosses into the next unit's row group decodes
+that row group once more, unless that unit was loaded first and kept the rows in the
+shared :class:`HeadStash`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from recaccel.io.dataset import DatasetInfo, RowGroupReader
-from recaccel.io.decode import Policies, Projection, counter_increments, new_decode_stats
+from recaccel.io.decode import Policies, Projection, add_counts, counter_increments, new_decode_stats
 from recaccel.io.read_ahead import PerThread, ReadAhead
 from recaccel.io.task_pool import TaskPool
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec, split_tasks
@@ -66,8 +67,7 @@ class UnitWorker:
         for g in unit:
             for part in self.stream.owned(g):
                 split = split_tasks(part.keys, part.times, self.spec, self.seed_words)
-                for key, value in split.counters.items():
-                    self.stats[key] += value
+                add_counts(self.stats, split.counters)
                 if split.keys.size:
                     sizes = (split.starts, split.num_support, split.num_query, split.keys)
                     pools.append(TaskPool.single(part.cols, split.rows, *sizes))
@@ -101,9 +101,8 @@ class UnitLoader:
     ) -> None:
         self._units = units
         self._unit_rows = unit_rows
-        self._ahead = max(0, ahead)
         self._workers = PerThread(new_worker)
-        self._loads = ReadAhead(self._work, len(units), self._ahead, name="recaccel-tasks")
+        self._loads = ReadAhead(self._work, len(units), ahead, name="recaccel-tasks")
         self._heads = heads
 
     def get(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:

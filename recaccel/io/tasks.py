@@ -62,7 +62,7 @@ from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.batch import TaskBatch
 from recaccel.io.dataset import DatasetInfo, open_dataset
-from recaccel.io.decode import Policies, Projection, new_decode_stats
+from recaccel.io.decode import Policies, Projection, add_counts, new_decode_stats
 from recaccel.io.reader_state import check_reader_args, data_fingerprint, data_shard, restore_position
 from recaccel.io.schema import FeatureSchema
 from recaccel.io.task_pool import TaskPool, build_task_batch
@@ -366,8 +366,7 @@ class TaskReader(IterableDataset):
             first, pools, tasks = u, [], 0
             while u < len(units) and tasks < target:
                 pool, counts = loader.get(u)
-                for key, value in counts.items():
-                    self.stats[key] += value
+                add_counts(self.stats, counts)
                 u += 1
                 if pool is not None:
                     pools.append(pool)

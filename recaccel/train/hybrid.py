@@ -48,6 +48,7 @@ from recaccel.errors import ConfigError, RecaccelError
 from recaccel.train.checkpoint import TrainState
 from recaccel.train.dense_sync import DenseGradSync, flat_collective
 from recaccel.train.hybrid_data import GlobalSlices, loss_denominator
+from recaccel.train.launch import under_torchrun
 from recaccel.train.parallel import batch_rows
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class HybridParallel:
             )
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            if os.environ.get("RANK") is None or os.environ.get("WORLD_SIZE") is None:
+            if not under_torchrun():
                 raise ConfigError(
                     "parallel.mode=hybrid runs one process per rank under torchrun: use "
                     "`recaccel-train --nproc N ...` or `torchrun --nproc-per-node N -m recaccel.cli ...`"

@@ -95,7 +95,7 @@ class Trainer:
             self.log.event(kind, **fields)
 
     def train_step(self, batch) -> torch.Tensor:
-        """One optimizer step; a fused embedding applies its sparse update inside backward."""
+        """One optimizer step under the process layout (see ``Parallelism.train_step``)."""
         return self.parallel.train_step(self.objective, self.optimizer, batch)
 
     def _reached_end(self) -> bool:
