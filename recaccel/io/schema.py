@@ -10,13 +10,19 @@ nothing but the files.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import numbers
+import os
+from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
 import pyarrow as pa
+import torch
 
 from recaccel.errors import DataError
 
 SCHEMA_METADATA_KEY = b"recaccel.schema"
+MAX_CARDINALITY = 2**63 - 1  # ids are int64
+LABEL_KINDS = ("binary", "rating")
 
 
 @dataclass(frozen=True)
@@ -34,8 +40,20 @@ class SparseField:
     multi_hot: bool = False
 
     def __post_init__(self) -> None:
-        if self.cardinality <= 0:
-            raise DataError(f"sparse field {self.name!r} has cardinality {self.cardinality}; must be > 0")
+        if not isinstance(self.name, str) or not self.name:
+            raise DataError(f"sparse field name must be a non-empty string, got {self.name!r}")
+        card = self.cardinality
+        if not isinstance(card, numbers.Integral) or isinstance(card, (bool, np.bool_)):
+            raise DataError(f"sparse field {self.name!r} has cardinality {card!r}; must be an integer")
+        if not 0 < int(card) <= MAX_CARDINALITY:
+            raise DataError(
+                f"sparse field {self.name!r} has cardinality {int(card)}; must be in 1..{MAX_CARDINALITY}"
+            )
+        if not isinstance(self.multi_hot, (bool, np.bool_)):
+            raise DataError(f"sparse field {self.name!r} has multi_hot {self.multi_hot!r}; must be true or false")
+        # numpy scalars from converters become plain Python values (JSON, hashing).
+        object.__setattr__(self, "cardinality", int(card))
+        object.__setattr__(self, "multi_hot", bool(self.multi_hot))
 
     def arrow_type(self) -> pa.DataType:
         return pa.list_(pa.int64()) if self.multi_hot else pa.int64()
@@ -52,6 +70,13 @@ class FeatureSchema:
         label_kind: ``"binary"`` (click, {0,1}) or ``"rating"`` (real-valued).
         task_key: Column grouping rows into tasks (meta-learning), if any.
         timestamp: Column ordering rows in time, if any.
+        extra: Free-form JSON-able annotations (e.g. the task grouping claim).
+        origin: The file this schema was read from, for error messages (not stored,
+            not compared).
+
+    Raises:
+        DataError: on a value of the wrong type, an unknown label kind or duplicate
+            column names.
     """
 
     dense: tuple[str, ...]
@@ -61,10 +86,23 @@ class FeatureSchema:
     task_key: str | None = None
     timestamp: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    origin: str | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.label_kind not in ("binary", "rating"):
+        if not isinstance(self.dense, (tuple, list)) or not all(_is_name(d) for d in self.dense):
+            raise DataError(f"schema dense must be a list of column names, got {self.dense!r}")
+        if not isinstance(self.sparse, (tuple, list)) or not all(isinstance(f, SparseField) for f in self.sparse):
+            raise DataError(f"schema sparse must be a list of sparse fields, got {self.sparse!r}")
+        object.__setattr__(self, "dense", tuple(self.dense))
+        object.__setattr__(self, "sparse", tuple(self.sparse))
+        for key in ("label", "task_key", "timestamp"):
+            value = getattr(self, key)
+            if not (_is_name(value) or (value is None and key != "label")):
+                raise DataError(f"schema {key} must be a column name, got {value!r}")
+        if self.label_kind not in LABEL_KINDS:
             raise DataError(f"label_kind must be 'binary' or 'rating', got {self.label_kind!r}")
+        if not isinstance(self.extra, dict):
+            raise DataError(f"schema extra must be an object, got {self.extra!r}")
         names = self.column_names()
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
@@ -104,21 +142,46 @@ class FeatureSchema:
         return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: self.to_json().encode()})
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        raw = asdict(self)
+        del raw["origin"]
+        return json.dumps(raw, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "FeatureSchema":
-        raw = json.loads(text)
-        raw["dense"] = tuple(raw["dense"])
-        raw["sparse"] = tuple(SparseField(**f) for f in raw["sparse"])
-        return cls(**raw)
+    def from_json(cls, text: str | bytes, path: str | None = None) -> FeatureSchema:
+        """Parses :meth:`to_json`'s output, checking every key and value.
+
+        Args:
+            text: the JSON object (str, or bytes in a JSON encoding).
+            path: the file it came from, for error messages and :attr:`origin`.
+
+        Raises:
+            DataError: naming ``path`` and the key for invalid JSON, a value that is not
+                an object, a missing or unknown key, or a bad value.
+        """
+        bad = f"bad {SCHEMA_METADATA_KEY.decode()} metadata"
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+            raise DataError(f"{bad}: not valid JSON ({_one_line(e)})", path=path) from None
+        try:
+            raw = _checked_keys(raw, "the schema", _SCHEMA_KEYS, required=("dense", "sparse"))
+            for key in ("dense", "sparse"):
+                if not isinstance(raw[key], list):
+                    raise DataError(f"{key} must be a list, got {_short(raw[key])}")
+            sparse = tuple(
+                SparseField(**_checked_keys(item, f"sparse[{i}]", _FIELD_KEYS, required=("name", "cardinality")))
+                for i, item in enumerate(raw["sparse"])
+            )
+            return cls(**{**raw, "dense": tuple(raw["dense"]), "sparse": sparse}, origin=path)
+        except DataError as e:
+            raise DataError(f"{bad}: {e}", path=path) from None
 
     @classmethod
-    def from_arrow(cls, schema: pa.Schema, path: str) -> "FeatureSchema":
+    def from_arrow(cls, schema: pa.Schema, path: str) -> FeatureSchema:
         """Reads the recaccel schema stored in a file's metadata.
 
         Raises:
-            DataError: if the file carries no recaccel schema.
+            DataError: naming the file if it carries no recaccel schema or a malformed one.
         """
         meta = schema.metadata or {}
         if SCHEMA_METADATA_KEY not in meta:
@@ -127,7 +190,7 @@ class FeatureSchema:
                 "recaccel.io.parquet.write_parquet or a recaccel-data converter",
                 path=path,
             )
-        return cls.from_json(meta[SCHEMA_METADATA_KEY].decode())
+        return cls.from_json(meta[SCHEMA_METADATA_KEY], path)
 
     def validate_arrow(self, schema: pa.Schema, path: str) -> None:
         """Checks that a file has every column of this schema with the right type.
@@ -156,3 +219,105 @@ def _compatible(got: pa.DataType, want: pa.DataType) -> bool:
     if pa.types.is_floating(want):
         return pa.types.is_floating(got) or pa.types.is_integer(got)
     return False
+
+
+_SCHEMA_KEYS = tuple(f.name for f in fields(FeatureSchema) if f.name != "origin")
+_FIELD_KEYS = tuple(f.name for f in fields(SparseField))
+
+
+def _is_name(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())
+
+
+def _checked_keys(raw: object, where: str, known: tuple[str, ...], required: tuple[str, ...]) -> dict:
+    """``raw`` if it is a JSON object with only ``known`` keys, ``required`` among them."""
+    if not isinstance(raw, dict):
+        raise DataError(f"{where} must be a JSON object, got {type(raw).__name__} {_short(raw)}")
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise DataError(f"{where} has unknown key(s) {unknown} (known: {list(known)})")
+    missing = [k for k in required if k not in raw]
+    if missing:
+        raise DataError(f"{where} lacks key(s) {missing}")
+    return raw
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this host in bytes (0 if the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def device_memory_bytes(device: torch.device | str) -> int:
+    """Memory that tables on ``device`` can use: the GPU's total for CUDA, else the
+    host's physical memory (0 = unknown)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    if device.type == "meta":
+        return 0
+    return host_memory_bytes()
+
+
+def table_memory_bytes(schema: FeatureSchema, dim: int, bytes_per_value: int = 4) -> int:
+    """Bytes of the embedding weights of every sparse field: sum(cardinality) * dim * size.
+
+    A lower bound of what training needs (optimizer state and gradients come on top).
+    """
+    return sum(schema.cardinalities) * int(dim) * int(bytes_per_value)
+
+
+def check_table_memory(
+    schema: FeatureSchema,
+    dim: int,
+    device: torch.device | str,
+    *,
+    bytes_per_value: int = 4,
+    limit_bytes: int | None = None,
+) -> None:
+    """Refuses a schema whose embedding tables cannot fit, before anything is allocated.
+
+    Args:
+        schema: the dataset schema (its :attr:`~FeatureSchema.origin` is the file named).
+        dim: D, the embedding dim.
+        device: where the tables will live.
+        bytes_per_value: size of one weight (4 for float32).
+        limit_bytes: a configured budget; None = the device's memory (see
+            :func:`device_memory_bytes`).
+
+    Raises:
+        DataError: naming the file, the bytes needed, the budget and the largest fields.
+    """
+    need = table_memory_bytes(schema, dim, bytes_per_value)
+    budget = limit_bytes if limit_bytes is not None else device_memory_bytes(device)
+    if budget <= 0 or need <= budget:
+        return
+    largest = sorted(schema.sparse, key=lambda f: -f.cardinality)[:3]
+    shown = ", ".join(f"{f.name!r}: {f.cardinality} ids" for f in largest)
+    what = "the configured limit" if limit_bytes is not None else f"the memory of {torch.device(device)}"
+    raise DataError(
+        f"the embedding tables of the schema need {_bytes(need)} ({need} bytes: {sum(schema.cardinalities)} rows "
+        f"x dim {dim} x {bytes_per_value} bytes) but {what} is {_bytes(budget)} ({budget} bytes); "
+        f"largest fields {shown}",
+        path=schema.origin,
+    )
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"

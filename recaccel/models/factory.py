@@ -7,7 +7,7 @@ from torch import nn
 
 from recaccel.config import ModelConfig, OptimConfig
 from recaccel.errors import ConfigError
-from recaccel.io.schema import FeatureSchema
+from recaccel.io.schema import FeatureSchema, check_table_memory
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding
@@ -19,6 +19,7 @@ def build_embedding(
     """The module behind SparseArch: packed (fused sparse optimizer) or per-table."""
     from recaccel.ops.embedding import SparseOptimConfig
 
+    check_table_memory(schema, model_cfg.embedding_dim, device)  # refuse before allocating
     optim = SparseOptimConfig(lr=optim_cfg.sparse_lr, eps=optim_cfg.eps)
     return field_embedding(
         list(schema.sparse), model_cfg.embedding_dim, backend=model_cfg.embedding_backend,

@@ -1,10 +1,20 @@
+import json
+
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
 
 from recaccel.errors import DataError
 from recaccel.io.batch import Batch, SparseFeatures
-from recaccel.io.schema import FeatureSchema, SparseField
+from recaccel.io.schema import (
+    SCHEMA_METADATA_KEY,
+    FeatureSchema,
+    SparseField,
+    check_table_memory,
+    host_memory_bytes,
+    table_memory_bytes,
+)
 
 
 def _sparse() -> SparseFeatures:
@@ -77,3 +87,88 @@ def test_schema_rejects_bad_definitions():
         FeatureSchema(("x",), (SparseField("x", 3),))
     with pytest.raises(DataError, match="label_kind"):
         FeatureSchema((), (SparseField("x", 3),), label_kind="ordinal")
+
+
+# ---------------------------------------------------------------- stored schema metadata (issue 10 item 9)
+
+_GOOD = {"dense": ["d0"], "sparse": [{"name": "s0", "cardinality": 5, "multi_hot": False}], "label": "label",
+         "label_kind": "binary", "task_key": None, "timestamp": None, "extra": {}}
+
+
+def _with(**changes) -> bytes:
+    return json.dumps({**_GOOD, **changes}).encode()
+
+
+def _field(**changes) -> list:
+    return [{**_GOOD["sparse"][0], **changes}]
+
+
+@pytest.mark.parametrize(
+    "meta, message",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"\xff\xfe\x00", "not valid JSON"),
+        (b"[" * 100_000, "not valid JSON"),
+        (b"[1, 2]", "the schema must be a JSON object, got list"),
+        (b'"text"', "the schema must be a JSON object, got str"),
+        (json.dumps({k: v for k, v in _GOOD.items() if k != "dense"}).encode(), r"lacks key\(s\) \['dense'\]"),
+        (_with(bogus=1), r"unknown key\(s\) \['bogus'\]"),
+        (_with(dense="d0"), "dense must be a list"),
+        (_with(dense=[1]), "dense must be a list of column names"),
+        (_with(sparse={"s0": 5}), "sparse must be a list"),
+        (_with(sparse=[5]), r"sparse\[0\] must be a JSON object"),
+        (_with(sparse=[{"name": "s0"}]), r"sparse\[0\] lacks key\(s\) \['cardinality'\]"),
+        (_with(sparse=[{"name": "s0", "cardinality": 5, "hot": 1}]), r"sparse\[0\] has unknown key\(s\) \['hot'\]"),
+        (_with(sparse=_field(cardinality="5")), "cardinality '5'; must be an integer"),
+        (_with(sparse=_field(cardinality=5.0)), "cardinality 5.0; must be an integer"),
+        (_with(sparse=_field(cardinality=True)), "cardinality True; must be an integer"),
+        (_with(sparse=_field(cardinality=0)), "cardinality 0; must be in 1.."),
+        (_with(sparse=_field(cardinality=2**64)), f"cardinality {2**64}; must be in 1.."),
+        (_with(sparse=_field(multi_hot="yes")), "multi_hot 'yes'"),
+        (_with(sparse=_field(name=3)), "sparse field name must be a non-empty string"),
+        (_with(dense=["s0"]), r"duplicate column names: \['s0'\]"),
+        (_with(label_kind="ordinal"), "label_kind must be 'binary' or 'rating'"),
+        (_with(label=None), "schema label must be a column name"),
+        (_with(task_key=7), "schema task_key must be a column name"),
+        (_with(extra=[]), "schema extra must be an object"),
+    ],
+)
+def test_broken_schema_metadata_is_one_line_naming_the_file(meta, message):
+    arrow = FeatureSchema.from_json(json.dumps(_GOOD)).arrow_schema().with_metadata({SCHEMA_METADATA_KEY: meta})
+    with pytest.raises(DataError, match=r"^file f\.parquet: bad recaccel\.schema metadata: .*" + message) as err:
+        FeatureSchema.from_arrow(arrow, "f.parquet")
+    assert "\n" not in str(err.value) and err.value.path == "f.parquet"
+
+
+def test_schema_read_from_a_file_remembers_it_but_not_in_equality_or_json():
+    schema = FeatureSchema(("d0",), (SparseField("s0", np.int64(5), np.bool_(True)),))
+    assert type(schema.sparse[0].cardinality) is int and schema.sparse[0].multi_hot is True
+    read = FeatureSchema.from_arrow(schema.arrow_schema(), "f.parquet")
+    assert read.origin == "f.parquet" and read == schema
+    assert "origin" not in json.loads(read.to_json())
+
+
+def test_tables_that_cannot_fit_are_refused_naming_the_file():
+    schema = FeatureSchema.from_arrow(
+        FeatureSchema(("d0",), (SparseField("big", 10**12), SparseField("s1", 3))).arrow_schema(), "f.parquet"
+    )
+    need = (10**12 + 3) * 16 * 4
+    assert table_memory_bytes(schema, 16) == need
+    with pytest.raises(DataError, match=rf"^file f\.parquet: .*need .*\({need} bytes.* memory of cpu .*'big'"):
+        check_table_memory(schema, 16, "cpu")  # 64 TB: no host has it
+    assert 0 < host_memory_bytes() < need
+    small = FeatureSchema.from_arrow(FeatureSchema((), (SparseField("s0", 1000),)).arrow_schema(), "g.parquet")
+    check_table_memory(small, 16, "cpu")
+    check_table_memory(small, 16, "cpu", limit_bytes=1000 * 16 * 4)  # exactly fits
+    with pytest.raises(DataError, match=r"^file g\.parquet: .*64000 bytes.* the configured limit is .*63999 bytes"):
+        check_table_memory(small, 16, "cpu", limit_bytes=1000 * 16 * 4 - 1)
+
+
+def test_model_factory_refuses_tables_before_allocating():
+    from recaccel.config import ModelConfig, OptimConfig
+    from recaccel.models.factory import build_model
+
+    schema = FeatureSchema(("d0",), (SparseField("big", 10**12),), origin="f.parquet")
+    cfg = ModelConfig(embedding_dim=16, bottom_mlp=[16], top_mlp=[8, 1])
+    with pytest.raises(DataError, match=r"file f\.parquet: the embedding tables .* 'big': 1000000000000 ids"):
+        build_model(cfg, OptimConfig(), schema, torch.device("cpu"))
