@@ -1,30 +1,100 @@
 """Exact evaluation metrics shared by the data generators and the trainer.
 
-All functions take 1-D tensors of N scores and N labels.
+All functions take 1-D tensors of N scores and N labels. Inputs are checked before
+anything is computed: a non-finite score or probability, a label outside its range, a
+negative weight or mismatched lengths raise :class:`MetricError` (a
+:class:`~recaccel.errors.RecaccelError`, so the CLI prints it as one line). A metric that
+is undefined for valid input (AUC of a single class, no rows) is NaN with an
+:class:`UndefinedMetricWarning`.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
+from recaccel.errors import RecaccelError
 
-def binary_auc(scores: Tensor, labels: Tensor, weights: Tensor | None = None) -> float:
-    """Exact ROC AUC, ties counted as one half (the Mann-Whitney statistic).
 
-    Equals ``sklearn.metrics.roc_auc_score`` including on tied scores. Returns NaN when
-    only one class is present.
+class MetricError(RecaccelError, ValueError):
+    """A metric got NaN/inf predictions, out-of-range labels or mismatched inputs."""
+
+
+class UndefinedMetricWarning(UserWarning):
+    """A metric is undefined for its (valid) input and was returned as NaN."""
+
+
+def check_finite(values: Tensor, what: str, hint: str = "") -> None:
+    """Raises MetricError naming how many of ``values`` are NaN or infinite, and the first.
 
     Args:
-        scores: [N] real scores (logits or probabilities; only their order matters).
-        labels: [N] in {0, 1}.
-        weights: optional [N] non-negative sample weights.
+        values: any shape; indices in the message are into its flattened form.
+        what: what the values are, the start of the message.
+        hint: appended to the message after ``"; "`` when given.
     """
-    scores = scores.detach().double().flatten().cpu()
-    labels = labels.detach().double().flatten().cpu()
-    w = torch.ones_like(scores) if weights is None else weights.detach().double().flatten().cpu()
+    bad = ~torch.isfinite(values.detach().flatten())
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0])
+        value = float(values.detach().flatten()[first])
+        tail = f"; {hint}" if hint else ""
+        raise MetricError(
+            f"{what}: {int(bad.sum())} of {bad.numel()} values are NaN or infinite "
+            f"(first at index {first}: {value}){tail}"
+        )
+
+
+def _check_range(values: Tensor, ok: Tensor, what: str, rule: str) -> None:
+    """Raises MetricError when some ``ok`` entry is False (``values`` already finite-checked)."""
+    bad = ~ok
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0])
+        raise MetricError(
+            f"{what} must be {rule}: {int(bad.sum())} of {bad.numel()} are not "
+            f"(first at index {first}: {float(values[first])})"
+        )
+
+
+def _as_double(name: str, x: Tensor, n: int | None, fn: str) -> Tensor:
+    x = x.detach().double().flatten().cpu()
+    if n is not None and x.numel() != n:
+        raise MetricError(f"{fn}: {name} has {x.numel()} values, scores/probs have {n}")
+    return x
+
+
+def _labels(labels: Tensor, n: int, fn: str, *, binary: bool) -> Tensor:
+    y = _as_double("labels", labels, n, fn)
+    check_finite(y, f"{fn}: labels")
+    if binary:
+        _check_range(y, (y == 0) | (y == 1), f"{fn}: labels", "0 or 1")
+    else:
+        _check_range(y, (y >= 0) & (y <= 1), f"{fn}: labels", "in [0, 1]")
+    return y
+
+
+def _weights(weights: Tensor | None, n: int, fn: str) -> Tensor:
+    if weights is None:
+        return torch.ones(n, dtype=torch.float64)
+    w = _as_double("weights", weights, n, fn)
+    check_finite(w, f"{fn}: weights")
+    _check_range(w, w >= 0, f"{fn}: weights", ">= 0")
+    return w
+
+
+def _undefined(fn: str, why: str) -> float:
+    warnings.warn(f"{fn}: {why}; returning NaN", UndefinedMetricWarning, stacklevel=3)
+    return float("nan")
+
+
+def auc_of_valid(scores: Tensor, labels: Tensor, weights: Tensor) -> float:
+    """Exact weighted AUC of already checked float64 [N] inputs; NaN (silently) for one class.
+
+    For callers that validate once and then take the AUC of many subsets (per-task AUC),
+    where a single-class subset is expected and not worth a warning.
+    """
     order = torch.argsort(scores)
-    s, y, w = scores[order], labels[order], w[order]
+    s, y, w = scores[order], labels[order], weights[order]
     pos_w, neg_w = w * y, w * (1 - y)
     total_pos, total_neg = float(pos_w.sum()), float(neg_w.sum())
     if total_pos == 0 or total_neg == 0:
@@ -40,8 +110,66 @@ def binary_auc(scores: Tensor, labels: Tensor, weights: Tensor | None = None) ->
     return float(wins / (total_pos * total_neg))
 
 
-def binary_logloss(probs: Tensor, labels: Tensor, eps: float = 1e-7) -> float:
-    """Mean binary cross-entropy of probabilities [N] against labels [N] in {0, 1}."""
-    p = probs.detach().double().clamp(eps, 1 - eps)
-    y = labels.detach().double()
-    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+def binary_auc(scores: Tensor, labels: Tensor, weights: Tensor | None = None) -> float:
+    """Exact ROC AUC, ties counted as one half (the Mann-Whitney statistic).
+
+    Equals ``sklearn.metrics.roc_auc_score`` including on tied scores and with weights.
+
+    Args:
+        scores: [N] real scores (logits or probabilities; only their order matters).
+        labels: [N] in {0, 1}.
+        weights: optional [N] non-negative sample weights.
+
+    Returns:
+        The AUC; NaN with an :class:`UndefinedMetricWarning` when there are no rows or only
+        one class (by weight: a class whose weights sum to 0 counts as absent).
+
+    Raises:
+        MetricError: a score, label or weight is NaN or infinite, a label is not 0 or 1,
+            a weight is negative, or the lengths differ.
+    """
+    fn = "binary_auc"
+    s = _as_double("scores", scores, None, fn)
+    check_finite(s, f"{fn}: scores")
+    y = _labels(labels, s.numel(), fn, binary=True)
+    w = _weights(weights, s.numel(), fn)
+    if s.numel() == 0:
+        return _undefined(fn, "no rows")
+    pos, neg = float((w * y).sum()), float((w * (1 - y)).sum())
+    if pos == 0 or neg == 0:
+        present = "positives" if pos > 0 else "negatives"
+        return _undefined(fn, f"only {present} among {s.numel()} rows, AUC is undefined")
+    return auc_of_valid(s, y, w)
+
+
+def binary_logloss(probs: Tensor, labels: Tensor, eps: float = 1e-7, weights: Tensor | None = None) -> float:
+    """Mean binary cross-entropy, probabilities clamped to ``[eps, 1 - eps]``.
+
+    Equals ``sklearn.metrics.log_loss`` (with ``labels=[0, 1]``) wherever the
+    probabilities lie inside the clamp; defined for a single class too.
+
+    Args:
+        probs: [N] probabilities in [0, 1].
+        labels: [N] in [0, 1] (soft labels allowed).
+        eps: clamp that keeps the loss finite at probabilities 0 and 1.
+        weights: optional [N] non-negative sample weights (a weighted mean).
+
+    Returns:
+        The loss; NaN with an :class:`UndefinedMetricWarning` when there are no rows or
+        the weights sum to 0.
+
+    Raises:
+        MetricError: a probability, label or weight is NaN or infinite, a probability or
+            label lies outside [0, 1], a weight is negative, or the lengths differ.
+    """
+    fn = "binary_logloss"
+    p = _as_double("probs", probs, None, fn)
+    check_finite(p, f"{fn}: probs")
+    _check_range(p, (p >= 0) & (p <= 1), f"{fn}: probs", "in [0, 1]")
+    y = _labels(labels, p.numel(), fn, binary=False)
+    w = _weights(weights, p.numel(), fn)
+    total = float(w.sum())
+    if total == 0:
+        return _undefined(fn, "no rows" if p.numel() == 0 else "weights sum to 0")
+    p = p.clamp(eps, 1 - eps)
+    return float(-(w * (y * p.log() + (1 - y) * (1 - p).log())).sum() / total)

@@ -27,7 +27,9 @@ from recaccel.io.batch import TaskBatch
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.learner import MetaLearner
 from recaccel.meta.ranking import auc_per_task, ndcg_per_task
-from recaccel.metrics import binary_auc, binary_logloss
+from recaccel.metrics import binary_auc, binary_logloss, check_finite
+
+_DIVERGED = "the model has diverged (a lower optim.lr or meta.inner_lr may help)"
 
 
 def _nanmean(values: list[Tensor]) -> tuple[float, int]:
@@ -114,6 +116,10 @@ def evaluate_meta(
 
     Returns:
         Metrics after adaptation, and the same with the suffix ``_no_adapt``.
+
+    Raises:
+        MetricError: a real query row's prediction is NaN or infinite, or its label is out
+            of range (a one-line RecaccelError).
     """
     adapted = TaskMetrics(learner.loss_kind, ks, gain)
     base = TaskMetrics(learner.loss_kind, ks, gain)
@@ -124,6 +130,9 @@ def evaluate_meta(
             if device is not None:
                 tb = tb.to(device)
             pred, pred0 = learner.predict(tb)
+            real = tb.query_mask > 0
+            check_finite(pred[real], "meta evaluation: query predictions after adaptation", _DIVERGED)
+            check_finite(pred0[real], "meta evaluation: query predictions without adaptation", _DIVERGED)
             labels = tb.query.labels.view(tb.num_tasks, tb.query_size)
             adapted.update(pred, labels, tb.query_mask)
             base.update(pred0, labels, tb.query_mask)

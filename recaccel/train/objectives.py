@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from recaccel.config import Config
 from recaccel.io.batch import Batch, TaskBatch
 from recaccel.io.parquet import BatchReader
+from recaccel.metrics import check_finite
 from recaccel.train.evaluation import binary_metrics, predict, rating_metrics
 
 
@@ -52,6 +53,10 @@ class DLRMObjective:
         return predict(self.module, batches)
 
     def metrics(self, logits: Tensor, labels: Tensor) -> dict[str, Any]:
+        """Metrics of predictions [N]; a NaN or infinite one raises MetricError (one line)."""
+        check_finite(
+            logits, "evaluation: model predictions", "the model has diverged (a lower optim.lr may help)"
+        )
         return binary_metrics(logits, labels) if self.loss_kind == "bce" else rating_metrics(logits, labels)
 
     def evaluate(self, batches: Iterable[Batch]) -> dict[str, Any]:

@@ -1,0 +1,45 @@
+"""A model that diverged ends evaluation in one line (exit 2), not NaN metrics or a traceback."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from recaccel.cli import train_main
+from recaccel.config import Config, load_config
+from recaccel.io.synth import generate_synthetic
+from recaccel.metrics import MetricError
+from recaccel.train.objectives import DLRMObjective
+
+SYNTH = [
+    "synth.train_rows=600", "synth.test_rows=300", "synth.num_dense=2", "synth.num_sparse=2",
+    "synth.cardinality=20", "synth.multi_hot_fields=0", "synth.rows_per_row_group=300",
+    "synth.rows_per_file=600",
+]
+
+
+@pytest.mark.parametrize("kind", ["bce", "mse"])
+def test_metrics_reject_non_finite_predictions(kind):
+    objective = DLRMObjective(Config(), torch.nn.Identity(), kind)
+    logits = torch.tensor([0.2, -1.0, math.nan, 0.5])
+    match = r"evaluation: model predictions: 1 of 4 values .* index 2: nan.*diverged"
+    with pytest.raises(MetricError, match=match):
+        objective.metrics(logits, torch.tensor([0.0, 1.0, 1.0, 0.0]))
+
+
+def test_diverged_model_is_a_one_line_error(tmp_path, capsys):
+    data = tmp_path / "synth"
+    generate_synthetic(load_config(None, [*SYNTH, f'synth.out_dir="{data}"']).synth)
+    sets = [
+        *SYNTH, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"',
+        f'train.out_dir="{tmp_path / "run"}"', "data.batch_size=100", "model.embedding_dim=4",
+        "model.bottom_mlp=[4]", "model.top_mlp=[4, 1]", "train.steps=4", "train.progress=false",
+        "optim.lr=1e30", "optim.sparse_lr=1e30",
+    ]
+    assert train_main([a for s in sets for a in ("--set", s)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "evaluation: model predictions" in err and "diverged" in err
