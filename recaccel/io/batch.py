@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from recaccel.errors import DataError
+
 
 @dataclass
 class SparseFeatures:
@@ -60,6 +62,91 @@ class SparseFeatures:
         w = None if self.weights is None else self.weights[start:end]
         return self.values[start:end], off - start, w
 
+    def select(self, names: list[str] | tuple[str, ...]) -> "SparseFeatures":
+        """The fields ``names``, in that order (a subset of :attr:`keys`, or all of them reordered).
+
+        Returns ``self`` (no copy) when ``names`` equals :attr:`keys`. Otherwise one
+        gather builds the new CSR; a reordering of every field needs no host sync.
+
+        Args:
+            names: distinct field names of this batch.
+
+        Returns:
+            ``len(names)`` fields of the same B rows, bags unchanged; int64 offsets.
+
+        Raises:
+            DataError: a name is not a field of the batch, or repeats.
+        """
+        names = list(names)
+        if names == self.keys:
+            return self
+        index = {k: i for i, k in enumerate(self.keys)}
+        unknown = [n for n in names if n not in index]
+        if unknown:
+            raise DataError(f"the batch has no sparse field {_names(unknown)}; it has {self.keys}")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise DataError(f"sparse field {_names(repeated)} asked for more than once in {names}")
+        return self._gather_fields([index[n] for n in names])
+
+    def reorder(self, names: list[str] | tuple[str, ...]) -> "SparseFeatures":
+        """This batch with its fields in the order ``names``: how a batch meets a model by name.
+
+        ``names`` is the model's field order; the batch must hold exactly those fields
+        (in any order). Returns ``self`` (no copy) when the order already matches.
+
+        Raises:
+            DataError: the batch lacks fields of ``names``, has fields outside them, or
+                repeats a field (one line naming each).
+        """
+        names = list(names)
+        if names == self.keys:
+            return self
+        self.check_keys(names)
+        return self.select(names)
+
+    def check_keys(self, names: list[str] | tuple[str, ...]) -> None:
+        """Checks that the batch holds exactly the fields ``names``, in any order.
+
+        Raises:
+            DataError: fields missing from the batch, fields outside ``names``, or a
+                repeated field (one line naming each).
+        """
+        names = list(names)
+        if names == self.keys:
+            return
+        missing = [n for n in names if n not in self.keys]
+        unknown = [k for k in self.keys if k not in names]
+        repeated = sorted({k for k in self.keys if self.keys.count(k) > 1})
+        if missing or unknown or repeated:
+            problems = [
+                f"{what} {_names(fields)}"
+                for what, fields in (("missing", missing), ("unknown", unknown), ("repeated", repeated))
+                if fields
+            ]
+            raise DataError(
+                f"the batch's sparse fields do not match the model's: {', '.join(problems)} "
+                f"(model fields {names}, batch fields {self.keys})"
+            )
+
+    def _gather_fields(self, src: list[int]) -> "SparseFeatures":
+        """Fields ``src`` (indices into :attr:`keys`, distinct) as a new field-major CSR."""
+        f, b = self.num_fields, self.batch_size
+        device = self.offsets.device
+        offsets = self.offsets.long()
+        pick = torch.tensor(src, dtype=torch.int64, device=device)
+        starts = offsets[torch.arange(f + 1, device=device) * b]  # [F+1]: where each field's ids begin
+        first = starts[:-1].index_select(0, pick)
+        counts = starts.diff().index_select(0, pick)
+        # All fields reordered: the id count is known, so no host sync.
+        n = self.values.numel() if len(src) == f else int(counts.sum())
+        field_of = torch.repeat_interleave(torch.arange(len(src), device=device), counts, output_size=n)
+        run_start = torch.cumsum(counts, 0) - counts
+        index = torch.arange(n, device=device) + (first - run_start)[field_of]
+        lengths = self.lengths().long().view(f, b).index_select(0, pick).reshape(-1)
+        weights = None if self.weights is None else self.weights[index]
+        return SparseFeatures.from_lengths([self.keys[i] for i in src], self.values[index], lengths, weights)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseFeatures":
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return SparseFeatures(self.keys, move(self.values), move(self.offsets), move(self.weights))
@@ -86,13 +173,36 @@ class SparseFeatures:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         return KeyedJaggedTensor(
-            keys=list(self.keys), values=self.values, weights=self.weights, offsets=self.offsets
+            keys=list(self.keys), values=self.values, weights=self.weights, offsets=self.offsets,
+            stride=self.batch_size,
         )
 
     @classmethod
     def from_kjt(cls, kjt) -> "SparseFeatures":
-        """Converts from a TorchRec KeyedJaggedTensor, sharing its tensors (no copy)."""
-        return cls(list(kjt.keys()), kjt.values(), kjt.offsets(), kjt.weights_or_none())
+        """Converts from a TorchRec KeyedJaggedTensor, sharing its tensors when they are int64.
+
+        int32 ids, lengths or offsets (TorchRec allows them) are widened to the int64
+        this layout documents.
+
+        Raises:
+            DataError: a variable-batch KJT (TorchRec's VBE, built with
+                ``stride_per_key_per_rank``): its keys may have different batch sizes and
+                its rows map to the batch through inverse indices, while field-major CSR
+                has one batch size B for every field.
+        """
+        keys = list(kjt.keys())
+        if kjt.variable_stride_per_key():
+            strides = dict(zip(keys, kjt.stride_per_key()))
+            raise DataError(
+                f"a variable-batch (VBE) KeyedJaggedTensor (batch size per key {strides}) has no "
+                "field-major CSR form: expand it to one batch size for every key first"
+            )
+        return cls(keys, kjt.values().long(), kjt.offsets().long(), kjt.weights_or_none())
+
+
+def _names(fields: list[str]) -> str:
+    """``'a'`` or ``'a', 'b'``: field names for an error message."""
+    return ", ".join(repr(f) for f in fields)
 
 
 @dataclass

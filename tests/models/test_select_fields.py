@@ -44,3 +44,35 @@ def test_selected_fields_keep_their_bags_in_the_asked_order(b, weighted):
         assert bags(got) == {n: want[n] for n in names}
     with pytest.raises(DataError, match="no sparse field 'z'"):
         select_fields(sf, ["a", "z"])
+
+
+@pytest.mark.parametrize("b", [0, 3])
+def test_reorder_puts_every_field_in_the_asked_order_without_copying_a_match(b):
+    keys = ["a", "b", "c", "d"]
+    sf = random_features(b, keys, seed=7 + b, weighted=True)
+    assert sf.reorder(keys) is sf and sf.select(keys) is sf  # the common case costs nothing
+    order = ["d", "b", "a", "c"]
+    got = sf.reorder(order)
+    assert got.keys == order and got.offsets.dtype == torch.int64
+    assert bags(got) == {n: bags(sf)[n] for n in order}
+    # int32 offsets (as TorchRec allows) give the same bags and int64 offsets.
+    narrow = SparseFeatures(keys, sf.values, sf.offsets.int(), sf.weights)
+    assert bags(narrow.reorder(order)) == bags(got) and narrow.reorder(order).offsets.dtype == torch.int64
+
+
+def test_reorder_names_missing_unknown_and_repeated_fields_in_one_line():
+    sf = random_features(2, ["a", "b", "c"], seed=1, weighted=False)
+    cases = {
+        ("a", "b", "c", "d"): "missing 'd'",
+        ("a", "b"): "unknown 'c'",
+        ("a", "x", "y"): "missing 'x', 'y', unknown 'b', 'c'",
+    }
+    for names, message in cases.items():
+        with pytest.raises(DataError, match=message) as e:
+            sf.reorder(list(names))
+        assert "\n" not in str(e.value)
+    twice = random_features(2, ["a", "b", "a"], seed=1, weighted=False)
+    with pytest.raises(DataError, match="repeated 'a'"):
+        twice.reorder(["b", "a"])
+    with pytest.raises(DataError, match="asked for more than once"):
+        sf.select(["a", "a"])
