@@ -24,19 +24,17 @@ def concat_rows(first: SparseFeatures, second: SparseFeatures) -> SparseFeatures
 
     Args:
         first: F fields of Bs rows.
-        second: the same F fields (same order) of Bq rows.
+        second: the same F fields of Bq rows, in any order (matched by name).
 
     Returns:
-        F fields of Bs + Bq rows. ``weights`` is None when neither input has weights;
-        when only one has, the other's ids get weight 1.
+        F fields of Bs + Bq rows, in ``first``'s field order. ``weights`` is None when
+        neither input has weights; when only one has, the other's ids get weight 1.
 
     Raises:
-        ValueError: the keys differ, or the tensors are on different devices.
+        DataError: the two batches do not hold the same fields.
+        ValueError: the tensors are on different devices.
     """
-    if list(first.keys) != list(second.keys):
-        raise ValueError(
-            f"cannot concatenate rows of batches with different fields: {first.keys} vs {second.keys}"
-        )
+    second = second.reorder(first.keys)
     if first.values.device != second.values.device:
         raise ValueError(f"batches are on different devices: {first.values.device} vs {second.values.device}")
     num_fields = first.num_fields

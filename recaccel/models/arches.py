@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from recaccel.errors import ConfigError
 from recaccel.io.batch import SparseFeatures
 from recaccel.ops.interaction import dot_interaction
 
@@ -24,20 +25,57 @@ def mlp(in_features: int, layer_sizes: list[int], *, final_activation: bool) -> 
 
 
 class SparseArch(nn.Module):
-    """Pooled embeddings of every sparse field.
+    """Pooled embeddings of every sparse field, in the model's field order.
+
+    A batch meets the model here, by field name: its fields are put in :attr:`features`
+    order (no copy when they already are, the common case) before the lookup, so the
+    field axis of the output always means the same thing to the arches above, whatever
+    order a batch (or a KeyedJaggedTensor from another pipeline) lists its keys in.
 
     Args:
-        embedding: any module mapping SparseFeatures to [B, F, D]: recaccel's packed
-            embedding, the per-table baseline, or a TorchRec module wrapped to that shape.
+        embedding: any module mapping SparseFeatures to [B, F, D] in the batch's field
+            order: recaccel's packed embedding, the per-table baseline, or a TorchRec
+            module wrapped to that shape.
+        features: the F field names in the model's order; by default the embedding's
+            own (see :func:`embedding_features`).
+
+    Raises:
+        ConfigError: ``features`` is not given and cannot be read off ``embedding``, or repeats.
     """
 
-    def __init__(self, embedding: nn.Module) -> None:
+    def __init__(self, embedding: nn.Module, features: list[str] | None = None) -> None:
         super().__init__()
         self.embedding = embedding
+        self.features = list(features) if features is not None else embedding_features(embedding)
+        if len(set(self.features)) != len(self.features):
+            raise ConfigError(f"SparseArch: field names repeat: {self.features}")
 
     def forward(self, sparse: SparseFeatures) -> Tensor:
-        """Returns [B, F, D]."""
-        return self.embedding(sparse)
+        """Returns [B, F, D], fields in :attr:`features` order.
+
+        Raises:
+            DataError: the batch lacks a field of the model or has one the model does not know.
+        """
+        return self.embedding(sparse.reorder(self.features))
+
+
+def embedding_features(embedding: nn.Module) -> list[str]:
+    """The field names an embedding module serves, in its table order.
+
+    Reads ``embedding.features`` (per-table bags, TorchRec wrapper) or, for a packed
+    embedding, the features of ``embedding.tables`` in order.
+
+    Raises:
+        ConfigError: the module declares neither.
+    """
+    features = getattr(embedding, "features", None)
+    if features is None and hasattr(embedding, "tables"):
+        features = [f for table in embedding.tables for f in table.features]
+    if features is None:
+        raise ConfigError(
+            f"SparseArch cannot tell which fields a {type(embedding).__name__} serves: pass features=[...]"
+        )
+    return list(features)
 
 
 class DenseArch(nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from recaccel.errors import ConfigError
 from recaccel.io.batch import Batch, SparseFeatures
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 
@@ -20,6 +21,12 @@ class DLRM(nn.Module):
         dense_arch: [B, Dd] -> [B, D].
         interaction_arch: ([B, D], [B, F, D]) -> [B, K].
         over_arch: [B, K] -> logits [B].
+
+    Fields meet the model by name: ``sparse_arch`` puts a batch's fields in the model's
+    order (:attr:`features`) before the lookup.
+
+    Raises:
+        ConfigError: ``sparse_arch`` and ``interaction_arch`` disagree on the number of fields.
     """
 
     def __init__(
@@ -30,13 +37,28 @@ class DLRM(nn.Module):
         over_arch: OverArch,
     ) -> None:
         super().__init__()
+        num_sparse = getattr(interaction_arch, "num_sparse", None)
+        if num_sparse is not None and num_sparse != len(sparse_arch.features):
+            raise ConfigError(
+                f"the interaction takes {num_sparse} sparse fields but the SparseArch serves "
+                f"{len(sparse_arch.features)}: {sparse_arch.features}"
+            )
         self.sparse_arch = sparse_arch
         self.dense_arch = dense_arch
         self.interaction_arch = interaction_arch
         self.over_arch = over_arch
 
+    @property
+    def features(self) -> list[str]:
+        """The F sparse field names, in the order of the pooled field axis."""
+        return self.sparse_arch.features
+
     def embed(self, sparse: SparseFeatures) -> Tensor:
-        """Pooled embeddings [B, F, D]."""
+        """Pooled embeddings [B, F, D], fields in :attr:`features` order whatever the batch's order.
+
+        Raises:
+            DataError: the batch's fields are not the model's.
+        """
         return self.sparse_arch(sparse)
 
     def head(self, dense: Tensor, pooled: Tensor) -> Tensor:

@@ -21,7 +21,8 @@ class PerTableEmbeddingBag(nn.Module):
     """One embedding table per feature, pooled per bag.
 
     Args:
-        features: F feature names, in the order of the output's field axis.
+        features: F feature names (the model's field order); a batch may list them in
+            any order, and the output follows the batch's.
         num_rows: rows of each feature's table.
         dim: embedding dim D (all tables).
         pooling: ``"sum"`` or ``"mean"``.
@@ -42,18 +43,22 @@ class PerTableEmbeddingBag(nn.Module):
             nn.init.uniform_(bag.weight, -bound, bound)
 
     def forward(self, sparse: SparseFeatures) -> Tensor:
-        """Looks up every feature.
+        """Looks up every feature, by name.
 
         Args:
-            sparse: F fields of B rows; ``sparse.keys`` must equal ``self.features``.
+            sparse: B rows of every field of :attr:`features`, in any order.
 
         Returns:
-            [B, F, D] pooled embeddings.
+            [B, F, D] pooled embeddings in ``sparse.keys`` order.
+
+        Raises:
+            DataError: the batch's fields are not :attr:`features`.
         """
-        if sparse.keys != self.features:
-            raise ValueError(f"sparse keys {sparse.keys} != embedding features {self.features}")
+        sparse.check_keys(self.features)
+        bags = dict(zip(self.features, self.bags))
         pooled = []
-        for name, bag in zip(self.features, self.bags):
+        for name in sparse.keys:
+            bag = bags[name]
             values, offsets, weights = sparse.field(name)
             bad = (values < 0) | (values >= bag.num_embeddings)
             if bool(bad.any()):

@@ -153,7 +153,9 @@ class MeLU(DLRM):
         dense_dim = cfg.dense_mlp[-1] if cfg.dense_mlp else cfg.num_dense
         interaction = ConcatInteraction(len(cfg.fields), cfg.embedding_dim, dense_dim)
         super().__init__(
-            sparse_arch=SparseArch(embedding if embedding is not None else melu_embedding(cfg)),
+            sparse_arch=SparseArch(
+                embedding if embedding is not None else melu_embedding(cfg), features=cfg.feature_names
+            ),
             dense_arch=dense_arch,
             interaction_arch=interaction,
             over_arch=OverArch(interaction.output_dim, [*cfg.hidden, 1]),

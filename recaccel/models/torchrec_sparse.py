@@ -96,34 +96,12 @@ class EBCHolder(nn.Module):
 
 
 def select_fields(sf: SparseFeatures, names: list[str]) -> SparseFeatures:
-    """The fields ``names`` of a batch (each a contiguous block of the field-major CSR).
+    """The fields ``names`` of a batch, in that order (:meth:`SparseFeatures.select`).
 
     Raises:
-        DataError: a name is not a field of the batch.
+        DataError: a name is not a field of the batch, or repeats.
     """
-    if list(names) == list(sf.keys):
-        return sf
-    b = sf.batch_size
-    for name in names:
-        if name not in sf.keys:
-            raise DataError(f"the batch has no sparse field {name!r}; it has {sf.keys}")
-    # Every field's first value, read to the host at once: one device sync, not two per field.
-    firsts = sf.offsets[::b].tolist() if b else [0] * (len(sf.keys) + 1)
-    values, lengths, weights = [], [], []
-    for name in names:
-        f = sf.keys.index(name)
-        lo, hi = firsts[f], firsts[f + 1]
-        values.append(sf.values[lo:hi])
-        lengths.append(sf.offsets[f * b + 1 : (f + 1) * b + 1] - sf.offsets[f * b : (f + 1) * b])
-        if sf.weights is not None:
-            weights.append(sf.weights[lo:hi])
-    empty = sf.values[:0]
-    return SparseFeatures.from_lengths(
-        list(names),
-        torch.cat(values) if values else empty,
-        torch.cat(lengths) if lengths else sf.offsets[:0],
-        torch.cat(weights) if weights else None,
-    )
+    return sf.select(names)
 
 
 class TorchRecEmbedding(nn.Module):
@@ -189,32 +167,34 @@ class TorchRecEmbedding(nn.Module):
     def forward(self, sparse: SparseFeatures) -> Tensor:
         """Looks up every field of a batch.
 
+        The TorchRec lookup always gets its features in one order,
+        :attr:`torchrec_features`, whatever the batch's order: a sharded collection fixes
+        its feature permutation from the first batch it sees and applies it by position.
+
         Args:
-            sparse: F fields of B rows, each one of :attr:`features`, without per-id weights.
+            sparse: B rows of every field of :attr:`features`, in any order, without
+                per-id weights.
 
         Returns:
             float32 [B, F, D] in ``sparse.keys`` order.
 
         Raises:
-            DataError: per-id weights (not supported here) or an unknown field.
+            DataError: per-id weights (not supported here), or the batch's fields are not
+                :attr:`features`.
         """
         if sparse.weights is not None:
             raise DataError("TorchRec embeddings here take unweighted ids; the batch has per-id weights")
-        unknown = [k for k in sparse.keys if k not in self.features]
-        if unknown:
-            raise DataError(f"sparse fields {unknown} have no embedding table; tables serve {self.features}")
+        ordered = sparse.reorder(self.features)
         b = sparse.batch_size
         parts, names = [], []
-        served = [k for k in sparse.keys if k in self.torchrec_features]
-        if served:
-            pooled = self.lookup(select_fields(sparse, served).to_kjt())
+        if self.torchrec_features:
+            pooled = self.lookup(ordered.select(self.torchrec_features).to_kjt())
             keys = list(pooled.keys())
             parts.append(pooled.values().view(b, len(keys), self.dim))
             names += keys
-        local = [k for k in sparse.keys if k in self.replicated_features]
-        if local:
-            parts.append(self.replicated(select_fields(sparse, local)))
-            names += local
+        if self.replicated_features:
+            parts.append(self.replicated(ordered.select(self.replicated_features)))
+            names += self.replicated_features
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if names == list(sparse.keys):
             return out

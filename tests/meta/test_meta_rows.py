@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recaccel.errors import DataError
 from recaccel.io.batch import SparseFeatures
 from recaccel.meta.rows import concat_rows, split_task_rows
 
@@ -59,8 +60,16 @@ def test_concat_rows_matches_bag_by_bag(data, num_fields, wa, wb):
 def test_concat_rows_rejects_different_fields():
     a = SparseFeatures.from_lengths(["x"], torch.tensor([1]), torch.tensor([1]))
     b = SparseFeatures.from_lengths(["y"], torch.tensor([1]), torch.tensor([1]))
-    with pytest.raises(ValueError, match="different fields"):
+    with pytest.raises(DataError, match="missing 'x', unknown 'y'"):
         concat_rows(a, b)
+
+
+def test_concat_rows_matches_fields_by_name():
+    a = SparseFeatures.from_lengths(["x", "y"], torch.tensor([1, 2, 3]), torch.tensor([1, 2]))
+    b = SparseFeatures.from_lengths(["y", "x"], torch.tensor([7, 8, 9]), torch.tensor([1, 2]))
+    out = concat_rows(a, b)
+    assert out.keys == ["x", "y"]
+    assert out.field("x")[0].tolist() == [1, 8, 9] and out.field("y")[0].tolist() == [2, 3, 7]
 
 
 def test_split_task_rows_is_task_major():
