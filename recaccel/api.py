@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from recaccel.config import Config, load_config
+from recaccel.config import Config, load_config, preflight
 from recaccel.train.runlog import CONFIG_FILE
 
 
@@ -16,6 +16,7 @@ def train(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
     """
     from recaccel.train.trainer import Trainer
 
+    preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
     return Trainer(cfg, resume=resume).fit()
 
 
@@ -34,6 +35,7 @@ def evaluate(cfg: Config, path: str | None = None) -> dict[str, Any]:
     """
     from recaccel.train.trainer import Trainer
 
+    preflight(cfg, training=False, test_path=path)
     trainer = Trainer(cfg, resume=True)  # loads the newest checkpoint, as the parallel layout saved it
     try:
         return trainer.evaluate(path)

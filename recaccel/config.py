@@ -2,20 +2,36 @@
 
 A config file has one table per section (``[data]``, ``[model]``, ...). Overrides use
 ``section.key=value`` where the value is TOML (``train.steps=100``,
-``model.top_mlp=[64,1]``, ``model.embedding_backend=reference``). Unknown keys and
-ill-typed values raise :class:`ConfigError` naming the key and the closest valid one.
+``model.top_mlp=[64,1]``, ``model.embedding_backend=reference``).
+
+Every field is checked where it is declared: its annotation says its type, its choices
+(``typing.Literal``), its range (``Annotated[int, Range(ge=1)]``) or its form
+(``Annotated[str, Pattern(...)]``); floats must be finite. Each section's
+``__post_init__`` checks its fields against these annotations, so a section built from
+TOML, from overrides or in Python is checked the same way. Every problem is one
+:class:`ConfigError` line naming the key as ``section.key=value``. A zero that means
+something is documented at its field (``train.steps = 0``: run ``train.epochs``);
+other values outside a field's range are refused. :func:`preflight` checks what only
+the file system and the machine can say (input paths, the run directory, the triton
+backend on CPU) before a run starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import importlib.util
+import json
+import math
+import os
+import re
 import sys
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
 
 from recaccel.errors import ConfigError
 
@@ -25,30 +41,127 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+@dataclass(frozen=True)
+class Range:
+    """The allowed interval of a numeric field (unset bounds are open-ended).
+
+    Attributes:
+        ge, gt: the value must be >= ``ge`` / > ``gt``.
+        le, lt: the value must be <= ``le`` / < ``lt``.
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def __contains__(self, value: float) -> bool:
+        return not (
+            (self.ge is not None and value < self.ge)
+            or (self.gt is not None and value <= self.gt)
+            or (self.le is not None and value > self.le)
+            or (self.lt is not None and value >= self.lt)
+        )
+
+    @property
+    def requirement(self) -> str:
+        """What a value must be, for messages: ``must be >= 0 and < 1``."""
+        bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+        return "must be " + " and ".join(f"{op} {bound:g}" for op, bound in bounds if bound is not None)
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """The form of a string field: ``regex`` must match the whole value.
+
+    Attributes:
+        regex: a regular expression (``re.fullmatch``).
+        requirement: what a value must be, for messages: ``must look like name=path``.
+    """
+
+    regex: str
+    requirement: str
+
+    def __contains__(self, value: str) -> bool:
+        return re.fullmatch(self.regex, value) is not None
+
+
+# Shorthands for the annotations below.
+Count = Annotated[int, Range(ge=1)]  # a size or count that must be at least 1
+NonNegative = Annotated[int, Range(ge=0)]  # 0 has a documented meaning at each use
+Seed = Annotated[int, Range(ge=0)]
+Rate = Annotated[float, Range(gt=0)]  # a learning rate, a timeout
+NonNegativeFloat = Annotated[float, Range(ge=0)]
+PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]
+NamedPath = Annotated[str, Pattern(r"[^=]+=.+", "must look like name=path")]
+Name = Annotated[str, Pattern(r".+", "must be a non-empty name")]
+
+# Parquet codecs recaccel's writers accept (pyarrow names).
+ParquetCodec = Literal["snappy", "lz4", "zstd", "gzip", "none"]
+PARQUET_CODECS: tuple[str, ...] = typing.get_args(ParquetCodec)
+
+
+class _Section:
+    """Base of the config sections: ``__post_init__`` checks every field against its
+    annotation (type, choices, range, form) and converts ints given for floats.
+
+    Attributes:
+        SECTION: the section's name in a config file (``[data]``).
+    """
+
+    SECTION: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = field_hints(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            key = f"{self.SECTION}.{f.name}"
+            setattr(self, f.name, check_value(key, getattr(self, f.name), hints[f.name]))
+        self.check_consistency()
+
+    def check_consistency(self) -> None:
+        """Checks that span several fields of the section (after each field's own)."""
+
+
 @dataclass
-class SynthConfig:
+class SynthConfig(_Section):
     """Synthetic Criteo-like data with a planted ground-truth model (``recaccel-data synth``)."""
 
-    out_dir: str = "data/synth"
-    train_rows: int = 200_000
-    test_rows: int = 20_000
-    num_dense: int = 13
-    num_sparse: int = 26
-    cardinality: int = 1000
-    cardinalities: list[int] = field(default_factory=list)  # per field; overrides `cardinality`
-    multi_hot_fields: int = 0  # the last k fields are multi-hot bags
-    max_bag: int = 5
-    zipf_a: float = 1.2
-    signal_dim: int = 4
-    signal_scale: float = 1.0  # scale of the planted logit; larger = easier task
-    rows_per_row_group: int = 8192
-    rows_per_file: int = 100_000
-    compression: str = "snappy"  # Parquet codec, one of PARQUET_CODECS
-    seed: int = 0
+    SECTION: ClassVar[str] = "synth"
+
+    out_dir: PathText = "data/synth"
+    train_rows: Count = 200_000
+    test_rows: Count = 20_000
+    num_dense: NonNegative = 13
+    num_sparse: NonNegative = 26
+    cardinality: Count = 1000
+    cardinalities: list[Count] = field(default_factory=list)  # per field; [] = `cardinality` for all
+    multi_hot_fields: NonNegative = 0  # the last k fields are multi-hot bags
+    max_bag: Count = 5
+    zipf_a: NonNegativeFloat = 1.2
+    signal_dim: Count = 4
+    signal_scale: NonNegativeFloat = 1.0  # scale of the planted logit; larger = easier task
+    rows_per_row_group: Count = 8192
+    rows_per_file: Count = 100_000
+    compression: ParquetCodec = "snappy"
+    seed: Seed = 0
+
+    def check_consistency(self) -> None:
+        if self.num_dense + self.num_sparse == 0:
+            raise ConfigError("config keys synth.num_dense=0 and synth.num_sparse=0: need at least one field")
+        if self.cardinalities and len(self.cardinalities) != self.num_sparse:
+            raise ConfigError(
+                f"config key synth.cardinalities={_shown(self.cardinalities)} has {len(self.cardinalities)} "
+                f"entries, expected synth.num_sparse={self.num_sparse}"
+            )
+        if self.multi_hot_fields > self.num_sparse:
+            raise ConfigError(
+                f"config key synth.multi_hot_fields={self.multi_hot_fields} must be <= "
+                f"synth.num_sparse={self.num_sparse}"
+            )
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Section):
     """Where training data lives and how it is read.
 
     Bad-input policies: ``error`` raises naming file, column and row group; ``skip``
@@ -56,121 +169,139 @@ class DataConfig:
     modulo the cardinality; ``zero`` replaces NaN/inf dense values by 0.
     """
 
-    train: str = "data/synth/train"
-    test: str = "data/synth/test"
-    batch_size: int = 512
-    eval_batch_size: int = 4096
+    SECTION: ClassVar[str] = "data"
+
+    train: PathText = "data/synth/train"  # a .parquet file or a folder of them
+    test: PathText = "data/synth/test"
+    batch_size: Count = 512
+    eval_batch_size: Count = 4096
     shuffle: bool = True
-    shuffle_buffer_rows: int = 65_536
-    seed: int = 0
-    invalid_ids: str = "error"  # error | skip | clip | hash
-    invalid_dense: str = "error"  # error | skip | zero
-    invalid_labels: str = "error"  # error | skip
+    shuffle_buffer_rows: Count = 65_536
+    seed: Seed = 0
+    invalid_ids: Literal["error", "skip", "clip", "hash"] = "error"
+    invalid_dense: Literal["error", "skip", "zero"] = "error"
+    invalid_labels: Literal["error", "skip"] = "error"
     drop_last: bool = True
-    read_ahead: int = 2  # shuffle buffers decoded ahead, one worker thread each
-    prefetch: int = 2
-    loader_backend: str = "torch"  # torch | dali (host-to-device stage)
+    read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
+    prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline
+    loader_backend: Literal["torch", "dali"] = "torch"  # host-to-device stage
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """DLRM shape and which operator backends it runs on."""
 
-    arch: str = "dlrm"  # dlrm | melu
-    embedding_dim: int = 16
-    bottom_mlp: list[int] = field(default_factory=lambda: [64, 16])
-    top_mlp: list[int] = field(default_factory=lambda: [64, 32, 1])
-    interaction: str = "dot"
-    embedding_backend: str = "auto"  # auto | reference | triton | fbgemm | per_table
-    interaction_backend: str = "auto"  # auto | reference | triton
-    pooling: str = "sum"  # sum | mean
-    item_fields: list[str] = field(default_factory=list)  # melu: the item attribute fields
+    SECTION: ClassVar[str] = "model"
+
+    arch: Literal["dlrm", "melu"] = "dlrm"
+    embedding_dim: Count = 16
+    bottom_mlp: list[Count] = field(default_factory=lambda: [64, 16])
+    top_mlp: list[Count] = field(default_factory=lambda: [64, 32, 1])
+    interaction: Literal["dot"] = "dot"
+    # triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1)
+    embedding_backend: Literal["auto", "reference", "triton", "fbgemm", "per_table"] = "auto"
+    interaction_backend: Literal["auto", "reference", "triton"] = "auto"
+    pooling: Literal["sum", "mean"] = "sum"
+    item_fields: list[Name] = field(default_factory=list)  # melu: the item attribute fields
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(_Section):
     """Dense optimizer for MLPs; sparse optimizer fused into the embedding backward."""
 
-    dense: str = "adam"  # adam | sgd | adagrad
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    sparse: str = "rowwise_adagrad"  # sgd | rowwise_adagrad | adam
-    sparse_lr: float = 0.05
-    eps: float = 1e-8
+    SECTION: ClassVar[str] = "optim"
+
+    dense: Literal["adam", "sgd", "adagrad"] = "adam"
+    lr: Rate = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    sparse: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    sparse_lr: Rate = 0.05
+    eps: NonNegativeFloat = 1e-8
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     """The training loop."""
 
-    out_dir: str = "runs/debug"
-    mode: str = "dlrm"  # dlrm | meta
+    SECTION: ClassVar[str] = "train"
+
+    out_dir: PathText = "runs/debug"
+    mode: Literal["dlrm", "meta"] = "dlrm"
     eval_tasks: bool = False  # dlrm mode: evaluate on task batches like a meta-learner
-    epochs: int = 1
-    steps: int = 0  # > 0: stop after this many steps (overrides epochs)
-    loss: str = "auto"  # auto (from label_kind) | bce | mse
-    eval_every: int = 0  # steps; 0 = only at the end
-    checkpoint_every: int = 0  # steps; 0 = only at the end
-    log_every: int = 50
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
+    epochs: Count = 1  # ignored when steps > 0
+    steps: NonNegative = 0  # > 0: stop after this many steps (overrides epochs); 0 = run `epochs`
+    loss: Literal["auto", "bce", "mse"] = "auto"  # auto: from the data's label_kind
+    eval_every: NonNegative = 0  # steps; 0 = only at the end
+    checkpoint_every: NonNegative = 0  # steps; 0 = only at the end
+    log_every: Count = 50  # steps (the first step is always logged)
+    seed: Seed = 0
+    device: Annotated[str, Pattern(r"auto|cpu|cuda(:[0-9]+)?", "must be auto, cpu, cuda or cuda:N")] = "auto"
     progress: bool = True
     deterministic: bool = False
 
 
 @dataclass
-class TasksConfig:
+class TasksConfig(_Section):
     """Meta-IO: how rows are grouped into tasks with support and query sets."""
 
-    tasks_per_batch: int = 32  # T
-    support_size: int = 32  # S (rows beyond it are sampled away; fewer are padded)
-    query_size: int = 32  # Q
-    min_task_rows: int = 4  # smaller tasks are skipped and counted
-    split: str = "random"  # random | time
-    query_fraction: float = 0.5  # share of a task's rows that goes to the query set
-    query_count: int = 0  # > 0: exactly this many query rows, the rest support (MeLU: 10)
-    shuffle_buffer_tasks: int = 1024
-    unit_row_groups: int = 4  # consecutive row groups dealt to a rank together
-    read_ahead: int = 2  # units decoded ahead, one worker thread each
+    SECTION: ClassVar[str] = "tasks"
+
+    tasks_per_batch: Count = 32  # T
+    support_size: Count = 32  # S (rows beyond it are sampled away; fewer are padded)
+    query_size: Count = 32  # Q
+    min_task_rows: Count = 4  # smaller tasks are skipped and counted
+    split: Literal["random", "time"] = "random"
+    # Share of a task's rows that goes to the query set; 0 = query_size rows (used only
+    # when query_count is 0).
+    query_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.5
+    query_count: NonNegative = 0  # > 0: exactly this many query rows, the rest support (MeLU: 10)
+    shuffle_buffer_tasks: Count = 1024
+    unit_row_groups: Count = 4  # consecutive row groups dealt to a rank together
+    read_ahead: NonNegative = 2  # units decoded ahead, one worker thread each; 0 = inline
 
 
 @dataclass
-class MetaConfig:
+class MetaConfig(_Section):
     """MAML-style meta-learning of the model head (``train.mode = "meta"``)."""
 
-    inner_steps: int = 1
-    inner_lr: float = 0.01
+    SECTION: ClassVar[str] = "meta"
+
+    inner_steps: NonNegative = 1  # 0 = no adaptation (the model as trained)
+    inner_lr: Rate = 0.01
     first_order: bool = False
     meta_sgd: bool = False  # learn per-parameter inner learning rates
-    adapt: str = "top_mlp"  # top_mlp | head | head_and_embedding_shift
-    engine: str = "batched"  # batched (stacked bmm) | vmap (torch.func) | loop (per-task baseline)
-    eval_states: list[str] = field(default_factory=list)  # extra test sets, "name=path"
+    adapt: Literal["top_mlp", "head", "head_and_embedding_shift"] = "top_mlp"
+    engine: Literal["batched", "vmap", "loop"] = "batched"  # stacked bmm | torch.func | per-task baseline
+    eval_states: list[NamedPath] = field(default_factory=list)  # extra test sets, "name=path"
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(_Section):
     """Multi-process training: ``hybrid`` = TorchRec-sharded embeddings + data-parallel dense.
 
     Launch with ``recaccel-train --nproc N`` or ``torchrun --nproc-per-node N -m recaccel.cli``.
     ``sharding`` is every table's layout (``auto`` = TorchRec's planner chooses);
-    ``table_sharding`` overrides it per table with ``"name=kind"`` entries. ``data``:
+    ``table_sharding`` overrides it per table with ``"name=kind"`` entries (checked
+    against the dataset's tables when the model is sharded). ``data``:
     ``global`` = every rank reads the global batch of ``data.batch_size`` rows (or
     ``tasks.tasks_per_batch`` tasks) and trains on its contiguous slice (same result as one
     process); ``sharded`` = each rank reads its own row groups in batches of
     ``data.batch_size`` (per rank) and all ranks stop an epoch when the first runs dry.
     """
 
-    mode: str = "single"  # single | hybrid
-    sharding: str = "auto"  # auto | table_wise | row_wise | column_wise | data_parallel
+    SECTION: ClassVar[str] = "parallel"
+
+    mode: Literal["single", "hybrid"] = "single"
+    sharding: Literal["auto", "table_wise", "row_wise", "column_wise", "data_parallel"] = "auto"
     table_sharding: list[str] = field(default_factory=list)  # "name=kind" per table
-    data: str = "global"  # global | sharded
-    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
-    timeout_s: float = 300.0  # a collective waiting longer than this fails the run
+    data: Literal["global", "sharded"] = "global"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, else gloo
+    timeout_s: Rate = 300.0  # a collective waiting longer than this fails the run
 
 
 @dataclass
 class Config:
-    """The whole run."""
+    """The whole run; each field is a section (checked when it is built)."""
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -181,51 +312,33 @@ class Config:
     meta: MetaConfig = field(default_factory=MetaConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
+    def __post_init__(self) -> None:
+        for name, cls in section_types().items():
+            if not isinstance(getattr(self, name), cls):
+                got = _shown(getattr(self, name))
+                raise ConfigError(f"config section [{name}] must be a {cls.__name__}, got {got}")
 
-# Parquet codecs recaccel's writers accept (pyarrow names).
-PARQUET_CODECS = ("snappy", "lz4", "zstd", "gzip", "none")
 
-# Keys whose value must be one of a few words; checked when a config is built.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "data.invalid_ids": ("error", "skip", "clip", "hash"),
-    "data.invalid_dense": ("error", "skip", "zero"),
-    "data.invalid_labels": ("error", "skip"),
-    "data.loader_backend": ("torch", "dali"),
-    "synth.compression": PARQUET_CODECS,
-    "model.arch": ("dlrm", "melu"),
-    "model.interaction": ("dot",),
-    "model.embedding_backend": ("auto", "reference", "triton", "fbgemm", "per_table"),
-    "model.interaction_backend": ("auto", "reference", "triton"),
-    "model.pooling": ("sum", "mean"),
-    "optim.dense": ("adam", "sgd", "adagrad"),
-    "optim.sparse": ("sgd", "rowwise_adagrad", "adam"),
-    "train.loss": ("auto", "bce", "mse"),
-    "train.mode": ("dlrm", "meta"),
-    "tasks.split": ("random", "time"),
-    "meta.adapt": ("top_mlp", "head", "head_and_embedding_shift"),
-    "meta.engine": ("batched", "vmap", "loop"),
-    "parallel.mode": ("single", "hybrid"),
-    "parallel.sharding": ("auto", "table_wise", "row_wise", "column_wise", "data_parallel"),
-    "parallel.data": ("global", "sharded"),
-    "parallel.backend": ("auto", "nccl", "gloo"),
-}
+def section_types() -> dict[str, type[_Section]]:
+    """Each section's name in a config file and its dataclass, in file order."""
+    hints = field_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+@functools.cache
+def field_hints(cls: type) -> dict[str, Any]:
+    """The resolved annotations of a config dataclass, with their ``Annotated`` extras."""
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Loads a TOML config and applies ``section.key=value`` overrides.
 
     Raises:
-        ConfigError: on a missing file, TOML syntax error, unknown key or bad value.
+        ConfigError: on a missing, unreadable or non-UTF-8 file, a TOML syntax error, a
+            section that is not a table, an unknown key or a bad value.
     """
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        try:
-            raw = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {p}: {e}") from None
+    raw: dict[str, Any] = _read_toml(Path(path)) if path is not None else {}
     for item in overrides:
         section, key, value = _parse_override(item)
         raw.setdefault(section, {})[key] = value
@@ -233,28 +346,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Builds a :class:`Config` from nested dicts, checking every key and type."""
-    cfg = Config()
-    sections = {f.name: f for f in dataclasses.fields(Config)}
+    """Builds a :class:`Config` from nested dicts, checking every key and value.
+
+    Raises:
+        ConfigError: naming the first unknown section or key, or bad value.
+    """
+    _check_tables(raw)
+    built = {}
     for section, values in raw.items():
-        if section not in sections:
-            raise ConfigError(f"unknown config section [{section}]{_suggest(section, sections)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"config section [{section}] must be a table, got {values!r}")
-        target = getattr(cfg, section)
-        fields = {f.name: f for f in dataclasses.fields(target)}
-        hints = typing.get_type_hints(type(target))
-        for key, value in values.items():
-            if key not in fields:
-                raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, fields, section + '.')}")
-            setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
-    for dotted, allowed in CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
-        if value not in allowed:
-            raise ConfigError(f"config key {dotted} must be one of {', '.join(allowed)}; got {value!r}"
-                              f"{_suggest(value, allowed)}")
-    return cfg
+        cls = section_types()[section]
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, names, section + '.')}")
+        built[section] = cls(**values)
+    return Config(**built)
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -272,6 +378,201 @@ def config_to_toml(cfg: Config) -> str:
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
+
+
+def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | None = None) -> None:
+    """Checks, before a run starts, what the config alone cannot say.
+
+    Every field is checked again (a Config may have been changed after it was built);
+    then the inputs: ``data.train`` (when training), the evaluation data (``test_path``,
+    default ``data.test``) and, when training, each ``meta.eval_states`` path must be a
+    Parquet file or a folder holding some; ``train.out_dir`` must not be (or lie inside)
+    a file; a ``triton`` backend needs a CUDA device or ``TRITON_INTERPRET=1``, and
+    ``fbgemm`` the ``fbgemm_gpu`` package.
+
+    Args:
+        cfg: the run's config.
+        training: a training run (checks data.train and meta.eval_states too).
+        test_path: the data an evaluation reads instead of ``data.test``.
+
+    Raises:
+        ConfigError: naming the key (``section.key=value``) and what is wrong.
+    """
+    for name in section_types():
+        getattr(cfg, name).__post_init__()
+    cfg.__post_init__()
+    if training:
+        _check_dataset(f"config key data.train={_shown(cfg.data.train)}", cfg.data.train)
+    if test_path is None:
+        _check_dataset(f"config key data.test={_shown(cfg.data.test)}", cfg.data.test)
+    else:
+        _check_dataset(f"evaluation data {_shown(str(test_path))}", test_path)
+    if training:
+        for entry in cfg.meta.eval_states:
+            path = entry.partition("=")[2]
+            _check_dataset(f"config key meta.eval_states entry {_shown(entry)}: {path}", path)
+    _check_run_dir(cfg.train.out_dir)
+    _check_backends(cfg.model, cfg.train.device)
+
+
+def check_value(key: str, value: Any, hint: Any) -> Any:
+    """Checks ``value`` against a field's annotation (type, choices, range, form).
+
+    Args:
+        key: the field's ``section.key`` (``[i]`` appended for list items), for messages.
+        value: the value given.
+        hint: the field's resolved annotation.
+
+    Returns:
+        The value; an int given for a float field becomes a float.
+
+    Raises:
+        ConfigError: one line naming ``key=value`` and what it must be.
+    """
+    origin = typing.get_origin(hint)
+    if origin is Annotated:
+        base, *rules = typing.get_args(hint)
+        checked = check_value(key, value, base)
+        for rule in rules:
+            if checked not in rule:
+                raise _bad(key, value, rule.requirement)
+        return checked
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed or not isinstance(value, str):
+            hint_text = _suggest(value, allowed) if isinstance(value, str) else ""
+            raise _bad(key, value, f"must be one of {', '.join(allowed)}{hint_text}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None and len(args) < len(typing.get_args(hint)):
+            return None
+        errors = []
+        for arg in args:
+            try:
+                return check_value(key, value, arg)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise _bad(key, value, "must be a list")
+        return [check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    return _check_scalar(key, value, hint)
+
+
+def _check_scalar(key: str, value: Any, hint: Any) -> Any:
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _bad(key, value, "must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _bad(key, value, "must be an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _bad(key, value, "must be a number")
+        if not math.isfinite(value):
+            raise _bad(key, value, "must be a finite number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise _bad(key, value, "must be a string")
+        return value
+    raise ConfigError(f"config key {key} has unsupported type {hint}")
+
+
+def _bad(key: str, value: Any, requirement: str) -> ConfigError:
+    return ConfigError(f"config key {key}={_shown(value)} {requirement}")
+
+
+def _shown(value: Any) -> str:
+    """A value as one short line: TOML-like, strings bare when they are plain words."""
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif isinstance(value, str):
+        text = value if re.fullmatch(r"[\w.:/+@-]+", value) else json.dumps(value)
+    elif isinstance(value, list):
+        text = "[" + ", ".join(_shown(v) for v in value) + "]"
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f"{k} = {_shown(v)}" for k, v in value.items()) + "}"
+    else:
+        text = " ".join(repr(value).split())
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _read_toml(p: Path) -> dict[str, Any]:
+    if not p.is_file():
+        raise ConfigError(f"config file {p} {'is not a file' if p.exists() else 'does not exist'}")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = f"byte {e.start} is {e.object[e.start]:#04x}"
+        raise ConfigError(f"config file {p} is not UTF-8 text ({bad})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {p} cannot be read: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p}: {' '.join(str(e).split())}") from None
+    _check_tables(raw, f"config file {p}: ")
+    return raw
+
+
+def _check_tables(raw: dict[str, Any], where: str = "") -> None:
+    """Every top-level key of a config must be a known section holding a table."""
+    sections = section_types()
+    for section, values in raw.items():
+        if section not in sections:
+            raise ConfigError(f"{where}unknown config section [{section}]{_suggest(section, sections)}")
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{where}config section [{section}] must be a table of keys ([{section}] and the keys "
+                f"below it), got {section} = {_shown(values)}"
+            )
+
+
+def _check_dataset(what: str, path: str | Path) -> None:
+    """A dataset path must be a file or a folder with ``*.parquet`` files in it."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{what} does not exist")
+    if p.is_dir() and not any(f.is_file() for f in p.glob("*.parquet")):
+        raise ConfigError(f"{what} is a folder without *.parquet files")
+
+
+def _check_run_dir(out_dir: str) -> None:
+    """The run directory, or the nearest of its parents that exists, must be a folder."""
+    p = Path(out_dir)
+    what = f"config key train.out_dir={_shown(out_dir)}"
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{what} is a file, not a run directory")
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{what} lies inside {parent}, which is a file")
+            return
+
+
+def _check_backends(model: ModelConfig, device: str) -> None:
+    """Triton kernels run on CUDA, or on CPU only under Triton's interpreter."""
+    for key in ("embedding_backend", "interaction_backend"):
+        backend = getattr(model, key)
+        if backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1" and not _cuda(device):
+            raise ConfigError(f"config key model.{key}=triton needs a CUDA device or TRITON_INTERPRET=1")
+        if backend == "fbgemm" and importlib.util.find_spec("fbgemm_gpu") is None:
+            raise ConfigError(f"config key model.{key}=fbgemm needs the fbgemm_gpu package (not installed)")
+
+
+def _cuda(device: str) -> bool:
+    """Whether ``train.device`` resolves to a CUDA device (``auto``: when one is available)."""
+    if device != "auto":
+        return device.startswith("cuda")
+    import torch  # only here: loading a config needs no torch
+
+    return torch.cuda.is_available()
 
 
 def _toml_value(value: Any) -> str:
@@ -298,45 +599,6 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     except tomllib.TOMLDecodeError:
         value = text  # a bare word is a string: model.embedding_backend=triton
     return parts[0], parts[1], value
-
-
-def _coerce(key: str, value: Any, hint: Any) -> Any:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(key, value, arg)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(errors[0])
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise ConfigError(f"config key {key} must be a list, got {value!r}")
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"config key {key} must be true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"config key {key} must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"config key {key} must be a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"config key {key} must be a string, got {value!r}")
-        return value
-    raise ConfigError(f"config key {key} has unsupported type {hint}")
 
 
 def _suggest(name: str, valid: Any, prefix: str = "") -> str:

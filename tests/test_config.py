@@ -34,12 +34,12 @@ def test_override_beats_file(tmp_path):
     [
         ("train.stesp=5", "did you mean train.steps"),
         ("trian.steps=5", "did you mean train"),
-        ("train.steps=abc", "train.steps must be an integer"),
-        ("train.steps=1.5", "train.steps must be an integer"),
-        ("optim.lr=fast", "optim.lr must be a number"),
-        ("train.progress=1", "train.progress must be true or false"),
-        ("model.top_mlp=3", "model.top_mlp must be a list"),
-        ("model.top_mlp=[1, 'a']", "model.top_mlp[1] must be an integer"),
+        ("train.steps=abc", "train.steps=abc must be an integer"),
+        ("train.steps=1.5", "train.steps=1.5 must be an integer"),
+        ("optim.lr=fast", "optim.lr=fast must be a number"),
+        ("train.progress=1", "train.progress=1 must be true or false"),
+        ("model.top_mlp=3", "model.top_mlp=3 must be a list"),
+        ("model.top_mlp=[1, 'a']", "model.top_mlp[1]=a must be an integer"),
         ("data.invalid_ids=clipp", "did you mean clip"),
         ("steps=5", "must look like section.key"),
         ("train.steps", "must look like section.key=value"),
@@ -60,5 +60,7 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_resolved_toml_round_trips():
-    cfg = load_config(None, ["train.steps=9", "synth.cardinalities=[3, 4]", 'train.out_dir="a \\"b\\""'])
+    cfg = load_config(
+        None, ["train.steps=9", "synth.num_sparse=2", "synth.cardinalities=[3, 4]", 'train.out_dir="a \\"b\\""']
+    )
     assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg

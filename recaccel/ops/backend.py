@@ -22,10 +22,18 @@ from collections.abc import Sequence
 
 import torch
 
+from recaccel.errors import ConfigError
+
 BACKENDS = ("reference", "triton", "fbgemm")
 
 # Preference order of ``auto`` per device type; reference is always the last resort.
 _AUTO_ORDER = {"cuda": ("triton", "fbgemm", "reference"), "cpu": ("reference",)}
+
+
+class BackendUnavailableError(ConfigError, RuntimeError):
+    """A known backend cannot run here (package missing, or triton on CPU tensors without
+    the interpreter). A :class:`ConfigError`, so the CLI reports it in one line; a
+    ``RuntimeError`` too, for callers that catch that."""
 
 
 def triton_interpret_enabled() -> bool:
@@ -71,8 +79,8 @@ def resolve_backend(
 
     Raises:
         ValueError: ``backend`` is unknown or not implemented by this op.
-        RuntimeError: ``backend`` is known but cannot run here (package missing, or
-            ``triton`` on a CPU tensor without ``TRITON_INTERPRET=1``).
+        BackendUnavailableError: ``backend`` is known but cannot run here (package
+            missing, or ``triton`` on a CPU tensor without ``TRITON_INTERPRET=1``).
     """
     device = torch.device(device)
     if backend == "auto":
@@ -90,9 +98,11 @@ def resolve_backend(
         )
     if not _installed(backend):
         package = "fbgemm_gpu" if backend == "fbgemm" else backend
-        raise RuntimeError(f"{op}: backend {backend!r} needs the {package!r} package, which is not installed")
+        raise BackendUnavailableError(
+            f"{op}: backend {backend!r} needs the {package!r} package, which is not installed"
+        )
     if backend == "triton" and device.type != "cuda" and not triton_interpret_enabled():
-        raise RuntimeError(
+        raise BackendUnavailableError(
             f"{op}: the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set in the environment "
             f"before recaccel's triton kernels are first imported; got tensors on {device}"
         )
@@ -111,13 +121,13 @@ def check_triton_launchable(kernel: object, device: torch.device, op: str) -> No
         op: The op's name, for the message.
 
     Raises:
-        RuntimeError: CPU tensors and a compiled (not interpreted) kernel.
+        BackendUnavailableError: CPU tensors and a compiled (not interpreted) kernel.
     """
     if device.type == "cuda":
         return
     if type(kernel).__name__ != "InterpretedFunction":
         module = getattr(getattr(kernel, "fn", None), "__module__", "the kernel module")
-        raise RuntimeError(
+        raise BackendUnavailableError(
             f"{op}: the triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before {module} "
             f"is first imported; got tensors on {device} and compiled (not interpreted) kernels"
         )
