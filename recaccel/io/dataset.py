@@ -24,7 +24,16 @@ from recaccel.io.schema import FeatureSchema
 
 logger = logging.getLogger(__name__)
 
-_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
+# What pyarrow raises on a corrupt, truncated or unreadable file.
+READ_ERRORS = (pa.ArrowException, OSError, ValueError)
+
+
+def read_error_text(e: BaseException, limit: int = 300) -> str:
+    """pyarrow's message about a damaged file as one printable line of at most ``limit``
+    characters (its messages span lines and may quote raw bytes)."""
+    text = " ".join(str(e).split())
+    text = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class RowGroupRef(NamedTuple):
@@ -98,9 +107,9 @@ def open_dataset(path: str | Path, schema: FeatureSchema | None = None) -> Datas
             with pq.ParquetFile(str(f)) as pf:
                 arrow_schema = pf.schema_arrow
                 meta = pf.metadata
-        except _READ_ERRORS as e:
+        except READ_ERRORS as e:
             raise DataError(
-                f"cannot read Parquet footer (corrupt or truncated file?): {e}", path=str(f)
+                f"cannot read Parquet footer (corrupt or truncated file?): {read_error_text(e)}", path=str(f)
             ) from None
         if schema is None:
             stored = FeatureSchema.from_arrow(arrow_schema, str(f))
@@ -167,9 +176,12 @@ class RowGroupReader:
         try:
             # Columns decode in parallel on Arrow's CPU pool (pyarrow.set_cpu_count).
             table = pf.read_row_group(ref.row_group, columns=self._names, use_threads=True)
-        except _READ_ERRORS as e:
+        except READ_ERRORS as e:
             raise DataError(
-                f"cannot read row group: {e}", path=str(ref.path), row_group=ref.row_group
+                f"cannot read row group: {read_error_text(e)}",
+                path=str(ref.path),
+                row_group=ref.row_group,
+                column=self._failing_column(pf, ref.row_group),
             ) from None
         if table.num_rows != ref.num_rows:
             raise DataError(
@@ -187,6 +199,15 @@ class RowGroupReader:
             stats=self.stats,
         )
 
+    def _failing_column(self, pf: pq.ParquetFile, row_group: int) -> str | None:
+        """The first projected column that cannot be read alone (None if each can)."""
+        for name in self._names:
+            try:
+                pf.read_row_group(row_group, columns=[name], use_threads=False)
+            except READ_ERRORS:
+                return name
+        return None
+
     def close(self) -> None:
         """Closes every open file."""
         while self._files:
@@ -200,8 +221,8 @@ class RowGroupReader:
             return pf
         try:
             pf = pq.ParquetFile(str(path), page_checksum_verification=True)
-        except _READ_ERRORS as e:
-            raise DataError(f"cannot open Parquet file: {e}", path=str(path)) from None
+        except READ_ERRORS as e:
+            raise DataError(f"cannot open Parquet file: {read_error_text(e)}", path=str(path)) from None
         self._files[path] = pf
         if len(self._files) > self._max_open:
             _, old = self._files.popitem(last=False)

@@ -30,16 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recaccel.errors import DataError
 from recaccel.io.columns import Columns
-from recaccel.io.dataset import DatasetInfo, RowGroupReader
+from recaccel.io.dataset import READ_ERRORS, DatasetInfo, RowGroupReader, read_error_text
 from recaccel.io.task_grouping import grouped_claim
-
-_READ_ERRORS = (pa.ArrowException, OSError, ValueError)
-
 
 @dataclass
 class OwnedRows:
@@ -120,9 +116,9 @@ def key_bounds(info: DatasetInfo, column: str) -> tuple[np.ndarray, np.ndarray]:
                 lo_hi = _stats(pf.metadata.row_group(ref.row_group), column)
                 if lo_hi is None:
                     lo_hi = _read_bounds(pf, ref.row_group, column, str(ref.path))
-            except _READ_ERRORS as e:
+            except READ_ERRORS as e:
                 where = dict(path=str(ref.path), row_group=ref.row_group, column=column)
-                raise DataError(f"cannot read the task key: {e}", **where) from None
+                raise DataError(f"cannot read the task key: {read_error_text(e)}", **where) from None
             first[g], last[g] = lo_hi
     finally:
         for pf in files.values():
