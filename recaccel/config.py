@@ -408,9 +408,8 @@ def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | Non
     else:
         _check_dataset(f"evaluation data {_shown(str(test_path))}", test_path)
     if training:
-        for entry in cfg.meta.eval_states:
-            path = entry.partition("=")[2]
-            _check_dataset(f"config key meta.eval_states entry {_shown(entry)}: {path}", path)
+        for i, entry in enumerate(cfg.meta.eval_states):
+            _check_dataset(f"config key meta.eval_states[{i}]={_shown(entry)}", entry.partition("=")[2])
     _check_run_dir(cfg.train.out_dir)
     _check_backends(cfg.model, cfg.train.device)
 
@@ -493,7 +492,7 @@ def _shown(value: Any) -> str:
     if isinstance(value, bool):
         text = "true" if value else "false"
     elif isinstance(value, str):
-        text = value if re.fullmatch(r"[\w.:/+@-]+", value) else json.dumps(value)
+        text = value if re.fullmatch(r"[\w.:/+@=-]+", value) else json.dumps(value)
     elif isinstance(value, list):
         text = "[" + ", ".join(_shown(v) for v in value) + "]"
     elif isinstance(value, dict):
@@ -509,8 +508,9 @@ def _read_toml(p: Path) -> dict[str, Any]:
     try:
         text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
-        bad = f"byte {e.start} is {e.object[e.start]:#04x}"
-        raise ConfigError(f"config file {p} is not UTF-8 text ({bad})") from None
+        line = e.object.count(b"\n", 0, e.start) + 1
+        where = f"line {line}: byte {e.object[e.start]:#04x}"
+        raise ConfigError(f"config file {p} is not UTF-8 text ({where})") from None
     except OSError as e:
         raise ConfigError(f"config file {p} cannot be read: {e.strerror}") from None
     try:

@@ -60,7 +60,6 @@ def test_missing_and_malformed_files(tmp_path):
 
 
 def test_resolved_toml_round_trips():
-    cfg = load_config(
-        None, ["train.steps=9", "synth.num_sparse=2", "synth.cardinalities=[3, 4]", 'train.out_dir="a \\"b\\""']
-    )
+    sets = ["train.steps=9", "synth.num_sparse=2", "synth.cardinalities=[3, 4]", 'train.out_dir="a \\"b\\""']
+    cfg = load_config(None, sets)
     assert config_from_dict(tomllib.loads(config_to_toml(cfg))) == cfg

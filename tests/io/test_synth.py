@@ -199,7 +199,7 @@ def test_thousand_fields(tmp_path):
 
 def test_per_field_cardinalities(tmp_path):
     cards = [3, 1, 70, 1000, 5, 2]
-    cfg = _cfg(tmp_path, cardinalities=cards, cardinality=0, train_rows=800, test_rows=400)
+    cfg = _cfg(tmp_path, cardinalities=cards, train_rows=800, test_rows=400)
     report = generate_synthetic(cfg)
     assert report.schema.cardinalities == cards
     rows = rows_from_table(report.schema, _read(report.train_paths))
