@@ -18,6 +18,17 @@ import numpy as np
 import torch
 
 from recaccel.errors import RecaccelError
+from recaccel.train.checkpoint_io import (
+    STATE_KEYS,
+    CheckpointError,
+    apply_state,
+    check_entries,
+    check_module_state,
+    check_optimizer_state,
+    first_line,
+    fsync_path,
+    read_payload,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)\.pt$")
@@ -100,8 +111,12 @@ def save_checkpoint(
     path = folder / f"step-{state.step:09d}.pt"
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state_entries(state)}
     tmp = path.with_suffix(".tmp")
-    torch.save(payload, tmp)
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())  # the bytes are on disk before the name points at them
     os.replace(tmp, path)
+    fsync_path(folder)  # and so is the rename
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink()
     return path
@@ -119,17 +134,56 @@ def load_checkpoint(
 ) -> TrainState:
     """Restores the newest checkpoint of ``run_dir`` into model and optimizer.
 
+    The file is untrusted input: it is unpickled restricted to tensors, numbers, strings
+    and containers, and every entry is checked against the run before any is applied.
+
     Raises:
-        RecaccelError: if the run has no checkpoint or it cannot be read.
+        RecaccelError: if the run has no checkpoint, or one line naming the checkpoint and
+            its first problem (unreadable, unsafe, a missing or malformed entry, a state
+            dict that does not fit the model or optimizer).
     """
     found = list_checkpoints(run_dir)
     if not found:
         raise RecaccelError(f"no checkpoint in {Path(run_dir) / CHECKPOINT_DIR}; cannot resume")
     path = found[-1]
+    payload = read_payload(path, path, device)
+    check_entries(path, payload, ("model", "optimizer", *STATE_KEYS))
+    check_module_state(path, "model", model, payload["model"])
+    check_optimizer_state(path, "optimizer", optimizer, payload["optimizer"])
+    apply_state(path, "model", model.load_state_dict, payload["model"])
+    apply_state(path, "optimizer", optimizer.load_state_dict, payload["optimizer"])
+    return restore_checked(path, payload)
+
+
+def load_reader_position(reader: Any, position: dict[str, Any], run_dir: Path) -> None:
+    """``reader.load_state_dict(position)`` for the position a resume read from ``run_dir``:
+    a position the reader refuses (other settings or data, or malformed) is reported
+    naming the checkpoint it came from.
+
+    Raises:
+        RecaccelError: ``checkpoint <newest>: its reader position does not fit this run: ...``.
+    """
     try:
-        payload = torch.load(path, map_location=device, weights_only=True)
-    except Exception as e:  # a truncated or foreign file
-        raise RecaccelError(f"cannot load checkpoint {path}: {e}") from None
-    model.load_state_dict(payload["model"])
-    optimizer.load_state_dict(payload["optimizer"])
-    return restore_state(payload)
+        reader.load_state_dict(position)
+    except RecaccelError as e:
+        raise CheckpointError(newest_checkpoint(run_dir), f"its reader position does not fit this run: {e}") from None
+
+
+def newest_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint a resume of ``run_dir`` reads: its newest ``step-*.pt`` file or complete
+    ``step-*.dcp`` folder (the checkpoints folder itself when it has none)."""
+    from recaccel.train.dist_checkpoint import list_sharded_checkpoints  # it imports this module
+
+    found = list_checkpoints(run_dir) + list_sharded_checkpoints(run_dir)
+    if not found:
+        return Path(run_dir) / CHECKPOINT_DIR
+    return max(found, key=lambda p: int(re.search(r"step-(\d+)", p.name).group(1)))
+
+
+def restore_checked(path: Path, entries: dict[str, Any]) -> TrainState:
+    """:func:`restore_state` of checked entries; what the checks leave to it (newer,
+    optional entries) fails in one line naming ``path``."""
+    try:
+        return restore_state(entries)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
+        raise CheckpointError(path, f"bad training state ({type(e).__name__}: {first_line(e)})") from None

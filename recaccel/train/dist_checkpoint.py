@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,21 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import CHECKPOINT_DIR, TrainState, restore_state, state_entries
+from recaccel.train.checkpoint import CHECKPOINT_DIR, TrainState, restore_checked, state_entries
+from recaccel.train.checkpoint_io import (
+    CheckpointError,
+    apply_state,
+    check_entries,
+    check_optimizer_state,
+    dcp_failure,
+    first_line,
+    fsync_path,
+    fsync_tree,
+    read_payload,
+    safe_dcp_planner,
+    safe_dcp_reader,
+    show,
+)
 
 if TYPE_CHECKING:
     from recaccel.train.hybrid import HybridParallel
@@ -49,8 +64,11 @@ def _blob(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _unblob(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+def _unblob(path: Path, entry: str, data: Any) -> Any:
+    """A blob of :func:`_blob`, unpickled restricted (see ``checkpoint_io.read_payload``)."""
+    if not isinstance(data, bytes) or not data:
+        raise CheckpointError(path, f"entry {entry!r} must be a non-empty blob, got {show(data)}")
+    return read_payload(io.BytesIO(data), f"{path} (entry {entry!r})")
 
 
 def list_sharded_checkpoints(run_dir: Path) -> list[Path]:
@@ -109,8 +127,10 @@ def save_sharded(
         counters = {k: v for k, v in entries.items() if k not in ("reader", "rng")}
         info = {"format": FORMAT, "world_size": parallel.world_size, **counters}
         (partial / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        fsync_tree(partial)  # every rank's files and the folder are on disk before the rename
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
+        fsync_path(folder)
         for old in list_sharded_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
@@ -122,39 +142,78 @@ def load_sharded(
 ) -> TrainState:
     """Restores the newest sharded checkpoint of ``run_dir`` (a collective).
 
-    Raises:
-        RecaccelError: no checkpoint, or one written by a different number of ranks.
-    """
-    import torch.distributed.checkpoint as dcp
+    The folder is untrusted input: DCP's ``.metadata`` pickle is read restricted to DCP's
+    metadata classes, byte entries restricted to tensors, numbers, strings and containers,
+    and the unpickled entries are checked before any is applied.
 
+    Raises:
+        RecaccelError: no checkpoint, one written by a different number of ranks, or one
+            line naming the checkpoint and its first problem.
+    """
     found = list_sharded_checkpoints(run_dir)
     if not found:
         raise RecaccelError(
             f"no sharded checkpoint (step-*.dcp) in {Path(run_dir) / CHECKPOINT_DIR}; cannot resume"
         )
     path = found[-1]
-    info = json.loads((path / INFO_FILE).read_text())
+    info = _read_info(path)
     if info.get("world_size") != parallel.world_size:
         raise RecaccelError(
             f"checkpoint {path} was written by {info.get('world_size')} ranks; resume it with "
             f"--nproc {info.get('world_size')} (this run has {parallel.world_size})"
         )
+    sd = _state_dict(parallel, model, optimizer)
+    _dcp_load(path, sd)
+    model.load_state_dict(sd["model"])
+    dense_optim = _unblob(path, "dense_optim", sd["dense_optim"])
+    check_optimizer_state(path, "dense_optim", optimizer, dense_optim)
+    replicated_optim = None
+    if parallel.replicated is not None:
+        replicated_optim = _unblob(path, "replicated_optim", sd["replicated_optim"])
+        check_optimizer_state(
+            path, "replicated_optim", parallel.replicated_optimizer, replicated_optim, rowwise=True
+        )
+    entry = f"ranks.{parallel.rank}"
+    entries = _unblob(path, entry, sd[entry])
+    check_entries(path, entries, entry=entry)
+    apply_state(path, "dense_optim", optimizer.load_state_dict, dense_optim)
+    if parallel.dmp is not None:
+        apply_state(path, "embedding", parallel.dmp.load_state_dict, sd["embedding"])
+        apply_state(path, "sparse_optim", parallel.dmp.fused_optimizer.load_state_dict, sd["sparse_optim"])
+    if parallel.replicated is not None:
+        apply_state(path, "replicated", parallel.replicated.load_state_dict, sd["replicated"])
+        apply_state(path, "replicated_optim", parallel.replicated_optimizer.load_state_dict, replicated_optim)
+    return restore_checked(path, entries)
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    """``recaccel.json`` of a sharded checkpoint (one line naming it when unreadable)."""
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(path / INFO_FILE, f"cannot be read ({first_line(e)})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(path / INFO_FILE, f"must hold a JSON object, got {show(info)}")
+    return info
+
+
+def _dcp_load(path: Path, sd: dict[str, Any]) -> None:
+    """``dcp.load`` into ``sd`` in place, with metadata and byte entries read restricted."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    sd = _state_dict(parallel, model, optimizer)
+    reader = safe_dcp_reader(path)
     try:
-        dcp.load(sd, checkpoint_id=str(path))
-    except CheckpointException as e:  # e.g. another model or sharding plan
-        raise RecaccelError(f"cannot load checkpoint {path}: {str(e).strip()[:500]}") from None
-    model.load_state_dict(sd["model"])
-    optimizer.load_state_dict(_unblob(sd["dense_optim"]))
-    if parallel.dmp is not None:
-        parallel.dmp.load_state_dict(sd["embedding"])
-        parallel.dmp.fused_optimizer.load_state_dict(sd["sparse_optim"])
-    if parallel.replicated is not None:
-        parallel.replicated.load_state_dict(sd["replicated"])
-        parallel.replicated_optimizer.load_state_dict(_unblob(sd["replicated_optim"]))
-    return restore_state(_unblob(sd[f"ranks.{parallel.rank}"]))
+        with warnings.catch_warnings():
+            # TorchRec's sharded state is ShardedTensors, which DCP calls deprecated at every load.
+            warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
+            dcp.load(sd, checkpoint_id=str(path), storage_reader=reader, planner=safe_dcp_planner(path))
+    except CheckpointException as e:  # every rank's failure, wrapped: e.g. another model or plan
+        raise dcp_failure(path, e) from None
+    except RecaccelError:
+        raise
+    except (ValueError, KeyError, TypeError, AssertionError, OSError) as e:  # RuntimeError: maybe a peer
+        raise dcp_failure(path, e) from None
 
 
 def _local_pieces(parallel: HybridParallel) -> list[tuple[str, tuple[int, ...], tuple[int, ...], Tensor]]:

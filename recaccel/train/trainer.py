@@ -16,7 +16,7 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.models.factory import build_model
-from recaccel.train.checkpoint import TrainState
+from recaccel.train.checkpoint import TrainState, load_reader_position
 from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
@@ -127,7 +127,7 @@ class Trainer:
         while not self._reached_end():
             self.reader.set_epoch(self.state.epoch)
             if self.state.reader is not None:
-                self.reader.load_state_dict(self.state.reader)
+                load_reader_position(self.reader, self.state.reader, self.run_dir)
             steps_before = self.state.step
             clock = time.perf_counter()
             # Hybrid: every rank agrees before each step that all ranks have a batch.
