@@ -12,11 +12,12 @@ task's real (unmasked) query rows ranked by prediction, descending. Tied predict
 share their ranks: each item of a tie group gets the group's mean gain (the DCG averaged
 over every order of the ties, McSherry & Najork 2008, as scikit-learn does), so the
 result never depends on row order. When a task has fewer than k real rows, k is cut to
-their number. A task with no real rows or with IDCG = 0 (no relevant item) has no nDCG
-and is left out of means.
+their number. A task with no real rows, with IDCG = 0 (no relevant item), or with a
+negative relevance (real-valued regression targets: the gain is undefined, and
+scikit-learn refuses them) has no nDCG and is left out of means.
 
 Inputs are checked on real rows only (padded rows may hold anything): a NaN or infinite
-prediction, or a relevance that is not finite and >= 0 (an AUC label not 0 or 1), raises
+prediction or relevance (an AUC label not 0 or 1) raises
 :class:`~recaccel.metrics.MetricError`, a one-line RecaccelError.
 
 Shapes: T tasks, Q query rows per task.
@@ -94,7 +95,8 @@ def ndcg_per_task(
 
     Args:
         scores: [T, Q] predictions, finite on real rows.
-        relevance: [T, Q] true labels or ratings, finite and >= 0 on real rows.
+        relevance: [T, Q] true labels or ratings, finite on real rows; a task with a
+            negative one gets NaN.
         mask: [T, Q], 1 for a real row.
         k: cut-off, >= 1.
         gain: ``"exponential"`` (2^rel - 1) or ``"linear"`` (rel).
@@ -109,7 +111,8 @@ def ndcg_per_task(
     if k < 1:
         raise MetricError(f"nDCG cut-off k must be >= 1, got {k}")
     scores, relevance, real = _real_rows(scores, relevance, mask, fn)
-    _check_labels(relevance, ~real | (relevance >= 0), fn, ">= 0")
+    undefined = (real & (relevance < 0)).any(1)
+    relevance = torch.where(real, relevance.clamp_min(0), torch.zeros_like(relevance))
     # Padded rows sort last (their -inf is no real score) and carry no gain.
     gains = torch.where(real, _gain(relevance, gain), torch.zeros_like(relevance))
     ranked_scores = torch.where(real, scores, torch.full_like(scores, -math.inf))
@@ -118,7 +121,7 @@ def ndcg_per_task(
     discount[k:] = 0.0
     dcg = _tie_averaged_dcg(ranked_scores, gains, discount)
     idcg = (torch.sort(gains, dim=1, descending=True).values * discount).sum(1)
-    ok = (idcg > 0) & real.any(1)
+    ok = (idcg > 0) & real.any(1) & ~undefined
     return torch.where(ok, dcg / torch.where(ok, idcg, torch.ones_like(idcg)), torch.full_like(dcg, math.nan))
 
 

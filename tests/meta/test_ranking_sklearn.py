@@ -82,15 +82,20 @@ def test_ndcg_rejects_non_finite_predictions_of_real_rows_only(bad):
         _ndcg(scores, labels, mask, 3, "linear")
 
 
-def test_ndcg_rejects_negative_relevance_like_sklearn():
+def test_ndcg_of_a_task_with_negative_relevance_is_undefined_like_sklearn():
     scores, labels, mask = _tied_tasks(3)
+    expected = _ndcg(scores, labels, mask, 3, "linear")
     t, q = np.argwhere(mask > 0)[0]
     labels[t, q] = -1.0
-    match = rf"labels of real rows must be >= 0: 1 are not \(first at task {t}, row {q}"
-    with pytest.raises(MetricError, match=match):
-        _ndcg(scores, labels, mask, 3, "linear")
+    got = _ndcg(scores, labels, mask, 3, "linear")
+    assert np.isnan(got[t])
+    others = np.arange(len(got)) != t
+    np.testing.assert_allclose(got[others], expected[others])
     with pytest.raises(ValueError):
         skm.ndcg_score([labels[t][mask[t] > 0]], [scores[t][mask[t] > 0]])
+    labels[t, q] = np.nan
+    with pytest.raises(MetricError, match=r"ndcg: labels of real rows: 1 of \d+ values are NaN or inf"):
+        _ndcg(scores, labels, mask, 3, "linear")
 
 
 def test_gauc_matches_sklearn_per_task_and_skips_one_class_tasks_silently(recwarn):
