@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from recaccel.errors import ConfigError
 from recaccel.ops.backend import check_triton_launchable, fbgemm_installed, resolve_backend, triton_installed
 
 
@@ -40,8 +41,9 @@ def test_explicit_names():
 @pytest.mark.skipif(not triton_installed(), reason="triton is not installed")
 def test_triton_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1") as err:
         resolve_backend("triton", "cpu", op="myop")
+    assert isinstance(err.value, ConfigError)  # the CLI reports it in one line, exit 2
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert resolve_backend("triton", "cpu") == "triton"
     assert resolve_backend("triton", "cuda") == "triton"
