@@ -21,15 +21,20 @@ from recaccel.errors import DataError, RecaccelError
 def _run(prog: str, body: Callable[[], int]) -> int:
     try:
         return body()
-    except RecaccelError as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
+    except (RecaccelError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        if not _handed_to_launcher(e):
+            print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def _handed_to_launcher(error: BaseException) -> bool:
+    """A rank under torchrun's agent hands its error line to the launcher, which shows it once."""
+    from recaccel.train.launch import report_rank_error
+
+    return report_rank_error(error)
 
 
 def _setup_logging(verbose: bool) -> None:

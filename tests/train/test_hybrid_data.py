@@ -26,7 +26,7 @@ from recaccel.train.hybrid_data import (
     slice_sparse,
     slice_tasks,
 )
-from recaccel.train.launch import check_launch, strip_nproc, torchrun_command
+from recaccel.train.launch import check_launch, launch_config, strip_nproc
 from recaccel.train.objectives import DLRMObjective, MetaObjective
 from recaccel.train.sharding import table_kinds
 
@@ -184,11 +184,10 @@ def test_table_sharding_entries_are_checked():
         load_config(None, ["parallel.sharding=diagonal"])
 
 
-def test_launch_helpers(monkeypatch):
+def test_launch_helpers(tmp_path):
     assert strip_nproc(["--nproc", "2", "--set", "a.b=1", "--nproc=3", "-v"]) == ["--set", "a.b=1", "-v"]
-    cmd = torchrun_command(2, ["--config", "c.toml"])
-    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nproc-per-node=2" in cmd
-    assert cmd[-4:] == ["-m", "recaccel.cli", "--config", "c.toml"]
+    launch = launch_config(2, str(tmp_path))
+    assert (launch.nproc_per_node, launch.max_nodes, launch.max_restarts) == (2, 1, 0)
     with pytest.raises(ConfigError, match="parallel.mode=hybrid"):
         check_launch(load_config(None, []), 2)
     check_launch(load_config(None, ["parallel.mode=hybrid"]), 2)
