@@ -384,25 +384,24 @@ def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | Non
     """Checks, before a run starts, what the config alone cannot say.
 
     Every field is checked again (a Config may have been changed after it was built);
-    then the inputs: ``data.train`` (when training), the evaluation data (``test_path``,
-    default ``data.test``) and, when training, each ``meta.eval_states`` path must be a
-    Parquet file or a folder holding some; ``train.out_dir`` must not be (or lie inside)
-    a file; a ``triton`` backend needs a CUDA device or ``TRITON_INTERPRET=1``, and
-    ``fbgemm`` the ``fbgemm_gpu`` package.
+    then the inputs: ``data.train`` (its schema builds the model, for evaluation too),
+    the evaluation data (``test_path``, default ``data.test``) and, when training, each
+    ``meta.eval_states`` path must be a Parquet file or a folder holding some;
+    ``train.out_dir`` must not be (or lie inside) a file; a ``triton`` backend needs a
+    CUDA device or ``TRITON_INTERPRET=1``, and ``fbgemm`` the ``fbgemm_gpu`` package.
 
     Args:
         cfg: the run's config.
-        training: a training run (checks data.train and meta.eval_states too).
+        training: a training run (checks the meta.eval_states paths too).
         test_path: the data an evaluation reads instead of ``data.test``.
 
     Raises:
         ConfigError: naming the key (``section.key=value``) and what is wrong.
     """
+    cfg.__post_init__()
     for name in section_types():
         getattr(cfg, name).__post_init__()
-    cfg.__post_init__()
-    if training:
-        _check_dataset(f"config key data.train={_shown(cfg.data.train)}", cfg.data.train)
+    _check_dataset(f"config key data.train={_shown(cfg.data.train)}", cfg.data.train)
     if test_path is None:
         _check_dataset(f"config key data.test={_shown(cfg.data.test)}", cfg.data.test)
     else:

@@ -307,6 +307,6 @@ def test_hybrid_with_zero_timeout_is_refused_before_launching(tiny, tmp_path, ca
 
 
 def test_evaluate_checks_its_data_before_reading_the_run(tiny, tmp_path):
-    cfg = load_config(None, [f'data.test="{tiny / "test"}"', f'train.out_dir="{tmp_path / "run"}"'])
+    cfg = load_config(None, _run(tiny, tmp_path / "run")[1::2])
     with pytest.raises(ConfigError, match=r"evaluation data .*nope does not exist"):
         api.evaluate(cfg, str(tmp_path / "nope"))
