@@ -166,7 +166,8 @@ def load_reader_position(reader: Any, position: dict[str, Any], run_dir: Path) -
     try:
         reader.load_state_dict(position)
     except RecaccelError as e:
-        raise CheckpointError(newest_checkpoint(run_dir), f"its reader position does not fit this run: {e}") from None
+        what = f"its reader position does not fit this run: {e}"
+        raise CheckpointError(newest_checkpoint(run_dir), what) from None
 
 
 def newest_checkpoint(run_dir: Path) -> Path:

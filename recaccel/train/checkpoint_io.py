@@ -169,10 +169,12 @@ def check_rng(path: Path, rng: Any, entry: str = "rng") -> None:
         try:
             check(rng[key])
         except (TypeError, ValueError, KeyError, IndexError, OverflowError, RuntimeError) as e:
-            raise CheckpointError(path, f"entry '{entry}.{key}' is not a generator state ({first_line(e)})") from None
+            what = f"entry '{entry}.{key}' is not a generator state ({first_line(e)})"
+            raise CheckpointError(path, what) from None
     cuda = rng.get("cuda")
     if cuda is not None and not (
-        isinstance(cuda, (list, tuple)) and all(isinstance(s, Tensor) and s.dtype == torch.uint8 for s in cuda)
+        isinstance(cuda, (list, tuple))
+        and all(isinstance(s, Tensor) and s.dtype == torch.uint8 for s in cuda)
     ):
         raise CheckpointError(path, f"entry '{entry}.cuda' must be a list of uint8 tensors, got {show(cuda)}")
 
@@ -235,22 +237,10 @@ def check_optimizer_state(
     """
     if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
             and isinstance(saved.get("param_groups"), list)):
-        raise CheckpointError(path, f"entry {entry!r} must be an optimizer state dict with 'state' and 'param_groups'")
-    groups, current = saved["param_groups"], optimizer.state_dict()["param_groups"]
-    if len(groups) != len(current):
         raise CheckpointError(
-            path, f"entry {entry!r} has {len(groups)} parameter groups, this optimizer has {len(current)}"
+            path, f"entry {entry!r} must be an optimizer state dict with 'state' and 'param_groups'"
         )
-    params: dict[Any, Tensor] = {}
-    for i, (group, now, live) in enumerate(zip(groups, current, optimizer.param_groups)):
-        where = f"entry {entry!r} param_groups[{i}]"
-        ids = group.get("params") if isinstance(group, dict) else None
-        if not isinstance(ids, list) or len(ids) != len(now["params"]):
-            raise CheckpointError(path, f"{where} must list {len(now['params'])} parameters")
-        for key, value in now.items():
-            if key != "params" and key in group and not _same_kind(value, group[key]):
-                raise CheckpointError(path, f"{where} {key!r} is {show(group[key])}, expected like {value!r}")
-        params.update(zip(ids, live["params"]))
+    params = _saved_params(path, entry, optimizer, saved["param_groups"])
     for pid, states in saved["state"].items():
         if pid not in params:
             raise CheckpointError(path, f"entry {entry!r} has state for unknown parameter {pid!r}")
@@ -263,9 +253,30 @@ def check_optimizer_state(
                 value is None or (isinstance(value, (int, float)) and math.isfinite(value))
             )
             if not ok:
-                raise CheckpointError(
-                    path, f"entry {entry!r} state[{pid!r}][{name!r}] is {show(value)}, parameter shape {list(shape)}"
-                )
+                what = f"state[{pid!r}][{name!r}] is {show(value)}, parameter shape {list(shape)}"
+                raise CheckpointError(path, f"entry {entry!r} {what}")
+
+
+def _saved_params(
+    path: Path, entry: str, optimizer: torch.optim.Optimizer, groups: list[Any]
+) -> dict[int, Tensor]:
+    """Checks saved parameter groups against ``optimizer``'s; returns saved id -> parameter."""
+    current = optimizer.state_dict()["param_groups"]
+    if len(groups) != len(current):
+        raise CheckpointError(
+            path, f"entry {entry!r} has {len(groups)} parameter groups, this optimizer has {len(current)}"
+        )
+    params: dict[int, Tensor] = {}
+    for i, (group, now, live) in enumerate(zip(groups, current, optimizer.param_groups)):
+        where = f"entry {entry!r} param_groups[{i}]"
+        ids = group.get("params") if isinstance(group, dict) else None
+        if not (isinstance(ids, list) and len(ids) == len(now["params"]) and all(_is_count(j) for j in ids)):
+            raise CheckpointError(path, f"{where} must list {len(now['params'])} parameter ids")
+        for key, value in now.items():
+            if key != "params" and key in group and not _same_kind(value, group[key]):
+                raise CheckpointError(path, f"{where} {key!r} is {show(group[key])}, expected like {value!r}")
+        params.update(zip(ids, live["params"]))
+    return params
 
 
 def _same_kind(now: Any, saved: Any) -> bool:
@@ -328,7 +339,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         elif (module, name) in _DCP_GLOBALS:
             return super().find_class(module, name)
-        raise CheckpointError(self.path, f"not a recaccel checkpoint (refused to unpickle global '{module}.{name}')")
+        what = f"not a recaccel checkpoint (refused to unpickle global '{module}.{name}')"
+        raise CheckpointError(self.path, what)
 
 
 def read_dcp_metadata(path: Path) -> Any:
@@ -352,12 +364,16 @@ def read_dcp_metadata(path: Path) -> Any:
     for index, info in metadata.storage_data.items():
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        fqn = getattr(index, "fqn", index)
         if not (isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
                 and _is_count(offset) and _is_count(length)):
             raise CheckpointError(
-                path, f"bad storage entry for {getattr(index, 'fqn', index)!r}: data file {show(name)} at offset "
+                path, f"bad storage entry for {fqn!r}: data file {show(name)} at offset "
                 f"{show(offset)}, length {show(length)} (a file of the checkpoint folder expected)"
             )
+        if getattr(info, "transform_descriptors", None):  # recaccel writes no compressed/transformed items
+            what = f"storage entry for {fqn!r} asks for stream transforms {show(info.transform_descriptors)}"
+            raise CheckpointError(path, what)
     return metadata
 
 
@@ -418,6 +434,8 @@ def dcp_failure(folder: Path, error: BaseException) -> RecaccelError:
         error = first[0] if isinstance(first, tuple) else first
     if isinstance(error, RecaccelError):
         return error
+    if isinstance(error, pickle.UnpicklingError):  # a tensor item, which DCP loads weights_only
+        return CheckpointError(folder, f"not a recaccel checkpoint ({refusal(error)})")
     return CheckpointError(folder, f"does not fit this run ({type(error).__name__}: {first_line(error)})")
 
 

@@ -14,7 +14,9 @@ from torch import nn
 
 from recaccel.train.checkpoint import TrainState, save_checkpoint
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names fsynced files through /proc")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/fd").is_dir(), reason="names fsynced files through /proc"
+)
 
 
 @pytest.fixture

@@ -214,8 +214,8 @@ def group():
 @pytest.fixture(scope="module")
 def hybrid_run(group, tiny_data, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("hybrid") / "run"
-    extra = ["parallel.mode=hybrid", "optim.sparse=rowwise_adagrad", 'parallel.table_sharding=["C4=data_parallel"]',
-             f"train.steps={STEPS}"]
+    extra = ["parallel.mode=hybrid", "optim.sparse=rowwise_adagrad",
+             'parallel.table_sharding=["C4=data_parallel"]', f"train.steps={STEPS}"]
     assert train_main(_argv(_overrides(tiny_data, out, *extra))) == 0
     return out
 
@@ -225,7 +225,7 @@ def _dcp(run: Path) -> Path:
 
 
 def _set_bytes_entry(folder: Path, fqn: str, data: bytes) -> None:
-    """Points the byte entry ``fqn`` of a DCP folder at ``data`` (written as a new file)."""
+    """Points the entry ``fqn`` (bytes or tensor) of a DCP folder at ``data`` (a new file)."""
     metadata = read_dcp_metadata(folder / ".metadata")
     (folder / "crafted.distcp").write_bytes(data)
     for index, info in metadata.storage_data.items():
@@ -311,6 +311,17 @@ HYBRID_BLOBS = {
 }
 
 
+def test_malicious_dcp_tensor_item_never_runs(hybrid_run, tmp_path, capsys, caplog):
+    run = _copy(hybrid_run, tmp_path)
+    marker = tmp_path / "pwned"
+    metadata = read_dcp_metadata(_dcp(run) / ".metadata")
+    tensor = next(k for k in metadata.state_dict_metadata if k.startswith("model."))
+    _set_bytes_entry(_dcp(run), tensor, pickle.dumps(Evil(marker), protocol=2))
+    err = _hybrid_error(run, capsys, caplog)
+    assert not marker.exists()
+    _assert_one_line(err, _dcp(run).name, "not a recaccel checkpoint", "system")
+
+
 @pytest.mark.parametrize("name", list(HYBRID_BLOBS))
 def test_malformed_dcp_entry_is_one_line(hybrid_run, tmp_path, capsys, caplog, name):
     fqn, change, expected = HYBRID_BLOBS[name]
@@ -333,12 +344,20 @@ def _escape(folder: Path) -> None:
     (folder / ".metadata").write_bytes(pickle.dumps(metadata))
 
 
+def _transform(folder: Path) -> None:
+    metadata = read_dcp_metadata(folder / ".metadata")
+    for info in metadata.storage_data.values():
+        info.transform_descriptors = ["zstd"]
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+
+
 HYBRID_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
     "metadata_truncated": (lambda f: (f / ".metadata").write_bytes((f / ".metadata").read_bytes()[:50]),
                            "cannot be read"),
     "metadata_foreign": (lambda f: (f / ".metadata").write_bytes(pickle.dumps({"a": [1, 2]})),
                          "not a DCP metadata file"),
     "metadata_escapes": (_escape, "bad storage entry"),
+    "metadata_transform": (_transform, "stream transforms"),
     "tensor_missing": (_drop_tensor, "does not fit this run"),
     "info_not_json": (lambda f: (f / "recaccel.json").write_text("{oops"), "recaccel.json"),
     "info_a_list": (lambda f: (f / "recaccel.json").write_text("[1]"), "recaccel.json"),
