@@ -1,5 +1,7 @@
 # make run   : set up, generate the debug synthetic dataset, train the debug DLRM, print metrics
 # make test  : set up and run the test suite
+# make bench : the embedding benchmark, into the published bench/results/ (recaccel-bench
+#              writes under runs/bench/ unless --out names another place)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -31,7 +33,7 @@ test: setup
 	$(PY) -m pytest -q -x --durations=15
 
 bench: setup
-	$(VENV)/bin/recaccel-bench embedding --json bench/results/embedding.json
+	$(VENV)/bin/recaccel-bench embedding --out bench/results/embedding.md --json bench/results/embedding.json
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

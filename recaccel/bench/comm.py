@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from recaccel.bench.common import environment_info, write_results_markdown
+from recaccel.bench.common import add_output_args, environment_info, write_results_markdown
 from recaccel.errors import ConfigError
 
 WORLD = 2
@@ -46,7 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense", type=int, default=13, help="dense features")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per sharding (after 2 warm-up)")
     parser.add_argument("--shardings", default=",".join(KINDS), help="comma-separated kinds")
-    parser.add_argument("--out", default="bench/results/comm.md", help="markdown summary")
+    add_output_args(parser, "comm")
     parser.add_argument("--json", help="also write the raw numbers here")
 
 

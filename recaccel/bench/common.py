@@ -20,6 +20,35 @@ from pathlib import Path
 import torch
 
 
+RESULTS_DIR = Path("runs/bench")
+"""Where a benchmark writes unless told otherwise (relative to the working directory, like
+``train.out_dir``). The tracked ``bench/results/`` is written only when named, e.g.
+``--out bench/results/embedding.md``."""
+
+
+def add_output_args(parser, name: str, plot: str | None = None) -> None:
+    """Adds ``--out`` (the markdown summary) and, when ``plot`` describes one, ``--plot``.
+
+    Args:
+        parser: the benchmark's ``argparse`` parser.
+        name: the benchmark's name; the summary defaults to ``runs/bench/<name>.md``.
+        plot: what the PNG shows (its help text), or None for a benchmark without a plot.
+    """
+    parser.add_argument(
+        "--out", default=str(RESULTS_DIR / f"{name}.md"),
+        help=f"markdown summary (default %(default)s; bench/results/{name}.md updates the published one)",
+    )
+    if plot is not None:
+        parser.add_argument("--plot", help=f"PNG of {plot} (default: next to --out, as .png; '' = none)")
+
+
+def plot_file(args) -> Path | None:
+    """The PNG a benchmark run writes: ``--plot``, else ``--out`` with ``.png``; None for ``--plot ''``."""
+    if args.plot == "":
+        return None
+    return Path(args.plot) if args.plot is not None else Path(args.out).with_suffix(".png")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

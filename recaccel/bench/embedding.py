@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from recaccel.bench.common import write_results_markdown
+from recaccel.bench.common import add_output_args, plot_file, write_results_markdown
 from recaccel.bench.embedding_cases import (
     BASELINE_OPTIMIZERS,
     ID_DISTRIBUTIONS,
@@ -164,8 +164,7 @@ def add_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--note", action="append", default=[], help="free text for the notes (repeatable)")
     parser.add_argument("--json", help="write machine-readable results here")
-    parser.add_argument("--plot", default="bench/results/embedding.png", help="PNG of speedup vs T")
-    parser.add_argument("--out", default="bench/results/embedding.md", help="markdown summary")
+    add_output_args(parser, "embedding", plot="speedup vs T")
 
 
 def main(args, command_line: str) -> Path:
@@ -194,7 +193,7 @@ def main(args, command_line: str) -> Path:
         warmup=args.warmup,
         num_batches=args.batches,
         json_path=args.json,
-        plot_path=args.plot,
+        plot_path=plot_file(args),
         factories=default_factories(args.seed, with_autograd=args.with_autograd),
         seed=args.seed,
     )

@@ -18,8 +18,10 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.common import (
+    add_output_args,
     environment_info,
     measure_copy_bandwidth,
+    plot_file,
     pyplot,
     save_figure,
     time_interleaved,
@@ -215,14 +217,13 @@ def add_args(parser) -> None:
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write machine-readable results here")
-    parser.add_argument("--plot", default="bench/results/interaction.png", help="PNG of the speedups")
-    parser.add_argument("--out", default="bench/results/interaction.md", help="markdown summary")
+    add_output_args(parser, "interaction", plot="the speedups")
 
 
 def main(args, command_line: str) -> Path:
     """Runs the sweep and writes the markdown summary; returns its path."""
     results = run_interaction_bench(
-        args.batch, args.fields, args.dim, args.repeats, args.device, args.json, args.plot,
+        args.batch, args.fields, args.dim, args.repeats, args.device, args.json, plot_file(args),
         dtype=getattr(torch, args.dtype),
     )
     return write_markdown_summary(results, args.out, command_line)

@@ -46,7 +46,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recaccel.bench.common import (
+    add_output_args,
     environment_info,
+    plot_file,
     pyplot,
     save_figure,
     time_interleaved_samples,
@@ -86,8 +88,7 @@ def add_args(parser) -> None:
     parser.add_argument("--train-steps", type=int, default=300, help="debug DLRM steps for data wait; 0 = skip")
     parser.add_argument("--train-config", default="configs/debug.toml", help="config of the data-wait run")
     parser.add_argument("--device", default="auto", help="device of the data-wait run: auto | cpu | cuda")
-    parser.add_argument("--out", default="bench/results/io.md", help="markdown summary")
-    parser.add_argument("--plot", default="bench/results/io.png", help="PNG of the throughputs ('' = none)")
+    add_output_args(parser, "io", plot="the throughputs")
 
 
 def make_dataset(
@@ -364,8 +365,8 @@ def main(args, command_line: str) -> Path:
         else:
             path = Path(args.path)
         table, notes = run_io_bench(path, args)
-        if args.plot:
-            plot_throughput(table, args.plot)
+        if plot_file(args) is not None:
+            plot_throughput(table, plot_file(args))
         device, failure = "cpu", None
         if args.train_steps > 0:
             try:

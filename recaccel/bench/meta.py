@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from recaccel.bench.common import environment_info, time_interleaved, write_results_markdown
+from recaccel.bench.common import add_output_args, environment_info, time_interleaved, write_results_markdown
 from recaccel.config import MetaConfig
 from recaccel.io.batch import TaskBatch
 from recaccel.meta import MetaLearner
@@ -256,7 +256,7 @@ def add_args(parser) -> None:
     parser.add_argument("--embedding", default=d.embedding, choices=("packed", "per_table"))
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     parser.add_argument("--json", default=None, help="also write results as JSON here")
-    parser.add_argument("--out", default="bench/results/meta.md", help="markdown report path")
+    add_output_args(parser, "meta")
 
 
 def main(args, command_line: str) -> Path:

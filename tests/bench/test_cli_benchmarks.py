@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from recaccel.cli import bench_main
 
 
@@ -41,3 +43,33 @@ def test_bench_interaction_through_the_cli(tmp_path):
             "--out", str(out), "--plot", str(tmp_path / "i.png")]
     assert bench_main(argv) == 0
     assert "eager_fwd_ms" in out.read_text() and (tmp_path / "i.png").is_file()
+
+
+def _listing(folder):
+    return {p.relative_to(folder): p.stat().st_mtime_ns for p in folder.rglob("*")}
+
+
+def test_a_benchmark_writes_under_runs_bench_unless_told(tmp_path, monkeypatch, repo_root, capsys):
+    published = repo_root / "bench" / "results"
+    before = _listing(published)
+    monkeypatch.chdir(tmp_path)  # default paths are relative to the working directory
+    argv = ["embedding", "--tables", "2", "--shapes", "8:4:2", "--rows", "50", "--repeats", "1", "--warmup", "0",
+            "--batches", "1", "--device", "cpu"]
+    assert bench_main(argv) == 0
+    assert _listing(published) == before
+    assert not (tmp_path / "bench").exists()
+    assert sorted(p.name for p in (tmp_path / "runs" / "bench").iterdir()) == ["embedding.md", "embedding.png"]
+    assert "results written to runs/bench/embedding.md" in capsys.readouterr().out
+
+
+def test_asked_for_a_place_the_plot_goes_next_to_the_summary():
+    import argparse
+
+    from recaccel.bench.common import add_output_args, plot_file
+
+    parser = argparse.ArgumentParser()
+    add_output_args(parser, "x", plot="y")
+    assert plot_file(parser.parse_args([])) == Path("runs/bench/x.png")
+    assert plot_file(parser.parse_args(["--out", "bench/results/x.md"])) == Path("bench/results/x.png")
+    assert plot_file(parser.parse_args(["--out", "a/x.md", "--plot", "b/p.png"])) == Path("b/p.png")
+    assert plot_file(parser.parse_args(["--out", "a/x.md", "--plot", ""])) is None
