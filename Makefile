@@ -27,7 +27,7 @@ endif
 
 run: setup
 	$(VENV)/bin/recaccel-data synth --config configs/debug.toml
-	$(VENV)/bin/recaccel-train --config configs/debug.toml
+	$(VENV)/bin/recaccel-train --config configs/debug.toml --overwrite
 
 test: setup
 	$(PY) -m pytest -q -x --durations=15

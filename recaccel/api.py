@@ -9,19 +9,31 @@ from recaccel.config import Config, load_config, preflight
 from recaccel.train.runlog import CONFIG_FILE
 
 
-def train(cfg: Config, *, resume: bool = False) -> dict[str, Any]:
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
     """Trains and evaluates the model ``cfg`` describes; returns the final metrics.
 
     Writes ``cfg.train.out_dir``: config.toml, log.jsonl, checkpoints/, metrics.json.
+
+    Args:
+        cfg: the run's config.
+        resume: continue the run in ``cfg.train.out_dir`` from its newest checkpoint
+            (from step 0 when it stopped before its first checkpoint).
+        overwrite: replace a run already in ``cfg.train.out_dir`` (its checkpoints, log
+            and metrics are deleted first); without it such a run directory is refused.
+
+    Raises:
+        RecaccelError: a run directory that already holds a run (neither ``resume`` nor
+            ``overwrite``), bad config or input, a checkpoint that cannot be resumed.
     """
     from recaccel.train.trainer import Trainer
 
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
-    return Trainer(cfg, resume=resume).fit()
+    return Trainer(cfg, resume=resume, overwrite=overwrite, fresh_if_no_checkpoint=resume).fit()
 
 
 def resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Continues a run from its newest checkpoint (config from ``run_dir/config.toml``)."""
+    """Continues a run from its newest checkpoint (config from ``run_dir/config.toml``);
+    a run stopped before its first checkpoint starts again from step 0."""
     cfg = load_config(Path(run_dir) / CONFIG_FILE, [*overrides, f"train.out_dir={_toml_str(run_dir)}"])
     return train(cfg, resume=True)
 

@@ -61,6 +61,10 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="recaccel-train", description="Train and evaluate a model.")
     _config_args(parser, required=False)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
+    parser.add_argument(
+        "--overwrite", action="store_true",
+        help="replace the run already in train.out_dir (its checkpoints, log and metrics are deleted)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument(
@@ -77,18 +81,24 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         from recaccel.config import load_config
 
         overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
+        if args.resume and args.overwrite:
+            raise RecaccelError("--resume continues the run in RUN_DIR; --overwrite would delete it: pass one")
         if args.nproc is not None:
             from recaccel.train.launch import check_launch, relaunch, strip_nproc
 
             resolved = Path(args.resume) / "config.toml" if args.resume else args.config
             check_launch(load_config(resolved, overrides), args.nproc)
+            if not args.resume:  # refused here in one line, before the ranks start
+                from recaccel.train.runlog import check_run_dir
+
+                check_run_dir(Path(load_config(resolved, overrides).train.out_dir), overwrite=args.overwrite)
             return relaunch(args.nproc, strip_nproc(sys.argv[1:] if argv is None else argv))
         if args.resume:
             metrics = api.resume(args.resume, overrides)
             cfg = load_config(Path(args.resume) / "config.toml")
         else:
             cfg = load_config(args.config, overrides)
-            metrics = api.train(cfg)
+            metrics = api.train(cfg, overwrite=args.overwrite)
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
             _print_metrics(metrics, Path(cfg.train.out_dir), Path(cfg.data.test).parent)
         return 0

@@ -14,8 +14,9 @@ shuffle every buffer is one row group and rows come in file order. Inside a
 ``r * W + w`` of ``world_size * W`` (the reader is an ``IterableDataset``), so every row
 is still read once per epoch.
 
-Memory is bounded by one buffer plus one batch of carried rows, about
-``shuffle_buffer_rows + rows_per_row_group + batch_size`` rows, plus as much again for
+Memory is bounded by one buffer plus one batch of carried rows and the next batch
+(cut one ahead, so the last batch of an epoch is known as such), about
+``shuffle_buffer_rows + rows_per_row_group + 2 * batch_size`` rows, plus as much again for
 each buffer decoded ahead on worker threads (``read_ahead``, default 2),
 whatever the file sizes; ``stats["max_buffered_rows"]`` records the high-water mark.
 Batches are gathered from the buffer straight into their own arrays.
@@ -27,6 +28,11 @@ that buffer's shuffled order of the next batch's first row). Once the last batch
 epoch has been yielded the position says ``epoch_done`` and the next iteration (here,
 or in a reader given that state) runs epoch + 1. ``set_epoch(e)`` moves the position
 to the start of epoch e. Only one iteration may be in progress at a time.
+
+Counters. The state also carries the counters as they stand at its position, less the
+decode counts of a partly consumed buffer (a resume decodes it again), so a reader
+resumed from any state ends an epoch with the counters of an uninterrupted one;
+``load_state_dict`` restores them.
 """
 
 from __future__ import annotations
@@ -54,7 +60,14 @@ from recaccel.io.decode import (
 )
 from recaccel.io.parquet_writer import DatasetWriter, write_parquet
 from recaccel.io.read_ahead import PerThread, ReadAhead
-from recaccel.io.reader_state import check_reader_args, data_fingerprint, data_shard, restore_position
+from recaccel.io.reader_state import (
+    check_reader_args,
+    counters_at,
+    data_fingerprint,
+    data_shard,
+    restore_counters,
+    restore_position,
+)
 from recaccel.io.schema import FeatureSchema
 
 __all__ = [
@@ -111,7 +124,8 @@ class BatchReader(IterableDataset):
         schema: the dataset schema.
         stats: counters: those of :mod:`recaccel.io.decode` plus ``rows_yielded``,
             ``batches_yielded``, ``rows_dropped_last`` and ``max_buffered_rows``;
-            they count what this object did (they are not part of the state).
+            they count what this object did, batches cut one ahead included (the
+            state carries those at its position, see the module docstring).
 
     Raises:
         ConfigError: on bad arguments.
@@ -157,6 +171,7 @@ class BatchReader(IterableDataset):
         self.stats: dict[str, int] = new_decode_stats()
         self.stats.update(rows_yielded=0, batches_yielded=0, rows_dropped_last=0, max_buffered_rows=0)
         self._pos = _Position(0, 0, 0, False)
+        self._counters = dict(self.stats)  # paired with _pos
 
     @classmethod
     def from_config(
@@ -202,10 +217,11 @@ class BatchReader(IterableDataset):
         return rows // self.batch_size if self.drop_last else -(-rows // self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """Moves the position to the start of ``epoch``."""
+        """Moves the position to the start of ``epoch`` (counters go on counting)."""
         if epoch < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         self._pos = _Position(epoch, 0, 0, False)
+        self._counters = dict(self.stats)
 
     def __iter__(self) -> Iterator[Batch]:
         for batch, _ in self.iter_with_state():
@@ -219,12 +235,28 @@ class BatchReader(IterableDataset):
         """
         if self._pos.done:
             self._pos = _Position(self._pos.epoch + 1, 0, 0, False)
-        start = self._pos
+        cuts = self._cut(self._pos)
+        try:
+            pending = next(cuts, None)
+            while pending is not None:
+                following = next(cuts, None)  # one ahead: the last batch's state says done
+                batch, pos, counters = pending
+                if following is None:  # the epoch is over: every counter is final
+                    pos, counters = _Position(pos.epoch, pos.buffer, pos.offset, True), dict(self.stats)
+                self._pos, self._counters = pos, counters
+                yield batch, self.state_dict()
+                pending = following
+            self._pos = _Position(self._pos.epoch, self._pos.buffer, self._pos.offset, True)
+            self._counters = dict(self.stats)
+        finally:
+            cuts.close()
+
+    def _cut(self, start: _Position) -> Iterator[tuple[Batch, _Position, dict[str, int]]]:
+        """Batches from ``start`` to the epoch's end, each with the position after it and
+        the counters to pair with that position (see :func:`reader_state.counters_at`)."""
         epoch = start.epoch
         shard = data_shard(self.rank, self.world_size, mid_epoch=start.buffer > 0 or start.offset > 0)
         buffers = self.buffers(epoch, shard)
-        sizes = [sum(r.num_rows for r in buf) for buf in buffers]
-        rows_after = np.cumsum([0] + sizes[::-1])[::-1]
         bs = self.batch_size
         carry: Columns | None = None
         carry_rows = 0
@@ -253,21 +285,21 @@ class BatchReader(IterableDataset):
                         batch = Columns.concat([carry, _rows_of(cols, order, i, j)]).to_batch()
                     i = j
                     carry, carry_rows = None, 0
-                    left = (n - i) + int(rows_after[b + 1])  # an upper bound: skips only remove rows
-                    done = left == 0 or (self.drop_last and left < bs)
-                    self._pos = _Position(epoch, b, i, done) if i < n else _Position(epoch, b + 1, 0, done)
-                    yield self._emit(batch), self.state_dict()
+                    self._count(batch)
+                    if i < n:  # a resume from here decodes buffer b again
+                        yield batch, _Position(epoch, b, i, False), counters_at(self.stats, delta)
+                    else:
+                        yield batch, _Position(epoch, b + 1, 0, False), counters_at(self.stats)
                 if i < n:  # a copy, so the carry does not pin the whole buffer
                     rest = cols.take(np.arange(i, n) if order is None else order[i:n])
                     carry = rest if carry is None else Columns.concat([carry, rest])
                     carry_rows += n - i
                 del cols
-            end = _Position(epoch, len(buffers), 0, True)
             if carry_rows and not self.drop_last:
-                self._pos = end
-                yield self._emit(carry.to_batch()), self.state_dict()
+                batch = carry.to_batch()
+                self._count(batch)
+                yield batch, _Position(epoch, len(buffers), 0, True), counters_at(self.stats)
             self.stats["rows_dropped_last"] += carry_rows if self.drop_last else 0
-            self._pos = end
         finally:
             loader.close()
 
@@ -300,7 +332,8 @@ class BatchReader(IterableDataset):
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """The position after the last yielded batch, plus what it depends on (JSON-able)."""
+        """The position after the last yielded batch, plus what it depends on and the
+        counters at that position (JSON-able)."""
         p = self._pos
         return {
             "version": _STATE_VERSION,
@@ -309,6 +342,7 @@ class BatchReader(IterableDataset):
             "row_offset": p.offset,
             "epoch_done": p.done,
             **self._fingerprint(),
+            "counters": dict(self._counters),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -321,7 +355,9 @@ class BatchReader(IterableDataset):
         """
         keys = ("epoch", "buffer_index", "row_offset")
         fields, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, "reader")
+        restore_counters(state, self.stats, "reader")
         self._pos = _Position(*fields, done)
+        self._counters = dict(self.stats)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
@@ -338,10 +374,9 @@ class BatchReader(IterableDataset):
             return None
         return np.random.default_rng([self.seed, epoch, 1, shard, buffer]).permutation(n)
 
-    def _emit(self, batch: Batch) -> Batch:
+    def _count(self, batch: Batch) -> None:
         self.stats["rows_yielded"] += batch.batch_size
         self.stats["batches_yielded"] += 1
-        return batch
 
 
 class _BufferLoader:

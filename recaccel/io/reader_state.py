@@ -53,6 +53,55 @@ def data_fingerprint(info: DatasetInfo, policies: Policies) -> dict[str, Any]:
     }
 
 
+def epoch_done(state: Any) -> bool:
+    """Whether a reader state (of any resumable reader) was taken after its epoch's last
+    batch: the next iteration from it starts the next epoch."""
+    return isinstance(state, dict) and state.get("epoch_done") is True
+
+
+def saved_counters(state: Any) -> dict[str, int] | None:
+    """The reader counters paired with a reader state (None when it carries none)."""
+    counters = state.get("counters") if isinstance(state, dict) else None
+    return dict(counters) if isinstance(counters, dict) else None
+
+
+def counters_at(stats: dict[str, int], reread: dict[str, int] | None = None) -> dict[str, int]:
+    """The counters to pair with a position: ``stats`` less ``reread``, the increments of
+    the input a resume from that position reads again (its partly consumed shuffle buffer
+    or task window), so a resumed reader's counters end equal to an uninterrupted one's.
+    High-water marks (``max_*``) are kept as they are."""
+    out = dict(stats)
+    for key, value in (reread or {}).items():
+        if not key.startswith("max_"):
+            out[key] = out.get(key, 0) - value
+    return out
+
+
+def restore_counters(state: dict[str, Any], stats: dict[str, int], what: str) -> None:
+    """Sets ``stats`` to the counters saved in ``state`` (kept as they are when the state
+    predates saved counters).
+
+    Raises:
+        ConfigError: if the saved counters are not a dict of non-negative ints.
+    """
+    if "counters" not in state:
+        return
+    counters = state["counters"]
+    if not isinstance(counters, dict) or not all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in counters.items()
+    ):
+        raise ConfigError(f"{what} state has bad counters: {counters!r}")
+    set_counters(stats, counters)
+
+
+def set_counters(stats: dict[str, int], counters: dict[str, int]) -> None:
+    """Makes the counter dict ``stats`` (in place) equal ``counters`` (missing keys 0)."""
+    for key in stats:
+        stats[key] = 0
+    stats.update(counters)
+
+
 def restore_position(
     state: Any, version: int, fingerprint: dict[str, Any], keys: tuple[str, ...], what: str
 ) -> tuple[list[int], bool]:

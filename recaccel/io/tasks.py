@@ -41,7 +41,9 @@ it is sampled. ``stats["max_buffered_rows"]`` is the high-water mark.
 Position. As in :class:`~recaccel.io.parquet.BatchReader`: ``state_dict()`` is the
 position after the last yielded batch: (epoch, window index, the window's first unit,
 tasks of the window already consumed). Resuming rebuilds that window from its first
-unit and yields exactly the remaining batches. Decode counters (``rows_read``, ...)
+unit and yields exactly the remaining batches. The state carries the counters at its
+position, less the counts of the window a resume loads again, and ``load_state_dict``
+restores them. Decode counters (``rows_read``, ...)
 count decodes: a row group decoded again to complete a task counts twice (this
 happens when a unit is read before the unit its last task runs into; read after it,
 the task's rows there were kept by that unit, see ``task_stream.HeadStash``); the task
@@ -63,7 +65,14 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.batch import TaskBatch
 from recaccel.io.dataset import DatasetInfo, open_dataset
 from recaccel.io.decode import Policies, Projection, add_counts, new_decode_stats
-from recaccel.io.reader_state import check_reader_args, data_fingerprint, data_shard, restore_position
+from recaccel.io.reader_state import (
+    check_reader_args,
+    counters_at,
+    data_fingerprint,
+    data_shard,
+    restore_counters,
+    restore_position,
+)
 from recaccel.io.schema import FeatureSchema
 from recaccel.io.task_pool import TaskPool, build_task_batch
 from recaccel.io.task_split import SPLIT_COUNTERS, SplitSpec
@@ -88,6 +97,7 @@ class _Window:
     unit_start: int
     unit_end: int
     pool: TaskPool
+    counts: dict[str, int]  # counter increments of loading its units
 
 
 class TaskReader(IterableDataset):
@@ -205,6 +215,7 @@ class TaskReader(IterableDataset):
             max_buffered_rows=0,
         )
         self._pos = _Position(0, 0, 0, 0, False)
+        self._counters = dict(self.stats)  # paired with _pos
 
     @classmethod
     def from_config(
@@ -261,6 +272,7 @@ class TaskReader(IterableDataset):
         if epoch < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         self._pos = _Position(epoch, 0, 0, 0, False)
+        self._counters = dict(self.stats)
 
     def units(self, epoch: int, shard: tuple[int, int] | None = None) -> list[range]:
         """This rank's units (runs of ``unit_row_groups`` consecutive row groups, as
@@ -306,19 +318,22 @@ class TaskReader(IterableDataset):
             pending = next(batches, None)
             while pending is not None:
                 following = next(batches, None)  # one ahead, so the last batch's state says done
-                batch, pos = pending
-                self._pos = end if following is None else pos
-                self._count(batch)
+                batch, pos, counters = pending
+                if following is None:  # the epoch is over: every counter is final
+                    pos, counters = end, dict(self.stats)
+                self._pos, self._counters = pos, counters
                 yield batch, self.state_dict()
                 pending = following
-            self._pos = end
+            self._pos, self._counters = end, dict(self.stats)
         finally:
             batches.close()
             loader.close()
 
     def _batches(
         self, start: _Position, units: list[range], loader: UnitLoader, shard: int
-    ) -> Iterator[tuple[TaskBatch, _Position]]:
+    ) -> Iterator[tuple[TaskBatch, _Position, dict[str, int]]]:
+        """Batches from ``start``, each with the position after it and the counters to
+        pair with that position (see :func:`reader_state.counters_at`)."""
         epoch, t = start.epoch, self.cfg.tasks_per_batch
         carry: TaskPool | None = None
         for win in self._windows(epoch, start, units, loader, shard):
@@ -332,10 +347,14 @@ class TaskReader(IterableDataset):
             held = pool.held_rows + (carry.held_rows if carry is not None else 0) + loader.held_rows()
             self.stats["max_buffered_rows"] = max(self.stats["max_buffered_rows"], held)
 
-            def after(j: int, win: _Window = win, n: int = n) -> _Position:
+            def emit(tasks: TaskPool, j: int, win: _Window = win, n: int = n):
+                batch = self._build(tasks)
+                self._count(batch)
                 if j >= n:
-                    return _Position(epoch, win.index + 1, win.unit_end, 0, False)
-                return _Position(epoch, win.index, win.unit_start, j, False)
+                    return batch, _Position(epoch, win.index + 1, win.unit_end, 0, False), counters_at(self.stats)
+                # A resume from inside the window loads its units again.
+                pos = _Position(epoch, win.index, win.unit_start, j, False)
+                return batch, pos, counters_at(self.stats, win.counts)
 
             if carry is not None:
                 need = t - carry.num_tasks
@@ -345,9 +364,9 @@ class TaskReader(IterableDataset):
                 merged = TaskPool.concat([carry, pool.subset(np.arange(i, i + need))])
                 carry = None
                 i += need
-                yield self._build(merged), after(i)
+                yield emit(merged, i)
             while n - i >= t:
-                yield self._build(pool.subset(np.arange(i, i + t))), after(i + t)
+                yield emit(pool.subset(np.arange(i, i + t)), i + t)
                 i += t
             if i < n:  # compacted, so the carry does not keep the window's rows alive
                 carry = pool.subset(np.arange(i, n)).compact()
@@ -355,7 +374,9 @@ class TaskReader(IterableDataset):
             if self.drop_last:
                 self.stats["tasks_dropped_last"] += carry.num_tasks
             else:
-                yield self._build(carry), _Position(epoch, 0, 0, 0, True)
+                batch = self._build(carry)
+                self._count(batch)
+                yield batch, _Position(epoch, 0, 0, 0, True), counters_at(self.stats)
 
     def _windows(
         self, epoch: int, start: _Position, units: list[range], loader: UnitLoader, shard: int
@@ -363,10 +384,11 @@ class TaskReader(IterableDataset):
         target = self.cfg.shuffle_buffer_tasks if self.shuffle else 1
         u, w = start.unit, start.window
         while u < len(units):
-            first, pools, tasks = u, [], 0
+            first, pools, tasks, window_counts = u, [], 0, {}
             while u < len(units) and tasks < target:
                 pool, counts = loader.get(u)
                 add_counts(self.stats, counts)
+                add_counts(window_counts, counts)
                 u += 1
                 if pool is not None:
                     pools.append(pool)
@@ -377,7 +399,7 @@ class TaskReader(IterableDataset):
             if self.shuffle:
                 perm = np.random.default_rng([self.seed, epoch, 1, shard, w]).permutation(pool.num_tasks)
                 pool = pool.subset(perm)
-            yield _Window(w, first, u, pool)
+            yield _Window(w, first, u, pool, window_counts)
             w += 1
 
     def _build(self, pool: TaskPool) -> TaskBatch:
@@ -403,6 +425,7 @@ class TaskReader(IterableDataset):
             "task_offset": p.offset,
             "epoch_done": p.done,
             **self._fingerprint(),
+            "counters": dict(self._counters),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -414,7 +437,9 @@ class TaskReader(IterableDataset):
         """
         keys = ("epoch", "window", "unit", "task_offset")
         fields, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, "task reader")
+        restore_counters(state, self.stats, "task reader")
         self._pos = _Position(*fields, done)
+        self._counters = dict(self.stats)
 
     def _fingerprint(self) -> dict[str, Any]:
         s = self.spec

@@ -7,6 +7,7 @@ load with ``torch.load(weights_only=True)``; the reader position is stored as JS
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -36,13 +37,18 @@ _NAME = re.compile(r"step-(\d+)\.pt$")
 
 @dataclass
 class TrainState:
-    """Where training stands: counters and the reader position of the next batch."""
+    """Where training stands: counters, the reader position of the next batch, the
+    reader's counters at that position (``data``, metrics.json's ``data``) and the last
+    logged training loss (metrics.json's ``train_loss``), so a resumed run reports what
+    an uninterrupted one does."""
 
     step: int = 0
     epoch: int = 0
     samples: int = 0
     train_seconds: float = 0.0
     reader: dict[str, Any] | None = None
+    data: dict[str, int] | None = None
+    last_loss: float = math.nan
 
 
 def rng_state() -> dict[str, Any]:
@@ -74,12 +80,24 @@ def state_entries(state: TrainState) -> dict[str, Any]:
         "samples": state.samples,
         "train_seconds": state.train_seconds,
         "reader": json.dumps(state.reader),
+        "data": json.dumps(state.data),
+        "last_loss": float(state.last_loss),
         "rng": rng_state(),
     }
 
 
 def restore_state(entries: dict[str, Any]) -> TrainState:
-    """Restores the RNG state of :func:`state_entries`' output and returns its TrainState."""
+    """Restores the RNG state of :func:`state_entries`' output and returns its TrainState.
+
+    Checkpoints written before ``data`` and ``last_loss`` existed load with None and NaN.
+
+    Raises:
+        ValueError: a malformed ``data`` or ``last_loss`` entry (checked before any state is set).
+    """
+    data = _saved_data(entries.get("data", "null"))
+    last_loss = entries.get("last_loss", math.nan)
+    if isinstance(last_loss, bool) or not isinstance(last_loss, (int, float)):
+        raise ValueError(f"entry 'last_loss' must be a number, got {type(last_loss).__name__}")
     rng = entries["rng"]
     rng["torch"] = rng["torch"].cpu()
     if "cuda" in rng:
@@ -91,7 +109,24 @@ def restore_state(entries: dict[str, Any]) -> TrainState:
         samples=entries["samples"],
         train_seconds=entries["train_seconds"],
         reader=json.loads(entries["reader"]),
+        data=data,
+        last_loss=float(last_loss),
     )
+
+
+def _saved_data(text: Any) -> dict[str, int] | None:
+    """The reader counters of a ``data`` entry: JSON text of null or of an object of
+    non-negative ints."""
+    if not isinstance(text, str):
+        raise ValueError(f"entry 'data' must be JSON text, got {type(text).__name__}")
+    value = json.loads(text)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()
+    ):
+        raise ValueError(f"entry 'data' must hold an object of non-negative counts, got {text[:80]!r}")
+    return value
 
 
 def _np_json(obj: Any) -> Any:

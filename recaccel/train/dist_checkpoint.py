@@ -124,7 +124,7 @@ def save_sharded(
     dcp.save(sd, checkpoint_id=str(partial))
     dist.barrier()
     if parallel.is_main:
-        counters = {k: v for k, v in entries.items() if k not in ("reader", "rng")}
+        counters = {k: v for k, v in entries.items() if k not in ("reader", "rng", "data", "last_loss")}
         info = {"format": FORMAT, "world_size": parallel.world_size, **counters}
         (partial / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         fsync_tree(partial)  # every rank's files and the folder are on disk before the rename

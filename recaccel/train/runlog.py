@@ -4,15 +4,53 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from recaccel.config import Config, config_to_toml
+from recaccel.errors import RecaccelError
 
 CONFIG_FILE = "config.toml"
 LOG_FILE = "log.jsonl"
 METRICS_FILE = "metrics.json"
+CHECKPOINTS = "checkpoints"  # recaccel.train.checkpoint.CHECKPOINT_DIR
+RUN_FILES = (CONFIG_FILE, LOG_FILE, METRICS_FILE, CHECKPOINTS)
+
+
+def run_files(run_dir: Path) -> list[str]:
+    """The names of a run's files found in ``run_dir`` (config, log, metrics, checkpoints)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return [name for name in RUN_FILES if (run_dir / name).exists()]
+
+
+def check_run_dir(run_dir: Path, *, overwrite: bool) -> None:
+    """Refuses to start a new run in a directory that holds another run's files (it would
+    mix both: its log, checkpoints a later resume continues), unless ``overwrite``.
+
+    Raises:
+        RecaccelError: one line naming the directory and what it holds.
+    """
+    found = run_files(run_dir)
+    if found and not overwrite:
+        raise RecaccelError(
+            f"run directory {run_dir} already holds a run ({', '.join(found)}); "
+            "pass --overwrite (overwrite=True) to replace it or --resume to continue it"
+        )
+
+
+def clear_run(run_dir: Path) -> None:
+    """Deletes a previous run's files from ``run_dir`` (only those of :data:`RUN_FILES`)."""
+    run_dir = Path(run_dir)
+    for name in run_files(run_dir):
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 class RunLog:

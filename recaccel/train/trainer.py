@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-import math
+import random
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -16,12 +17,13 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.models.factory import build_model
-from recaccel.train.checkpoint import TrainState, load_reader_position
+from recaccel.io.reader_state import epoch_done, saved_counters, set_counters
+from recaccel.train.checkpoint import TrainState, list_checkpoints, load_reader_position
 from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, build_parallel
-from recaccel.train.runlog import RunLog
+from recaccel.train.runlog import RunLog, check_run_dir, clear_run
 
 logger = logging.getLogger(__name__)
 
@@ -54,17 +56,43 @@ class Trainer:
         cfg: the resolved config; ``cfg.train.out_dir`` is the run directory.
         resume: continue from the newest checkpoint in the run directory.
         parallel: the process layout (default: one process).
+        overwrite: a new run (not ``resume``) may replace the run already in the run
+            directory: ``fit`` deletes its checkpoints, log and metrics first.
+        fresh_if_no_checkpoint: with ``resume``, a run directory without any checkpoint
+            (a run stopped before its first one) trains from step 0 instead of failing.
+
+    Raises:
+        RecaccelError: a new run into a run directory that holds another run, without
+            ``overwrite``; ``resume`` with ``overwrite``; a checkpoint that cannot be resumed.
     """
 
-    def __init__(self, cfg: Config, *, resume: bool = False, parallel: Parallelism | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        resume: bool = False,
+        parallel: Parallelism | None = None,
+        overwrite: bool = False,
+        fresh_if_no_checkpoint: bool = False,
+    ) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.train.out_dir)
+        if resume and overwrite:
+            raise ConfigError("--resume continues the run in the run directory; --overwrite would delete it")
+        # Every rank looks before any writes (the first collective comes later).
+        self.overwrite = overwrite and not resume
+        if not resume:
+            check_run_dir(self.run_dir, overwrite=overwrite)
         self.device = resolve_device(cfg.train.device)
         self.parallel = parallel or build_parallel(cfg, self.device)
         self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
         if cfg.train.deterministic:
             torch.use_deterministic_algorithms(True)
+        # Every generator a checkpoint saves starts seeded, so runs (and their checkpoints)
+        # repeat in fresh processes too.
         torch.manual_seed(cfg.train.seed)
+        random.seed(cfg.train.seed)
+        np.random.seed(cfg.train.seed)
         self.schema = open_dataset(cfg.data.train).schema
         model = build_model(cfg.model, cfg.optim, self.schema, self.device)
         kind = loss_kind(cfg, self.schema.label_kind)
@@ -78,7 +106,9 @@ class Trainer:
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
         self.reader = self._reader(self.objective, cfg.data.train, train=True)
         self.state = TrainState()
-        if resume:
+        if resume and fresh_if_no_checkpoint and not _has_checkpoint(self.run_dir):
+            logger.warning("%s has no checkpoint yet: training starts from step 0", self.run_dir)
+        elif resume:
             self.state = self.parallel.load_checkpoint(self.run_dir, self.objective.module, self.optimizer)
             logger.info("resumed %s at step %d", self.run_dir, self.state.step)
         # Opened by fit(): evaluating a run's checkpoint must not rewrite its record.
@@ -115,32 +145,42 @@ class Trainer:
         (and the resolved config.toml and log.jsonl in the run directory)."""
         t = self.cfg.train
         if self.parallel.is_main:
+            if self.overwrite:  # before any rank writes: they meet at a collective first
+                clear_run(self.run_dir)
             self.log = RunLog(self.run_dir)
             self.log.write_config(self.cfg)
         bar = tqdm(total=self._total_steps(), initial=self.state.step, unit="step",
                    disable=not (t.progress and self.parallel.is_main))
         loader = DeviceLoader(self.reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
-        last_loss = math.nan
         wait = DataWait()
         seconds_before = self.state.train_seconds
+        stats = getattr(self.reader, "stats", None)
+        if self.state.data is not None and stats is not None:  # resumed: counting goes on
+            set_counters(stats, self.state.data)
         self.module.train()
         while not self._reached_end():
             self.reader.set_epoch(self.state.epoch)
+            finished = False
             if self.state.reader is not None:
                 load_reader_position(self.reader, self.state.reader, self.run_dir)
+                # Saved after the epoch's last batch: the reader would go on into the next
+                # epoch, which this loop counts as the next one. Every rank still joins the
+                # (empty) pass, so hybrid ranks agree the epoch is over.
+                finished = epoch_done(self.state.reader)
             steps_before = self.state.step
             clock = time.perf_counter()
             # Hybrid: every rank agrees before each step that all ranks have a batch.
-            for batch in wait.wrap(self.parallel.batches(loader, self.objective)):
+            for batch in wait.wrap(self.parallel.batches(() if finished else loader, self.objective)):
                 loss = self.train_step(batch)
                 self.state.step += 1
                 self.state.samples += self.parallel.step_rows
                 self.state.reader = loader.state_dict()
+                self.state.data = self._counters(self.state.reader)
                 bar.update(1)
                 if self.state.step % t.log_every == 0 or self.state.step == 1:
-                    last_loss = float(loss)
-                    bar.set_postfix(loss=f"{last_loss:.4f}")
-                    self._event("train", step=self.state.step, epoch=self.state.epoch, loss=last_loss)
+                    self.state.last_loss = float(loss)
+                    bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
+                    self._event("train", step=self.state.step, epoch=self.state.epoch, loss=self.state.last_loss)
                 if t.checkpoint_every > 0 and self.state.step % t.checkpoint_every == 0:
                     self._checkpoint()
                 if t.eval_every > 0 and self.state.step % t.eval_every == 0:
@@ -165,11 +205,11 @@ class Trainer:
             epochs=self.state.epoch,
             train_samples=self.state.samples,
             samples_per_s=self.state.samples / max(self.state.train_seconds, 1e-9),
-            train_loss=last_loss,
+            train_loss=self.state.last_loss,
             data_wait_s=wait.seconds,
             data_startup_s=wait.startup_seconds,
             data_wait_fraction=wait.fraction(self.state.train_seconds - seconds_before),
-            data=dict(getattr(self.reader, "stats", {})),
+            data=dict(self.state.data) if self.state.data is not None else dict(stats or {}),
         )
         self._event("final", **metrics)
         if self.log is not None:
@@ -177,6 +217,12 @@ class Trainer:
             self.log.close()
         self.parallel.close()  # hybrid: leaves the process group only if it started it
         return metrics
+
+    def _counters(self, position: dict[str, Any]) -> dict[str, int]:
+        """The reader counters as of the last trained batch: those paired with its position
+        (the loader reads ahead), else the reader's own."""
+        paired = saved_counters(position)
+        return paired if paired is not None else dict(getattr(self.reader, "stats", {}))
 
     def evaluate(self, path: str | None = None) -> dict[str, Any]:
         """Metrics of the current model on ``path`` (default ``data.test``)."""
@@ -206,3 +252,10 @@ class Trainer:
             metrics["states"] = states
         return metrics
 
+
+
+def _has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run directory holds any checkpoint, single-process or sharded."""
+    from recaccel.train.dist_checkpoint import list_sharded_checkpoints
+
+    return bool(list_checkpoints(run_dir) or list_sharded_checkpoints(run_dir))

@@ -144,3 +144,30 @@ def test_api_evaluate_scores_the_checkpoint_and_leaves_the_run_record(tiny_data,
     on_train = api.evaluate(other, str(tiny_data / "train"))
     assert on_train["auc"] != again["auc"]
     assert {name: (out / name).read_bytes() for name in record} == record
+
+
+def test_new_run_into_a_used_run_dir_needs_overwrite(tiny_data, tmp_path, capsys):
+    """A second fresh run into a run directory is refused in one line; --overwrite clears the
+    old run first (no mixed log, no old checkpoint a later --resume would continue)."""
+    import recaccel.api as api
+    from recaccel.errors import RecaccelError
+
+    out = tmp_path / "run"
+    argv = _argv(_overrides(tiny_data, out, "train.steps=6", "train.checkpoint_every=5"))
+    assert train_main(argv) == 0
+    capsys.readouterr()
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and "--overwrite" in err
+    assert [p.name for p in list_checkpoints(out)] == ["step-000000005.pt", "step-000000006.pt"]
+    with pytest.raises(RecaccelError, match="already holds a run"):
+        api.train(load_config(None, _overrides(tiny_data, out, "train.steps=3")))
+    assert train_main(["--resume", str(out), "--overwrite"]) == 2
+
+    (out / "checkpoints" / "step-000000099.pt").write_bytes(b"an old run's")
+    assert train_main([*_argv(_overrides(tiny_data, out, "train.steps=3")), "--overwrite"]) == 0
+    assert [p.name for p in list_checkpoints(out)] == ["step-000000003.pt"]
+    events = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["train", "final"] and events[-1]["steps"] == 3
+    metrics = api.train(load_config(None, _overrides(tiny_data, out, "train.steps=2")), overwrite=True)
+    assert metrics["steps"] == 2 and json.loads((out / "metrics.json").read_text())["steps"] == 2

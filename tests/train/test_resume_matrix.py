@@ -1,0 +1,189 @@
+"""Resume matrix: a run interrupted anywhere and resumed equals the uninterrupted run.
+
+Interrupted mid-epoch, at an epoch's last step, at the last step and before the first
+checkpoint; DLRM, meta-DLRM and hybrid (2 gloo processes). Every tensor and counter of
+the final checkpoint and every key of metrics.json (timings aside) must be equal.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from recaccel.cli import train_main
+from recaccel.config import load_config
+from recaccel.io.synth import generate_synthetic
+from recaccel.train.checkpoint import list_checkpoints
+from tests.train.test_meta_trainer import _argv as meta_argv
+from tests.train.test_meta_trainer import task_data  # noqa: F401  (fixture)
+
+TIMING_KEYS = {"samples_per_s", "data_wait_s", "data_startup_s", "data_wait_fraction"}
+TIMING_ENTRIES = {"train_seconds"}
+TINY = [
+    "synth.train_rows=1800", "synth.test_rows=400", "synth.num_dense=2", "synth.num_sparse=3",
+    "synth.cardinality=30", "synth.multi_hot_fields=1", "synth.rows_per_row_group=300",
+    "synth.rows_per_file=900",
+    "data.batch_size=128", "data.shuffle_buffer_rows=500", "data.prefetch=2",
+    "model.embedding_dim=4", "model.bottom_mlp=[8, 4]", "model.top_mlp=[8, 1]", "optim.sparse=adam",
+    "train.log_every=5", "train.progress=false", "train.epochs=2",
+]
+STEPS_PER_EPOCH = 1800 // 128  # drop_last
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("synth")
+    generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{root}"']).synth)
+    return root
+
+
+def _sets(data: Path, out: Path, *extra: str) -> list[str]:
+    sets = [*TINY, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"', f'train.out_dir="{out}"',
+            *extra]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def _final(run: Path) -> dict[str, Any]:
+    """The final checkpoint's entries (a .pt file, or a DCP folder's consolidated view)."""
+    found = list_checkpoints(run)
+    assert found, f"no checkpoint in {run}"
+    return torch.load(found[-1], weights_only=True)
+
+
+def assert_same_run(full: Path, resumed: Path, measured: tuple[str, ...] = ()) -> None:
+    """Every non-timing metric, and every tensor and entry of the final checkpoint, equal
+    (``measured``: reader counters that are measurements, left out)."""
+    a = json.loads((full / "metrics.json").read_text())
+    b = json.loads((resumed / "metrics.json").read_text())
+    for key in TIMING_KEYS:
+        a.pop(key), b.pop(key)
+    for key in measured:
+        a["data"].pop(key), b["data"].pop(key)
+    assert a == b
+    assert a["train_loss"] is not None and a["data"]["batches_yielded"] == a["steps"]
+    fa, fb = _final(full), _final(resumed)
+    if measured:
+        fa["data"], fb["data"] = ({k: v for k, v in json.loads(f["data"]).items() if k not in measured}
+                                  for f in (fa, fb))
+    assert_same_entries(fa, fb)
+
+
+def assert_same_entries(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), where
+        for key in a:
+            if key not in TIMING_ENTRIES:
+                assert_same_entries(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_entries(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, where
+
+
+@pytest.fixture(scope="module")
+def full_run(tiny_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    assert train_main(_sets(tiny_data, out, f"train.checkpoint_every={STEPS_PER_EPOCH}")) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2 * STEPS_PER_EPOCH and metrics["epochs"] == 2
+    return out
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        STEPS_PER_EPOCH // 2,  # mid-epoch
+        STEPS_PER_EPOCH,  # an epoch's last step
+        2 * STEPS_PER_EPOCH,  # the last step: its checkpoint is written, evaluation is not
+    ],
+)
+def test_dlrm_resumed_after_steps_equals_uninterrupted(tiny_data, full_run, tmp_path, stop):
+    part = tmp_path / "part"
+    assert train_main(_sets(tiny_data, part, f"train.checkpoint_every={STEPS_PER_EPOCH}", f"train.steps={stop}")) == 0
+    assert train_main(["--resume", str(part), "--set", "train.steps=0"]) == 0
+    assert_same_run(full_run, part)
+
+
+@pytest.mark.parametrize("keep", [1, 0])  # the epoch-end checkpoint; none (stopped before the first)
+def test_dlrm_resumed_from_older_checkpoints_equals_uninterrupted(full_run, tmp_path, keep):
+    """The issue's repro: checkpoints at each epoch's end, the newest deleted, resumed."""
+    run = tmp_path / "run"
+    shutil.copytree(full_run, run)
+    (run / "metrics.json").unlink()
+    for path in list_checkpoints(run)[keep:]:
+        path.unlink()
+    assert [int(p.stem.split("-")[1]) for p in list_checkpoints(run)] == [STEPS_PER_EPOCH][:keep]
+    assert train_main(["--resume", str(run)]) == 0
+    assert_same_run(full_run, run)
+    events = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    finals = [i for i, e in enumerate(events) if e["event"] == "final"]
+    resumed = [(e["step"], e["epoch"]) for e in events[finals[0] + 1 :] if e["event"] == "train"]
+    first = keep * STEPS_PER_EPOCH
+    logged = [s for s in [1, *range(5, 2 * STEPS_PER_EPOCH + 1, 5)] if s > first]
+    assert resumed == [(s, (s - 1) // STEPS_PER_EPOCH) for s in logged]  # no epoch trained twice
+
+
+def _meta(train: Path, test: Path, out: Path, *extra: str) -> list[str]:
+    return meta_argv(train, test, out, "train.mode=meta", "meta.inner_lr=0.1", "train.epochs=2",
+                     "train.log_every=4", "tasks.shuffle_buffer_tasks=12", "tasks.unit_row_groups=2", *extra)
+
+
+def test_meta_resumed_mid_epoch_and_at_epoch_end_equals_uninterrupted(task_data, tmp_path):  # noqa: F811
+    train, test = task_data
+    full = tmp_path / "full"
+    assert train_main(_meta(train, test, full)) == 0
+    steps = json.loads((full / "metrics.json").read_text())["steps"]
+    per_epoch = steps // 2
+    assert per_epoch >= 3
+    for stop in (per_epoch // 2 + 1, per_epoch):
+        part = tmp_path / f"part{stop}"
+        assert train_main(_meta(train, test, part, f"train.steps={stop}")) == 0
+        assert train_main(["--resume", str(part), "--set", "train.steps=0"]) == 0
+        # The task reader's memory high-water mark counts its worker threads' caches:
+        # it varies from run to run, resumed or not.
+        assert_same_run(full, part, measured=("max_buffered_rows",))
+
+
+def test_hybrid_resumed_at_epoch_end_equals_uninterrupted(tiny_data, tmp_path):
+    """Two gloo ranks through ``--nproc 2``, stopped at an epoch's last step (the DCP
+    checkpoint there) and resumed; compared with the uninterrupted hybrid run."""
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    hybrid = ["parallel.mode=hybrid", "parallel.sharding=row_wise", "optim.sparse=rowwise_adagrad",
+              "train.log_every=4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train_main([*_sets(tiny_data, full, *hybrid), "--nproc", "2"]) == 0
+    assert train_main([*_sets(tiny_data, part, *hybrid, f"train.steps={STEPS_PER_EPOCH}"), "--nproc", "2"]) == 0
+    assert train_main(["--resume", str(part), "--set", "train.steps=0", "--nproc", "2"]) == 0
+    a = json.loads((full / "metrics.json").read_text())
+    b = json.loads((part / "metrics.json").read_text())
+    for key in TIMING_KEYS:
+        a.pop(key), b.pop(key)
+    assert a == b and a["steps"] == 2 * STEPS_PER_EPOCH and a["train_loss"] is not None
+    assert_same_entries(_final_dcp(full), _final_dcp(part))
+    assert _final_dcp(part)["ranks.1"]["epoch"] == 2
+
+
+def _final_dcp(run: Path) -> dict[str, Any]:
+    """A hybrid run's newest DCP checkpoint as one dict (shards joined, blobs unpickled)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from recaccel.train.dist_checkpoint import list_sharded_checkpoints
+
+    flat = run / "final.pt"
+    dcp_to_torch_save(list_sharded_checkpoints(run)[-1], flat)
+    entries = torch.load(flat, weights_only=True)
+    return {k: torch.load(io.BytesIO(v), weights_only=True) if isinstance(v, bytes) else v
+            for k, v in entries.items()}
