@@ -149,7 +149,8 @@ def _agent_scope(nproc: int) -> Iterator[None]:
     saved_env = {key: os.environ.get(key) for key in env_keys}
     handlers = {}
     if threading.current_thread() is threading.main_thread():
-        handlers = {sig: signal.getsignal(sig) for name in _AGENT_SIGNALS if (sig := getattr(signal, name, None))}
+        signals = [getattr(signal, name) for name in _AGENT_SIGNALS if hasattr(signal, name)]
+        handlers = {sig: signal.getsignal(sig) for sig in signals}
     loggers = {name: logging.getLogger(name) for name in _AGENT_LOGGERS}
     saved_loggers = {name: (lg.propagate, list(lg.handlers)) for name, lg in loggers.items()}
     # One intra-op thread pool per rank would oversubscribe the host's cores (the ranks

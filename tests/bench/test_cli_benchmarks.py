@@ -53,12 +53,13 @@ def test_a_benchmark_writes_under_runs_bench_unless_told(tmp_path, monkeypatch, 
     published = repo_root / "bench" / "results"
     before = _listing(published)
     monkeypatch.chdir(tmp_path)  # default paths are relative to the working directory
-    argv = ["embedding", "--tables", "2", "--shapes", "8:4:2", "--rows", "50", "--repeats", "1", "--warmup", "0",
-            "--batches", "1", "--device", "cpu"]
+    argv = ["embedding", "--tables", "2", "--shapes", "8:4:2", "--rows", "50", "--repeats", "1",
+            "--warmup", "0", "--batches", "1", "--device", "cpu"]
     assert bench_main(argv) == 0
     assert _listing(published) == before
     assert not (tmp_path / "bench").exists()
-    assert sorted(p.name for p in (tmp_path / "runs" / "bench").iterdir()) == ["embedding.md", "embedding.png"]
+    written = sorted(p.name for p in (tmp_path / "runs" / "bench").iterdir())
+    assert written == ["embedding.md", "embedding.png"]
     assert "results written to runs/bench/embedding.md" in capsys.readouterr().out
 
 

@@ -139,7 +139,7 @@ def test_a_rank_error_is_shown_once_as_the_rank_wrote_it(tmp_path, capfd):
     assert "row group 1" in lines[0] and "label" in lines[0] and "2.0" in lines[0]
 
 
-def test_the_first_failure_is_not_a_lost_peer_then_the_earliest_then_the_first_recorded(tmp_path, monkeypatch):
+def test_first_failure_is_not_a_lost_peer_then_earliest_then_first_recorded(tmp_path, monkeypatch):
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from recaccel.errors import DataError
@@ -161,7 +161,8 @@ def test_the_first_failure_is_not_a_lost_peer_then_the_earliest_then_the_first_r
     killed = failure(1, -signal.SIGKILL)
     stopped = failure(2, -signal.SIGTERM)  # recorded after: the agent stopped it
     assert first_failure({0: lost, 1: killed, 2: stopped}) == (1, killed)
-    assert str(rank_failure({0: lost, 1: killed, 2: stopped})) == "rank 1 failed first: killed by SIGKILL (pid 1001)"
+    expected = "rank 1 failed first: killed by SIGKILL (pid 1001)"
+    assert str(rank_failure({0: lost, 1: killed, 2: stopped})) == expected
     assert str(rank_failure({0: lost})) == "rank 0 of 3: allreduce failed: a peer rank exited"
 
     bad = failure(2, 2, DataError("bad label", path="f.parquet", row_group=1))
