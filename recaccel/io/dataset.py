@@ -121,11 +121,24 @@ def open_dataset(path: str | Path, schema: FeatureSchema | None = None) -> Datas
         expected.validate_arrow(arrow_schema, str(f))
         if meta.num_rows == 0:
             logger.warning("recaccel dataset: file %s has no rows; skipping it", f)
-        for i in range(meta.num_row_groups):
-            rows = meta.row_group(i).num_rows
-            if rows > 0:
-                row_groups.append(RowGroupRef(f, i, rows))
+        row_groups += _row_groups(f, meta)
     return DatasetInfo(expected, tuple(files), tuple(row_groups))
+
+
+def _row_groups(path: Path, meta: pq.FileMetaData) -> list[RowGroupRef]:
+    """The non-empty row groups of a file, checked against the file's row count (a
+    damaged footer must not make rows vanish)."""
+    counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    for i, rows in enumerate(counts):
+        if rows < 0:
+            raise DataError(f"the footer gives it {rows} rows (corrupt file?)", path=str(path), row_group=i)
+    if sum(counts) != meta.num_rows:
+        raise DataError(
+            f"the footer's row groups hold {sum(counts)} rows but it says the file has {meta.num_rows} "
+            "(corrupt file?)",
+            path=str(path),
+        )
+    return [RowGroupRef(path, i, rows) for i, rows in enumerate(counts) if rows > 0]
 
 
 def _schema_diff(a: FeatureSchema, b: FeatureSchema) -> list[str]:
@@ -181,7 +194,7 @@ class RowGroupReader:
                 f"cannot read row group: {read_error_text(e)}",
                 path=str(ref.path),
                 row_group=ref.row_group,
-                column=self._failing_column(pf, ref.row_group),
+                column=self._failing_column(pf, ref),
             ) from None
         if table.num_rows != ref.num_rows:
             raise DataError(
@@ -199,12 +212,15 @@ class RowGroupReader:
             stats=self.stats,
         )
 
-    def _failing_column(self, pf: pq.ParquetFile, row_group: int) -> str | None:
-        """The first projected column that cannot be read alone (None if each can)."""
+    def _failing_column(self, pf: pq.ParquetFile, ref: RowGroupRef) -> str | None:
+        """The first projected column that cannot be read alone, or that reads another
+        row count than the footer's (None if no single column is at fault)."""
         for name in self._names:
             try:
-                pf.read_row_group(row_group, columns=[name], use_threads=False)
+                rows = pf.read_row_group(ref.row_group, columns=[name], use_threads=False).num_rows
             except READ_ERRORS:
+                return name
+            if rows != ref.num_rows:
                 return name
         return None
 

@@ -50,7 +50,9 @@ class SparseField:
                 f"sparse field {self.name!r} has cardinality {int(card)}; must be in 1..{MAX_CARDINALITY}"
             )
         if not isinstance(self.multi_hot, (bool, np.bool_)):
-            raise DataError(f"sparse field {self.name!r} has multi_hot {self.multi_hot!r}; must be true or false")
+            raise DataError(
+                f"sparse field {self.name!r} has multi_hot {self.multi_hot!r}; must be true or false"
+            )
         # numpy scalars from converters become plain Python values (JSON, hashing).
         object.__setattr__(self, "cardinality", int(card))
         object.__setattr__(self, "multi_hot", bool(self.multi_hot))
@@ -91,7 +93,9 @@ class FeatureSchema:
     def __post_init__(self) -> None:
         if not isinstance(self.dense, (tuple, list)) or not all(_is_name(d) for d in self.dense):
             raise DataError(f"schema dense must be a list of column names, got {self.dense!r}")
-        if not isinstance(self.sparse, (tuple, list)) or not all(isinstance(f, SparseField) for f in self.sparse):
+        if not isinstance(self.sparse, (tuple, list)) or not all(
+            isinstance(f, SparseField) for f in self.sparse
+        ):
             raise DataError(f"schema sparse must be a list of sparse fields, got {self.sparse!r}")
         object.__setattr__(self, "dense", tuple(self.dense))
         object.__setattr__(self, "sparse", tuple(self.sparse))
@@ -168,8 +172,9 @@ class FeatureSchema:
             for key in ("dense", "sparse"):
                 if not isinstance(raw[key], list):
                     raise DataError(f"{key} must be a list, got {_short(raw[key])}")
+            need = ("name", "cardinality")
             sparse = tuple(
-                SparseField(**_checked_keys(item, f"sparse[{i}]", _FIELD_KEYS, required=("name", "cardinality")))
+                SparseField(**_checked_keys(item, f"sparse[{i}]", _FIELD_KEYS, required=need))
                 for i, item in enumerate(raw["sparse"])
             )
             return cls(**{**raw, "dense": tuple(raw["dense"]), "sparse": sparse}, origin=path)
@@ -307,8 +312,9 @@ def check_table_memory(
     shown = ", ".join(f"{f.name!r}: {f.cardinality} ids" for f in largest)
     what = "the configured limit" if limit_bytes is not None else f"the memory of {torch.device(device)}"
     raise DataError(
-        f"the embedding tables of the schema need {_bytes(need)} ({need} bytes: {sum(schema.cardinalities)} rows "
-        f"x dim {dim} x {bytes_per_value} bytes) but {what} is {_bytes(budget)} ({budget} bytes); "
+        f"the embedding tables of the schema need {_bytes(need)} ({need} bytes: "
+        f"{sum(schema.cardinalities)} rows x dim {dim} x {bytes_per_value} bytes) "
+        f"but {what} is {_bytes(budget)} ({budget} bytes); "
         f"largest fields {shown}",
         path=schema.origin,
     )

@@ -18,11 +18,9 @@ When everything fits in ``memory_rows`` no run is spilled. Memory holds about
 
 What marks a file as grouped. The output schema (stored in every file's metadata)
 has ``task_key`` (and ``timestamp``) set and ``extra["grouped"] =
-{"task_key": ..., "timestamp": ...}``; Parquet's per-row-group min/max statistics of
-the task key column (written by default) then give every row group's first and last
-task without reading it, which is how the task reader finds task boundaries and
-checks the order across row groups. A file that claims to be grouped is still
-verified by the reader (:mod:`recaccel.io.task_stream`).
+{"task_key": ..., "timestamp": ...}``. The task reader reads the task key column of
+every row group once to find task boundaries and check the order across row groups;
+a file that claims to be grouped is still verified (:mod:`recaccel.io.task_stream`).
 
 The task key may be the schema's task key column or a single-hot sparse field (a user
 id field, say): then its ids are copied into a new int64 task column (``task_column``,

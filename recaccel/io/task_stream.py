@@ -8,10 +8,12 @@ that runs past the end of ``g`` is completed from ``g+1``, ``g+2``, ... and belo
 exactly one owned row group, which lets ranks and shuffles work on row groups while
 tasks stay whole.
 
-Boundaries come from the footers: the min/max statistics of the task key column of
-each row group are its first and last key (when the file is sorted, which is checked).
-Files without statistics fall back to reading the task key column of every row group
-once, when the stream is opened.
+Boundaries come from reading the task key column of every row group once, when the
+stream is opened (a small column, about a millisecond per row group). The footer's
+min/max statistics would be cheaper but cannot be trusted to be safe: pyarrow aborts
+the process (a C++ exception it does not convert) when Python code opens the metadata
+of a column chunk whose size statistics disagree with the schema, as in a damaged
+footer; reading the column reports the same damage as an error.
 
 Not thread-safe: one thread at a time may use a stream (the task reader's read-ahead
 thread, or the iterating thread).
@@ -34,8 +36,9 @@ import pyarrow.parquet as pq
 
 from recaccel.errors import DataError
 from recaccel.io.columns import Columns
-from recaccel.io.dataset import READ_ERRORS, DatasetInfo, RowGroupReader, read_error_text
+from recaccel.io.dataset import READ_ERRORS, DatasetInfo, RowGroupReader, RowGroupRef, read_error_text
 from recaccel.io.task_grouping import grouped_claim
+
 
 @dataclass
 class OwnedRows:
@@ -112,10 +115,8 @@ def key_bounds(info: DatasetInfo, column: str) -> tuple[np.ndarray, np.ndarray]:
             try:
                 pf = files.get(ref.path)
                 if pf is None:
-                    pf = files[ref.path] = pq.ParquetFile(str(ref.path))
-                lo_hi = _stats(pf.metadata.row_group(ref.row_group), column)
-                if lo_hi is None:
-                    lo_hi = _read_bounds(pf, ref.row_group, column, str(ref.path))
+                    pf = files[ref.path] = pq.ParquetFile(str(ref.path), page_checksum_verification=True)
+                lo_hi = _read_bounds(pf, ref, column)
             except READ_ERRORS as e:
                 where = dict(path=str(ref.path), row_group=ref.row_group, column=column)
                 raise DataError(f"cannot read the task key: {read_error_text(e)}", **where) from None
@@ -126,21 +127,13 @@ def key_bounds(info: DatasetInfo, column: str) -> tuple[np.ndarray, np.ndarray]:
     return first, last
 
 
-def _stats(rg: pq.RowGroupMetaData, column: str) -> tuple[int, int] | None:
-    for j in range(rg.num_columns):
-        chunk = rg.column(j)
-        if chunk.path_in_schema == column:
-            st = chunk.statistics
-            if st is None or not st.has_min_max or st.null_count:
-                return None
-            return int(st.min), int(st.max)
-    return None
-
-
-def _read_bounds(pf: pq.ParquetFile, row_group: int, column: str, path: str) -> tuple[int, int]:
-    arr = pf.read_row_group(row_group, columns=[column]).column(0)
+def _read_bounds(pf: pq.ParquetFile, ref: RowGroupRef, column: str) -> tuple[int, int]:
+    arr = pf.read_row_group(ref.row_group, columns=[column]).column(0)
+    where = dict(path=str(ref.path), column=column, row_group=ref.row_group)
+    if len(arr) != ref.num_rows:  # a damaged file can decode to fewer values
+        raise DataError(f"the task key has {len(arr)} values, the footer says {ref.num_rows} rows", **where)
     if arr.null_count:
-        raise DataError("null task key", path=path, column=column, row_group=row_group)
+        raise DataError("null task key", **where)
     keys = arr.to_numpy()
     return int(keys[0]), int(keys[-1])
 

@@ -111,14 +111,16 @@ def _field(**changes) -> list:
         (b"[" * 100_000, "not valid JSON"),
         (b"[1, 2]", "the schema must be a JSON object, got list"),
         (b'"text"', "the schema must be a JSON object, got str"),
-        (json.dumps({k: v for k, v in _GOOD.items() if k != "dense"}).encode(), r"lacks key\(s\) \['dense'\]"),
+        (json.dumps({k: v for k, v in _GOOD.items() if k != "dense"}).encode(),
+         r"lacks key\(s\) \['dense'\]"),
         (_with(bogus=1), r"unknown key\(s\) \['bogus'\]"),
         (_with(dense="d0"), "dense must be a list"),
         (_with(dense=[1]), "dense must be a list of column names"),
         (_with(sparse={"s0": 5}), "sparse must be a list"),
         (_with(sparse=[5]), r"sparse\[0\] must be a JSON object"),
         (_with(sparse=[{"name": "s0"}]), r"sparse\[0\] lacks key\(s\) \['cardinality'\]"),
-        (_with(sparse=[{"name": "s0", "cardinality": 5, "hot": 1}]), r"sparse\[0\] has unknown key\(s\) \['hot'\]"),
+        (_with(sparse=[{"name": "s0", "cardinality": 5, "hot": 1}]),
+         r"sparse\[0\] has unknown key\(s\) \['hot'\]"),
         (_with(sparse=_field(cardinality="5")), "cardinality '5'; must be an integer"),
         (_with(sparse=_field(cardinality=5.0)), "cardinality 5.0; must be an integer"),
         (_with(sparse=_field(cardinality=True)), "cardinality True; must be an integer"),
@@ -134,8 +136,10 @@ def _field(**changes) -> list:
     ],
 )
 def test_broken_schema_metadata_is_one_line_naming_the_file(meta, message):
-    arrow = FeatureSchema.from_json(json.dumps(_GOOD)).arrow_schema().with_metadata({SCHEMA_METADATA_KEY: meta})
-    with pytest.raises(DataError, match=r"^file f\.parquet: bad recaccel\.schema metadata: .*" + message) as err:
+    arrow = FeatureSchema.from_json(json.dumps(_GOOD)).arrow_schema()
+    arrow = arrow.with_metadata({SCHEMA_METADATA_KEY: meta})
+    prefix = r"^file f\.parquet: bad recaccel\.schema metadata: .*"
+    with pytest.raises(DataError, match=prefix + message) as err:
         FeatureSchema.from_arrow(arrow, "f.parquet")
     assert "\n" not in str(err.value) and err.value.path == "f.parquet"
 
@@ -154,13 +158,15 @@ def test_tables_that_cannot_fit_are_refused_naming_the_file():
     )
     need = (10**12 + 3) * 16 * 4
     assert table_memory_bytes(schema, 16) == need
-    with pytest.raises(DataError, match=rf"^file f\.parquet: .*need .*\({need} bytes.* memory of cpu .*'big'"):
+    expected = rf"^file f\.parquet: .*need .*\({need} bytes.* memory of cpu .*'big'"
+    with pytest.raises(DataError, match=expected):
         check_table_memory(schema, 16, "cpu")  # 64 TB: no host has it
     assert 0 < host_memory_bytes() < need
-    small = FeatureSchema.from_arrow(FeatureSchema((), (SparseField("s0", 1000),)).arrow_schema(), "g.parquet")
+    small = FeatureSchema((), (SparseField("s0", 1000),), origin="g.parquet")
     check_table_memory(small, 16, "cpu")
     check_table_memory(small, 16, "cpu", limit_bytes=1000 * 16 * 4)  # exactly fits
-    with pytest.raises(DataError, match=r"^file g\.parquet: .*64000 bytes.* the configured limit is .*63999 bytes"):
+    expected = r"^file g\.parquet: .*64000 bytes.* the configured limit is .*63999 bytes"
+    with pytest.raises(DataError, match=expected):
         check_table_memory(small, 16, "cpu", limit_bytes=1000 * 16 * 4 - 1)
 
 

@@ -22,15 +22,14 @@ About 100 variants run in CI (a few seconds); ``RECACCEL_FUZZ_VARIANTS=2000`` (a
 from __future__ import annotations
 
 import json
-import re
 import math
 import os
+import re
 import threading
 import traceback
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -52,6 +51,7 @@ DEADLINE_S = 60.0  # per read; generous for a loaded CI host, a hang still fails
 VARIANTS = int(os.environ.get("RECACCEL_FUZZ_VARIANTS", "100"))
 CAMPAIGN_SEED = int(os.environ.get("RECACCEL_FUZZ_SEED", "0"))
 SKIP = dict(invalid_ids="skip", invalid_dense="skip", invalid_labels="skip")
+TASK_EVERY = 3
 TASKS = TasksConfig(tasks_per_batch=2, support_size=4, query_size=4, min_task_rows=1, shuffle_buffer_tasks=3)
 
 
@@ -229,8 +229,8 @@ def schema_damage(rng: np.random.Generator) -> Variant:
     else:
         del text[pos]
     # An edited cardinality may reject ids (error, or skipped rows of unknown count).
-    return Variant(f"schema:random_edit(pos={pos})", lambda src, table, dst: _rewrite(table, dst, bytes(text)),
-                   same_rows=False)
+    return Variant(f"schema:random_edit(pos={pos})",
+                   lambda src, table, dst: _rewrite(table, dst, bytes(text)), same_rows=False)
 
 
 # Replacement columns: (name, make(table) -> array, compatible with the schema?)
@@ -301,7 +301,8 @@ def bad_values(rng: np.random.Generator) -> Variant:
     bad = {r for rows in plan.values() for r in rows}  # rid = row number
     shown = {n: sorted(r) for n, r in plan.items()}
     return Variant(f"values:{shown}", damage, bad_rows=bad, columns=set(plan),
-                   row_groups={r // ROWS_PER_GROUP for r in bad}, must_fail=True, where=("row_group", "column"))
+                   row_groups={r // ROWS_PER_GROUP for r in bad}, must_fail=True,
+                   where=("row_group", "column"))
 
 
 def side_nulls(rng: np.random.Generator) -> Variant:
@@ -325,9 +326,9 @@ KINDS = [page_flip, page_flip, footer_flip, footer_flip, truncation, schema_dama
          type_change, bad_values, bad_values, side_nulls]
 
 
-def variants(count: int, seed: int) -> list[tuple[int, Variant]]:
-    rng = np.random.default_rng(seed)
-    return [(i, KINDS[i % len(KINDS)](rng)) for i in range(count)]
+def variant(i: int, seed: int) -> Variant:
+    """Variant ``i`` of campaign ``seed``: its own RNG, so it is the same alone or in a run."""
+    return KINDS[i % len(KINDS)](np.random.default_rng([seed, i]))
 
 
 # ---------------------------------------------------------------- reading under a deadline
@@ -380,7 +381,7 @@ def check_error(err: RecaccelError, path: Path, v: Variant, what: str, opened: b
     for attr in v.where if opened else ():
         assert getattr(err, attr, None) is not None, f"{what}: error does not name the {attr}: {msg}"
     if v.columns and getattr(err, "column", None) is not None:
-        assert err.column in v.columns, f"{what}: error names column {err.column!r}, not one of {v.columns}: {msg}"
+        assert err.column in v.columns, f"{what}: error names column {err.column!r}: {msg}"
     if v.row_groups and getattr(err, "row_group", None) is not None:
         assert err.row_group in v.row_groups, f"{what}: error names row group {err.row_group}: {msg}"
 
@@ -389,14 +390,15 @@ def check_batch_valid(batch, what: str) -> None:
     """Values within the schema's bounds and well-formed CSR."""
     b = batch.batch_size
     assert batch.sparse.keys == ["rid", "s1", "s2"], what
-    assert batch.dense.shape == (b, 2) and bool(torch.isfinite(batch.dense).all()), f"{what}: dense not finite"
+    assert batch.dense.shape == (b, 2), what
+    assert bool(torch.isfinite(batch.dense).all()), f"{what}: dense not finite"
     assert bool(((batch.labels == 0) | (batch.labels == 1)).all()), f"{what}: labels not 0/1: {batch.labels}"
     off = batch.sparse.offsets
     assert off.shape == (3 * b + 1,) and off[0] == 0 and off[-1] == batch.sparse.values.numel(), what
     assert bool((off[1:] >= off[:-1]).all()), f"{what}: offsets decrease"
     for f, name in enumerate(batch.sparse.keys):
         ids = batch.sparse.values[off[f * b] : off[(f + 1) * b]]
-        assert bool(((ids >= 0) & (ids < CARDS[name])).all()), f"{what}: field {name} has ids outside the table"
+        assert bool(((ids >= 0) & (ids < CARDS[name])).all()), f"{what}: {name} has ids outside the table"
         if name != "s1":  # single-hot: one id per row
             assert bool((off[f * b + 1 : (f + 1) * b + 1] - off[f * b : (f + 1) * b] == 1).all()), what
 
@@ -410,6 +412,8 @@ def check_batches(batches: list, stats: dict, rows: dict, v: Variant, what: str,
         unknown = [r for r in got if rows.get(r[0]) != r]
         assert not unknown, f"{what}: rows that are not in the file: {unknown[:3]}"
         assert len({r[0] for r in got}) == len(got), f"{what}: a row came twice"
+        if stats["rows_skipped"] == 0:
+            assert len(got) == N_ROWS, f"{what}: {N_ROWS - len(got)} rows missing"
     if v.bad_rows is not None and skipping:
         assert sorted(r[0] for r in got) == sorted(set(rows) - v.bad_rows), f"{what}: wrong rows kept"
         assert stats["rows_skipped"] == len(v.bad_rows), f"{what}: {stats}"
@@ -417,14 +421,22 @@ def check_batches(batches: list, stats: dict, rows: dict, v: Variant, what: str,
         assert not v.bad_rows and len(got) == N_ROWS, what
 
 
-def check_task_batches(batches: list, what: str) -> int:
-    """Checks every TaskBatch's real and padding rows; returns the real rows seen."""
-    real = 0
+def check_task_batches(batches: list, stats: dict, rows: dict, v: Variant, what: str) -> list[int]:
+    """Checks every TaskBatch's rows (padding included) against the schema, and its real
+    rows against the file: each at most once, unchanged, all of them when none was
+    skipped. Returns the rids of the real rows."""
+    rids = []
     for tb in batches:
         for side, mask in ((tb.support, tb.support_mask), (tb.query, tb.query_mask)):
             check_batch_valid(side, what)
-            real += int(mask.sum())
-    return real
+            real = [r for r, m in zip(batch_rows(side), mask.reshape(-1).tolist()) if m > 0]
+            if v.same_rows:
+                assert all(rows.get(r[0]) == r for r in real), f"{what}: rows that are not in the file"
+            rids += [r[0] for r in real]
+    assert len(set(rids)) == len(rids), f"{what}: a row came twice"
+    if v.same_rows and stats["rows_skipped"] == 0:
+        assert sorted(rids) == sorted(rows), f"{what}: {N_ROWS - len(rids)} rows missing"
+    return rids
 
 
 @pytest.fixture(scope="module")
@@ -441,14 +453,19 @@ def test_the_valid_file_reads_back_exactly(valid_file):
     for policy in ({}, SKIP):
         batches, stats = read_batches(src, [], **policy)
         check_batches(batches, stats, rows, ok, "valid file", skipping=bool(policy))
-    assert check_task_batches(read_tasks(src, [])[0], "valid file") == N_ROWS
+    assert len(check_task_batches(*read_tasks(src, []), rows, ok, "valid file")) == N_ROWS
 
 
-def check_variant(i: int, v: Variant, src: Path, table: pa.Table, rows: dict, tmp: Path) -> None:
-    """Damages a copy of the file as ``v`` says and reads it whole under both policies."""
+def check_variant(
+    i: int, seed: int, src: Path, table: pa.Table, rows: dict, tmp: Path, tasks: bool | None = None
+) -> None:
+    """Damages a copy of the file as variant ``i`` of campaign ``seed`` says and reads it
+    whole with the batch reader under both policies, and with the task reader (under one
+    of them) when ``tasks`` (None: for every TASK_EVERY-th variant)."""
+    v = variant(i, seed)
     dst = tmp / f"v{i:05d}.parquet"
     v.damage(src, table, dst)
-    what = f"variant {i} (seed {CAMPAIGN_SEED}) {v.name}"
+    what = f"variant {i} (seed {seed}) {v.name}"
     for policy in ({}, SKIP):
         label = f"{what}, {'skip' if policy else 'error'} policy"
         opened: list = []
@@ -458,7 +475,7 @@ def check_variant(i: int, v: Variant, src: Path, table: pa.Table, rows: dict, tm
             continue
         assert not (v.must_fail and not policy), f"{label}: read without an error"
         check_batches(*result, rows, v, label, skipping=bool(policy))
-    if i % 3:  # the task reader on a third of the variants (it costs more), either policy
+    if not (i % TASK_EVERY == 0 if tasks is None else tasks):  # the task reader costs more
         return
     policy = SKIP if i % 2 else {}
     label, opened = f"{what}, task reader, {'skip' if policy else 'error'} policy", []
@@ -469,9 +486,9 @@ def check_variant(i: int, v: Variant, src: Path, table: pa.Table, rows: dict, tm
     assert not v.tasks_must_fail and not (v.must_fail and (v.bad_rows is None or not policy)), (
         f"{label}: read without an error"
     )
-    real = check_task_batches(result[0], label)
+    rids = check_task_batches(*result, rows, v, label)
     if v.bad_rows is not None:
-        assert real == N_ROWS - len(v.bad_rows), f"{label}: {real} rows, {result[1]}"
+        assert sorted(rids) == sorted(set(rows) - v.bad_rows), f"{label}: wrong rows kept, {result[1]}"
 
 
 CHUNKS = max(1, VARIANTS // 25)
@@ -480,8 +497,21 @@ CHUNKS = max(1, VARIANTS // 25)
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_damaged_files_give_one_line_errors_or_valid_batches(valid_file, tmp_path, chunk):
     src, table, rows = valid_file
-    for i, v in variants(VARIANTS, CAMPAIGN_SEED)[chunk::CHUNKS]:
-        check_variant(i, v, src, table, rows, tmp_path)
+    for i in range(chunk, VARIANTS, CHUNKS):
+        check_variant(i, CAMPAIGN_SEED, src, table, rows, tmp_path)
+
+
+# Variants that broke the readers once: (seed, index, what went wrong).
+REGRESSIONS = [
+    (0, 3611, "footer flip: pyarrow aborted the process as the task reader read column statistics"),
+    (5, 487, "footer flip: a row group's negative row count made its rows vanish"),
+]
+
+
+@pytest.mark.parametrize("seed, index, what", REGRESSIONS, ids=[f"{s}-{i}" for s, i, _ in REGRESSIONS])
+def test_variants_that_once_broke_the_readers(valid_file, tmp_path, seed, index, what):
+    src, table, rows = valid_file
+    check_variant(index, seed, src, table, rows, tmp_path, tasks=True)
 
 
 def _flip_page_body(src: Path, table: pa.Table, dst: Path) -> None:
@@ -499,17 +529,26 @@ def _bad_label(src: Path, table: pa.Table, dst: Path) -> None:
              table.schema.metadata[SCHEMA_METADATA_KEY])
 
 
+def _metadata(make: Callable[[], bytes]) -> Callable[[Path, pa.Table, Path], None]:
+    return lambda src, table, dst: _rewrite(table, dst, make())
+
+
+def _huge_cardinality() -> bytes:
+    return json.dumps(_with_field("s2", cardinality=10**12)).encode()
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda src, table, dst: _rewrite(table, dst, SCHEMA_DAMAGE["zero_cardinality"]()),
+        (_metadata(SCHEMA_DAMAGE["zero_cardinality"]),
          r": bad recaccel\.schema metadata: sparse field 's2' has cardinality 0"),
-        (lambda src, table, dst: _rewrite(table, dst, SCHEMA_DAMAGE["invalid_json"]()),
-         r": bad recaccel\.schema metadata: not valid JSON"),
+        (_metadata(SCHEMA_DAMAGE["invalid_json"]), r": bad recaccel\.schema metadata: not valid JSON"),
+        (_metadata(_huge_cardinality),
+         r": the embedding tables of the schema need .* \(16000000001280 bytes: .*'s2': 1000000000000 ids"),
         (_flip_page_body, r", row group 1, column 'rid': cannot read row group: .*CRC"),
         (_bad_label, r", row group 2, column 'label': invalid label 3\.0 at row 5"),
     ],
-    ids=["zero_cardinality", "invalid_json", "page_flip", "bad_label"],
+    ids=["zero_cardinality", "invalid_json", "huge_cardinality", "page_flip", "bad_label"],
 )
 def test_training_on_a_damaged_file_exits_2_with_one_line(valid_file, tmp_path, capsys, damage, message):
     from recaccel.cli import train_main
