@@ -84,14 +84,17 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         if args.resume and args.overwrite:
             raise RecaccelError("--resume continues the run in RUN_DIR; --overwrite would delete it: pass one")
         if args.nproc is not None:
+            from recaccel.config import preflight
             from recaccel.train.launch import check_launch, relaunch, strip_nproc
+            from recaccel.train.runlog import check_run_dir
 
             resolved = Path(args.resume) / "config.toml" if args.resume else args.config
-            check_launch(load_config(resolved, overrides), args.nproc)
-            if not args.resume:  # refused here in one line, before the ranks start
-                from recaccel.train.runlog import check_run_dir
-
-                check_run_dir(Path(load_config(resolved, overrides).train.out_dir), overwrite=args.overwrite)
+            cfg = load_config(resolved, overrides)
+            # Refused here in one line, before any rank starts.
+            check_launch(cfg, args.nproc)
+            preflight(cfg)
+            if not args.resume:
+                check_run_dir(Path(cfg.train.out_dir), overwrite=args.overwrite)
             return relaunch(args.nproc, strip_nproc(sys.argv[1:] if argv is None else argv))
         if args.resume:
             metrics = api.resume(args.resume, overrides)

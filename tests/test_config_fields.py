@@ -306,6 +306,18 @@ def test_hybrid_with_zero_timeout_is_refused_before_launching(tiny, tmp_path, ca
     _one_line_exit_2(capsys, argv, "config key parallel.timeout_s=0 must be > 0")
 
 
+def test_hybrid_with_missing_data_is_refused_before_launching(tiny, tmp_path, capsys, monkeypatch):
+    from recaccel.train import launch
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch, "relaunch", no_launch)
+    missing = tmp_path / "missing"
+    argv = _run(tiny, tmp_path / "run", "parallel.mode=hybrid", f'data.test="{missing}"', argv=("--nproc", "2"))
+    _one_line_exit_2(capsys, argv, f"config key data.test={missing} does not exist")
+
+
 def test_evaluate_checks_its_data_before_reading_the_run(tiny, tmp_path):
     cfg = load_config(None, _run(tiny, tmp_path / "run")[1::2])
     with pytest.raises(ConfigError, match=r"evaluation data .*nope does not exist"):

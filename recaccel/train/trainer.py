@@ -253,7 +253,6 @@ class Trainer:
         return metrics
 
 
-
 def _has_checkpoint(run_dir: Path) -> bool:
     """Whether the run directory holds any checkpoint, single-process or sharded."""
     from recaccel.train.dist_checkpoint import list_sharded_checkpoints
