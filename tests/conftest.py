@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -41,9 +42,9 @@ def shared_data():
     return shared_dataset
 
 
-@pytest.fixture
-def one_rank_group():
-    """A real one-process gloo group, for code that issues (or must not issue) collectives."""
+@contextlib.contextmanager
+def gloo_group_of_one():
+    """A real one-process gloo group on a free local port, destroyed on exit."""
     import socket
 
     import torch.distributed as dist
@@ -52,8 +53,17 @@ def one_rank_group():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A real one-process gloo group, for code that issues (or must not issue) collectives."""
+    with gloo_group_of_one():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

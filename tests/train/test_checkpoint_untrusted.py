@@ -10,7 +10,6 @@ import logging
 import os
 import pickle
 import shutil
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from recaccel.config import load_config
 from recaccel.errors import RecaccelError
 from recaccel.train.checkpoint import list_checkpoints
 from recaccel.train.checkpoint_io import read_dcp_metadata
+from tests.conftest import gloo_group_of_one
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (tiny_data: a fixture)
 
 STEPS = 5  # an epoch is 23 steps: the checkpoint holds a mid-epoch reader position
@@ -201,14 +201,8 @@ def test_malicious_pickle_never_runs(single_run, tmp_path, capsys, caplog, write
 def group():
     """A one-process gloo group for the whole module: hybrid runs in this process."""
     pytest.importorskip("torchrec", exc_type=ImportError)
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with gloo_group_of_one():
+        yield
 
 
 @pytest.fixture(scope="module")
