@@ -141,17 +141,26 @@ def _meta(train: Path, test: Path, out: Path, *extra: str) -> list[str]:
                      "train.log_every=4", "tasks.shuffle_buffer_tasks=12", "tasks.unit_row_groups=2", *extra)
 
 
-def test_meta_resumed_mid_epoch_and_at_epoch_end_equals_uninterrupted(task_data, tmp_path):  # noqa: F811
+def test_meta_resumed_anywhere_equals_uninterrupted(task_data, tmp_path):  # noqa: F811
     train, test = task_data
     full = tmp_path / "full"
     assert train_main(_meta(train, test, full)) == 0
     steps = json.loads((full / "metrics.json").read_text())["steps"]
     per_epoch = steps // 2
     assert per_epoch >= 3
-    for stop in (per_epoch // 2 + 1, per_epoch):
+    # Mid-epoch, an epoch's last step, the last step; then a run stopped before its first
+    # checkpoint (only its config and log were written).
+    for stop in (per_epoch // 2 + 1, per_epoch, steps, 0):
         part = tmp_path / f"part{stop}"
-        assert train_main(_meta(train, test, part, f"train.steps={stop}")) == 0
-        assert train_main(["--resume", str(part), "--set", "train.steps=0"]) == 0
+        if stop:
+            assert train_main(_meta(train, test, part, f"train.steps={stop}")) == 0
+            assert train_main(["--resume", str(part), "--set", "train.steps=0"]) == 0
+        else:
+            shutil.copytree(full, part)
+            (part / "metrics.json").unlink()
+            for path in list_checkpoints(part):
+                path.unlink()
+            assert train_main(["--resume", str(part)]) == 0
         # The task reader's decode work and memory high-water mark depend on when its
         # worker threads ran (a resumed window may decode a row group again): they vary
         # from run to run, resumed or not. Every count of rows, tasks and batches is exact.
