@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from recaccel.config import Config, load_config, preflight
+from recaccel.config import Config, load_config
 from recaccel.train.runlog import CONFIG_FILE
 
 
@@ -25,6 +25,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
         RecaccelError: a run directory that already holds a run (neither ``resume`` nor
             ``overwrite``), bad config or input, a checkpoint that cannot be resumed.
     """
+    from recaccel.preflight import preflight
     from recaccel.train.trainer import Trainer
 
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
@@ -45,6 +46,7 @@ def evaluate(cfg: Config, path: str | None = None) -> dict[str, Any]:
     Raises:
         RecaccelError: if the run has no checkpoint or it cannot be read.
     """
+    from recaccel.preflight import preflight
     from recaccel.train.trainer import Trainer
 
     preflight(cfg, training=False, test_path=path)

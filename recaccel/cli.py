@@ -84,7 +84,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         if args.resume and args.overwrite:
             raise RecaccelError("--resume continues the run in RUN_DIR; --overwrite would delete it: pass one")
         if args.nproc is not None:
-            from recaccel.config import preflight
+            from recaccel.preflight import preflight
             from recaccel.train.launch import check_launch, relaunch, strip_nproc
             from recaccel.train.runlog import check_run_dir
 

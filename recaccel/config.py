@@ -11,9 +11,9 @@ Every field is checked where it is declared: its annotation says its type, its c
 TOML, from overrides or in Python is checked the same way. Every problem is one
 :class:`ConfigError` line naming the key as ``section.key=value``. A zero that means
 something is documented at its field (``train.steps = 0``: run ``train.epochs``);
-other values outside a field's range are refused. :func:`preflight` checks what only
-the file system and the machine can say (input paths, the run directory, the triton
-backend on CPU) before a run starts.
+other values outside a field's range are refused. :func:`recaccel.preflight.preflight`
+checks what only the file system and the machine can say (input paths, the run
+directory, the backends) before a run starts.
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import importlib.util
 import json
 import math
-import os
 import re
 import sys
 import types
@@ -150,7 +148,7 @@ class SynthConfig(_Section):
             raise ConfigError("config keys synth.num_dense=0 and synth.num_sparse=0: need at least one field")
         if self.cardinalities and len(self.cardinalities) != self.num_sparse:
             raise ConfigError(
-                f"config key synth.cardinalities={_shown(self.cardinalities)} has {len(self.cardinalities)} "
+                f"config key synth.cardinalities={show_value(self.cardinalities)} has {len(self.cardinalities)} "
                 f"entries, expected synth.num_sparse={self.num_sparse}"
             )
         if self.multi_hot_fields > self.num_sparse:
@@ -315,7 +313,7 @@ class Config:
     def __post_init__(self) -> None:
         for name, cls in section_types().items():
             if not isinstance(getattr(self, name), cls):
-                got = _shown(getattr(self, name))
+                got = show_value(getattr(self, name))
                 raise ConfigError(f"config section [{name}] must be a {cls.__name__}, got {got}")
 
 
@@ -378,39 +376,6 @@ def config_to_toml(cfg: Config) -> str:
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
-
-
-def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | None = None) -> None:
-    """Checks, before a run starts, what the config alone cannot say.
-
-    Every field is checked again (a Config may have been changed after it was built);
-    then the inputs: ``data.train`` (its schema builds the model, for evaluation too),
-    the evaluation data (``test_path``, default ``data.test``) and, when training, each
-    ``meta.eval_states`` path must be a Parquet file or a folder holding some;
-    ``train.out_dir`` must not be (or lie inside) a file; a ``triton`` backend needs a
-    CUDA device or ``TRITON_INTERPRET=1``, and ``fbgemm`` the ``fbgemm_gpu`` package.
-
-    Args:
-        cfg: the run's config.
-        training: a training run (checks the meta.eval_states paths too).
-        test_path: the data an evaluation reads instead of ``data.test``.
-
-    Raises:
-        ConfigError: naming the key (``section.key=value``) and what is wrong.
-    """
-    cfg.__post_init__()
-    for name in section_types():
-        getattr(cfg, name).__post_init__()
-    _check_dataset(f"config key data.train={_shown(cfg.data.train)}", cfg.data.train)
-    if test_path is None:
-        _check_dataset(f"config key data.test={_shown(cfg.data.test)}", cfg.data.test)
-    else:
-        _check_dataset(f"evaluation data {_shown(str(test_path))}", test_path)
-    if training:
-        for i, entry in enumerate(cfg.meta.eval_states):
-            _check_dataset(f"config key meta.eval_states[{i}]={_shown(entry)}", entry.partition("=")[2])
-    _check_run_dir(cfg.train.out_dir)
-    _check_backends(cfg.model, cfg.train.device)
 
 
 def check_value(key: str, value: Any, hint: Any) -> Any:
@@ -483,19 +448,19 @@ def _check_scalar(key: str, value: Any, hint: Any) -> Any:
 
 
 def _bad(key: str, value: Any, requirement: str) -> ConfigError:
-    return ConfigError(f"config key {key}={_shown(value)} {requirement}")
+    return ConfigError(f"config key {key}={show_value(value)} {requirement}")
 
 
-def _shown(value: Any) -> str:
+def show_value(value: Any) -> str:
     """A value as one short line: TOML-like, strings bare when they are plain words."""
     if isinstance(value, bool):
         text = "true" if value else "false"
     elif isinstance(value, str):
         text = value if re.fullmatch(r"[\w.:/+@=-]+", value) else json.dumps(value)
     elif isinstance(value, list):
-        text = "[" + ", ".join(_shown(v) for v in value) + "]"
+        text = "[" + ", ".join(show_value(v) for v in value) + "]"
     elif isinstance(value, dict):
-        text = "{" + ", ".join(f"{k} = {_shown(v)}" for k, v in value.items()) + "}"
+        text = "{" + ", ".join(f"{k} = {show_value(v)}" for k, v in value.items()) + "}"
     else:
         text = " ".join(repr(value).split())
     return text if len(text) <= 120 else text[:117] + "..."
@@ -529,49 +494,8 @@ def _check_tables(raw: dict[str, Any], where: str = "") -> None:
         if not isinstance(values, dict):
             raise ConfigError(
                 f"{where}config section [{section}] must be a table of keys ([{section}] and the keys "
-                f"below it), got {section} = {_shown(values)}"
+                f"below it), got {section} = {show_value(values)}"
             )
-
-
-def _check_dataset(what: str, path: str | Path) -> None:
-    """A dataset path must be a file or a folder with ``*.parquet`` files in it."""
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{what} does not exist")
-    if p.is_dir() and not any(f.is_file() for f in p.glob("*.parquet")):
-        raise ConfigError(f"{what} is a folder without *.parquet files")
-
-
-def _check_run_dir(out_dir: str) -> None:
-    """The run directory, or the nearest of its parents that exists, must be a folder."""
-    p = Path(out_dir)
-    what = f"config key train.out_dir={_shown(out_dir)}"
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"{what} is a file, not a run directory")
-    for parent in p.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"{what} lies inside {parent}, which is a file")
-            return
-
-
-def _check_backends(model: ModelConfig, device: str) -> None:
-    """Triton kernels run on CUDA, or on CPU only under Triton's interpreter."""
-    for key in ("embedding_backend", "interaction_backend"):
-        backend = getattr(model, key)
-        if backend == "triton" and os.environ.get("TRITON_INTERPRET", "0") != "1" and not _cuda(device):
-            raise ConfigError(f"config key model.{key}=triton needs a CUDA device or TRITON_INTERPRET=1")
-        if backend == "fbgemm" and importlib.util.find_spec("fbgemm_gpu") is None:
-            raise ConfigError(f"config key model.{key}=fbgemm needs the fbgemm_gpu package (not installed)")
-
-
-def _cuda(device: str) -> bool:
-    """Whether ``train.device`` resolves to a CUDA device (``auto``: when one is available)."""
-    if device != "auto":
-        return device.startswith("cuda")
-    import torch  # only here: loading a config needs no torch
-
-    return torch.cuda.is_available()
 
 
 def _toml_value(value: Any) -> str:

@@ -25,10 +25,10 @@ from recaccel.config import (
     config_from_dict,
     field_hints,
     load_config,
-    preflight,
     section_types,
 )
 from recaccel.errors import ConfigError
+from recaccel.preflight import preflight
 from recaccel.io.synth import generate_synthetic
 
 FIELDS = [

@@ -365,8 +365,9 @@ def main(args, command_line: str) -> Path:
         else:
             path = Path(args.path)
         table, notes = run_io_bench(path, args)
-        if plot_file(args) is not None:
-            plot_throughput(table, plot_file(args))
+        plot = plot_file(args)
+        if plot is not None:
+            plot_throughput(table, plot)
         device, failure = "cpu", None
         if args.train_steps > 0:
             try:

@@ -103,7 +103,8 @@ class SparseFeatures:
         if names == self.keys:
             return self
         self.check_keys(names)
-        return self.select(names)
+        index = {k: i for i, k in enumerate(self.keys)}
+        return self._gather_fields([index[n] for n in names])
 
     def check_keys(self, names: list[str] | tuple[str, ...]) -> None:
         """Checks that the batch holds exactly the fields ``names``, in any order.
@@ -115,8 +116,9 @@ class SparseFeatures:
         names = list(names)
         if names == self.keys:
             return
-        missing = [n for n in names if n not in self.keys]
-        unknown = [k for k in self.keys if k not in names]
+        have, want = set(self.keys), set(names)
+        missing = [n for n in names if n not in have]
+        unknown = [k for k in self.keys if k not in want]
         repeated = sorted({k for k in self.keys if self.keys.count(k) > 1})
         if missing or unknown or repeated:
             problems = [

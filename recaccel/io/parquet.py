@@ -38,7 +38,7 @@ resumed from any state ends an epoch with the counters of an uninterrupted one;
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from recaccel.io.reader_state import (
     data_shard,
     restore_counters,
     restore_position,
+    with_last,
 )
 from recaccel.io.schema import FeatureSchema
 
@@ -237,17 +238,12 @@ class BatchReader(IterableDataset):
             self._pos = _Position(self._pos.epoch + 1, 0, 0, False)
         cuts = self._cut(self._pos)
         try:
-            pending = next(cuts, None)
-            while pending is not None:
-                following = next(cuts, None)  # one ahead: the last batch's state says done
-                batch, pos, counters = pending
-                if following is None:  # the epoch is over: every counter is final
-                    pos, counters = _Position(pos.epoch, pos.buffer, pos.offset, True), dict(self.stats)
+            for (batch, pos, counters), last in with_last(cuts):
+                if last:  # the epoch is over: the state says done, every counter is final
+                    pos, counters = replace(pos, done=True), dict(self.stats)
                 self._pos, self._counters = pos, counters
                 yield batch, self.state_dict()
-                pending = following
-            self._pos = _Position(self._pos.epoch, self._pos.buffer, self._pos.offset, True)
-            self._counters = dict(self.stats)
+            self._pos, self._counters = replace(self._pos, done=True), dict(self.stats)
         finally:
             cuts.close()
 

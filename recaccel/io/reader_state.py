@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import torch.utils.data
 
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.dataset import DatasetInfo
 from recaccel.io.decode import Policies
+
+T = TypeVar("T")
 
 # Fingerprint keys that describe the data rather than the settings.
 _DATA_KEYS = ("num_row_groups", "num_rows")
@@ -53,6 +56,19 @@ def data_fingerprint(info: DatasetInfo, policies: Policies) -> dict[str, Any]:
     }
 
 
+def with_last(items: Iterator[T]) -> Iterator[tuple[T, bool]]:
+    """Each item of ``items`` with whether it is the last, reading one item ahead: how a
+    reader knows that the state after a batch is the epoch's end."""
+    pending = next(items, _NOTHING)
+    while pending is not _NOTHING:
+        following = next(items, _NOTHING)
+        yield pending, following is _NOTHING
+        pending = following
+
+
+_NOTHING = object()
+
+
 def epoch_done(state: Any) -> bool:
     """Whether a reader state (of any resumable reader) was taken after its epoch's last
     batch: the next iteration from it starts the next epoch."""
@@ -87,12 +103,17 @@ def restore_counters(state: dict[str, Any], stats: dict[str, int], what: str) ->
     if "counters" not in state:
         return
     counters = state["counters"]
-    if not isinstance(counters, dict) or not all(
-        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-        for k, v in counters.items()
-    ):
+    if not are_counters(counters):
         raise ConfigError(f"{what} state has bad counters: {counters!r}")
     set_counters(stats, counters)
+
+
+def are_counters(value: Any) -> bool:
+    """Whether ``value`` is a dict of counter names to non-negative ints (saved counters)."""
+    return isinstance(value, dict) and all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k, v in value.items()
+    )
 
 
 def set_counters(stats: dict[str, int], counters: dict[str, int]) -> None:

@@ -72,6 +72,7 @@ from recaccel.io.reader_state import (
     data_shard,
     restore_counters,
     restore_position,
+    with_last,
 )
 from recaccel.io.schema import FeatureSchema
 from recaccel.io.task_pool import TaskPool, build_task_batch
@@ -315,15 +316,11 @@ class TaskReader(IterableDataset):
         )
         batches = self._batches(start, units, loader, shard[0])
         try:
-            pending = next(batches, None)
-            while pending is not None:
-                following = next(batches, None)  # one ahead, so the last batch's state says done
-                batch, pos, counters = pending
-                if following is None:  # the epoch is over: every counter is final
+            for (batch, pos, counters), last in with_last(batches):
+                if last:  # the epoch is over: the state says done, every counter is final
                     pos, counters = end, dict(self.stats)
                 self._pos, self._counters = pos, counters
                 yield batch, self.state_dict()
-                pending = following
             self._pos, self._counters = end, dict(self.stats)
         finally:
             batches.close()

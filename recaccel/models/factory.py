@@ -7,10 +7,11 @@ from torch import nn
 
 from recaccel.config import ModelConfig, OptimConfig
 from recaccel.errors import ConfigError
-from recaccel.io.schema import FeatureSchema, check_table_memory
+from recaccel.io.schema import FeatureSchema
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding
+from recaccel.models.table_memory import check_table_memory
 
 
 def build_embedding(

@@ -95,15 +95,6 @@ class EBCHolder(nn.Module):
         return self.ebc(kjt)
 
 
-def select_fields(sf: SparseFeatures, names: list[str]) -> SparseFeatures:
-    """The fields ``names`` of a batch, in that order (:meth:`SparseFeatures.select`).
-
-    Raises:
-        DataError: a name is not a field of the batch, or repeats.
-    """
-    return sf.select(names)
-
-
 class TorchRecEmbedding(nn.Module):
     """Pooled embeddings [B, F, D] of recaccel batches through a TorchRec lookup.
 
@@ -184,16 +175,16 @@ class TorchRecEmbedding(nn.Module):
         """
         if sparse.weights is not None:
             raise DataError("TorchRec embeddings here take unweighted ids; the batch has per-id weights")
-        ordered = sparse.reorder(self.features)
+        sparse.check_keys(self.features)
         b = sparse.batch_size
         parts, names = [], []
-        if self.torchrec_features:
-            pooled = self.lookup(ordered.select(self.torchrec_features).to_kjt())
+        if self.torchrec_features:  # one gather puts them in that fixed order
+            pooled = self.lookup(sparse.select(self.torchrec_features).to_kjt())
             keys = list(pooled.keys())
             parts.append(pooled.values().view(b, len(keys), self.dim))
             names += keys
         if self.replicated_features:
-            parts.append(self.replicated(ordered.select(self.replicated_features)))
+            parts.append(self.replicated(sparse.select(self.replicated_features)))
             names += self.replicated_features
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         if names == list(sparse.keys):

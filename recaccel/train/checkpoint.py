@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from recaccel.errors import RecaccelError
+from recaccel.io.reader_state import are_counters
 from recaccel.train.checkpoint_io import (
     STATE_KEYS,
     CheckpointError,
@@ -28,10 +29,11 @@ from recaccel.train.checkpoint_io import (
     check_optimizer_state,
     first_line,
     fsync_path,
+    python_rng_state,
     read_payload,
 )
+from recaccel.train.runlog import CHECKPOINT_DIR
 
-CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)\.pt$")
 
 
@@ -64,8 +66,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    py = json.loads(state["python"])
-    random.setstate((py[0], tuple(py[1]), py[2]))
+    random.setstate(python_rng_state(state["python"]))
     np.random.set_state(json.loads(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -122,9 +123,7 @@ def _saved_data(text: Any) -> dict[str, int] | None:
     value = json.loads(text)
     if value is None:
         return None
-    if not isinstance(value, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()
-    ):
+    if not are_counters(value):
         raise ValueError(f"entry 'data' must hold an object of non-negative counts, got {text[:80]!r}")
     return value
 
@@ -205,12 +204,17 @@ def load_reader_position(reader: Any, position: dict[str, Any], run_dir: Path) -
         raise CheckpointError(newest_checkpoint(run_dir), what) from None
 
 
+def all_checkpoints(run_dir: Path) -> list[Path]:
+    """Every checkpoint of a run: its ``step-*.pt`` files and complete ``step-*.dcp`` folders."""
+    from recaccel.train.dist_checkpoint import list_sharded_checkpoints  # it imports this module
+
+    return list_checkpoints(run_dir) + list_sharded_checkpoints(run_dir)
+
+
 def newest_checkpoint(run_dir: Path) -> Path:
     """The checkpoint a resume of ``run_dir`` reads: its newest ``step-*.pt`` file or complete
     ``step-*.dcp`` folder (the checkpoints folder itself when it has none)."""
-    from recaccel.train.dist_checkpoint import list_sharded_checkpoints  # it imports this module
-
-    found = list_checkpoints(run_dir) + list_sharded_checkpoints(run_dir)
+    found = all_checkpoints(run_dir)
     if not found:
         return Path(run_dir) / CHECKPOINT_DIR
     return max(found, key=lambda p: int(re.search(r"step-(\d+)", p.name).group(1)))

@@ -185,11 +185,16 @@ def _try_torch_rng(state: Any) -> None:
     torch.Generator().set_state(state.detach().cpu())
 
 
+def python_rng_state(text: str) -> tuple:
+    """The ``random.getstate()`` tuple saved as JSON text (JSON turned its tuple into a list)."""
+    version, internal, gauss = json.loads(text)
+    return version, tuple(internal), gauss
+
+
 def _try_python_rng(text: Any) -> None:
     if not isinstance(text, str):
         raise TypeError(f"expected JSON text, got {show(text)}")
-    version, internal, gauss = json.loads(text)
-    random.Random().setstate((version, tuple(internal), gauss))
+    random.Random().setstate(python_rng_state(text))
 
 
 def _try_numpy_rng(text: Any) -> None:

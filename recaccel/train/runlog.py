@@ -15,8 +15,8 @@ from recaccel.errors import RecaccelError
 CONFIG_FILE = "config.toml"
 LOG_FILE = "log.jsonl"
 METRICS_FILE = "metrics.json"
-CHECKPOINTS = "checkpoints"  # recaccel.train.checkpoint.CHECKPOINT_DIR
-RUN_FILES = (CONFIG_FILE, LOG_FILE, METRICS_FILE, CHECKPOINTS)
+CHECKPOINT_DIR = "checkpoints"
+RUN_FILES = (CONFIG_FILE, LOG_FILE, METRICS_FILE, CHECKPOINT_DIR)
 
 
 def run_files(run_dir: Path) -> list[str]:

@@ -18,7 +18,7 @@ from recaccel.io.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.models.factory import build_model
 from recaccel.io.reader_state import epoch_done, saved_counters, set_counters
-from recaccel.train.checkpoint import TrainState, list_checkpoints, load_reader_position
+from recaccel.train.checkpoint import TrainState, all_checkpoints, load_reader_position
 from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
@@ -106,7 +106,7 @@ class Trainer:
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
         self.reader = self._reader(self.objective, cfg.data.train, train=True)
         self.state = TrainState()
-        if resume and fresh_if_no_checkpoint and not _has_checkpoint(self.run_dir):
+        if resume and fresh_if_no_checkpoint and not all_checkpoints(self.run_dir):
             logger.warning("%s has no checkpoint yet: training starts from step 0", self.run_dir)
         elif resume:
             self.state = self.parallel.load_checkpoint(self.run_dir, self.objective.module, self.optimizer)
@@ -251,10 +251,3 @@ class Trainer:
                 states[name] = self.evaluate(path)
             metrics["states"] = states
         return metrics
-
-
-def _has_checkpoint(run_dir: Path) -> bool:
-    """Whether the run directory holds any checkpoint, single-process or sharded."""
-    from recaccel.train.dist_checkpoint import list_sharded_checkpoints
-
-    return bool(list_checkpoints(run_dir) or list_sharded_checkpoints(run_dir))

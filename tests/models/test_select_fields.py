@@ -1,4 +1,4 @@
-"""select_fields: fields of a field-major CSR batch, against per-bag Python lists."""
+"""SparseFeatures.select: fields of a field-major CSR batch, against per-bag Python lists."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import torch
 
 from recaccel.errors import DataError
 from recaccel.io.batch import SparseFeatures
-from recaccel.models.torchrec_sparse import select_fields
 
 
 def random_features(b: int, keys: list[str], seed: int, weighted: bool) -> SparseFeatures:
@@ -39,11 +38,11 @@ def test_selected_fields_keep_their_bags_in_the_asked_order(b, weighted):
     sf = random_features(b, keys, seed=b, weighted=weighted)
     want = bags(sf)
     for names in (["c", "a"], ["d"], keys, ["b", "c", "d", "a"]):
-        got = select_fields(sf, names)
+        got = sf.select(names)
         assert got.keys == names and got.batch_size == b
         assert bags(got) == {n: want[n] for n in names}
     with pytest.raises(DataError, match="no sparse field 'z'"):
-        select_fields(sf, ["a", "z"])
+        sf.select(["a", "z"])
 
 
 @pytest.mark.parametrize("b", [0, 3])

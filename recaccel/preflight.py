@@ -1,0 +1,92 @@
+"""Checks before a run starts: what the config alone cannot say.
+
+A :class:`~recaccel.config.Config` checks its own fields; whether its input paths hold
+data, its run directory can be one, and its backends can run on this machine are
+questions for the file system and the machine, asked here once, before any work, so a
+mistake is one line naming the key instead of a failure after training.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from recaccel.config import Config, ModelConfig, section_types, show_value
+from recaccel.errors import ConfigError, DataError
+from recaccel.io.dataset import list_files
+from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
+
+
+def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | None = None) -> None:
+    """Checks, before a run starts, what the config alone cannot say.
+
+    Every field is checked again (a Config may have been changed after it was built);
+    then the inputs: ``data.train`` (its schema builds the model, for evaluation too),
+    the evaluation data (``test_path``, default ``data.test``) and, when training, each
+    ``meta.eval_states`` path must be a Parquet file or a folder holding some;
+    ``train.out_dir`` must not be (or lie inside) a file; a ``triton`` backend needs a
+    CUDA device or ``TRITON_INTERPRET=1``, and ``fbgemm`` the ``fbgemm_gpu`` package.
+
+    Args:
+        cfg: the run's config.
+        training: a training run (checks the meta.eval_states paths too).
+        test_path: the data an evaluation reads instead of ``data.test``.
+
+    Raises:
+        ConfigError: naming the key (``section.key=value``) and what is wrong.
+    """
+    cfg.__post_init__()
+    for name in section_types():
+        getattr(cfg, name).__post_init__()
+    _check_dataset(f"config key data.train={show_value(cfg.data.train)}", cfg.data.train)
+    if test_path is None:
+        _check_dataset(f"config key data.test={show_value(cfg.data.test)}", cfg.data.test)
+    else:
+        _check_dataset(f"evaluation data {show_value(str(test_path))}", test_path)
+    if training:
+        for i, entry in enumerate(cfg.meta.eval_states):
+            _check_dataset(f"config key meta.eval_states[{i}]={show_value(entry)}", entry.partition("=")[2])
+    _check_run_dir(cfg.train.out_dir)
+    _check_backends(cfg.model, cfg.train.device)
+
+
+def _check_dataset(what: str, path: str | Path) -> None:
+    """A dataset path must be what the readers open (:func:`~recaccel.io.dataset.list_files`):
+    a file, or a folder with ``*.parquet`` files in it."""
+    if not Path(path).exists():
+        raise ConfigError(f"{what} does not exist")
+    try:
+        list_files(path)
+    except DataError:
+        raise ConfigError(f"{what} is a folder without *.parquet files") from None
+
+
+def _check_run_dir(out_dir: str) -> None:
+    """The run directory, or the nearest of its parents that exists, must be a folder."""
+    p = Path(out_dir)
+    what = f"config key train.out_dir={show_value(out_dir)}"
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{what} is a file, not a run directory")
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{what} lies inside {parent}, which is a file")
+            return
+
+
+def _check_backends(model: ModelConfig, device: str) -> None:
+    """Triton kernels run on CUDA, or on CPU only under Triton's interpreter; fbgemm needs its package."""
+    for key in ("embedding_backend", "interaction_backend"):
+        backend = getattr(model, key)
+        if backend == "triton" and not triton_interpret_enabled() and not _cuda(device):
+            raise ConfigError(f"config key model.{key}=triton needs a CUDA device or TRITON_INTERPRET=1")
+        if backend == "fbgemm" and not fbgemm_installed():
+            raise ConfigError(f"config key model.{key}=fbgemm needs the fbgemm_gpu package (not installed)")
+
+
+def _cuda(device: str) -> bool:
+    """Whether ``train.device`` resolves to a CUDA device (``auto``: when one is available)."""
+    if device != "auto":
+        return device.startswith("cuda")
+    return torch.cuda.is_available()
