@@ -32,7 +32,7 @@ def _run(prog: str, body: Callable[[], int]) -> int:
 
 def _handed_to_launcher(error: BaseException) -> bool:
     """A rank under torchrun's agent hands its error line to the launcher, which shows it once."""
-    from recaccel.train.launch import report_rank_error
+    from recaccel.train.distributed.launch import report_rank_error
 
     return report_rank_error(error)
 
@@ -85,7 +85,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
             raise RecaccelError("--resume continues the run in RUN_DIR; --overwrite would delete it: pass one")
         if args.nproc is not None:
             from recaccel.preflight import preflight
-            from recaccel.train.launch import check_launch, relaunch, strip_nproc
+            from recaccel.train.distributed.launch import check_launch, relaunch, strip_nproc
             from recaccel.train.runlog import check_run_dir
 
             resolved = Path(args.resume) / "config.toml" if args.resume else args.config
@@ -191,7 +191,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _compression_arg(parser: argparse.ArgumentParser) -> None:
-    from recaccel.io.parquet_writer import COMPRESSIONS
+    from recaccel.io.format.writer import COMPRESSIONS
 
     parser.add_argument(
         "--compression", choices=COMPRESSIONS, default="snappy",
@@ -200,7 +200,7 @@ def _compression_arg(parser: argparse.ArgumentParser) -> None:
 
 
 def _criteo(args: argparse.Namespace) -> dict[str, Any]:
-    from recaccel.io.criteo import convert_criteo
+    from recaccel.io.convert.criteo import convert_criteo
 
     return convert_criteo(
         args.src, args.out_dir, cardinality=args.cardinality, test_fraction=args.test_fraction,
@@ -210,7 +210,7 @@ def _criteo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _movielens(args: argparse.Namespace) -> dict[str, Any]:
-    from recaccel.io.movielens import convert_movielens
+    from recaccel.io.convert.movielens import convert_movielens
 
     return convert_movielens(
         args.src, args.out_dir, scenario=args.scenario, test_fraction=args.test_fraction, seed=args.seed,
@@ -219,7 +219,7 @@ def _movielens(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _melu(args: argparse.Namespace) -> dict[str, Any]:
-    from recaccel.io.melu import convert_melu
+    from recaccel.io.convert.melu import convert_melu
 
     return convert_melu(
         args.src, args.out_dir, binarize=args.binarize, overwrite=args.overwrite, compression=args.compression
@@ -227,7 +227,7 @@ def _melu(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _tasks(args: argparse.Namespace) -> dict[str, Any]:
-    from recaccel.io.task_grouping import group_by_task
+    from recaccel.io.convert.group_by_task import group_by_task
 
     return group_by_task(
         args.src, args.out_dir, task_key=args.task_key, timestamp=args.timestamp,
@@ -242,7 +242,7 @@ def _synth(args: argparse.Namespace) -> dict[str, Any]:
             ``--overwrite``).
     """
     from recaccel.config import load_config
-    from recaccel.io.synth import generate_synthetic
+    from recaccel.io.convert.synth import generate_synthetic
 
     cfg = load_config(args.config, args.overrides).synth
     done = Path(cfg.out_dir) / "synth.json"
@@ -305,7 +305,7 @@ def _bench_registry() -> dict[str, tuple[str, Callable, Callable]]:
 
 
 if __name__ == "__main__":  # pragma: no cover  (torchrun runs each rank as `python -m recaccel.cli`)
-    from recaccel.train.launch import exit_rank, under_torchrun
+    from recaccel.train.distributed.launch import exit_rank, under_torchrun
 
     status = train_main()
     if under_torchrun():

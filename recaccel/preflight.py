@@ -14,7 +14,7 @@ import torch
 
 from recaccel.config import Config, ModelConfig, section_types, show_value
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.dataset import list_files
+from recaccel.io.format.dataset import list_files
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
 
 
@@ -52,7 +52,7 @@ def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | Non
 
 
 def _check_dataset(what: str, path: str | Path) -> None:
-    """A dataset path must be what the readers open (:func:`~recaccel.io.dataset.list_files`):
+    """A dataset path must be what the readers open (:func:`~recaccel.io.format.dataset.list_files`):
     a file, or a folder with ``*.parquet`` files in it."""
     if not Path(path).exists():
         raise ConfigError(f"{what} does not exist")

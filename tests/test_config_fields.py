@@ -29,7 +29,7 @@ from recaccel.config import (
 )
 from recaccel.errors import ConfigError
 from recaccel.preflight import preflight
-from recaccel.io.synth import generate_synthetic
+from recaccel.io.convert.synth import generate_synthetic
 
 FIELDS = [
     (f"{section}.{f.name}", field_hints(cls)[f.name])
@@ -307,7 +307,7 @@ def test_hybrid_with_zero_timeout_is_refused_before_launching(tiny, tmp_path, ca
 
 
 def test_hybrid_with_missing_data_is_refused_before_launching(tiny, tmp_path, capsys, monkeypatch):
-    from recaccel.train import launch
+    from recaccel.train.distributed import launch
 
     def no_launch(*_args, **_kwargs):
         raise AssertionError("ranks were started")

@@ -1,6 +1,6 @@
 """``recaccel-bench comm``: bytes a hybrid training step moves, measured vs the analytic model.
 
-Two processes on gloo (CPU) run real hybrid DLRM steps (:class:`~recaccel.train.hybrid.HybridParallel`)
+Two processes on gloo (CPU) run real hybrid DLRM steps (:class:`~recaccel.train.distributed.hybrid.HybridParallel`)
 for each sharding kind, with every ``torch.distributed`` collective instrumented; the
 bytes each rank *sends* per step are compared with :func:`analytic_bytes`, the cost
 model of ``bench/results/cost_model.md`` evaluated on the sharding plan TorchRec chose.
@@ -74,7 +74,7 @@ def _sent_bytes(name: str, args: tuple, kwargs: dict, rank: int, world: int) -> 
 
 
 def _batch(args: argparse.Namespace, gen: torch.Generator):
-    from recaccel.io.batch import Batch, SparseFeatures
+    from recaccel.sparse import Batch, SparseFeatures
 
     b, f, n = args.batch, args.tables, args.batch * args.tables * args.pooling
     lengths = torch.full((f * b,), args.pooling, dtype=torch.int64)
@@ -89,13 +89,13 @@ def _run_kind(rank: int, args: argparse.Namespace, kind: str) -> dict:
     import torch.distributed as dist
 
     from recaccel.config import load_config
-    from recaccel.io.schema import FeatureSchema, SparseField
+    from recaccel.io.format.schema import FeatureSchema, SparseField
     from recaccel.models.factory import build_model
-    from recaccel.train.hybrid import HybridParallel
-    from recaccel.train.hybrid_data import GlobalSlices
+    from recaccel.train.distributed.hybrid import HybridParallel
+    from recaccel.train.distributed.hybrid_data import GlobalSlices
     from recaccel.train.objectives import DLRMObjective
     from recaccel.train.optim import build_dense_optimizer
-    from recaccel.train.sharding import plan_rows
+    from recaccel.train.distributed.sharding import plan_rows
 
     cfg = load_config(None, [
         "parallel.mode=hybrid", f"parallel.sharding={kind}", f"model.embedding_dim={args.dim}",
@@ -157,7 +157,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, kinds: list[str], ou
     results = {kind: _run_kind(rank, args, kind) for kind in kinds}
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
-    from recaccel.train.launch import exit_rank
+    from recaccel.train.distributed.launch import exit_rank
 
     exit_rank(0)  # results are written; skip the teardown that can abort after gloo
 
@@ -168,7 +168,7 @@ def analytic_bytes(
     """The cost model: bytes rank ``rank`` sends per hybrid step (see cost_model.md).
 
     Args:
-        plan: :func:`~recaccel.train.sharding.plan_rows` rows (one feature per table).
+        plan: :func:`~recaccel.train.distributed.sharding.plan_rows` rows (one feature per table).
         rank, world: this rank and W.
         batch: global batch B (local b = B / W).
         pooling: ids per bag L (uniform ids).

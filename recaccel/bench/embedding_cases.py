@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError, RecaccelError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.models.embedding import PerTableEmbeddingBag
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec, init_table_weights
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES

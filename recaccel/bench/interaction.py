@@ -55,7 +55,7 @@ def _triton_fn(device: torch.device):
     except (RuntimeError, ValueError) as err:
         log.warning("skipping the triton candidates: %s", err)
         return None
-    from recaccel.ops.interaction_triton import dot_interaction_triton
+    from recaccel.ops.interaction.triton import dot_interaction_triton
 
     return dot_interaction_triton
 
@@ -190,7 +190,7 @@ def write_markdown_summary(results: Sequence[dict], path: str | Path, command: s
         "Candidates are timed interleaved within each repeat (order rotating); median ms reported.",
         (
             "eager = bmm + triu gather + cat (recaccel.ops.interaction.dot_interaction_reference); "
-            "triton = fused kernels (recaccel.ops.interaction_triton)."
+            "triton = fused kernels (recaccel.ops.interaction.triton)."
         ),
         "fwd_bwd = forward then autograd backward w.r.t. the input.",
         (

@@ -10,9 +10,9 @@ process (median of ``repeats``):
   decoded on every core: the ceiling of the machine);
 - ``raw_pyarrow_tasks``: one-thread raw reading plus the task key column (the ceiling
   of the task reader);
-- ``plain``: :class:`~recaccel.io.parquet.BatchReader` (validated, shuffled batches);
+- ``plain``: :class:`~recaccel.io.readers.rows.BatchReader` (validated, shuffled batches);
 - ``plain_in_order``: the same without shuffling;
-- ``tasks``: :class:`~recaccel.io.tasks.TaskReader` (validated, split, sampled, padded
+- ``tasks``: :class:`~recaccel.io.readers.tasks.reader.TaskReader` (validated, split, sampled, padded
   TaskBatches).
 
 Throughput is dataset rows per second (every candidate reads every row once per pass).
@@ -26,8 +26,8 @@ that many steps on ``--device`` through the trainer's loader, and the run's
 ``data_wait_fraction`` (host time blocked waiting for the next batch over training
 time, the first batch's start-up excluded) is reported.
 
-Without ``--path`` the data is generated with :func:`recaccel.io.synth.generate_synthetic`
-in a temporary folder and grouped with :func:`recaccel.io.task_grouping.group_by_task`
+Without ``--path`` the data is generated with :func:`recaccel.io.convert.synth.generate_synthetic`
+in a temporary folder and grouped with :func:`recaccel.io.convert.group_by_task.group_by_task`
 by field ``C1`` (ids Zipf-skewed: a few heavy users, many light ones).
 """
 
@@ -55,10 +55,10 @@ from recaccel.bench.common import (
     write_results_markdown,
 )
 from recaccel.config import SynthConfig, TasksConfig
-from recaccel.io.dataset import open_dataset
-from recaccel.io.parquet import BatchReader
-from recaccel.io.task_grouping import group_by_task
-from recaccel.io.tasks import TaskReader
+from recaccel.io.format.dataset import open_dataset
+from recaccel.io.readers.rows import BatchReader
+from recaccel.io.convert.group_by_task import group_by_task
+from recaccel.io.readers.tasks.reader import TaskReader
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def make_dataset(
     work: Path, rows: int, task_rows: int, zipf_a: float, rows_per_row_group: int, compression: str = "snappy"
 ) -> Path:
     """Synthetic Criteo-like rows grouped by field C1 into ``work/tasks`` (``compression``: codec)."""
-    from recaccel.io.synth import generate_synthetic
+    from recaccel.io.convert.synth import generate_synthetic
 
     cards = [max(2, rows // task_rows)] + [100_000] * 25
     cfg = SynthConfig(
@@ -275,7 +275,7 @@ def measure_data_wait(work: Path, args) -> tuple[dict, str, str]:
     """
     from recaccel.api import train
     from recaccel.config import load_config
-    from recaccel.io.synth import generate_synthetic
+    from recaccel.io.convert.synth import generate_synthetic
     from recaccel.train.trainer import resolve_device
 
     cfg = load_config(

@@ -1,7 +1,7 @@
 """Device loader: prefetches batches on a background thread and moves them to the device.
 
 On CUDA each host batch (:class:`Batch` or :class:`TaskBatch`) is packed into one
-pinned buffer (:mod:`recaccel.io.packing`) and moved with one asynchronous copy on a
+pinned buffer (:mod:`recaccel.io.host_buffer`) and moved with one asynchronous copy on a
 side stream (``backend="torch"``), or handed to an NVIDIA DALI pipeline that does the
 host-to-device stage (``backend="dali"``, imported only when selected). The batch the
 consumer gets is made of views of the one device buffer.
@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError
-from recaccel.io.batch import Batch, TaskBatch
-from recaccel.io.packing import ALIGN, Layout, layout_of, pack, unpack
+from recaccel.sparse import Batch, TaskBatch
+from recaccel.io.host_buffer import ALIGN, Layout, layout_of, pack, unpack
 
 BACKENDS = ("torch", "dali")
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from recaccel.io.batch import TaskBatch
+from recaccel.sparse import TaskBatch
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.learner import MetaLearner
 from recaccel.meta.ranking import auc_per_task, ndcg_per_task

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from recaccel.config import MetaConfig
 from recaccel.errors import ConfigError
-from recaccel.io.batch import TaskBatch
+from recaccel.sparse import TaskBatch
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.heads import SHIFT, TaskHead, adapt_plan, initial_params, shift_shape
 from recaccel.meta.maml import ENGINES, Block, MetaOutput, Rates, run_engine

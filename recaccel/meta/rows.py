@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 
 
 def concat_rows(first: SparseFeatures, second: SparseFeatures) -> SparseFeatures:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from recaccel.io.batch import Batch, SparseFeatures, TaskBatch
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.meta.functional import LOSSES
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.interaction import dot_interaction
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.io.batch import Batch, SparseFeatures
+from recaccel.sparse import Batch, SparseFeatures
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 
 

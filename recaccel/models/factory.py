@@ -7,7 +7,7 @@ from torch import nn
 
 from recaccel.config import ModelConfig, OptimConfig
 from recaccel.errors import ConfigError
-from recaccel.io.schema import FeatureSchema
+from recaccel.io.format.schema import FeatureSchema
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding

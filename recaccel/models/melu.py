@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.io.schema import SparseField
+from recaccel.io.format.schema import SparseField
 from recaccel.models.arches import DenseArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding

@@ -12,7 +12,7 @@ import os
 import torch
 
 from recaccel.errors import DataError
-from recaccel.io.schema import FeatureSchema
+from recaccel.io.format.schema import FeatureSchema
 
 
 def host_memory_bytes() -> int:

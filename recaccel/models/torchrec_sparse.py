@@ -1,6 +1,6 @@
 """TorchRec embeddings behind recaccel's SparseArch: SparseFeatures -> [B, F, D].
 
-:class:`TorchRecEmbedding` turns a batch's :class:`~recaccel.io.batch.SparseFeatures`
+:class:`TorchRecEmbedding` turns a batch's :class:`~recaccel.sparse.SparseFeatures`
 into a KeyedJaggedTensor (``to_kjt()``, no copy), looks it up in a TorchRec
 ``EmbeddingBagCollection`` or its sharded form (``DistributedModelParallel``), and lays
 the pooled ``KeyedTensor`` out as [B, F, D] in the batch's field order (a sharded
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.specs import TableSpec
 
 
@@ -110,7 +110,7 @@ class TorchRecEmbedding(nn.Module):
         register: False keeps ``lookup`` and ``replicated`` out of the module tree: their
             parameters and state are then invisible to ``parameters()``, ``state_dict()``
             and dense optimizers (a sharded collection updates its rows inside backward and
-            is checkpointed shard by shard, see :mod:`recaccel.train.dist_checkpoint`);
+            is checkpointed shard by shard, see :mod:`recaccel.train.distributed.dist_checkpoint`);
             ``train()`` / ``eval()`` still reach them.
 
     Raises:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from recaccel.errors import RecaccelError
-from recaccel.io.reader_state import are_counters
+from recaccel.io.readers.state import are_counters
 from recaccel.train.checkpoint_io import (
     STATE_KEYS,
     CheckpointError,
@@ -206,7 +206,7 @@ def load_reader_position(reader: Any, position: dict[str, Any], run_dir: Path) -
 
 def all_checkpoints(run_dir: Path) -> list[Path]:
     """Every checkpoint of a run: its ``step-*.pt`` files and complete ``step-*.dcp`` folders."""
-    from recaccel.train.dist_checkpoint import list_sharded_checkpoints  # it imports this module
+    from recaccel.train.distributed.dist_checkpoint import list_sharded_checkpoints  # it imports this module
 
     return list_checkpoints(run_dir) + list_sharded_checkpoints(run_dir)
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from recaccel.io.batch import Batch
+from recaccel.sparse import Batch
 from recaccel.metrics import binary_auc, binary_logloss
 
 

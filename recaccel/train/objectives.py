@@ -12,8 +12,8 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from recaccel.config import Config
-from recaccel.io.batch import Batch, TaskBatch
-from recaccel.io.parquet import BatchReader
+from recaccel.sparse import Batch, TaskBatch
+from recaccel.io.readers.rows import BatchReader
 from recaccel.metrics import check_finite
 from recaccel.train.evaluation import binary_metrics, predict, rating_metrics
 
@@ -74,7 +74,7 @@ class MetaObjective:
         self.module = MetaLearner(model, cfg.meta, loss=loss_kind, engine=cfg.meta.engine)
 
     def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1):
-        from recaccel.io.tasks import TaskReader
+        from recaccel.io.readers.tasks.reader import TaskReader
 
         return TaskReader.from_config(
             path, self.cfg.tasks, self.cfg.data, train=train, rank=rank, world_size=world_size,

@@ -1,6 +1,6 @@
 """How a run is spread over processes: the strategy a Trainer delegates to.
 
-:class:`SingleProcess` is one process on one device; :class:`recaccel.train.hybrid.
+:class:`SingleProcess` is one process on one device; :class:`recaccel.train.distributed.hybrid.
 HybridParallel` shards embeddings through TorchRec and sums dense gradients over ranks.
 The Trainer calls the same methods on either, so its loop has no mode branches.
 """
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from recaccel.config import Config
 from recaccel.errors import ConfigError
-from recaccel.io.batch import Batch, TaskBatch
+from recaccel.sparse import Batch, TaskBatch
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 
 
@@ -57,7 +57,7 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
         ConfigError: ``single`` mode in a multi-process launch.
     """
     if cfg.parallel.mode == "hybrid":
-        from recaccel.train.hybrid import HybridParallel
+        from recaccel.train.distributed.hybrid import HybridParallel
 
         return HybridParallel(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)

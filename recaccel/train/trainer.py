@@ -14,10 +14,10 @@ from tqdm.auto import tqdm
 
 from recaccel.config import Config
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.dataset import open_dataset
+from recaccel.io.format.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.models.factory import build_model
-from recaccel.io.reader_state import epoch_done, saved_counters, set_counters
+from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
 from recaccel.train.checkpoint import TrainState, all_checkpoints, load_reader_position
 from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from recaccel.errors import DataError
-from recaccel.io.batch import Batch, SparseFeatures
-from recaccel.io.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
+from recaccel.sparse import Batch, SparseFeatures
+from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
 
 
 def _sparse() -> SparseFeatures:

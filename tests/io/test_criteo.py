@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from sklearn.metrics import log_loss
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io import criteo
-from recaccel.io.criteo import convert_criteo
-from recaccel.io.schema import FeatureSchema
+from recaccel.io.convert import criteo
+from recaccel.io.convert.criteo import convert_criteo
+from recaccel.io.format.schema import FeatureSchema
 
 MASK64 = (1 << 64) - 1
 

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.columns import Columns, take_csr
-from recaccel.io.parquet import BatchReader, DatasetWriter, open_dataset, write_parquet
-from recaccel.io.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
+from recaccel.io.format.columns import Columns, take_csr
+from recaccel.io.readers.rows import BatchReader, DatasetWriter, open_dataset, write_parquet
+from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXACT = dict(rtol=0, atol=0)

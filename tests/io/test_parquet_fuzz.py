@@ -39,11 +39,11 @@ import torch
 
 from recaccel.config import TasksConfig
 from recaccel.errors import RecaccelError
-from recaccel.io.parquet import BatchReader
-from recaccel.io.parquet_writer import write_parquet
-from recaccel.io.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
-from recaccel.io.task_grouping import grouped_schema
-from recaccel.io.tasks import TaskReader
+from recaccel.io.readers.rows import BatchReader
+from recaccel.io.format.writer import write_parquet
+from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
+from recaccel.io.convert.group_by_task import grouped_schema
+from recaccel.io.readers.tasks.reader import TaskReader
 
 N_ROWS, ROWS_PER_GROUP, TASK_ROWS = 60, 20, 10
 CARDS = {"rid": N_ROWS, "s1": 20, "s2": 7}  # rid: the row's number, so rows can be traced

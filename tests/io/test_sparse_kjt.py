@@ -16,7 +16,7 @@ pytest.importorskip("torchrec", reason="torchrec is not installed: no KeyedJagge
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: E402
 
 from recaccel.errors import DataError  # noqa: E402
-from recaccel.io.batch import SparseFeatures  # noqa: E402
+from recaccel.sparse import SparseFeatures  # noqa: E402
 
 KEYS = ["a", "b", "c"]
 

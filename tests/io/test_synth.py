@@ -15,9 +15,9 @@ from sklearn.metrics import log_loss, roc_auc_score
 
 from recaccel.config import SynthConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io import synth
-from recaccel.io.schema import FeatureSchema
-from recaccel.io.synth import SynthRows, build_planted_model, generate_synthetic, rows_from_table
+from recaccel.io.convert import synth
+from recaccel.io.format.schema import FeatureSchema
+from recaccel.io.convert.synth import SynthRows, build_planted_model, generate_synthetic, rows_from_table
 
 
 def _cfg(tmp_path, name="ds", **kw) -> SynthConfig:

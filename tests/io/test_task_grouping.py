@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.dataset import open_dataset
-from recaccel.io.parquet_writer import write_parquet
-from recaccel.io.schema import FeatureSchema, SparseField
-from recaccel.io.task_grouping import GROUPED_KEY, group_by_task, grouped_claim
-from recaccel.io.tasks import TaskReader
+from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.writer import write_parquet
+from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.convert.group_by_task import GROUPED_KEY, group_by_task, grouped_claim
+from recaccel.io.readers.tasks.reader import TaskReader
 from tests.io.test_tasks import SETTINGS, batch_tasks
 
 

@@ -22,13 +22,13 @@ from hypothesis import strategies as st
 
 from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.columns import Columns
-from recaccel.io.dataset import open_dataset
-from recaccel.io.parquet_writer import write_parquet
-from recaccel.io.schema import FeatureSchema, SparseField
-from recaccel.io.task_grouping import grouped_schema
-from recaccel.io.task_pool import take_batch
-from recaccel.io.tasks import TaskReader
+from recaccel.io.format.columns import Columns
+from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.writer import write_parquet
+from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.convert.group_by_task import grouped_schema
+from recaccel.io.readers.tasks.pool import take_batch
+from recaccel.io.readers.tasks.reader import TaskReader
 
 SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXACT = dict(rtol=0, atol=0)

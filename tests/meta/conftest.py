@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recaccel.io.batch import Batch, SparseFeatures, TaskBatch
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import PerTableEmbeddingBag

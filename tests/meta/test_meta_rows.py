@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recaccel.errors import DataError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.meta.rows import concat_rows, split_task_rows
 
 

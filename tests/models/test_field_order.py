@@ -21,8 +21,8 @@ from torch import nn
 
 from recaccel.config import ModelConfig, OptimConfig
 from recaccel.errors import DataError
-from recaccel.io.batch import Batch, SparseFeatures, TaskBatch
-from recaccel.io.schema import FeatureSchema, SparseField
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
+from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import PerTableEmbeddingBag
@@ -263,7 +263,7 @@ def test_hybrid_sharded_lookup_matches_fields_by_name(one_rank_group):
     looked up by name."""
     pytest.importorskip("torchrec", reason="torchrec is not installed")
     from recaccel.config import load_config
-    from recaccel.train.hybrid import HybridParallel
+    from recaccel.train.distributed.hybrid import HybridParallel
 
     model = built_model("reference").train()
     batch = random_batch(4, seed=8)

@@ -7,8 +7,8 @@ import torch
 
 from recaccel.config import MetaConfig
 from recaccel.errors import ConfigError
-from recaccel.io.batch import Batch, SparseFeatures
-from recaccel.io.schema import SparseField
+from recaccel.sparse import Batch, SparseFeatures
+from recaccel.io.format.schema import SparseField
 from recaccel.meta import MetaLearner
 from recaccel.meta.synthetic import SyntheticTasks
 from recaccel.models.melu import MeLU, MeLUConfig, melu_embedding

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from recaccel.errors import DataError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 
 
 def random_features(b: int, keys: list[str], seed: int, weighted: bool) -> SparseFeatures:

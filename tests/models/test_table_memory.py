@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from recaccel.errors import DataError
-from recaccel.io.schema import FeatureSchema, SparseField
+from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.table_memory import check_table_memory, host_memory_bytes, table_memory_bytes
 
 

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 
 
 def random_sparse_batch(

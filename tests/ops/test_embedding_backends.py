@@ -20,7 +20,7 @@ import io
 import pytest
 
 from recaccel.errors import ConfigError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
 from recaccel.ops.embedding import InvalidIdError, PackedEmbeddingBag, SparseOptimConfig, TableSpec
 

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding import (
     InvalidIdError,
     PackedEmbeddingBag,

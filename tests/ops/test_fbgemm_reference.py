@@ -21,7 +21,7 @@ if not torch.cuda.is_available():  # before the kernel module is first imported
 
 import pytest
 
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
 

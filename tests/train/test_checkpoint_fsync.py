@@ -60,7 +60,7 @@ def test_pt_checkpoint_is_fsynced_then_renamed_then_its_directory_fsynced(tmp_pa
 
 
 def test_dcp_checkpoint_files_and_folder_are_fsynced_before_the_rename(tmp_path, events, one_rank_group):
-    from recaccel.train.dist_checkpoint import INFO_FILE, save_sharded
+    from recaccel.train.distributed.dist_checkpoint import INFO_FILE, save_sharded
 
     model, optimizer = _model_and_optimizer()
     parallel = SimpleNamespace(rank=0, world_size=1, is_main=True, dmp=None, replicated=None,

@@ -25,9 +25,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from recaccel.config import load_config  # noqa: E402
-from recaccel.io.batch import Batch, SparseFeatures, TaskBatch  # noqa: E402
-from recaccel.io.schema import FeatureSchema, SparseField  # noqa: E402
-from recaccel.io.synth import generate_synthetic  # noqa: E402
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch  # noqa: E402
+from recaccel.io.format.schema import FeatureSchema, SparseField  # noqa: E402
+from recaccel.io.convert.synth import generate_synthetic  # noqa: E402
 from recaccel.train.checkpoint import list_checkpoints  # noqa: E402
 from tests.train.test_trainer import TINY as TINY_DLRM  # noqa: E402
 
@@ -112,8 +112,8 @@ def _meta_single() -> tuple[dict, list[float]]:
 
 
 def _job_run(rank: int, root: Path, name: str, extra: list[str]) -> dict:
-    from recaccel.train.dist_checkpoint import consolidated_state_dict
-    from recaccel.train.sharding import plan_rows
+    from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
+    from recaccel.train.distributed.sharding import plan_rows
     from recaccel.train.trainer import Trainer
 
     cfg = load_config(None, _overrides(root / "data", root / name, "parallel.mode=hybrid", *extra))
@@ -125,7 +125,7 @@ def _job_run(rank: int, root: Path, name: str, extra: list[str]) -> dict:
 
 
 def _job_resume(rank: int, root: Path) -> dict:
-    from recaccel.train.dist_checkpoint import consolidated_state_dict
+    from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
     from recaccel.train.trainer import Trainer
 
     extra = ["parallel.mode=hybrid", *RUNS["tw"][0]]
@@ -138,9 +138,9 @@ def _job_resume(rank: int, root: Path) -> dict:
 
 def _job_meta(rank: int, root: Path) -> dict:
     import recaccel.meta.learner as learner_module
-    from recaccel.train.dist_checkpoint import consolidated_state_dict
-    from recaccel.train.hybrid import HybridParallel
-    from recaccel.train.hybrid_data import row_bounds, slice_tasks
+    from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
+    from recaccel.train.distributed.hybrid import HybridParallel
+    from recaccel.train.distributed.hybrid_data import row_bounds, slice_tasks
 
     cfg, objective, make_optimizer = _meta_objective()
     parallel = HybridParallel(cfg, torch.device("cpu"))
@@ -202,7 +202,7 @@ def _job_meta(rank: int, root: Path) -> dict:
 
 def _job_kill(rank: int, root: Path) -> dict:
     from recaccel.errors import RecaccelError
-    from recaccel.train.hybrid import HybridParallel
+    from recaccel.train.distributed.hybrid import HybridParallel
     from recaccel.train.trainer import Trainer
 
     step = HybridParallel.train_step

@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from recaccel.config import load_config
-from recaccel.io.synth import generate_synthetic
+from recaccel.io.convert.synth import generate_synthetic
 
 TINY = [
     "synth.train_rows=3000", "synth.test_rows=1000", "synth.num_dense=3", "synth.num_sparse=3",
@@ -65,7 +65,7 @@ def test_cli_trains_and_resumes_on_two_processes(tmp_path, capfd):
 def test_cli_trains_meta_dlrm_on_two_processes(tmp_path):
     pytest.importorskip("torchrec", exc_type=ImportError)
     from recaccel.cli import train_main
-    from recaccel.io.task_grouping import group_by_task
+    from recaccel.io.convert.group_by_task import group_by_task
     from recaccel.train.trainer import Trainer
 
     raw, data = tmp_path / "raw", tmp_path / "data"
@@ -96,8 +96,8 @@ def test_nproc_without_hybrid_mode_is_a_one_line_error(tmp_path, capsys):
 
 def _hung_worker(rank: int, port: int, out: str) -> None:
     from recaccel.errors import RecaccelError
-    from recaccel.io.batch import Batch, SparseFeatures
-    from recaccel.train.hybrid import HybridParallel
+    from recaccel.sparse import Batch, SparseFeatures
+    from recaccel.train.distributed.hybrid import HybridParallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     cfg = load_config(None, ["parallel.mode=hybrid", f"parallel.timeout_s={HANG_TIMEOUT_S}"])

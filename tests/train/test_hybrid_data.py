@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from recaccel.config import load_config
 from recaccel.errors import ConfigError, DataError, RecaccelError
-from recaccel.io.batch import Batch, SparseFeatures, TaskBatch
-from recaccel.io.schema import FeatureSchema, SparseField
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
+from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.factory import build_model
-from recaccel.train.dense_sync import DenseGradSync
-from recaccel.train.hybrid_data import (
+from recaccel.train.distributed.dense_sync import DenseGradSync
+from recaccel.train.distributed.hybrid_data import (
     GlobalSlices,
     loss_denominator,
     row_bounds,
@@ -26,9 +26,9 @@ from recaccel.train.hybrid_data import (
     slice_sparse,
     slice_tasks,
 )
-from recaccel.train.launch import check_launch, launch_config, strip_nproc
+from recaccel.train.distributed.launch import check_launch, launch_config, strip_nproc
 from recaccel.train.objectives import DLRMObjective, MetaObjective
-from recaccel.train.sharding import table_kinds
+from recaccel.train.distributed.sharding import table_kinds
 
 KEYS = ["a", "b", "c"]
 
@@ -199,7 +199,7 @@ def test_a_rank_exits_with_its_status_and_flushed_output(tmp_path):
 
     # Buffered stdout (a pipe), a log record and an error status must all survive os._exit.
     script = (
-        "import logging, sys; from recaccel.train.launch import exit_rank; "
+        "import logging, sys; from recaccel.train.distributed.launch import exit_rank; "
         "logging.basicConfig(stream=sys.stderr); print('metrics', end=''); "
         "logging.getLogger('r').warning('logged'); exit_rank(3)"
     )
@@ -216,7 +216,7 @@ def test_a_rank_exits_with_its_status_and_flushed_output(tmp_path):
 
 
 def test_hybrid_needs_a_launcher_and_single_mode_refuses_many_ranks(monkeypatch):
-    from recaccel.train.hybrid import HybridParallel
+    from recaccel.train.distributed.hybrid import HybridParallel
     from recaccel.train.parallel import build_parallel
 
     for var in ("RANK", "WORLD_SIZE"):
@@ -234,7 +234,7 @@ def test_hybrid_needs_a_launcher_and_single_mode_refuses_many_ranks(monkeypatch)
 def test_sharded_checkpoint_refuses_another_world_size(tmp_path):
     from types import SimpleNamespace
 
-    from recaccel.train.dist_checkpoint import INFO_FILE, load_sharded
+    from recaccel.train.distributed.dist_checkpoint import INFO_FILE, load_sharded
 
     ckpt = tmp_path / "checkpoints" / "step-000000004.dcp"
     ckpt.mkdir(parents=True)

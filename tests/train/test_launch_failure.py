@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recaccel.config import load_config
-from recaccel.io.synth import generate_synthetic
+from recaccel.io.convert.synth import generate_synthetic
 
 TINY = [
     "synth.train_rows=3000", "synth.test_rows=500", "synth.num_dense=2", "synth.num_sparse=2",
@@ -143,8 +143,8 @@ def test_first_failure_is_not_a_lost_peer_then_earliest_then_first_recorded(tmp_
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from recaccel.errors import DataError
-    from recaccel.train.hybrid import CollectiveError
-    from recaccel.train.launch import first_failure, rank_failure, report_rank_error
+    from recaccel.train.distributed.hybrid import CollectiveError
+    from recaccel.train.distributed.launch import first_failure, rank_failure, report_rank_error
 
     made = iter(range(100))
 
@@ -175,7 +175,7 @@ def test_first_failure_is_not_a_lost_peer_then_earliest_then_first_recorded(tmp_
 
 def test_errors_are_printed_outside_a_torchrun_agent(monkeypatch, tmp_path, capsys):
     from recaccel.cli import train_main
-    from recaccel.train.launch import report_rank_error
+    from recaccel.train.distributed.launch import report_rank_error
 
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     monkeypatch.setenv("RANK", "0")

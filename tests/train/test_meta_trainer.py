@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from recaccel.cli import train_main
-from recaccel.io.parquet import write_parquet
-from recaccel.io.schema import FeatureSchema, SparseField
-from recaccel.io.task_grouping import group_by_task
+from recaccel.io.readers.rows import write_parquet
+from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.convert.group_by_task import group_by_task
 
 
 def _ratings(out: Path, users: range, seed: int) -> Path:

@@ -10,7 +10,7 @@ import torch
 
 from recaccel.cli import train_main
 from recaccel.config import Config, load_config
-from recaccel.io.synth import generate_synthetic
+from recaccel.io.convert.synth import generate_synthetic
 from recaccel.metrics import MetricError
 from recaccel.train.objectives import DLRMObjective
 

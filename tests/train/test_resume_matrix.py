@@ -19,7 +19,7 @@ import torch
 
 from recaccel.cli import train_main
 from recaccel.config import load_config
-from recaccel.io.synth import generate_synthetic
+from recaccel.io.convert.synth import generate_synthetic
 from recaccel.train.checkpoint import list_checkpoints
 from tests.train.test_meta_trainer import _argv as meta_argv
 from tests.train.test_meta_trainer import task_data  # noqa: F401  (fixture)
@@ -190,7 +190,7 @@ def _final_dcp(run: Path) -> dict[str, Any]:
     """A hybrid run's newest DCP checkpoint as one dict (shards joined, blobs unpickled)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from recaccel.train.dist_checkpoint import list_sharded_checkpoints
+    from recaccel.train.distributed.dist_checkpoint import list_sharded_checkpoints
 
     flat = run / "final.pt"
     dcp_to_torch_save(list_sharded_checkpoints(run)[-1], flat)

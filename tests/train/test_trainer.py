@@ -12,7 +12,7 @@ import torch
 
 from recaccel.cli import train_main
 from recaccel.config import load_config
-from recaccel.io.synth import generate_synthetic
+from recaccel.io.convert.synth import generate_synthetic
 from recaccel.train.checkpoint import list_checkpoints
 
 TINY = [

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.backend import check_triton_launchable, resolve_backend
-from recaccel.ops.embedding.fbgemm_backend import FbgemmPack, fbgemm_unsupported
+from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.optimizers import PackState, init_states
 from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch, gather_pack_ids
 from recaccel.ops.embedding.reference import ReferenceFusedLookup, reference_lookup

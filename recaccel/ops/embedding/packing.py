@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.specs import InvalidIdError, TableSpec
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
 from recaccel.ops.embedding.specs import SparseOptimConfig

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recaccel.io.batch import SparseFeatures
+from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig

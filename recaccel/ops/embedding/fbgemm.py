@@ -1,0 +1,143 @@
+"""FBGEMM backend: one table-batched embedding (TBE) per pack, fused mode only.
+
+FBGEMM's ``SplitTableBatchedEmbeddingBagsCodegen`` looks up all tables of a pack in one
+op and applies the optimizer inside its backward. This module converts recaccel's
+field-major CSR to the TBE's input: one TBE "feature" per feature the pack's tables
+declare, grouped by table (``feature_table_map`` non-decreasing; fbgemm-gpu-cpu 1.8.0
+fails in row-wise Adagrad's backward when a table's features are not adjacent), with
+empty bags for features absent from the batch; ``offsets`` has length ``T*B+1`` in
+feature-major order, exactly recaccel's layout. Mean pooling and per-id weights both go
+through ``per_sample_weights`` with ``PoolingMode.SUM`` (weight times ``1/L``), so a pack
+may mix sum and mean tables and the semantics match the reference exactly.
+
+What fbgemm-gpu-cpu 1.8.0 does on CPU (tried): EXACT_SGD and EXACT_ROWWISE_ADAGRAD train,
+with per-sample weights, matching the reference; weight decay is accepted but silently
+ignored (L2 and decoupled modes alike); ADAM and PARTIAL_ROWWISE_ADAM are refused ("not
+supported in CPU mode"); dims must be multiples of 4. This backend therefore rejects Adam
+and weight decay (use ``backend="triton"`` on CUDA or ``"reference"``).
+
+Shapes: B batch, S features a pack declares, F_p of them in the batch, D dim, R rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from recaccel.sparse import SparseFeatures
+from recaccel.ops.embedding.packing import PackLayout, PackRoute, gather_pack_ids
+from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig, TableSpec
+
+FBGEMM_OPTIMIZERS = ("sgd", "rowwise_adagrad")
+
+
+def fbgemm_unsupported(tables: list[TableSpec], mode: str, config: SparseOptimConfig) -> str | None:
+    """Why the FBGEMM backend cannot run these tables and options, or None when it can."""
+    if mode != "fused":
+        return f"mode={mode!r} (FBGEMM applies the optimizer inside its backward; use mode='fused')"
+    if config.weight_decay > 0:
+        return f"weight_decay={config.weight_decay} (fbgemm-gpu-cpu 1.8.0 silently ignores weight decay)"
+    for t in tables:
+        if t.optimizer not in FBGEMM_OPTIMIZERS:
+            return (
+                f"optimizer {t.optimizer!r} of table {t.name!r} (this backend supports {FBGEMM_OPTIMIZERS}; "
+                "fbgemm-gpu-cpu has no Adam on CPU)"
+            )
+        if t.dim % 4:
+            return f"dim {t.dim} of table {t.name!r} (FBGEMM needs a multiple of 4)"
+    return None
+
+
+class FbgemmPack:
+    """One pack held by an FBGEMM TBE.
+
+    It is deliberately not an ``nn.Module`` attribute of the owning module: its weights
+    are a Parameter of the TBE that must not appear in ``model.parameters()`` (the dense
+    optimizer would step them again), nor its internal buffers in the state dict.
+
+    Args:
+        layout: The pack.
+        config: Sparse optimizer hyper-parameters.
+        device: CPU (rows in host memory) or CUDA (rows in device memory).
+        weights: Initial float32 [R_t, D] rows of each table of the pack.
+    """
+
+    def __init__(
+        self, layout: PackLayout, config: SparseOptimConfig, device: torch.device, weights: list[Tensor]
+    ) -> None:
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+            BoundsCheckMode,
+            EmbeddingLocation,
+            PoolingMode,
+        )
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+            ComputeDevice,
+            SplitTableBatchedEmbeddingBagsCodegen,
+        )
+
+        on_gpu = device.type == "cuda"
+        location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
+        compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
+        optimizer = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
+        self.layout = layout
+        self.dim = layout.dim
+        self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(t.num_rows, t.dim, location, compute) for t in layout.tables],
+            feature_table_map=[i for i, t in enumerate(layout.tables) for _ in t.features],
+            optimizer=optimizer[layout.optimizer],
+            learning_rate=config.lr,
+            eps=config.eps,
+            pooling_mode=PoolingMode.SUM,
+            device=device,
+            # recaccel checks ids itself, once per batch for all packs.
+            bounds_check_mode=BoundsCheckMode.NONE,
+        )
+        with torch.no_grad():
+            for view, w in zip(self.tbe.split_embedding_weights(), weights):
+                view.copy_(w)
+
+    @property
+    def device(self) -> torch.device:
+        return self.tbe.weights_host.device if self.tbe.weights_host.numel() else self.tbe.weights_dev.device
+
+    def table_tensors(self) -> list[dict[str, Tensor]]:
+        """Per table of the pack: views of its rows [R, D] and optimizer state, by checkpoint name."""
+        weights = self.tbe.split_embedding_weights()
+        states = self.tbe.split_optimizer_states() if OPTIMIZER_STATES[self.layout.optimizer] else None
+        out = []
+        for i, table in enumerate(self.layout.tables):
+            tensors = {"weight": weights[i]}
+            for j, (name, rowwise) in enumerate(OPTIMIZER_STATES[table.optimizer]):
+                state = states[i][j].detach()
+                tensors[name] = state.view(table.num_rows) if rowwise else state.view(-1, table.dim)
+            out.append(tensors)
+        return out
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.tbe.set_learning_rate(lr)
+
+    def lookup(self, sf: SparseFeatures, route: PackRoute, batch_size: int, update: bool) -> Tensor:
+        """Pools the pack's features of a batch.
+
+        Args:
+            sf: The batch.
+            route: The pack's route for the batch's keys.
+            batch_size: B.
+            update: Let backward update the rows (training); otherwise no graph is built.
+
+        Returns:
+            float32 [B, F_p, D] in the batch's feature order.
+        """
+        if sf.values.device != self.device:
+            raise ValueError(
+                f"the fbgemm backend's tables live on {self.device} (fixed at construction) but the batch is "
+                f"on {sf.values.device}; build the module with device={sf.values.device}"
+            )
+        ids = gather_pack_ids(sf, route.slots, batch_size)
+        with torch.set_grad_enabled(update and torch.is_grad_enabled()):
+            pooled = self.tbe(ids.rows, ids.offsets, ids.scale)
+        out = pooled.view(batch_size, route.slots.count, self.dim)
+        if route.slots.identity:
+            return out
+        return out.index_select(1, route.slot_of_local)

@@ -1,0 +1,284 @@
+"""Sharded checkpoints of hybrid runs with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory ``run_dir/checkpoints/step-<step>.dcp/`` that every rank
+writes at once: each rank its own shards of the embedding tables and of their fused
+optimizer state (ShardedTensors), one copy of what all ranks share (dense parameters,
+data-parallel tables, the dense optimizer state), and its own reader position and RNG
+state under ``ranks.<rank>``. ``recaccel.json`` beside DCP's files records the world
+size and step. The directory is written under a temporary name and renamed by rank 0
+once every rank has finished, so a crash mid-write never leaves a checkpoint that
+looks complete; the two newest are kept.
+
+Resuming needs the same world size (and sharding plan): each rank reads back exactly
+its shards and its own position. :func:`consolidated_state_dict` gathers the full
+tables on rank 0 in the single-process layout (``<embedding prefix><table>.weight`` /
+``.momentum1``), to compare with or continue as a single-process run.
+
+Optimizer states that only exist after a first step (torch optimizers) are stored as
+serialized blobs; tensors that exist from the start are loaded in place.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from recaccel.errors import RecaccelError
+from recaccel.train.checkpoint import CHECKPOINT_DIR, TrainState, restore_checked, state_entries
+from recaccel.train.checkpoint_io import (
+    CheckpointError,
+    apply_state,
+    check_entries,
+    check_optimizer_state,
+    dcp_failure,
+    first_line,
+    fsync_path,
+    fsync_tree,
+    read_payload,
+    safe_dcp_planner,
+    safe_dcp_reader,
+    show,
+)
+
+if TYPE_CHECKING:
+    from recaccel.train.distributed.hybrid import HybridParallel
+
+FORMAT = 1
+INFO_FILE = "recaccel.json"
+_NAME = re.compile(r"^step-(\d+)\.dcp$")
+
+
+def _blob(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _unblob(path: Path, entry: str, data: Any) -> Any:
+    """A blob of :func:`_blob`, unpickled restricted (see ``checkpoint_io.read_payload``)."""
+    if not isinstance(data, bytes) or not data:
+        raise CheckpointError(path, f"entry {entry!r} must be a non-empty blob, got {show(data)}")
+    return read_payload(io.BytesIO(data), f"{path} (entry {entry!r})")
+
+
+def list_sharded_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete sharded checkpoints of a run, oldest first."""
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    found = [p for p in folder.glob("step-*.dcp") if _NAME.match(p.name) and (p / INFO_FILE).is_file()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def _state_dict(
+    parallel: HybridParallel, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """What DCP writes or reads: tensors in place, blobs (bytes) for the rest."""
+    sd: dict[str, Any] = {"model": model.state_dict(), "dense_optim": b""}
+    if parallel.dmp is not None:
+        sd["embedding"] = parallel.dmp.state_dict()
+        sd["sparse_optim"] = parallel.dmp.fused_optimizer.state_dict()
+    if parallel.replicated is not None:
+        sd["replicated"] = parallel.replicated.state_dict()
+        sd["replicated_optim"] = b""
+    sd[f"ranks.{parallel.rank}"] = b""
+    return sd
+
+
+def save_sharded(
+    run_dir: Path,
+    parallel: HybridParallel,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    keep: int = 2,
+) -> Path:
+    """Writes ``run_dir/checkpoints/step-<step>.dcp`` (a collective: every rank calls it).
+
+    Returns:
+        The checkpoint directory.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(run_dir) / CHECKPOINT_DIR
+    final = folder / f"step-{state.step:09d}.dcp"
+    partial = folder / f".step-{state.step:09d}.dcp.partial"
+    if parallel.is_main:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    sd = _state_dict(parallel, model, optimizer)
+    sd["dense_optim"] = _blob(optimizer.state_dict())
+    if parallel.replicated_optimizer is not None:
+        sd["replicated_optim"] = _blob(parallel.replicated_optimizer.state_dict())
+    entries = state_entries(state)
+    sd[f"ranks.{parallel.rank}"] = _blob(entries)
+    dcp.save(sd, checkpoint_id=str(partial))
+    dist.barrier()
+    if parallel.is_main:
+        counters = {k: v for k, v in entries.items() if k not in ("reader", "rng", "data", "last_loss")}
+        info = {"format": FORMAT, "world_size": parallel.world_size, **counters}
+        (partial / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        fsync_tree(partial)  # every rank's files and the folder are on disk before the rename
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+        fsync_path(folder)
+        for old in list_sharded_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_sharded(
+    run_dir: Path, parallel: HybridParallel, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> TrainState:
+    """Restores the newest sharded checkpoint of ``run_dir`` (a collective).
+
+    The folder is untrusted input: DCP's ``.metadata`` pickle is read restricted to DCP's
+    metadata classes, byte entries restricted to tensors, numbers, strings and containers,
+    and the unpickled entries are checked before any is applied.
+
+    Raises:
+        RecaccelError: no checkpoint, one written by a different number of ranks, or one
+            line naming the checkpoint and its first problem.
+    """
+    found = list_sharded_checkpoints(run_dir)
+    if not found:
+        raise RecaccelError(
+            f"no sharded checkpoint (step-*.dcp) in {Path(run_dir) / CHECKPOINT_DIR}; cannot resume"
+        )
+    path = found[-1]
+    info = _read_info(path)
+    if info.get("world_size") != parallel.world_size:
+        raise RecaccelError(
+            f"checkpoint {path} was written by {info.get('world_size')} ranks; resume it with "
+            f"--nproc {info.get('world_size')} (this run has {parallel.world_size})"
+        )
+    sd = _state_dict(parallel, model, optimizer)
+    _dcp_load(path, sd)
+    model.load_state_dict(sd["model"])
+    dense_optim = _unblob(path, "dense_optim", sd["dense_optim"])
+    check_optimizer_state(path, "dense_optim", optimizer, dense_optim)
+    replicated_optim = None
+    if parallel.replicated is not None:
+        replicated_optim = _unblob(path, "replicated_optim", sd["replicated_optim"])
+        check_optimizer_state(
+            path, "replicated_optim", parallel.replicated_optimizer, replicated_optim, rowwise=True
+        )
+    entry = f"ranks.{parallel.rank}"
+    entries = _unblob(path, entry, sd[entry])
+    check_entries(path, entries, entry=entry)
+    apply_state(path, "dense_optim", optimizer.load_state_dict, dense_optim)
+    if parallel.dmp is not None:
+        apply_state(path, "embedding", parallel.dmp.load_state_dict, sd["embedding"])
+        apply_state(path, "sparse_optim", parallel.dmp.fused_optimizer.load_state_dict, sd["sparse_optim"])
+    if parallel.replicated is not None:
+        apply_state(path, "replicated", parallel.replicated.load_state_dict, sd["replicated"])
+        apply_state(path, "replicated_optim", parallel.replicated_optimizer.load_state_dict, replicated_optim)
+    return restore_checked(path, entries)
+
+
+def _read_info(path: Path) -> dict[str, Any]:
+    """``recaccel.json`` of a sharded checkpoint (one line naming it when unreadable)."""
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(path / INFO_FILE, f"cannot be read ({first_line(e)})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(path / INFO_FILE, f"must hold a JSON object, got {show(info)}")
+    return info
+
+
+def _dcp_load(path: Path, sd: dict[str, Any]) -> None:
+    """``dcp.load`` into ``sd`` in place, with metadata and byte entries read restricted."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    reader = safe_dcp_reader(path)
+    try:
+        with warnings.catch_warnings():
+            # TorchRec's sharded state is ShardedTensors, which DCP calls deprecated at every load.
+            warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
+            dcp.load(sd, checkpoint_id=str(path), storage_reader=reader, planner=safe_dcp_planner(path))
+    except CheckpointException as e:  # every rank's failure, wrapped: e.g. another model or plan
+        raise dcp_failure(path, e) from None
+    except RecaccelError:
+        raise
+    except (ValueError, KeyError, TypeError, AssertionError, OSError) as e:  # RuntimeError: maybe a peer
+        raise dcp_failure(path, e) from None
+
+
+def _local_pieces(parallel: HybridParallel) -> list[tuple[str, tuple[int, ...], tuple[int, ...], Tensor]]:
+    """This rank's shards of every table's rows and row-wise accumulators:
+    (checkpoint name, full shape, offsets, tensor)."""
+    from recaccel.train.distributed.sharding import plan_rows
+
+    column_wise = {row["table"] for row in plan_rows(parallel.plan) if row["sharding"] == "column_wise"}
+    pieces = []
+
+    def add(name: str, value: Any) -> None:
+        for shard in value.local_shards():
+            offsets = tuple(shard.metadata.shard_offsets)
+            pieces.append((name, tuple(value.shape), offsets, shard.tensor.detach().cpu().clone()))
+
+    for key, value in parallel.dmp.state_dict().items():
+        add(f"{key.split('.')[-2]}.weight", value)
+    for states in parallel.dmp.fused_optimizer.state_dict()["state"].values():
+        for name, value in states.items():
+            table, _, kind = name.rpartition(".")
+            # Column shards keep one accumulator per row and shard: no single-table equivalent.
+            if kind == "momentum1" and table not in column_wise and hasattr(value, "local_shards"):
+                add(name, value)
+    return pieces
+
+
+def consolidated_state_dict(parallel: HybridParallel, model: nn.Module) -> dict[str, Tensor] | None:
+    """The model's full state in the single-process layout, on rank 0 (None on other ranks).
+
+    Dense entries are ``model.state_dict()``'s; each table adds
+    ``<prefix><table>.weight`` [R, D] and, for row-wise Adagrad, ``<prefix><table>.momentum1``
+    [R] (column-wise tables keep one accumulator per column shard: not included).
+    A collective (every rank calls it) that moves every table to rank 0: meant for
+    export and tests, not for tables that do not fit one host.
+    """
+    pieces = _local_pieces(parallel) if parallel.dmp is not None else []
+    gathered: list | None = [None] * parallel.world_size if parallel.is_main else None
+    dist.gather_object(pieces, gathered, dst=0)
+    if not parallel.is_main:
+        return None
+    out = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    prefix = parallel.embedding_prefix
+    for rank_pieces in gathered:
+        for name, shape, offsets, tensor in rank_pieces:
+            full = out.setdefault(f"{prefix}{name}", torch.zeros(shape, dtype=tensor.dtype))
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
+    if parallel.replicated is not None:
+        momentum = _replicated_momentum(parallel)
+        for table, tensors in parallel.replicated.table_states().items():
+            out[f"{prefix}{table}.weight"] = tensors["weight"].detach().cpu().clone()
+            if table in momentum:
+                out[f"{prefix}{table}.momentum1"] = momentum[table]
+    return out
+
+
+def _replicated_momentum(parallel: HybridParallel) -> dict[str, Tensor]:
+    """Row-wise Adagrad accumulators [R] of the data-parallel tables, by table."""
+    opt = parallel.replicated_optimizer
+    if opt is None or parallel.cfg.optim.sparse != "rowwise_adagrad":
+        return {}
+    out = {}
+    for layout in parallel.replicated.plan.packs:
+        param = getattr(parallel.replicated, f"weight_{layout.index}")
+        total = opt.state.get(param, {}).get("sum")
+        total = torch.zeros(param.shape[0]) if total is None else total.detach().cpu().reshape(-1)
+        for table, start in zip(layout.tables, layout.row_offsets):
+            out[table.name] = total[start : start + table.num_rows].clone()
+    return out

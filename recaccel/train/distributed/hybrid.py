@@ -1,0 +1,367 @@
+"""Hybrid parallelism: embeddings sharded by TorchRec, dense layers data-parallel.
+
+One process per device, launched by torchrun (``recaccel-train --nproc N`` re-executes
+itself through it, see :mod:`recaccel.train.distributed.launch`). :class:`HybridParallel` implements
+the :class:`~recaccel.train.parallel.Parallelism` protocol plus the hooks the
+:class:`~recaccel.train.trainer.Trainer` calls in hybrid mode:
+
+- ``wrap``: the model's SparseArch embedding moves into a TorchRec
+  ``EmbeddingBagCollection`` sharded by ``DistributedModelParallel`` (see
+  :mod:`recaccel.train.distributed.sharding`), starting from the model's own initial rows; tables
+  marked ``data_parallel`` stay in a replicated recaccel embedding. Dense parameters
+  are broadcast from rank 0.
+- ``reader`` / ``batches``: each rank's data (see :mod:`recaccel.train.distributed.hybrid_data`);
+  before every step one 3-float allreduce agrees that every rank has a batch (all ranks
+  stop at the same step even when their shards differ in length) and sums the loss
+  normalisers and row counts.
+- ``train_step``: local forward (the sharded lookup exchanges ids and pooled embeddings
+  by all-to-all), the local loss scaled to its share of the global mean, backward (the
+  pooled-embedding gradients travel back and FBGEMM applies the sparse optimizer on
+  each shard), one bucketed allreduce of the dense gradients (:mod:`recaccel.train.distributed.dense_sync`),
+  the dense optimizer step. A meta step is the same: MAML's inner loop runs on the
+  local tasks with the replicated head parameters and issues no collective.
+- ``gather``: predictions of all ranks for evaluation metrics.
+- ``save_checkpoint`` / ``load_checkpoint``: sharded checkpoints (:mod:`recaccel.train.distributed.dist_checkpoint`).
+
+Failure. Collectives time out after ``parallel.timeout_s``; a peer that dies breaks
+its connections at once. Either way the surviving ranks raise :class:`CollectiveError`
+(a :class:`~recaccel.errors.RecaccelError`: the CLI prints it on one line and exits 2).
+With NCCL, PyTorch's watchdog aborts a rank whose collective times out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from recaccel.config import Config
+from recaccel.errors import ConfigError, RecaccelError
+from recaccel.train.checkpoint import TrainState
+from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
+from recaccel.train.distributed.hybrid_data import GlobalSlices, loss_denominator
+from recaccel.train.distributed.launch import under_torchrun
+from recaccel.train.parallel import batch_rows
+
+logger = logging.getLogger(__name__)
+
+_COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "processgroup", "peer", "socket")
+
+
+class CollectiveError(RecaccelError):
+    """A collective failed: a peer rank exited, or did not answer within the timeout."""
+
+
+def _is_comm_error(error: BaseException) -> bool:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(m in text for m in _COMM_MARKERS)
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    value = os.environ.get(name)
+    return default if value is None else int(value)
+
+
+class _GuardedLookup(nn.Module):
+    """Runs the sharded lookup's forward with communication errors made clear."""
+
+    def __init__(self, dmp: nn.Module, parallel: HybridParallel) -> None:
+        super().__init__()
+        self.dmp = dmp
+        object.__setattr__(self, "parallel", parallel)  # not a submodule
+
+    def forward(self, kjt):
+        with self.parallel.collectives("the embedding lookup"):
+            pooled = self.dmp(kjt)
+            pooled.values()  # waits for the all-to-all inside the guard
+        return pooled
+
+
+class HybridParallel:
+    """TorchRec model parallelism for embeddings, data parallelism for the rest.
+
+    Args:
+        cfg: the run config (``parallel``, ``optim``, ``data`` are read).
+        device: the device kind (a CUDA device becomes ``cuda:LOCAL_RANK``).
+
+    Raises:
+        ConfigError: not launched by torchrun, or an unsupported backend/device/data setting.
+    """
+
+    def __init__(self, cfg: Config, device: torch.device) -> None:
+        self.cfg = cfg
+        p = cfg.parallel
+        if not cfg.data.drop_last:
+            raise ConfigError(
+                "parallel.mode=hybrid needs data.drop_last = true (every rank trains on equal batches)"
+            )
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            if not under_torchrun():
+                raise ConfigError(
+                    "parallel.mode=hybrid runs one process per rank under torchrun: use "
+                    "`recaccel-train --nproc N ...` or `torchrun --nproc-per-node N -m recaccel.cli ...`"
+                )
+            backend = p.backend if p.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+        else:
+            backend = dist.get_backend()
+        if backend == "nccl" and device.type != "cuda":
+            raise ConfigError(f"parallel.backend=nccl needs CUDA devices; train.device resolves to {device}")
+        if backend == "gloo" and device.type == "cuda":
+            raise ConfigError("parallel.backend=gloo runs on CPU here; use nccl (or auto) with CUDA devices")
+        if device.type == "cuda":
+            device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+            torch.cuda.set_device(device)
+        self.device = device
+        self.backend = backend
+        # A group made elsewhere keeps its own timeout.
+        self.timeout_s = float(p.timeout_s) if self._owns_group else None
+        if self._owns_group:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=p.timeout_s))
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
+        if backend == "gloo":
+            with self.collectives("start-up (waiting for every rank)"):
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=p.timeout_s), wait_all_ranks=True)
+        self.embedding = None  # the TorchRecEmbedding after wrap()
+        self.dmp = None
+        self.plan = None
+        self.replicated = None  # data-parallel tables (recaccel embedding, autograd mode)
+        self.replicated_optimizer: torch.optim.Optimizer | None = None
+        self.embedding_prefix = ""
+        self._sync: DenseGradSync | None = None
+        self._step_denominator = 1.0
+        self.step_rows = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @contextmanager
+    def collectives(self, what: str) -> Iterator[None]:
+        """Turns a communication failure inside the block into a :class:`CollectiveError`."""
+        try:
+            yield
+        except RuntimeError as e:
+            if not _is_comm_error(e):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            limit = (
+                "the process group's timeout" if self.timeout_s is None
+                else f"parallel.timeout_s={self.timeout_s:g}s"
+            )
+            raise CollectiveError(
+                f"rank {self.rank} of {self.world_size}: {what} failed: a peer rank exited or did not answer "
+                f"within {limit} ({first})"
+            ) from e
+
+    # ------------------------------------------------------------------ model
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        """Moves the SparseArch's embedding into TorchRec (sharded) in place; returns ``module``.
+
+        Raises:
+            ConfigError: TorchRec is missing, the module has no (or several) SparseArch, or
+                unsupported tables.
+        """
+        try:
+            import torchrec  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(
+                f"parallel.mode=hybrid needs TorchRec and FBGEMM (pip install 'recaccel[torchrec]'): {e}"
+            ) from None
+        from recaccel.models.arches import SparseArch
+        from recaccel.models.torchrec_sparse import (
+            TorchRecEmbedding,
+            embedding_tables,
+            load_table_weights,
+            table_weights,
+        )
+        from recaccel.train.distributed.sharding import shard_tables, table_kinds
+
+        arches = [(name, m) for name, m in module.named_modules() if isinstance(m, SparseArch)]
+        if len(arches) != 1:
+            raise ConfigError(f"hybrid mode needs exactly one SparseArch in the model, found {len(arches)}")
+        arch_name, arch = arches[0]
+        self.embedding_prefix = f"{arch_name}.embedding." if arch_name else "embedding."
+        tables = embedding_tables(arch.embedding)
+        dims = {t.dim for t in tables}
+        if len(dims) != 1:
+            raise ConfigError(f"hybrid mode needs one embedding dim for all tables, got {sorted(dims)}")
+        weights = table_weights(arch.embedding)
+        kinds = table_kinds(self.cfg.parallel, [t.name for t in tables])
+        sharded = [t for t in tables if kinds[t.name] != "data_parallel"]
+        local = [t for t in tables if kinds[t.name] == "data_parallel"]
+        with self.collectives("sharding the embedding tables"):
+            if sharded:
+                self.dmp, self.plan = shard_tables(
+                    sharded, kinds, self.cfg.optim, self.device, self.local_world_size
+                )
+                load_table_weights(self.dmp.state_dict(), {t.name: weights[t.name] for t in sharded})
+            if local:
+                self.replicated, self.replicated_optimizer = self._replicated(local, weights)
+            arch.embedding = TorchRecEmbedding(
+                _GuardedLookup(self.dmp, self) if self.dmp is not None else None,
+                [f for t in tables for f in t.features],
+                dims.pop(),
+                replicated=self.replicated,
+                replicated_features=[f for t in local for f in t.features],
+                register=False,
+            )
+            self.embedding = arch.embedding
+            self._broadcast(module)
+        if self.plan is not None and self.is_main:
+            logger.info("embedding sharding plan:\n%s", self.plan)
+        return module
+
+    def _replicated(self, tables: list, weights: dict[str, Tensor]):
+        """Data-parallel tables: a replicated recaccel embedding and its sparse-rule optimizer."""
+        from recaccel.ops.embedding import PackedEmbeddingBag
+
+        optim = self.cfg.optim
+        if optim.sparse not in ("sgd", "rowwise_adagrad"):
+            raise ConfigError(
+                f"data_parallel tables support optim.sparse = sgd or rowwise_adagrad, got {optim.sparse!r}"
+            )
+        module = PackedEmbeddingBag(tables, backend="reference", mode="autograd", device=self.device)
+        with torch.no_grad():
+            for t in tables:
+                module.table_state(t.name)["weight"].copy_(weights[t.name])
+        params = list(module.parameters())
+        if optim.sparse == "sgd":
+            return module, torch.optim.SGD(params, lr=optim.sparse_lr)
+        from torchrec.optim import RowWiseAdagrad  # the FBGEMM rule on dense gradients
+
+        return module, RowWiseAdagrad(params, lr=optim.sparse_lr, eps=optim.eps)
+
+    def _broadcast(self, module: nn.Module) -> None:
+        """Makes every rank's dense parameters and buffers rank 0's (one broadcast per dtype)."""
+        tensors = [t for t in list(module.parameters()) + list(module.buffers()) if t.numel()]
+        if self.replicated is not None:
+            tensors += list(self.replicated.parameters())
+        flat_collective(tensors, lambda flat: dist.broadcast(flat, src=0))
+
+    # ------------------------------------------------------------------- data
+
+    def reader(self, make: Callable[[int, int], Any], *, train: bool) -> Any:
+        """This rank's reader, from ``make(rank, world_size)`` building a plain one.
+
+        Training with ``parallel.data = "sharded"`` reads this rank's row groups; otherwise
+        every rank reads the global batches and keeps its slice (evaluation always: all
+        ranks must run the same number of lookups).
+        """
+        if train and self.cfg.parallel.data == "sharded":
+            return make(self.rank, self.world_size)
+        return GlobalSlices(make(0, 1), self.rank, self.world_size, train=train, whole_tasks=not train)
+
+    def batches(self, loader: Iterable, objective: Any) -> Iterator:
+        """The loader's batches for as long as every rank has one.
+
+        Before each step one allreduce of (has a batch, loss normaliser, rows) tells every
+        rank whether all have a batch, the global normaliser (:attr:`step_rows` gets the
+        global row count). A rank that runs dry still joins it, so all stop together.
+        """
+        kind = objective.loss_kind
+        items = iter(loader)
+        while True:
+            batch = next(items, None)
+            info = torch.zeros(3, dtype=torch.float64)
+            if batch is not None:
+                info[0], info[1], info[2] = 1.0, loss_denominator(batch, kind), batch_rows(batch)
+            with self.collectives("agreeing on the next step"):
+                buffer = info.to(self._comm_device())
+                dist.all_reduce(buffer)
+            info = buffer.cpu()
+            if int(info[0]) < self.world_size:
+                if batch is not None:
+                    logger.info("rank %d: another rank ran out of batches; ending the epoch", self.rank)
+                return
+            self._step_denominator, self.step_rows = float(info[1]), int(info[2])
+            yield batch
+
+    def _comm_device(self) -> torch.device:
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------- step
+
+    def dense_parameters(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        """Parameters whose gradients are summed over ranks: the dense optimizer's and the
+        data-parallel tables'."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if self.replicated is not None:
+            params += list(self.replicated.parameters())
+        return params
+
+    def train_step(self, objective: Any, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
+        """One hybrid step on this rank's batch; returns the global mean loss (detached).
+
+        Call inside :meth:`batches` (it sets this step's global normaliser).
+        """
+        if self._sync is None:
+            self._sync = DenseGradSync(self.dense_parameters(optimizer))
+        optimizer.zero_grad(set_to_none=True)
+        if self.replicated_optimizer is not None:
+            self.replicated_optimizer.zero_grad(set_to_none=True)
+        with self.collectives("the training step"):
+            loss = objective.loss(batch)
+            share = loss_denominator(batch, objective.loss_kind) / max(self._step_denominator, 1e-12)
+            scaled = loss * share
+            scaled.backward()
+            total = self._sync.allreduce(scaled.detach().reshape(1).float())
+        optimizer.step()
+        if self.replicated_optimizer is not None:
+            self.replicated_optimizer.step()
+        return total[0]
+
+    # ------------------------------------------------------------- evaluation
+
+    def gather(self, tensor: Tensor) -> Tensor:
+        """Concatenates a per-rank [N_r, ...] tensor over ranks, in rank order (N_r may differ)."""
+        with self.collectives("gathering evaluation results"):
+            dev = self._comm_device()
+            local = tensor.detach().to(dev).contiguous()
+            sizes = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(self.world_size)]
+            dist.all_gather(sizes, torch.tensor([local.shape[0]], dtype=torch.int64, device=dev))
+            longest = int(max(int(s) for s in sizes))
+            padded = local.new_zeros((longest, *local.shape[1:]))
+            padded[: local.shape[0]] = local
+            parts = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(parts, padded)
+        return torch.cat([part[: int(n)] for part, n in zip(parts, sizes)]).to(tensor.device)
+
+    # ------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(
+        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+    ) -> Path:
+        """Writes a sharded checkpoint of the run (every rank calls it)."""
+        from recaccel.train.distributed.dist_checkpoint import save_sharded
+
+        with self.collectives("writing a checkpoint"):
+            return save_sharded(run_dir, self, model, optimizer, state)
+
+    def load_checkpoint(
+        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> TrainState:
+        """Restores the newest sharded checkpoint of the run (every rank calls it)."""
+        from recaccel.train.distributed.dist_checkpoint import load_sharded
+
+        with self.collectives("reading a checkpoint"):
+            return load_sharded(run_dir, self, model, optimizer)
+
+    def close(self) -> None:
+        """Leaves the process group if this object created it."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._owns_group = False

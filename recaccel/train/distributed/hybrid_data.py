@@ -1,0 +1,155 @@
+"""The data side of hybrid training: each rank's slice of the global batch, and loss shares.
+
+With ``parallel.data = "global"`` every rank reads the same stream of global batches
+(the single-process reader: same files, shuffle, seed) and keeps a contiguous slice:
+rank r of W takes rows ``[lo_r, hi_r)`` of each Batch (near-equal parts, the first
+``B % W`` ranks one row more), or tasks ``[lo_r, hi_r)`` of each TaskBatch. Every rank
+therefore sees the same number of batches, the union of the slices is exactly what one
+process would train on, and resuming needs only the one shared reader position. The
+price is that every rank decodes the whole global batch (a host-side cost that grows
+with W; ``parallel.data = "sharded"`` reads disjoint row groups instead).
+
+Training slices must be equal (the global batch a multiple of W): TorchRec's row-wise
+backward all-gathers equal-sized gradient blocks. Evaluation slices may be uneven.
+
+The loss of a global batch is a mean over its rows (or tasks); rank r contributes its
+local mean times ``n_r / N`` (its share of the normaliser), so that summing gradients
+over ranks gives the gradient of the global mean: :func:`loss_denominator` is ``n_r``.
+
+Shapes: B rows, F fields, T tasks, S / Q support / query rows per task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from recaccel.errors import DataError
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
+
+
+def row_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank ``rank``'s part ``[lo, hi)`` of ``n`` items split into near-equal contiguous parts."""
+    base, extra = divmod(n, world_size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
+def slice_sparse(sf: SparseFeatures, lo: int, hi: int) -> SparseFeatures:
+    """Rows ``[lo, hi)`` of every field of a field-major CSR batch."""
+    f, b = sf.num_fields, sf.batch_size
+    rows = torch.arange(f, device=sf.offsets.device) * b
+    starts, ends = sf.offsets[rows + lo], sf.offsets[rows + hi]
+    counts = ends - starts
+    n = int(counts.sum())
+    # Each field's ids are one contiguous run; gather them all with one index.
+    field_of = torch.repeat_interleave(torch.arange(f, device=sf.offsets.device), counts, output_size=n)
+    run_start = torch.cumsum(counts, 0) - counts
+    index = torch.arange(n, device=sf.offsets.device) - run_start[field_of] + starts[field_of]
+    lengths = sf.lengths().view(f, b)[:, lo:hi].reshape(-1)
+    weights = None if sf.weights is None else sf.weights[index]
+    return SparseFeatures.from_lengths(list(sf.keys), sf.values[index], lengths, weights)
+
+
+def slice_batch(batch: Batch, lo: int, hi: int) -> Batch:
+    """Rows ``[lo, hi)`` of a Batch."""
+    return Batch(
+        batch.dense[lo:hi],
+        slice_sparse(batch.sparse, lo, hi),
+        batch.labels[lo:hi],
+        None if batch.weights is None else batch.weights[lo:hi],
+    )
+
+
+def slice_tasks(tb: TaskBatch, lo: int, hi: int) -> TaskBatch:
+    """Tasks ``[lo, hi)`` of a TaskBatch, with their support and query rows."""
+    s, q = tb.support_size, tb.query_size
+    return TaskBatch(
+        slice_batch(tb.support, lo * s, hi * s),
+        slice_batch(tb.query, lo * q, hi * q),
+        tb.support_mask[lo:hi],
+        tb.query_mask[lo:hi],
+        tb.task_ids[lo:hi],
+    )
+
+
+def loss_denominator(batch: Batch | TaskBatch, loss_kind: str) -> float:
+    """What the step loss of ``batch`` is a mean over: tasks with real query rows (meta),
+    rows (BCE, whose sample weights scale terms of a mean over rows), or the sum of the
+    sample weights (weighted MSE)."""
+    if isinstance(batch, TaskBatch):
+        return float((batch.query_mask.sum(-1) > 0).sum())
+    if loss_kind == "mse" and batch.weights is not None:
+        return float(batch.weights.double().sum())
+    return float(batch.batch_size)
+
+
+class GlobalSlices:
+    """A reader of global batches that yields this rank's slice of each.
+
+    Position, epochs and counters are the wrapped reader's (the same on every rank).
+
+    Args:
+        reader: a single-process reader (rank 0 of 1) of Batches or TaskBatches.
+        rank: this rank.
+        world_size: W.
+        train: training slices must be equal: a batch that does not split evenly raises.
+        whole_tasks: yield TaskBatches whole on every rank (evaluation of meta-learning,
+            where every rank then computes the same per-task metrics).
+
+    Raises:
+        DataError: while iterating, a training batch that does not split into W equal parts.
+    """
+
+    def __init__(
+        self, reader: Any, rank: int, world_size: int, *, train: bool, whole_tasks: bool = False
+    ) -> None:
+        self.reader = reader
+        self.rank = rank
+        self.world_size = world_size
+        self.train = train
+        self.whole_tasks = whole_tasks
+
+    def __getattr__(self, name: str) -> Any:
+        # stats, schema, epoch, num_batches, ...: the wrapped reader's.
+        if name == "reader":
+            raise AttributeError(name)
+        return getattr(self.reader, name)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.reader.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.reader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reader.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Batch | TaskBatch]:
+        for local, _ in self.iter_with_state():
+            yield local
+
+    def iter_with_state(self) -> Iterator[tuple[Batch | TaskBatch, dict[str, Any]]]:
+        """This rank's slice of each global batch, with the reader state after it."""
+        source = getattr(self.reader, "iter_with_state", None)
+        pairs = source() if source is not None else ((b, self.reader.state_dict()) for b in self.reader)
+        for batch, state in pairs:
+            yield self.local(batch), state
+
+    def local(self, batch: Batch | TaskBatch) -> Batch | TaskBatch:
+        """This rank's slice of one global batch."""
+        tasks = isinstance(batch, TaskBatch)
+        if tasks and self.whole_tasks:
+            return batch
+        n = batch.num_tasks if tasks else batch.batch_size
+        if self.train and n % self.world_size:
+            unit = "tasks" if tasks else "rows"
+            raise DataError(
+                f"hybrid training: a batch of {n} {unit} does not split evenly over {self.world_size} ranks; "
+                f"make {'tasks.tasks_per_batch' if tasks else 'data.batch_size'} a multiple of "
+                f"{self.world_size} and keep data.drop_last = true"
+            )
+        lo, hi = row_bounds(n, self.rank, self.world_size)
+        return slice_tasks(batch, lo, hi) if tasks else slice_batch(batch, lo, hi)
