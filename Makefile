@@ -1,5 +1,5 @@
 # make run   : set up, generate the debug synthetic dataset, train the debug DLRM, print metrics
-# make test  : set up and run the test suite
+# make test  : set up, lint (ruff check, ruff format --check) and run the test suite
 # make bench : the embedding benchmark, into the published bench/results/ (recaccel-bench
 #              writes under runs/bench/ unless --out names another place)
 PYTHON ?= python3
@@ -9,7 +9,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint bench clean
 
 setup: $(STAMP)
 
@@ -29,8 +29,12 @@ run: setup
 	$(VENV)/bin/recaccel-data synth --config configs/debug.toml
 	$(VENV)/bin/recaccel-train --config configs/debug.toml --overwrite
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -x --durations=15
+
+lint: setup
+	$(VENV)/bin/ruff check recaccel tests
+	$(VENV)/bin/ruff format --check recaccel tests
 
 bench: setup
 	$(VENV)/bin/recaccel-bench embedding --out bench/results/embedding.md --json bench/results/embedding.json

@@ -49,7 +49,11 @@ def _config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
         "--config", required=required, help="TOML config file (see configs/); without it, built-in defaults"
     )
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
         help="override a config value (repeatable), e.g. --set train.steps=100",
     )
 
@@ -62,13 +66,16 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     _config_args(parser, required=False)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
     parser.add_argument(
-        "--overwrite", action="store_true",
+        "--overwrite",
+        action="store_true",
         help="replace the run already in train.out_dir (its checkpoints, log and metrics are deleted)",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     parser.add_argument(
-        "--nproc", type=int, metavar="N",
+        "--nproc",
+        type=int,
+        metavar="N",
         help="run as N processes on this host through torchrun (with parallel.mode=hybrid)",
     )
     args = parser.parse_args(argv)
@@ -82,7 +89,9 @@ def train_main(argv: Sequence[str] | None = None) -> int:
 
         overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
         if args.resume and args.overwrite:
-            raise RecaccelError("--resume continues the run in RUN_DIR; --overwrite would delete it: pass one")
+            raise RecaccelError(
+                "--resume continues the run in RUN_DIR; --overwrite would delete it: pass one"
+            )
         if args.nproc is not None:
             from recaccel.preflight import preflight
             from recaccel.train.distributed.launch import check_launch, relaunch, strip_nproc
@@ -137,13 +146,17 @@ def data_main(argv: Sequence[str] | None = None) -> int:
 
     synth = sub.add_parser("synth", help="Criteo-like synthetic data with a planted model ([synth] config)")
     _config_args(synth, required=False)
-    synth.add_argument("--overwrite", action="store_true", help="replace a dataset generated with another config")
+    synth.add_argument(
+        "--overwrite", action="store_true", help="replace a dataset generated with another config"
+    )
 
     criteo = sub.add_parser("criteo", help="Criteo Kaggle/Terabyte TSV to Parquet")
     criteo.add_argument("src", help="TSV file (label, I1..I13, C1..C26)")
     criteo.add_argument("out_dir", help="output folder (train/ and test/ are written inside)")
     criteo.add_argument("--cardinality", type=int, default=100_000, help="hash buckets per categorical")
-    criteo.add_argument("--test-fraction", type=float, default=0.2, help="last fraction of rows kept for test")
+    criteo.add_argument(
+        "--test-fraction", type=float, default=0.2, help="last fraction of rows kept for test"
+    )
     criteo.add_argument("--rows-per-row-group", type=int, default=65_536)
     criteo.add_argument("--bad-rows", choices=["error", "skip"], default="error")
     criteo.add_argument("--overwrite", action="store_true", help="replace existing Parquet files")
@@ -152,9 +165,12 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     movielens = sub.add_parser("movielens", help="MovieLens 100K to task-grouped Parquet (user = task)")
     movielens.add_argument("src", help="folder with u.data, u.user, u.item, u.genre, u.occupation")
     movielens.add_argument("out_dir", help="output folder (train/ and test/ are written inside)")
-    movielens.add_argument("--scenario", default="new_users",
-                           choices=["new_users", "new_items", "new_users_items", "time"],
-                           help="cold-start split: held-out users, items, both, or the latest ratings")
+    movielens.add_argument(
+        "--scenario",
+        default="new_users",
+        choices=["new_users", "new_items", "new_users_items", "time"],
+        help="cold-start split: held-out users, items, both, or the latest ratings",
+    )
     movielens.add_argument("--test-fraction", type=float, default=0.2)
     movielens.add_argument("--seed", type=int, default=0)
     movielens.add_argument("--binarize", action="store_true", help="label = rating >= 4 (clicks)")
@@ -162,7 +178,9 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     _compression_arg(movielens)
 
     melu = sub.add_parser("melu", help="MeLU's preprocessed MovieLens 1M states to task-grouped Parquet")
-    melu.add_argument("src", help="folder with *_state.json, *_state_y.json, users.dat, movies_extrainfos.dat")
+    melu.add_argument(
+        "src", help="folder with *_state.json, *_state_y.json, users.dat, movies_extrainfos.dat"
+    )
     melu.add_argument("out_dir", help="output folder (one folder per state)")
     melu.add_argument("--binarize", action="store_true", help="label = rating >= 4 (clicks)")
     melu.add_argument("--overwrite", action="store_true")
@@ -194,7 +212,9 @@ def _compression_arg(parser: argparse.ArgumentParser) -> None:
     from recaccel.io.format.writer import COMPRESSIONS
 
     parser.add_argument(
-        "--compression", choices=COMPRESSIONS, default="snappy",
+        "--compression",
+        choices=COMPRESSIONS,
+        default="snappy",
         help="Parquet codec (lz4 decodes about twice as fast as snappy at a similar size)",
     )
 
@@ -203,9 +223,15 @@ def _criteo(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.criteo import convert_criteo
 
     return convert_criteo(
-        args.src, args.out_dir, cardinality=args.cardinality, test_fraction=args.test_fraction,
-        rows_per_row_group=args.rows_per_row_group, bad_rows=args.bad_rows, progress=True,
-        overwrite=args.overwrite, compression=args.compression,
+        args.src,
+        args.out_dir,
+        cardinality=args.cardinality,
+        test_fraction=args.test_fraction,
+        rows_per_row_group=args.rows_per_row_group,
+        bad_rows=args.bad_rows,
+        progress=True,
+        overwrite=args.overwrite,
+        compression=args.compression,
     ).to_dict()
 
 
@@ -213,8 +239,14 @@ def _movielens(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.movielens import convert_movielens
 
     return convert_movielens(
-        args.src, args.out_dir, scenario=args.scenario, test_fraction=args.test_fraction, seed=args.seed,
-        binarize=args.binarize, overwrite=args.overwrite, compression=args.compression,
+        args.src,
+        args.out_dir,
+        scenario=args.scenario,
+        test_fraction=args.test_fraction,
+        seed=args.seed,
+        binarize=args.binarize,
+        overwrite=args.overwrite,
+        compression=args.compression,
     ).to_dict()
 
 
@@ -230,10 +262,18 @@ def _tasks(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.group_by_task import group_by_task
 
     return group_by_task(
-        args.src, args.out_dir, task_key=args.task_key, timestamp=args.timestamp,
-        rows_per_row_group=args.rows_per_row_group, memory_rows=args.memory_rows, overwrite=args.overwrite,
-        compression=args.compression, progress=True,
+        args.src,
+        args.out_dir,
+        task_key=args.task_key,
+        timestamp=args.timestamp,
+        rows_per_row_group=args.rows_per_row_group,
+        memory_rows=args.memory_rows,
+        overwrite=args.overwrite,
+        compression=args.compression,
+        progress=True,
     ).to_dict()
+
+
 def _synth(args: argparse.Namespace) -> dict[str, Any]:
     """Generates the [synth] dataset, or reuses it when synth.json shows the same config.
 
@@ -272,7 +312,11 @@ def _synth_config_diff(saved: dict[str, Any], cfg: Any) -> list[str]:
 
 
 _DATA_COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "synth": _synth, "criteo": _criteo, "movielens": _movielens, "melu": _melu, "tasks": _tasks,
+    "synth": _synth,
+    "criteo": _criteo,
+    "movielens": _movielens,
+    "melu": _melu,
+    "tasks": _tasks,
 }
 
 

@@ -33,13 +33,17 @@ class SparseFeatures:
 
     def __post_init__(self) -> None:
         if self.offsets.dim() != 1 or self.offsets.numel() < 1:
-            raise ValueError(f"offsets must be 1-D with at least one element, got shape {tuple(self.offsets.shape)}")
+            raise ValueError(
+                f"offsets must be 1-D with at least one element, got shape {tuple(self.offsets.shape)}"
+            )
         if self.keys and (self.offsets.numel() - 1) % len(self.keys) != 0:
             raise ValueError(
                 f"offsets has {self.offsets.numel()} elements, not F*B+1 for F={len(self.keys)} fields"
             )
         if self.weights is not None and self.weights.shape != self.values.shape:
-            raise ValueError(f"weights shape {tuple(self.weights.shape)} != values shape {tuple(self.values.shape)}")
+            raise ValueError(
+                f"weights shape {tuple(self.weights.shape)} != values shape {tuple(self.values.shape)}"
+            )
 
     @property
     def num_fields(self) -> int:
@@ -62,7 +66,7 @@ class SparseFeatures:
         w = None if self.weights is None else self.weights[start:end]
         return self.values[start:end], off - start, w
 
-    def select(self, names: list[str] | tuple[str, ...]) -> "SparseFeatures":
+    def select(self, names: list[str] | tuple[str, ...]) -> SparseFeatures:
         """The fields ``names``, in that order (a subset of :attr:`keys`, or all of them reordered).
 
         Returns ``self`` (no copy) when ``names`` equals :attr:`keys`. Otherwise one
@@ -89,7 +93,7 @@ class SparseFeatures:
             raise DataError(f"sparse field {_names(repeated)} asked for more than once in {names}")
         return self._gather_fields([index[n] for n in names])
 
-    def reorder(self, names: list[str] | tuple[str, ...]) -> "SparseFeatures":
+    def reorder(self, names: list[str] | tuple[str, ...]) -> SparseFeatures:
         """This batch with its fields in the order ``names``: how a batch meets a model by name.
 
         ``names`` is the model's field order; the batch must hold exactly those fields
@@ -131,7 +135,7 @@ class SparseFeatures:
                 f"(model fields {names}, batch fields {self.keys})"
             )
 
-    def _gather_fields(self, src: list[int]) -> "SparseFeatures":
+    def _gather_fields(self, src: list[int]) -> SparseFeatures:
         """Fields ``src`` (indices into :attr:`keys`, distinct) as a new field-major CSR."""
         f, b = self.num_fields, self.batch_size
         device = self.offsets.device
@@ -149,18 +153,18 @@ class SparseFeatures:
         weights = None if self.weights is None else self.weights[index]
         return SparseFeatures.from_lengths([self.keys[i] for i in src], self.values[index], lengths, weights)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "SparseFeatures":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return SparseFeatures(self.keys, move(self.values), move(self.offsets), move(self.weights))
 
-    def pin_memory(self) -> "SparseFeatures":
+    def pin_memory(self) -> SparseFeatures:
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
         return SparseFeatures(self.keys, pin(self.values), pin(self.offsets), pin(self.weights))
 
     @classmethod
     def from_lengths(
         cls, keys: list[str], values: Tensor, lengths: Tensor, weights: Tensor | None = None
-    ) -> "SparseFeatures":
+    ) -> SparseFeatures:
         """Builds from bag lengths int64 [F*B] instead of offsets."""
         offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
         torch.cumsum(lengths, 0, out=offsets[1:])
@@ -175,12 +179,15 @@ class SparseFeatures:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
         return KeyedJaggedTensor(
-            keys=list(self.keys), values=self.values, weights=self.weights, offsets=self.offsets,
+            keys=list(self.keys),
+            values=self.values,
+            weights=self.weights,
+            offsets=self.offsets,
             stride=self.batch_size,
         )
 
     @classmethod
-    def from_kjt(cls, kjt) -> "SparseFeatures":
+    def from_kjt(cls, kjt) -> SparseFeatures:
         """Converts from a TorchRec KeyedJaggedTensor, sharing its tensors when they are int64.
 
         int32 ids, lengths or offsets (TorchRec allows them) are widened to the int64
@@ -227,7 +234,7 @@ class Batch:
     def batch_size(self) -> int:
         return self.labels.shape[0]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
             self.dense.to(device, non_blocking=non_blocking),
             self.sparse.to(device, non_blocking=non_blocking),
@@ -235,7 +242,7 @@ class Batch:
             None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
         )
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         return Batch(
             self.dense.pin_memory(),
             self.sparse.pin_memory(),
@@ -278,7 +285,7 @@ class TaskBatch:
     def query_size(self) -> int:
         return self.query_mask.shape[1]
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "TaskBatch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TaskBatch:
         return TaskBatch(
             self.support.to(device, non_blocking),
             self.query.to(device, non_blocking),
@@ -287,7 +294,7 @@ class TaskBatch:
             self.task_ids.to(device, non_blocking=non_blocking),
         )
 
-    def pin_memory(self) -> "TaskBatch":
+    def pin_memory(self) -> TaskBatch:
         return TaskBatch(
             self.support.pin_memory(),
             self.query.pin_memory(),

@@ -1,6 +1,5 @@
-import tomllib
-
 import pytest
+import tomllib
 
 from recaccel.config import Config, config_from_dict, config_to_toml, load_config
 from recaccel.errors import ConfigError
@@ -13,8 +12,16 @@ def test_presets_load(repo_root):
 
 
 def test_overrides_are_typed_from_dataclass_fields():
-    cfg = load_config(None, ["train.steps=7", "model.top_mlp=[8, 1]", "model.embedding_backend=reference",
-                             "optim.lr=1", "train.progress=false"])
+    cfg = load_config(
+        None,
+        [
+            "train.steps=7",
+            "model.top_mlp=[8, 1]",
+            "model.embedding_backend=reference",
+            "optim.lr=1",
+            "train.progress=false",
+        ],
+    )
     assert cfg.train.steps == 7
     assert cfg.model.top_mlp == [8, 1]
     assert cfg.model.embedding_backend == "reference"

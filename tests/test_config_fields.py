@@ -28,8 +28,8 @@ from recaccel.config import (
     section_types,
 )
 from recaccel.errors import ConfigError
-from recaccel.preflight import preflight
 from recaccel.io.convert.synth import generate_synthetic
+from recaccel.preflight import preflight
 
 FIELDS = [
     (f"{section}.{f.name}", field_hints(cls)[f.name])
@@ -189,9 +189,19 @@ def test_sections_check_on_construction_and_preflight_rechecks_changed_fields(tm
 
 
 def test_zero_keeps_its_documented_meanings():
-    cfg = load_config(None, ["train.steps=0", "train.eval_every=0", "train.checkpoint_every=0",
-                             "data.prefetch=0", "data.read_ahead=0", "meta.inner_steps=0",
-                             "tasks.query_count=0", "tasks.query_fraction=0"])
+    cfg = load_config(
+        None,
+        [
+            "train.steps=0",
+            "train.eval_every=0",
+            "train.checkpoint_every=0",
+            "data.prefetch=0",
+            "data.read_ahead=0",
+            "meta.inner_steps=0",
+            "tasks.query_count=0",
+            "tasks.query_fraction=0",
+        ],
+    )
     t, d = cfg.train, cfg.data
     assert (t.steps, t.eval_every, t.checkpoint_every, d.prefetch, d.read_ahead) == (0, 0, 0, 0, 0)
     assert (cfg.meta.inner_steps, cfg.tasks.query_count, cfg.tasks.query_fraction) == (0, 0, 0.0)
@@ -217,19 +227,35 @@ def test_config_file_problems_are_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny")
-    cfg = load_config(None, [
-        "synth.train_rows=600", "synth.test_rows=300", "synth.num_dense=2", "synth.num_sparse=2",
-        "synth.cardinality=20", "synth.rows_per_row_group=300", f'synth.out_dir="{root}"',
-    ])
+    cfg = load_config(
+        None,
+        [
+            "synth.train_rows=600",
+            "synth.test_rows=300",
+            "synth.num_dense=2",
+            "synth.num_sparse=2",
+            "synth.cardinality=20",
+            "synth.rows_per_row_group=300",
+            f'synth.out_dir="{root}"',
+        ],
+    )
     generate_synthetic(cfg.synth)
     return root
 
 
 def _run(tiny: Path, out: Path, *extra: str, argv: tuple[str, ...] = ()) -> list[str]:
     sets = [
-        f'data.train="{tiny / "train"}"', f'data.test="{tiny / "test"}"', f'train.out_dir="{out}"',
-        "data.batch_size=100", "model.embedding_dim=4", "model.bottom_mlp=[4]", "model.top_mlp=[4, 1]",
-        "model.embedding_backend=reference", "train.steps=2", "train.device=cpu", "train.progress=false",
+        f'data.train="{tiny / "train"}"',
+        f'data.test="{tiny / "test"}"',
+        f'train.out_dir="{out}"',
+        "data.batch_size=100",
+        "model.embedding_dim=4",
+        "model.bottom_mlp=[4]",
+        "model.top_mlp=[4, 1]",
+        "model.embedding_backend=reference",
+        "train.steps=2",
+        "train.device=cpu",
+        "train.progress=false",
         *extra,
     ]
     return [*argv, *(arg for s in sets for arg in ("--set", s))]
@@ -251,9 +277,19 @@ def test_the_base_run_trains(tiny, tmp_path):
 @pytest.mark.parametrize(
     "bad",
     [
-        "train.epochs=0", "train.epochs=-2", "train.steps=-5", "train.log_every=0", "train.log_every=-1",
-        "train.checkpoint_every=-1", "train.eval_every=-1", "data.prefetch=-1", "optim.lr=inf",
-        "optim.lr=-0.1", "optim.lr=nan", "data.eval_batch_size=0", "optim.sparse_lr=-1",
+        "train.epochs=0",
+        "train.epochs=-2",
+        "train.steps=-5",
+        "train.log_every=0",
+        "train.log_every=-1",
+        "train.checkpoint_every=-1",
+        "train.eval_every=-1",
+        "data.prefetch=-1",
+        "optim.lr=inf",
+        "optim.lr=-0.1",
+        "optim.lr=nan",
+        "data.eval_batch_size=0",
+        "optim.sparse_lr=-1",
     ],
 )
 def test_bad_value_exits_2_in_one_line_before_any_work(tiny, tmp_path, capsys, bad):
@@ -314,7 +350,9 @@ def test_hybrid_with_missing_data_is_refused_before_launching(tiny, tmp_path, ca
 
     monkeypatch.setattr(launch, "relaunch", no_launch)
     missing = tmp_path / "missing"
-    argv = _run(tiny, tmp_path / "run", "parallel.mode=hybrid", f'data.test="{missing}"', argv=("--nproc", "2"))
+    argv = _run(
+        tiny, tmp_path / "run", "parallel.mode=hybrid", f'data.test="{missing}"', argv=("--nproc", "2")
+    )
     _one_line_exit_2(capsys, argv, f"config key data.test={missing} does not exist")
 
 

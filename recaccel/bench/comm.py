@@ -33,7 +33,11 @@ from recaccel.errors import ConfigError
 WORLD = 2
 KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel")
 _COLLECTIVES = (
-    "all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "all_gather"
+    "all_reduce",
+    "all_to_all_single",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "all_gather",
 )
 
 
@@ -52,6 +56,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def _sent_bytes(name: str, args: tuple, kwargs: dict, rank: int, world: int) -> tuple[str, float]:
     """What one call sends from this rank, by the module's counting convention."""
+
     def arg(i: int, key: str):
         return args[i] if len(args) > i else kwargs.get(key)
 
@@ -93,15 +98,22 @@ def _run_kind(rank: int, args: argparse.Namespace, kind: str) -> dict:
     from recaccel.models.factory import build_model
     from recaccel.train.distributed.hybrid import HybridParallel
     from recaccel.train.distributed.hybrid_data import GlobalSlices
+    from recaccel.train.distributed.sharding import plan_rows
     from recaccel.train.objectives import DLRMObjective
     from recaccel.train.optim import build_dense_optimizer
-    from recaccel.train.distributed.sharding import plan_rows
 
-    cfg = load_config(None, [
-        "parallel.mode=hybrid", f"parallel.sharding={kind}", f"model.embedding_dim={args.dim}",
-        f"model.bottom_mlp=[64, {args.dim}]", "model.top_mlp=[64, 1]", "optim.sparse=rowwise_adagrad",
-        "model.embedding_backend=reference",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "parallel.mode=hybrid",
+            f"parallel.sharding={kind}",
+            f"model.embedding_dim={args.dim}",
+            f"model.bottom_mlp=[64, {args.dim}]",
+            "model.top_mlp=[64, 1]",
+            "optim.sparse=rowwise_adagrad",
+            "model.embedding_backend=reference",
+        ],
+    )
     schema = FeatureSchema(
         dense=tuple(f"d{i}" for i in range(args.dense)),
         sparse=tuple(SparseField(f"t{i}", args.rows, multi_hot=args.pooling > 1) for i in range(args.tables)),
@@ -125,6 +137,7 @@ def _run_kind(rank: int, args: argparse.Namespace, kind: str) -> dict:
                 kind_, nbytes = _sent_bytes(name, a, kw, rank, WORLD)
                 sent[kind_] += nbytes
             return originals[name](*a, **kw)
+
         return call
 
     times = []
@@ -144,16 +157,25 @@ def _run_kind(rank: int, args: argparse.Namespace, kind: str) -> dict:
     plan = plan_rows(parallel.plan) if parallel.plan is not None else []
     # Counted: steps 2.. and the agreement before each (the first counted agreement is the one
     # ending the data, so every counted step has exactly one).
-    return {"sent": {k: v / args.steps for k, v in sent.items()}, "ms": sorted(times)[len(times) // 2],
-            "plan": plan, "dense_params": dense}
+    return {
+        "sent": {k: v / args.steps for k, v in sent.items()},
+        "ms": sorted(times)[len(times) // 2],
+        "plan": plan,
+        "dense_params": dense,
+    }
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, kinds: list[str], out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=300),
+    )
     results = {kind: _run_kind(rank, args, kind) for kind in kinds}
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -180,8 +202,12 @@ def analytic_bytes(
     """
     b = batch // world
     ring = (world - 1) / world
-    out = {"all_to_all": 0.0, "reduce_scatter": 0.0, "all_gather": 0.0,
-           "all_reduce": 2 * ring * ((dense_params + 1) * 4 + 3 * 8)}
+    out = {
+        "all_to_all": 0.0,
+        "reduce_scatter": 0.0,
+        "all_gather": 0.0,
+        "all_reduce": 2 * ring * ((dense_params + 1) * 4 + 3 * 8),
+    }
     ids = b * (pooling * 8 + 8)  # int64 ids and one int64 length per bag
     for row in plan:
         if row["sharding"] == "row_wise":
@@ -241,8 +267,9 @@ def main(args: argparse.Namespace, command_line: str) -> Path:
         "not a GPU projection (see cost_model.md).",
     ]
     env = environment_info("cpu")
-    return write_results_markdown(args.out, "Hybrid step communication: measured vs analytic", env,
-                                  command_line, rows, notes)
+    return write_results_markdown(
+        args.out, "Hybrid step communication: measured vs analytic", env, command_line, rows, notes
+    )
 
 
 def _report_rows(args: argparse.Namespace, kinds: list[str], measured: list[dict]) -> list[dict]:
@@ -250,8 +277,9 @@ def _report_rows(args: argparse.Namespace, kinds: list[str], measured: list[dict
     for kind in kinds:
         for rank in range(WORLD):
             got = measured[rank][kind]
-            model = analytic_bytes(got["plan"], rank, WORLD, args.batch, args.pooling, args.dim,
-                                   got["dense_params"])
+            model = analytic_bytes(
+                got["plan"], rank, WORLD, args.batch, args.pooling, args.dim, got["dense_params"]
+            )
             row = {"sharding": kind, "rank": rank}
             for key in ("all_to_all", "reduce_scatter", "all_gather", "all_reduce"):
                 row[f"{key}_KB"] = got["sent"].get(key, 0.0) / 1e3

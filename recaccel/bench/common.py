@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-
 RESULTS_DIR = Path("runs/bench")
 """Where a benchmark writes unless told otherwise (relative to the working directory, like
 ``train.out_dir``). The tracked ``bench/results/`` is written only when named, e.g.
@@ -35,7 +34,8 @@ def add_output_args(parser, name: str, plot: str | None = None) -> None:
         plot: what the PNG shows (its help text), or None for a benchmark without a plot.
     """
     parser.add_argument(
-        "--out", default=str(RESULTS_DIR / f"{name}.md"),
+        "--out",
+        default=str(RESULTS_DIR / f"{name}.md"),
         help=f"markdown summary (default %(default)s; bench/results/{name}.md updates the published one)",
     )
     if plot is not None:
@@ -151,7 +151,7 @@ def environment_info(device: torch.device | str) -> dict:
         "cuda": torch.version.cuda,
         "triton": triton_version,
         "python": platform.python_version(),
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "git_commit": _git_commit(),
     }
 

@@ -82,9 +82,7 @@ def default_cases(
     return out
 
 
-def write_markdown_summary(
-    result: dict, path: str | Path, command: str, notes: Sequence[str] = ()
-) -> Path:
+def write_markdown_summary(result: dict, path: str | Path, command: str, notes: Sequence[str] = ()) -> Path:
     """Writes ``result`` (from :func:`run_embedding_bench`) as markdown: device, versions, date, command."""
     cases = result["cases"]
     first = cases[0] if cases else {}
@@ -204,4 +202,3 @@ def main(args, command_line: str) -> Path:
         f"on {os.cpu_count()} CPUs",
     ]
     return write_markdown_summary(result, args.out, command_line, notes + list(args.note))
-

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError, RecaccelError
-from recaccel.sparse import SparseFeatures
 from recaccel.models.embedding import PerTableEmbeddingBag
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec, init_table_weights
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES
+from recaccel.sparse import SparseFeatures
 
 ID_DISTRIBUTIONS = ("uniform", "zipf")
 LENGTHS = ("fixed", "variable")

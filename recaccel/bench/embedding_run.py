@@ -265,4 +265,3 @@ def plot_speedups(rows: Sequence[dict], path: str | Path) -> Path:
             ax.legend(fontsize=7)
     fig.tight_layout()
     return save_figure(fig, path, dpi=110)
-

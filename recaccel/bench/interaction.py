@@ -211,7 +211,9 @@ def write_markdown_summary(results: Sequence[dict], path: str | Path, command: s
 def add_args(parser) -> None:
     """``recaccel-bench interaction`` options."""
     parser.add_argument("--batch", type=int, nargs="+", default=[2048, 16384], help="batch sizes B")
-    parser.add_argument("--fields", type=int, nargs="+", default=[26], help="sparse fields F (input has F+1 rows)")
+    parser.add_argument(
+        "--fields", type=int, nargs="+", default=[26], help="sparse fields F (input has F+1 rows)"
+    )
     parser.add_argument("--dim", type=int, nargs="+", default=[128], help="embedding dims D")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--repeats", type=int, default=50)
@@ -223,7 +225,13 @@ def add_args(parser) -> None:
 def main(args, command_line: str) -> Path:
     """Runs the sweep and writes the markdown summary; returns its path."""
     results = run_interaction_bench(
-        args.batch, args.fields, args.dim, args.repeats, args.device, args.json, plot_file(args),
+        args.batch,
+        args.fields,
+        args.dim,
+        args.repeats,
+        args.device,
+        args.json,
+        plot_file(args),
         dtype=getattr(torch, args.dtype),
     )
     return write_markdown_summary(results, args.out, command_line)

@@ -55,9 +55,9 @@ from recaccel.bench.common import (
     write_results_markdown,
 )
 from recaccel.config import SynthConfig, TasksConfig
+from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.readers.rows import BatchReader
-from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.readers.tasks.reader import TaskReader
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,16 @@ def add_args(parser) -> None:
     parser.add_argument("--support-size", type=int, default=64)
     parser.add_argument("--query-size", type=int, default=32)
     parser.add_argument(
-        "--read-ahead", type=int, default=2, help="buffers (plain) and units (tasks) loaded ahead, one thread each"
+        "--read-ahead",
+        type=int,
+        default=2,
+        help="buffers (plain) and units (tasks) loaded ahead, one thread each",
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
-    parser.add_argument("--train-steps", type=int, default=300, help="debug DLRM steps for data wait; 0 = skip")
+    parser.add_argument(
+        "--train-steps", type=int, default=300, help="debug DLRM steps for data wait; 0 = skip"
+    )
     parser.add_argument("--train-config", default="configs/debug.toml", help="config of the data-wait run")
     parser.add_argument("--device", default="auto", help="device of the data-wait run: auto | cpu | cuda")
     add_output_args(parser, "io", plot="the throughputs")
@@ -138,13 +143,20 @@ def candidates(path: Path, args) -> dict:
         n = 0
         for f in info.files:
             with pq.ParquetFile(str(f)) as pf:
-                for batch in pf.iter_batches(batch_size=args.batch_size, columns=columns, use_threads=threads):
+                for batch in pf.iter_batches(
+                    batch_size=args.batch_size, columns=columns, use_threads=threads
+                ):
                     n += batch.num_rows
         return n
 
     def plain(shuffle: bool):
         reader = BatchReader(
-            path, args.batch_size, seed=0, shuffle=shuffle, shuffle_buffer_rows=65_536, read_ahead=args.read_ahead
+            path,
+            args.batch_size,
+            seed=0,
+            shuffle=shuffle,
+            shuffle_buffer_rows=65_536,
+            read_ahead=args.read_ahead,
         )
         for _ in reader:
             pass
@@ -319,14 +331,23 @@ def plot_throughput(table: list[dict], path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.0, 0.5 * len(rows) + 1.5))
     pos = list(range(len(rows)))
     colors = ["tab:grey" if r["candidate"].startswith("raw") else "tab:blue" for r in rows]
-    ax.barh(pos, [r["rows_per_s"] / 1e6 for r in rows], xerr=[[0] * len(rows), [b / 1e6 for b in best]],
-            color=colors, capsize=3)
+    ax.barh(
+        pos,
+        [r["rows_per_s"] / 1e6 for r in rows],
+        xerr=[[0] * len(rows), [b / 1e6 for b in best]],
+        color=colors,
+        capsize=3,
+    )
     ax.set_yticks(pos, [r["candidate"] for r in rows])
     ax.invert_yaxis()
     for share, ceiling, style in ((0.8, "raw_pyarrow", "--"), (0.5, "raw_pyarrow_tasks", ":")):
         if ceiling in per_s:
-            ax.axvline(share * per_s[ceiling] / 1e6, color="tab:red", linestyle=style,
-                       label=f"target: {share:g} x {ceiling}")
+            ax.axvline(
+                share * per_s[ceiling] / 1e6,
+                color="tab:red",
+                linestyle=style,
+                label=f"target: {share:g} x {ceiling}",
+            )
     ax.set_xlabel("million rows / s (median pass; whisker: best pass)")
     ax.set_title("Parquet reading throughput, same files, one run")
     ax.legend(fontsize=7, loc="lower right")
@@ -377,7 +398,11 @@ def main(args, command_line: str) -> Path:
             except Exception as e:  # the reading results stand; the failure is reported and raised
                 failure = e
                 notes.append(f"debug_dlrm_train FAILED ({type(e).__name__}: {e}); no data-wait figure")
-    env = {**environment_info("cpu" if failure else device), "pyarrow": pa.__version__, "numpy": np.__version__}
+    env = {
+        **environment_info("cpu" if failure else device),
+        "pyarrow": pa.__version__,
+        "numpy": np.__version__,
+    }
     out = write_results_markdown(
         args.out,
         "Parquet reading: recaccel vs raw pyarrow",

@@ -31,11 +31,11 @@ import torch
 
 from recaccel.bench.common import add_output_args, environment_info, time_interleaved, write_results_markdown
 from recaccel.config import MetaConfig
-from recaccel.sparse import TaskBatch
 from recaccel.meta import MetaLearner
 from recaccel.meta.synthetic import SyntheticTasks
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
+from recaccel.sparse import TaskBatch
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,10 @@ import importlib.util
 from collections.abc import Callable
 
 _MODULES = {
-    "embedding": ("packed embedding bag vs per-table loop, reference, Triton, FBGEMM", "recaccel.bench.embedding"),
+    "embedding": (
+        "packed embedding bag vs per-table loop, reference, Triton, FBGEMM",
+        "recaccel.bench.embedding",
+    ),
     "interaction": ("fused DLRM dot interaction vs PyTorch eager", "recaccel.bench.interaction"),
     "meta": ("vmapped MAML step vs per-task loop", "recaccel.bench.meta"),
     "io": ("Parquet plain and task batches vs raw pyarrow", "recaccel.bench.io"),

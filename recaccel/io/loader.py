@@ -33,8 +33,8 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError
-from recaccel.sparse import Batch, TaskBatch
 from recaccel.io.host_buffer import ALIGN, Layout, layout_of, pack, unpack
+from recaccel.sparse import Batch, TaskBatch
 
 BACKENDS = ("torch", "dali")
 

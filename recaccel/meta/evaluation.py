@@ -23,11 +23,11 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from recaccel.sparse import TaskBatch
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.learner import MetaLearner
 from recaccel.meta.ranking import auc_per_task, ndcg_per_task
 from recaccel.metrics import binary_auc, binary_logloss, check_finite
+from recaccel.sparse import TaskBatch
 
 _DIVERGED = "the model has diverged (a lower optim.lr or meta.inner_lr may help)"
 

@@ -18,11 +18,11 @@ from torch import Tensor, nn
 
 from recaccel.config import MetaConfig
 from recaccel.errors import ConfigError
-from recaccel.sparse import TaskBatch
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.heads import SHIFT, TaskHead, adapt_plan, initial_params, shift_shape
 from recaccel.meta.maml import ENGINES, Block, MetaOutput, Rates, run_engine
 from recaccel.meta.rows import concat_rows, split_task_rows
+from recaccel.sparse import TaskBatch
 
 
 def _rate_key(name: str) -> str:

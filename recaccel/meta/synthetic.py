@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.meta.functional import LOSSES
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
 
 class SyntheticTasks:

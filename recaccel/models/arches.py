@@ -9,8 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.interaction import dot_interaction
+from recaccel.sparse import SparseFeatures
 
 
 def mlp(in_features: int, layer_sizes: list[int], *, final_activation: bool) -> nn.Sequential:

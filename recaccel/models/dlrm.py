@@ -9,8 +9,8 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.sparse import Batch, SparseFeatures
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
+from recaccel.sparse import Batch, SparseFeatures
 
 
 class DLRM(nn.Module):

@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.sparse import SparseFeatures
 from recaccel.io.format.schema import SparseField
+from recaccel.sparse import SparseFeatures
 
 EMBEDDING_BACKENDS = ("auto", "reference", "triton", "fbgemm", "per_table")
 

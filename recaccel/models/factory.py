@@ -23,8 +23,13 @@ def build_embedding(
     check_table_memory(schema, model_cfg.embedding_dim, device)  # refuse before allocating
     optim = SparseOptimConfig(lr=optim_cfg.sparse_lr, eps=optim_cfg.eps)
     return field_embedding(
-        list(schema.sparse), model_cfg.embedding_dim, backend=model_cfg.embedding_backend,
-        pooling=model_cfg.pooling, optimizer=optim_cfg.sparse, optim=optim, device=device,
+        list(schema.sparse),
+        model_cfg.embedding_dim,
+        backend=model_cfg.embedding_backend,
+        pooling=model_cfg.pooling,
+        optimizer=optim_cfg.sparse,
+        optim=optim,
+        device=device,
     )
 
 
@@ -78,7 +83,11 @@ def build_melu(
     if names != [f.name for f in items + users]:
         raise ConfigError(f"MeLU needs the item fields first in the data's field order; the data has {names}")
     cfg = MeLUConfig(
-        item_fields=items, user_fields=users, embedding_dim=model_cfg.embedding_dim,
-        hidden=model_cfg.top_mlp[:-1], num_dense=schema.num_dense, pooling=model_cfg.pooling,
+        item_fields=items,
+        user_fields=users,
+        embedding_dim=model_cfg.embedding_dim,
+        hidden=model_cfg.top_mlp[:-1],
+        num_dense=schema.num_dense,
+        pooling=model_cfg.pooling,
     )
     return MeLU(cfg, embedding=build_embedding(model_cfg, optim_cfg, schema, device)).to(device)

@@ -29,7 +29,6 @@ from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding
 
 
-
 @dataclass
 class MeLUConfig:
     """Shape of a MeLU model.
@@ -132,8 +131,14 @@ def melu_embedding(
         ConfigError: unknown backend.
     """
     return field_embedding(
-        cfg.fields, cfg.embedding_dim, backend=backend, pooling=cfg.pooling, mode=mode, optim=optim,
-        device=device, seed=seed,
+        cfg.fields,
+        cfg.embedding_dim,
+        backend=backend,
+        pooling=cfg.pooling,
+        mode=mode,
+        optim=optim,
+        device=device,
+        seed=seed,
     )
 
 

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.specs import TableSpec
+from recaccel.sparse import SparseFeatures
 
 
 def embedding_tables(embedding: nn.Module) -> list[TableSpec]:

@@ -131,8 +131,12 @@ def check_entries(
                 path, f"entry '{prefix}{key}' must be a non-negative int, got {show(entries[key])}"
             )
     seconds = entries.get("train_seconds", 0.0)
-    if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-            or not math.isfinite(seconds) or seconds < 0):
+    if (
+        isinstance(seconds, bool)
+        or not isinstance(seconds, (int, float))
+        or not math.isfinite(seconds)
+        or seconds < 0
+    ):
         raise CheckpointError(
             path, f"entry '{prefix}train_seconds' must be a finite number >= 0, got {show(seconds)}"
         )
@@ -163,7 +167,9 @@ def check_rng(path: Path, rng: Any, entry: str = "rng") -> None:
         if key not in rng:
             raise CheckpointError(path, f"entry {entry!r} lacks the {key!r} generator state")
     checks: dict[str, Callable[[Any], None]] = {
-        "torch": _try_torch_rng, "python": _try_python_rng, "numpy": _try_numpy_rng,
+        "torch": _try_torch_rng,
+        "python": _try_python_rng,
+        "numpy": _try_numpy_rng,
     }
     for key, check in checks.items():
         try:
@@ -240,8 +246,11 @@ def check_optimizer_state(
     Raises:
         CheckpointError: naming the first bad group, parameter or value.
     """
-    if not (isinstance(saved, dict) and isinstance(saved.get("state"), dict)
-            and isinstance(saved.get("param_groups"), list)):
+    if not (
+        isinstance(saved, dict)
+        and isinstance(saved.get("state"), dict)
+        and isinstance(saved.get("param_groups"), list)
+    ):
         raise CheckpointError(
             path, f"entry {entry!r} must be an optimizer state dict with 'state' and 'param_groups'"
         )
@@ -254,8 +263,10 @@ def check_optimizer_state(
         shape = tuple(params[pid].shape)
         fits = {shape, ()} | ({shape[:1], (*shape[:1], 1)} if rowwise and shape else set())
         for name, value in states.items():
-            ok = (tuple(value.shape) in fits) if isinstance(value, Tensor) else (
-                value is None or (isinstance(value, (int, float)) and math.isfinite(value))
+            ok = (
+                (tuple(value.shape) in fits)
+                if isinstance(value, Tensor)
+                else (value is None or (isinstance(value, (int, float)) and math.isfinite(value)))
             )
             if not ok:
                 what = f"state[{pid!r}][{name!r}] is {show(value)}, parameter shape {list(shape)}"
@@ -293,8 +304,11 @@ def _same_kind(now: Any, saved: Any) -> bool:
     if isinstance(now, (int, float)):
         return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
     if isinstance(now, (tuple, list)):
-        return (isinstance(saved, (tuple, list)) and len(saved) == len(now)
-                and all(_same_kind(a, b) for a, b in zip(now, saved)))
+        return (
+            isinstance(saved, (tuple, list))
+            and len(saved) == len(now)
+            and all(_same_kind(a, b) for a, b in zip(now, saved))
+        )
     return type(saved) is type(now)
 
 
@@ -370,11 +384,17 @@ def read_dcp_metadata(path: Path) -> Any:
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         fqn = getattr(index, "fqn", index)
-        if not (isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
-                and _is_count(offset) and _is_count(length)):
+        if not (
+            isinstance(name, str)
+            and name not in ("", ".", "..")
+            and Path(name).name == name
+            and _is_count(offset)
+            and _is_count(length)
+        ):
             raise CheckpointError(
-                path, f"bad storage entry for {fqn!r}: data file {show(name)} at offset "
-                f"{show(offset)}, length {show(length)} (a file of the checkpoint folder expected)"
+                path,
+                f"bad storage entry for {fqn!r}: data file {show(name)} at offset "
+                f"{show(offset)}, length {show(length)} (a file of the checkpoint folder expected)",
             )
         if getattr(info, "transform_descriptors", None):  # recaccel writes no compressed/transformed items
             what = f"storage entry for {fqn!r} asks for stream transforms {show(info.transform_descriptors)}"
@@ -460,7 +480,7 @@ def fsync_path(path: Path) -> None:
 
 def fsync_tree(folder: Path) -> None:
     """fsyncs every file under ``folder``, then each directory, innermost first."""
-    for root, dirs, files in os.walk(folder, topdown=False):
+    for root, _dirs, files in os.walk(folder, topdown=False):
         for name in files:
             fsync_path(Path(root) / name)
         fsync_path(Path(root))

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from recaccel.sparse import Batch
 from recaccel.metrics import binary_auc, binary_logloss
+from recaccel.sparse import Batch
 
 
 @torch.no_grad()

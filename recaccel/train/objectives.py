@@ -12,9 +12,9 @@ from typing import Any, Protocol
 from torch import Tensor, nn
 
 from recaccel.config import Config
-from recaccel.sparse import Batch, TaskBatch
 from recaccel.io.readers.rows import BatchReader
 from recaccel.metrics import check_finite
+from recaccel.sparse import Batch, TaskBatch
 from recaccel.train.evaluation import binary_metrics, predict, rating_metrics
 
 
@@ -77,7 +77,12 @@ class MetaObjective:
         from recaccel.io.readers.tasks.reader import TaskReader
 
         return TaskReader.from_config(
-            path, self.cfg.tasks, self.cfg.data, train=train, rank=rank, world_size=world_size,
+            path,
+            self.cfg.tasks,
+            self.cfg.data,
+            train=train,
+            rank=rank,
+            world_size=world_size,
             query_count=self.cfg.tasks.query_count or None,
         )
 

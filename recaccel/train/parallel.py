@@ -42,10 +42,13 @@ class Parallelism(Protocol):
 
     def gather(self, tensor: Tensor) -> Tensor: ...
 
-    def save_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        state: TrainState) -> Path | None: ...
+    def save_checkpoint(
+        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+    ) -> Path | None: ...
 
-    def load_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState: ...
+    def load_checkpoint(
+        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> TrainState: ...
 
     def close(self) -> None: ...
 
@@ -62,7 +65,9 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
         return HybridParallel(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1:
-        raise ConfigError(f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid")
+        raise ConfigError(
+            f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid"
+        )
     return SingleProcess(device)
 
 
@@ -110,11 +115,14 @@ class SingleProcess:
         """Concatenates a per-rank [N, ...] tensor over ranks (here: itself)."""
         return tensor
 
-    def save_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                        state: TrainState) -> Path:
+    def save_checkpoint(
+        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+    ) -> Path:
         return save_checkpoint(run_dir, model, optimizer, state)
 
-    def load_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    def load_checkpoint(
+        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> TrainState:
         return load_checkpoint(run_dir, model, optimizer, self.device)
 
     def close(self) -> None:

@@ -16,8 +16,8 @@ from recaccel.config import Config
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
-from recaccel.models.factory import build_model
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
+from recaccel.models.factory import build_model
 from recaccel.train.checkpoint import TrainState, all_checkpoints, load_reader_position
 from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
@@ -149,9 +149,15 @@ class Trainer:
                 clear_run(self.run_dir)
             self.log = RunLog(self.run_dir)
             self.log.write_config(self.cfg)
-        bar = tqdm(total=self._total_steps(), initial=self.state.step, unit="step",
-                   disable=not (t.progress and self.parallel.is_main))
-        loader = DeviceLoader(self.reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
+        bar = tqdm(
+            total=self._total_steps(),
+            initial=self.state.step,
+            unit="step",
+            disable=not (t.progress and self.parallel.is_main),
+        )
+        loader = DeviceLoader(
+            self.reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend
+        )
         wait = DataWait()
         seconds_before = self.state.train_seconds
         stats = getattr(self.reader, "stats", None)
@@ -180,7 +186,9 @@ class Trainer:
                 if self.state.step % t.log_every == 0 or self.state.step == 1:
                     self.state.last_loss = float(loss)
                     bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
-                    self._event("train", step=self.state.step, epoch=self.state.epoch, loss=self.state.last_loss)
+                    self._event(
+                        "train", step=self.state.step, epoch=self.state.epoch, loss=self.state.last_loss
+                    )
                 if t.checkpoint_every > 0 and self.state.step % t.checkpoint_every == 0:
                     self._checkpoint()
                 if t.eval_every > 0 and self.state.step % t.eval_every == 0:
@@ -229,7 +237,9 @@ class Trainer:
         path = path or self.cfg.data.test
         reader = self._reader(self.evaluator, path, train=False)
         self.module.eval()
-        batches = DeviceLoader(reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
+        batches = DeviceLoader(
+            reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend
+        )
         if isinstance(self.evaluator, DLRMObjective):
             logits, labels = self.evaluator.predictions(batches)
             logits, labels = self.parallel.gather(logits), self.parallel.gather(labels)

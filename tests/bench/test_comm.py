@@ -16,10 +16,27 @@ from recaccel.errors import ConfigError  # noqa: E402
 def _args(tmp_path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     comm.add_args(parser)
-    return parser.parse_args([
-        "--tables", "4", "--rows", "400", "--dim", "8", "--batch", "64", "--pooling", "3", "--steps", "2",
-        "--out", str(tmp_path / "comm.md"), "--json", str(tmp_path / "comm.json"), *extra,
-    ])
+    return parser.parse_args(
+        [
+            "--tables",
+            "4",
+            "--rows",
+            "400",
+            "--dim",
+            "8",
+            "--batch",
+            "64",
+            "--pooling",
+            "3",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "comm.md"),
+            "--json",
+            str(tmp_path / "comm.json"),
+            *extra,
+        ]
+    )
 
 
 def test_measured_bytes_match_the_model(tmp_path):

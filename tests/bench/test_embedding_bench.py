@@ -37,7 +37,13 @@ def _fast_factories():
 def test_tiny_sweep_rows_json_and_plot(tmp_path):
     json_path, plot_path = tmp_path / "e.json", tmp_path / "e.png"
     result = run_embedding_bench(
-        TINY, "cpu", repeats=2, warmup=1, num_batches=2, json_path=json_path, plot_path=plot_path,
+        TINY,
+        "cpu",
+        repeats=2,
+        warmup=1,
+        num_batches=2,
+        json_path=json_path,
+        plot_path=plot_path,
         factories=_fast_factories(),
     )
     rows = result["results"]
@@ -77,8 +83,14 @@ def test_wrong_candidate_is_caught_before_timing(kind, tmp_path):
     json_path = tmp_path / "never.json"
     with pytest.raises(CandidateMismatchError, match="'wrong'"):
         run_embedding_bench(
-            TINY[:1], "cpu", repeats=1, warmup=0, num_batches=1, json_path=json_path,
-            factories=factories, extra_candidates={"wrong": _wrong(kind)},
+            TINY[:1],
+            "cpu",
+            repeats=1,
+            warmup=0,
+            num_batches=1,
+            json_path=json_path,
+            factories=factories,
+            extra_candidates={"wrong": _wrong(kind)},
         )
     assert not json_path.exists()
 
@@ -129,7 +141,9 @@ def test_default_cases_by_device():
     assert all(c.rows * c.tables * c.dim * 4 <= 2**30 and c.rows <= 10_000 for c in cpu)
     gpu = bench.default_cases("cuda", tables=[100])
     assert {(c.tables, c.batch, c.dim, c.bag_len) for c in gpu} == {
-        (100, 512, 16, 1), (100, 2048, 32, 1), (100, 16384, 128, 20)
+        (100, 512, 16, 1),
+        (100, 2048, 32, 1),
+        (100, 16384, 128, 20),
     }
     assert all(c.rows == 100_000 for c in gpu)
 
@@ -149,8 +163,27 @@ def test_cli_main_writes_markdown(tmp_path):
     bench.add_args(parser)
     out = tmp_path / "embedding.md"
     args = parser.parse_args(
-        ["--tables", "2", "--shapes", "8:4:1", "--cases", "--rows", "10", "--repeats", "1", "--warmup", "0",
-         "--batches", "1", "--out", str(out), "--plot", str(tmp_path / "e.png"), "--note", "shared machine"]
+        [
+            "--tables",
+            "2",
+            "--shapes",
+            "8:4:1",
+            "--cases",
+            "--rows",
+            "10",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--batches",
+            "1",
+            "--out",
+            str(out),
+            "--plot",
+            str(tmp_path / "e.png"),
+            "--note",
+            "shared machine",
+        ]
     )
     path = bench.main(args, "recaccel-bench embedding --tiny")
     text = path.read_text()

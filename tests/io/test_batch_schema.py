@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from recaccel.errors import DataError
-from recaccel.sparse import Batch, SparseFeatures
 from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
+from recaccel.sparse import Batch, SparseFeatures
 
 
 def _sparse() -> SparseFeatures:
@@ -52,8 +52,12 @@ def test_batch_to_moves_every_tensor():
 
 
 def test_schema_json_and_arrow_round_trip():
-    schema = FeatureSchema(("d0", "d1"), (SparseField("c0", 10), SparseField("c1", 5, multi_hot=True)),
-                           task_key="user", timestamp="ts")
+    schema = FeatureSchema(
+        ("d0", "d1"),
+        (SparseField("c0", 10), SparseField("c1", 5, multi_hot=True)),
+        task_key="user",
+        timestamp="ts",
+    )
     assert FeatureSchema.from_json(schema.to_json()) == schema
     arrow = schema.arrow_schema()
     assert arrow.field("c1").type == pa.list_(pa.int64())
@@ -84,8 +88,15 @@ def test_schema_rejects_bad_definitions():
 
 # ---------------------------------------------------------------- stored schema metadata (issue 10 item 9)
 
-_GOOD = {"dense": ["d0"], "sparse": [{"name": "s0", "cardinality": 5, "multi_hot": False}], "label": "label",
-         "label_kind": "binary", "task_key": None, "timestamp": None, "extra": {}}
+_GOOD = {
+    "dense": ["d0"],
+    "sparse": [{"name": "s0", "cardinality": 5, "multi_hot": False}],
+    "label": "label",
+    "label_kind": "binary",
+    "task_key": None,
+    "timestamp": None,
+    "extra": {},
+}
 
 
 def _with(**changes) -> bytes:
@@ -104,16 +115,20 @@ def _field(**changes) -> list:
         (b"[" * 100_000, "not valid JSON"),
         (b"[1, 2]", "the schema must be a JSON object, got list"),
         (b'"text"', "the schema must be a JSON object, got str"),
-        (json.dumps({k: v for k, v in _GOOD.items() if k != "dense"}).encode(),
-         r"lacks key\(s\) \['dense'\]"),
+        (
+            json.dumps({k: v for k, v in _GOOD.items() if k != "dense"}).encode(),
+            r"lacks key\(s\) \['dense'\]",
+        ),
         (_with(bogus=1), r"unknown key\(s\) \['bogus'\]"),
         (_with(dense="d0"), "dense must be a list"),
         (_with(dense=[1]), "dense must be a list of column names"),
         (_with(sparse={"s0": 5}), "sparse must be a list"),
         (_with(sparse=[5]), r"sparse\[0\] must be a JSON object"),
         (_with(sparse=[{"name": "s0"}]), r"sparse\[0\] lacks key\(s\) \['cardinality'\]"),
-        (_with(sparse=[{"name": "s0", "cardinality": 5, "hot": 1}]),
-         r"sparse\[0\] has unknown key\(s\) \['hot'\]"),
+        (
+            _with(sparse=[{"name": "s0", "cardinality": 5, "hot": 1}]),
+            r"sparse\[0\] has unknown key\(s\) \['hot'\]",
+        ),
         (_with(sparse=_field(cardinality="5")), "cardinality '5'; must be an integer"),
         (_with(sparse=_field(cardinality=5.0)), "cardinality 5.0; must be an integer"),
         (_with(sparse=_field(cardinality=True)), "cardinality True; must be an integer"),

@@ -35,9 +35,7 @@ def python_rows(cols: Columns) -> list[tuple]:
         (
             float(cols.labels[i]),
             tuple(float(x) for x in cols.dense[i]),
-            tuple(
-                tuple(int(x) for x in v[o[i] : o[i + 1]]) for v, o in zip(cols.values, cols.offsets)
-            ),
+            tuple(tuple(int(x) for x in v[o[i] : o[i + 1]]) for v, o in zip(cols.values, cols.offsets)),
         )
         for i in range(cols.num_rows)
     ]

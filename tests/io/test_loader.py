@@ -12,12 +12,12 @@ import torch
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch
-from recaccel.io.loader import DeviceLoader, _DaliCopier
-from recaccel.io.host_buffer import ALIGN, layout_of, pack, unpack
-from recaccel.io.readers.rows import BatchReader, write_parquet
 from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.host_buffer import ALIGN, layout_of, pack, unpack
+from recaccel.io.loader import DeviceLoader, _DaliCopier
+from recaccel.io.readers.rows import BatchReader, write_parquet
 from recaccel.io.readers.tasks.reader import TaskReader
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from tests.io.test_tasks import write_tasks
 
 EXACT = dict(rtol=0, atol=0)

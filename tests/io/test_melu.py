@@ -15,10 +15,11 @@ import pytest
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.dataset import open_dataset
-from recaccel.io.convert.melu import STATES, convert_melu
 from recaccel.io.convert.group_by_task import grouped_claim
+from recaccel.io.convert.melu import STATES, convert_melu
+from recaccel.io.format.dataset import open_dataset
 from recaccel.io.readers.tasks.reader import TaskReader
+
 
 @pytest.fixture(scope="module")
 def src(shared_data) -> Path:

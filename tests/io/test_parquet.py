@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns, take_csr
-from recaccel.io.readers.rows import BatchReader, DatasetWriter, open_dataset, write_parquet
 from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
+from recaccel.io.readers.rows import BatchReader, DatasetWriter, open_dataset, write_parquet
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXACT = dict(rtol=0, atol=0)
@@ -324,7 +324,10 @@ def test_every_codec_reads_back_the_same_rows(tmp_path, codec):
     write_parquet(tmp_path / "snappy", schema, cols, rows_per_row_group=40)
     write_parquet(tmp_path / codec, schema, cols, rows_per_row_group=40, compression=codec)
     meta = pq.ParquetFile(next((tmp_path / codec).glob("*.parquet"))).metadata
-    assert meta.row_group(0).column(0).compression == {"lz4": "LZ4", "zstd": "ZSTD", "none": "UNCOMPRESSED"}[codec]
+    assert (
+        meta.row_group(0).column(0).compression
+        == {"lz4": "LZ4", "zstd": "ZSTD", "none": "UNCOMPRESSED"}[codec]
+    )
     read = [all_rows(BatchReader(tmp_path / d, 16, shuffle=False)) for d in ("snappy", codec)]
     assert read[0] == read[1] == reference_rows(tmp_path / "snappy", schema)
     with pytest.raises(ConfigError, match="compression must be one of"):
@@ -336,7 +339,9 @@ def test_ranks_and_dataloader_workers_partition_the_rows(tmp_path, shuffle):
     schema = small_dataset(tmp_path, n=500, rg=20)
     rows = []
     for rank in range(2):
-        reader = BatchReader(tmp_path, 16, shuffle=shuffle, shuffle_buffer_rows=50, seed=3, rank=rank, world_size=2)
+        reader = BatchReader(
+            tmp_path, 16, shuffle=shuffle, shuffle_buffer_rows=50, seed=3, rank=rank, world_size=2
+        )
         rows += all_rows(torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2))
     assert Counter(rows) == Counter(reference_rows(tmp_path, schema))
 
@@ -526,7 +531,9 @@ def test_corrupted_page_names_file_and_row_group(tmp_path):
     raw[start + chunk.total_compressed_size - 1] ^= 0xFF  # last byte of a page body
     victim.write_bytes(bytes(raw))
     reader = BatchReader(tmp_path, 10, shuffle=False)  # footers are intact
-    with pytest.raises(DataError, match=r"part-00000\.parquet, row group 2, column 'd0': cannot read row group.*CRC"):
+    with pytest.raises(
+        DataError, match=r"part-00000\.parquet, row group 2, column 'd0': cannot read row group.*CRC"
+    ):
         list(reader)
     assert reader.stats["rows_yielded"] == 50  # row groups 0 and 1 came through
 
@@ -789,8 +796,11 @@ def test_repair_policies_on_every_kind_of_bad_value(tmp_path, ids, dense):
 def test_num_batches_matches_an_epoch(tmp_path):
     schema = FeatureSchema(("d",), (SparseField("c", 5),))
     rng = np.random.default_rng(0)
-    cols = {"label": rng.integers(0, 2, 1003).astype(np.float32), "d": rng.random(1003).astype(np.float32),
-            "c": rng.integers(0, 5, 1003)}
+    cols = {
+        "label": rng.integers(0, 2, 1003).astype(np.float32),
+        "d": rng.random(1003).astype(np.float32),
+        "c": rng.integers(0, 5, 1003),
+    }
     write_parquet(tmp_path, schema, cols, rows_per_row_group=100)
     for drop_last in (True, False):
         reader = BatchReader(tmp_path, 64, drop_last=drop_last, shuffle_buffer_rows=300)

@@ -39,10 +39,10 @@ import torch
 
 from recaccel.config import TasksConfig
 from recaccel.errors import RecaccelError
-from recaccel.io.readers.rows import BatchReader
-from recaccel.io.format.writer import write_parquet
-from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
 from recaccel.io.convert.group_by_task import grouped_schema
+from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
+from recaccel.io.format.writer import write_parquet
+from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.tasks.reader import TaskReader
 
 N_ROWS, ROWS_PER_GROUP, TASK_ROWS = 60, 20, 10
@@ -59,8 +59,11 @@ TASKS = TasksConfig(tasks_per_batch=2, support_size=4, query_size=4, min_task_ro
 
 
 def base_schema() -> FeatureSchema:
-    sparse = (SparseField("rid", CARDS["rid"]), SparseField("s1", CARDS["s1"], multi_hot=True),
-              SparseField("s2", CARDS["s2"]))
+    sparse = (
+        SparseField("rid", CARDS["rid"]),
+        SparseField("s1", CARDS["s1"], multi_hot=True),
+        SparseField("s2", CARDS["s2"]),
+    )
     return grouped_schema(FeatureSchema(dense=("d0", "d1"), sparse=sparse), "user", "ts")
 
 
@@ -85,8 +88,13 @@ def base_table(tmp: Path) -> pa.Table:
 
 def row_of(table_row: dict) -> tuple:
     """A row as (rid, label, dense, bags), from ``read_table().to_pylist()``."""
-    return (table_row["rid"], float(table_row["label"]), (table_row["d0"], table_row["d1"]),
-            (tuple(table_row["s1"]),), (table_row["s2"],))
+    return (
+        table_row["rid"],
+        float(table_row["label"]),
+        (table_row["d0"], table_row["d1"]),
+        (tuple(table_row["s1"]),),
+        (table_row["s2"],),
+    )
 
 
 def batch_rows(batch) -> list[tuple]:
@@ -148,8 +156,13 @@ def page_flip(rng: np.random.Generator) -> Variant:
         dst.write_bytes(raw)
 
     name = base_schema().arrow_schema().names[col]
-    return Variant(f"page_flip(rg={rg}, col={name}, k={k})", damage, columns={name}, row_groups={rg},
-                   where=("row_group", "column"))
+    return Variant(
+        f"page_flip(rg={rg}, col={name}, k={k})",
+        damage,
+        columns={name},
+        row_groups={rg},
+        where=("row_group", "column"),
+    )
 
 
 def footer_flip(rng: np.random.Generator) -> Variant:
@@ -202,8 +215,7 @@ SCHEMA_DAMAGE: dict[str, Callable[[], bytes]] = {
     "not_an_object": lambda: json.dumps(list(_schema_dict())).encode(),
     "missing_key": lambda: json.dumps({k: v for k, v in _schema_dict().items() if k != "sparse"}).encode(),
     "unknown_key": lambda: json.dumps({**_schema_dict(), "cardinality": 5}).encode(),
-    "field_missing_key": lambda: json.dumps(
-        {**_schema_dict(), "sparse": [{"name": "rid"}]}).encode(),
+    "field_missing_key": lambda: json.dumps({**_schema_dict(), "sparse": [{"name": "rid"}]}).encode(),
     "string_cardinality": lambda: json.dumps(_with_field("s2", cardinality="7")).encode(),
     "float_cardinality": lambda: json.dumps(_with_field("s2", cardinality=7.5)).encode(),
     "zero_cardinality": lambda: json.dumps(_with_field("s2", cardinality=0)).encode(),
@@ -220,8 +232,11 @@ def schema_damage(rng: np.random.Generator) -> Variant:
     kinds = [*SCHEMA_DAMAGE, "random_edit"]
     kind = kinds[int(rng.integers(0, len(kinds)))]
     if kind != "random_edit":
-        return Variant(f"schema:{kind}", lambda src, table, dst: _rewrite(table, dst, SCHEMA_DAMAGE[kind]()),
-                       must_fail=True)
+        return Variant(
+            f"schema:{kind}",
+            lambda src, table, dst: _rewrite(table, dst, SCHEMA_DAMAGE[kind]()),
+            must_fail=True,
+        )
     text = bytearray(base_schema().to_json().encode())
     pos = int(rng.integers(0, len(text)))
     if rng.integers(0, 2):
@@ -229,8 +244,11 @@ def schema_damage(rng: np.random.Generator) -> Variant:
     else:
         del text[pos]
     # An edited cardinality may reject ids (error, or skipped rows of unknown count).
-    return Variant(f"schema:random_edit(pos={pos})",
-                   lambda src, table, dst: _rewrite(table, dst, bytes(text)), same_rows=False)
+    return Variant(
+        f"schema:random_edit(pos={pos})",
+        lambda src, table, dst: _rewrite(table, dst, bytes(text)),
+        same_rows=False,
+    )
 
 
 # Replacement columns: (name, make(table) -> array, compatible with the schema?)
@@ -264,8 +282,14 @@ def type_change(rng: np.random.Generator) -> Variant:
         changed = table.set_column(i, name, make(table))
         _rewrite(changed, dst, table.schema.metadata[SCHEMA_METADATA_KEY])
 
-    return Variant(f"type[{j}]:{name}", damage, bad_rows=set() if compatible else None,
-                   columns={name}, must_fail=not compatible, where=("column",))
+    return Variant(
+        f"type[{j}]:{name}",
+        damage,
+        bad_rows=set() if compatible else None,
+        columns={name},
+        must_fail=not compatible,
+        where=("column",),
+    )
 
 
 # Bad values per column: (column, values to plant, whether the reader checks the column)
@@ -300,9 +324,15 @@ def bad_values(rng: np.random.Generator) -> Variant:
 
     bad = {r for rows in plan.values() for r in rows}  # rid = row number
     shown = {n: sorted(r) for n, r in plan.items()}
-    return Variant(f"values:{shown}", damage, bad_rows=bad, columns=set(plan),
-                   row_groups={r // ROWS_PER_GROUP for r in bad}, must_fail=True,
-                   where=("row_group", "column"))
+    return Variant(
+        f"values:{shown}",
+        damage,
+        bad_rows=bad,
+        columns=set(plan),
+        row_groups={r // ROWS_PER_GROUP for r in bad},
+        must_fail=True,
+        where=("row_group", "column"),
+    )
 
 
 def side_nulls(rng: np.random.Generator) -> Variant:
@@ -315,15 +345,36 @@ def side_nulls(rng: np.random.Generator) -> Variant:
         values = table[name].to_pylist()
         values[row] = None
         i = table.schema.get_field_index(name)
-        _rewrite(table.set_column(i, name, pa.array(values, pa.int64())), dst,
-                 table.schema.metadata[SCHEMA_METADATA_KEY])
+        _rewrite(
+            table.set_column(i, name, pa.array(values, pa.int64())),
+            dst,
+            table.schema.metadata[SCHEMA_METADATA_KEY],
+        )
 
-    return Variant(f"side_null:{name}[{row}]", damage, bad_rows=set(), columns={name},
-                   row_groups={row // ROWS_PER_GROUP}, tasks_must_fail=True, where=("row_group", "column"))
+    return Variant(
+        f"side_null:{name}[{row}]",
+        damage,
+        bad_rows=set(),
+        columns={name},
+        row_groups={row // ROWS_PER_GROUP},
+        tasks_must_fail=True,
+        where=("row_group", "column"),
+    )
 
 
-KINDS = [page_flip, page_flip, footer_flip, footer_flip, truncation, schema_damage, schema_damage,
-         type_change, bad_values, bad_values, side_nulls]
+KINDS = [
+    page_flip,
+    page_flip,
+    footer_flip,
+    footer_flip,
+    truncation,
+    schema_damage,
+    schema_damage,
+    type_change,
+    bad_values,
+    bad_values,
+    side_nulls,
+]
 
 
 def variant(i: int, seed: int) -> Variant:
@@ -469,7 +520,9 @@ def check_variant(
     for policy in ({}, SKIP):
         label = f"{what}, {'skip' if policy else 'error'} policy"
         opened: list = []
-        result, err = run_with_deadline(lambda: read_batches(dst, opened, **policy), label)
+        result, err = run_with_deadline(
+            lambda opened=opened, policy=policy: read_batches(dst, opened, **policy), label
+        )
         if err is not None:
             check_error(err, dst, v, label, bool(opened))
             continue
@@ -525,8 +578,11 @@ def _flip_page_body(src: Path, table: pa.Table, dst: Path) -> None:
 def _bad_label(src: Path, table: pa.Table, dst: Path) -> None:
     labels = table["label"].to_pylist()
     labels[45] = 3.0  # row group 2
-    _rewrite(table.set_column(0, "label", pa.array(labels, pa.float32())), dst,
-             table.schema.metadata[SCHEMA_METADATA_KEY])
+    _rewrite(
+        table.set_column(0, "label", pa.array(labels, pa.float32())),
+        dst,
+        table.schema.metadata[SCHEMA_METADATA_KEY],
+    )
 
 
 def _metadata(make: Callable[[], bytes]) -> Callable[[Path, pa.Table, Path], None]:
@@ -540,11 +596,15 @@ def _huge_cardinality() -> bytes:
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (_metadata(SCHEMA_DAMAGE["zero_cardinality"]),
-         r": bad recaccel\.schema metadata: sparse field 's2' has cardinality 0"),
+        (
+            _metadata(SCHEMA_DAMAGE["zero_cardinality"]),
+            r": bad recaccel\.schema metadata: sparse field 's2' has cardinality 0",
+        ),
         (_metadata(SCHEMA_DAMAGE["invalid_json"]), r": bad recaccel\.schema metadata: not valid JSON"),
-        (_metadata(_huge_cardinality),
-         r": the embedding tables of the schema need .* \(16000000001280 bytes: .*'s2': 1000000000000 ids"),
+        (
+            _metadata(_huge_cardinality),
+            r": the embedding tables of the schema need .* \(16000000001280 bytes: .*'s2': 1000000000000 ids",
+        ),
         (_flip_page_body, r", row group 1, column 'rid': cannot read row group: .*CRC"),
         (_bad_label, r", row group 2, column 'label': invalid label 3\.0 at row 5"),
     ],
@@ -556,9 +616,18 @@ def test_training_on_a_damaged_file_exits_2_with_one_line(valid_file, tmp_path, 
     src, table, _ = valid_file
     bad = tmp_path / "bad.parquet"
     damage(src, table, bad)
-    sets = [f'data.train="{bad}"', f'data.test="{src}"', f'train.out_dir="{tmp_path / "run"}"',
-            "train.progress=false", "train.epochs=1", "data.batch_size=8", "data.shuffle=false",
-            "model.embedding_dim=4", "model.bottom_mlp=[4]", "model.top_mlp=[4, 1]"]
+    sets = [
+        f'data.train="{bad}"',
+        f'data.test="{src}"',
+        f'train.out_dir="{tmp_path / "run"}"',
+        "train.progress=false",
+        "train.epochs=1",
+        "data.batch_size=8",
+        "data.shuffle=false",
+        "model.embedding_dim=4",
+        "model.bottom_mlp=[4]",
+        "model.top_mlp=[4, 1]",
+    ]
     assert train_main([a for s in sets for a in ("--set", s)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err

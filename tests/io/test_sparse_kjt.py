@@ -76,7 +76,9 @@ def test_to_kjt_keeps_every_bag(b, weighted):
     bags = random_bags(b, seed=b, weighted=weighted)
     values, lengths, weights = csr(bags, KEYS)
     sf = SparseFeatures.from_lengths(
-        KEYS, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64),
+        KEYS,
+        torch.tensor(values, dtype=torch.int64),
+        torch.tensor(lengths, dtype=torch.int64),
         torch.tensor(weights) if weighted else None,
     )
     kjt = sf.to_kjt()
@@ -97,7 +99,9 @@ def test_from_kjt_keeps_every_bag_of_a_kjt_built_by_torchrec(b, weighted):
     keys = ["c", "a", "b"]  # another pipeline's key order
     values, lengths, weights = csr(bags, keys)
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=keys, values=torch.tensor(values), lengths=torch.tensor(lengths),
+        keys=keys,
+        values=torch.tensor(values),
+        lengths=torch.tensor(lengths),
         weights=torch.tensor(weights) if weighted else None,
     )
     sf = SparseFeatures.from_kjt(kjt)
@@ -110,7 +114,9 @@ def test_int32_kjt_gives_int64_values_and_offsets():
     bags = random_bags(3, seed=5, weighted=False)
     values, lengths, _ = csr(bags, KEYS)
     kjt = KeyedJaggedTensor(
-        keys=KEYS, values=torch.tensor(values, dtype=torch.int32), lengths=torch.tensor(lengths, dtype=torch.int32)
+        keys=KEYS,
+        values=torch.tensor(values, dtype=torch.int32),
+        lengths=torch.tensor(lengths, dtype=torch.int32),
     )
     assert kjt.offsets().dtype == torch.int32  # TorchRec keeps the lengths' dtype
     sf = SparseFeatures.from_kjt(kjt)

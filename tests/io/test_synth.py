@@ -16,8 +16,8 @@ from sklearn.metrics import log_loss, roc_auc_score
 from recaccel.config import SynthConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.convert import synth
-from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.convert.synth import SynthRows, build_planted_model, generate_synthetic, rows_from_table
+from recaccel.io.format.schema import FeatureSchema
 
 
 def _cfg(tmp_path, name="ds", **kw) -> SynthConfig:
@@ -110,7 +110,12 @@ def test_chunking_does_not_change_rows_beyond_chunk_boundaries(tmp_path, monkeyp
 
 def test_zipf_skew_matches_truncated_zipf(tmp_path):
     cfg = _cfg(
-        tmp_path, train_rows=6000, test_rows=100, num_sparse=2, multi_hot_fields=0, cardinality=1000,
+        tmp_path,
+        train_rows=6000,
+        test_rows=100,
+        num_sparse=2,
+        multi_hot_fields=0,
+        cardinality=1000,
         zipf_a=1.2,
     )
     report = generate_synthetic(cfg)
@@ -186,8 +191,14 @@ def test_ctr_and_logit_spread_follow_config(tmp_path, small):
 
 def test_thousand_fields(tmp_path):
     cfg = _cfg(
-        tmp_path, num_sparse=1000, cardinality=100, multi_hot_fields=5, train_rows=600, test_rows=400,
-        rows_per_row_group=256, rows_per_file=10_000,
+        tmp_path,
+        num_sparse=1000,
+        cardinality=100,
+        multi_hot_fields=5,
+        train_rows=600,
+        test_rows=400,
+        rows_per_row_group=256,
+        rows_per_file=10_000,
     )
     report = generate_synthetic(cfg)
     table = _read(report.test_paths)
@@ -248,7 +259,9 @@ def test_cli_reuses_data_of_the_same_config_and_names_what_differs(tmp_path, cap
     from recaccel.cli import data_main
 
     cfg = tmp_path / "s.toml"
-    cfg.write_text(f'[synth]\nout_dir = "{tmp_path / "d"}"\ntrain_rows = 300\ntest_rows = 50\nnum_sparse = 2\n')
+    cfg.write_text(
+        f'[synth]\nout_dir = "{tmp_path / "d"}"\ntrain_rows = 300\ntest_rows = 50\nnum_sparse = 2\n'
+    )
     assert data_main(["synth", "--config", str(cfg)]) == 0
     done = tmp_path / "d" / "synth.json"
     saved = json.loads(done.read_text())

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.dataset import open_dataset
-from recaccel.io.format.writer import write_parquet
-from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.convert.group_by_task import GROUPED_KEY, group_by_task, grouped_claim
+from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.tasks.reader import TaskReader
 from tests.io.test_tasks import SETTINGS, batch_tasks
 
@@ -172,10 +172,22 @@ def test_cli_groups_with_the_chosen_codec(tmp_path, capsys):
     from recaccel.cli import data_main
 
     write_parquet(
-        tmp_path / "src", source_schema(True, False), source_columns(50, 2, True, False, 6), rows_per_row_group=10
+        tmp_path / "src",
+        source_schema(True, False),
+        source_columns(50, 2, True, False, 6),
+        rows_per_row_group=10,
     )
-    argv = ["tasks", str(tmp_path / "src"), str(tmp_path / "out"), "--task-key", "user", "--compression", "lz4",
-            "--memory-rows", "20"]
+    argv = [
+        "tasks",
+        str(tmp_path / "src"),
+        str(tmp_path / "out"),
+        "--task-key",
+        "user",
+        "--compression",
+        "lz4",
+        "--memory-rows",
+        "20",
+    ]
     assert data_main(argv) == 0
     printed = capsys.readouterr()
     report = json.loads(printed.out)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import PerTableEmbeddingBag
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
 NUM_FIELDS, DIM, NUM_DENSE, ROWS = 3, 4, 3, 12
 KEYS = [f"f{i}" for i in range(NUM_FIELDS)]

@@ -24,7 +24,10 @@ H = 1e-6  # float64: truncation ~H^2, rounding ~1e-16/H, both far below the tole
 
 def _learner(engine: str, meta_sgd: bool, first_order: bool) -> MetaLearner:
     cfg = MetaConfig(
-        inner_steps=2, inner_lr=0.3, first_order=first_order, meta_sgd=meta_sgd,
+        inner_steps=2,
+        inner_lr=0.3,
+        first_order=first_order,
+        meta_sgd=meta_sgd,
         adapt="head_and_embedding_shift",
     )
     learner = MetaLearner(make_dlrm(), cfg, loss="bce", engine=engine)

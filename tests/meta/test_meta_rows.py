@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recaccel.errors import DataError
-from recaccel.sparse import SparseFeatures
 from recaccel.meta.rows import concat_rows, split_task_rows
+from recaccel.sparse import SparseFeatures
 
 
 def _bags(sf: SparseFeatures) -> list[list[tuple[list[int], list[float] | None]]]:

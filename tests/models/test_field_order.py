@@ -21,13 +21,13 @@ from torch import nn
 
 from recaccel.config import ModelConfig, OptimConfig
 from recaccel.errors import DataError
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import PerTableEmbeddingBag
 from recaccel.models.factory import build_model
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
 KEYS = ["user", "item", "cat", "city"]  # the model's (the schema's) field order
 SHUFFLED = ["cat", "city", "user", "item"]
@@ -95,13 +95,18 @@ def test_dlrm_matches_torchrec_dlrm_forward_and_backward_with_shuffled_fields():
     theirs = TorchRecDLRM(ebc, NUM_DENSE, BOTTOM, TOP).double()
     inter = InteractionArch(len(KEYS), DIM, backend="reference")
     ours = DLRM(
-        SparseArch(PerTableEmbeddingBag(KEYS, ROWS, DIM)), DenseArch(NUM_DENSE, BOTTOM), inter,
+        SparseArch(PerTableEmbeddingBag(KEYS, ROWS, DIM)),
+        DenseArch(NUM_DENSE, BOTTOM),
+        inter,
         OverArch(inter.output_dim, TOP),
     ).double()
     with torch.no_grad():
         for k, bag in zip(KEYS, ours.sparse_arch.embedding.bags):
             bag.weight.copy_(ebc.embedding_bags[f"t_{k}"].weight)
-        for arch_ours, arch_theirs in ((ours.dense_arch, theirs.dense_arch), (ours.over_arch, theirs.over_arch)):
+        for arch_ours, arch_theirs in (
+            (ours.dense_arch, theirs.dense_arch),
+            (ours.over_arch, theirs.over_arch),
+        ):
             pairs = list(zip(linears(arch_ours), linears(arch_theirs), strict=True))
             for mine, ref in pairs:
                 mine.weight.copy_(ref.weight)
@@ -222,7 +227,9 @@ def test_meta_learning_matches_fields_by_name():
     torch.manual_seed(0)
     inter = InteractionArch(len(KEYS), DIM, backend="reference")
     model = DLRM(
-        SparseArch(PerTableEmbeddingBag(KEYS, ROWS, DIM)), DenseArch(NUM_DENSE, BOTTOM), inter,
+        SparseArch(PerTableEmbeddingBag(KEYS, ROWS, DIM)),
+        DenseArch(NUM_DENSE, BOTTOM),
+        inter,
         OverArch(inter.output_dim, TOP),
     )
     learner = MetaLearner(model, MetaConfig(inner_steps=1, inner_lr=0.3), loss="bce")
@@ -237,21 +244,31 @@ def test_meta_learning_matches_fields_by_name():
     # Support and query in two other orders: matched by name, to the model's and to each other.
     query_order = ["item", "user", "city", "cat"]
     permuted = TaskBatch(
-        with_sparse(support, support.sparse.select(SHUFFLED)), with_sparse(query, query.sparse.select(query_order)),
-        tb.support_mask, tb.query_mask, tb.task_ids,
+        with_sparse(support, support.sparse.select(SHUFFLED)),
+        with_sparse(query, query.sparse.select(query_order)),
+        tb.support_mask,
+        tb.query_mask,
+        tb.task_ids,
     )
     torch.testing.assert_close(predict(permuted), want, rtol=0, atol=0)
     positional = TaskBatch(
         with_sparse(support, by_position(support.sparse.select(SHUFFLED), KEYS)),
         with_sparse(query, by_position(query.sparse.select(SHUFFLED), KEYS)),
-        tb.support_mask, tb.query_mask, tb.task_ids,
+        tb.support_mask,
+        tb.query_mask,
+        tb.task_ids,
     )
     assert not torch.allclose(predict(positional), want)
     with pytest.raises(DataError, match="missing 'cat'"):
-        predict(TaskBatch(
-            support, with_sparse(query, query.sparse.select(["user", "item", "city"])),
-            tb.support_mask, tb.query_mask, tb.task_ids,
-        ))
+        predict(
+            TaskBatch(
+                support,
+                with_sparse(query, query.sparse.select(["user", "item", "city"])),
+                tb.support_mask,
+                tb.query_mask,
+                tb.task_ids,
+            )
+        )
 
 
 # ------------------------------------------------------------------ hybrid mode
@@ -280,7 +297,9 @@ def test_hybrid_sharded_lookup_matches_fields_by_name(one_rank_group):
             torch.testing.assert_close(model(shuffled), want)
             # The TorchRec wrapper alone, fed a permuted batch: by name as well.
             pooled = parallel.embedding(shuffled.sparse)
-            torch.testing.assert_close(pooled, model.embed(batch.sparse).index_select(1, torch.tensor([2, 3, 0, 1])))
+            torch.testing.assert_close(
+                pooled, model.embed(batch.sparse).index_select(1, torch.tensor([2, 3, 0, 1]))
+            )
             with pytest.raises(DataError, match="missing 'cat'"):
                 model(with_sparse(batch, batch.sparse.select(["user", "item", "city"])))
     finally:

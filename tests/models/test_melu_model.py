@@ -7,11 +7,11 @@ import torch
 
 from recaccel.config import MetaConfig
 from recaccel.errors import ConfigError
-from recaccel.sparse import Batch, SparseFeatures
 from recaccel.io.format.schema import SparseField
 from recaccel.meta import MetaLearner
 from recaccel.meta.synthetic import SyntheticTasks
 from recaccel.models.melu import MeLU, MeLUConfig, melu_embedding
+from recaccel.sparse import Batch, SparseFeatures
 
 
 def _cfg(**kw) -> MeLUConfig:

@@ -20,9 +20,9 @@ import io
 import pytest
 
 from recaccel.errors import ConfigError
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
 from recaccel.ops.embedding import InvalidIdError, PackedEmbeddingBag, SparseOptimConfig, TableSpec
+from recaccel.sparse import SparseFeatures
 
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),

@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding import (
     InvalidIdError,
     PackedEmbeddingBag,
@@ -26,6 +25,7 @@ from recaccel.ops.embedding import (
     reference,
 )
 from recaccel.ops.embedding.packing import gather_pack_ids
+from recaccel.sparse import SparseFeatures
 
 TABLES = [
     TableSpec("a", 11, 4, pooling="mean", optimizer="sgd"),

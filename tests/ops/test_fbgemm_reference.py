@@ -21,9 +21,9 @@ if not torch.cuda.is_available():  # before the kernel module is first imported
 
 import pytest
 
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
+from recaccel.sparse import SparseFeatures
 
 tbe_ops = pytest.importorskip(
     "fbgemm_gpu.split_table_batched_embeddings_ops_training",
@@ -119,7 +119,10 @@ def test_fused_steps_match_fbgemm_tbe(backend, optimizer, weighted):
             moved |= bool((ref_state[name]["weight"] - init[name]).abs().max() > 1e-3)
             for key, value in ref_state[name].items():
                 torch.testing.assert_close(
-                    state[key], value, rtol=1e-5, atol=1e-6,
+                    state[key],
+                    value,
+                    rtol=1e-5,
+                    atol=1e-6,
                     msg=lambda m, s=step, n=name, k=key: f"step {s}, table {n}, {k}: {m}",
                 )
     assert moved  # the steps changed rows, so the comparison covers the update

@@ -63,8 +63,9 @@ def test_dcp_checkpoint_files_and_folder_are_fsynced_before_the_rename(tmp_path,
     from recaccel.train.distributed.dist_checkpoint import INFO_FILE, save_sharded
 
     model, optimizer = _model_and_optimizer()
-    parallel = SimpleNamespace(rank=0, world_size=1, is_main=True, dmp=None, replicated=None,
-                               replicated_optimizer=None)
+    parallel = SimpleNamespace(
+        rank=0, world_size=1, is_main=True, dmp=None, replicated=None, replicated_optimizer=None
+    )
     final = save_sharded(tmp_path, parallel, model, optimizer, TrainState(step=4)).resolve()
     renames = [e for e in events if e[0] == "replace" and e[2] == final]
     assert len(renames) == 1

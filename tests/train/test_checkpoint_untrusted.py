@@ -55,8 +55,11 @@ def _printed(record: logging.LogRecord) -> bool:
     while True:
         if logger is logging.root:
             return True
-        own = [h for h in logger.handlers
-               if not isinstance(h, logging.NullHandler) and not type(h).__module__.startswith("_pytest")]
+        own = [
+            h
+            for h in logger.handlers
+            if not isinstance(h, logging.NullHandler) and not type(h).__module__.startswith("_pytest")
+        ]
         if own:
             return True
         if not logger.propagate:
@@ -208,8 +211,12 @@ def group():
 @pytest.fixture(scope="module")
 def hybrid_run(group, tiny_data, tmp_path_factory) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("hybrid") / "run"
-    extra = ["parallel.mode=hybrid", "optim.sparse=rowwise_adagrad",
-             'parallel.table_sharding=["C4=data_parallel"]', f"train.steps={STEPS}"]
+    extra = [
+        "parallel.mode=hybrid",
+        "optim.sparse=rowwise_adagrad",
+        'parallel.table_sharding=["C4=data_parallel"]',
+        f"train.steps={STEPS}",
+    ]
     assert train_main(_argv(_overrides(tiny_data, out, *extra))) == 0
     return out
 
@@ -346,10 +353,14 @@ def _transform(folder: Path) -> None:
 
 
 HYBRID_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
-    "metadata_truncated": (lambda f: (f / ".metadata").write_bytes((f / ".metadata").read_bytes()[:50]),
-                           "cannot be read"),
-    "metadata_foreign": (lambda f: (f / ".metadata").write_bytes(pickle.dumps({"a": [1, 2]})),
-                         "not a DCP metadata file"),
+    "metadata_truncated": (
+        lambda f: (f / ".metadata").write_bytes((f / ".metadata").read_bytes()[:50]),
+        "cannot be read",
+    ),
+    "metadata_foreign": (
+        lambda f: (f / ".metadata").write_bytes(pickle.dumps({"a": [1, 2]})),
+        "not a DCP metadata file",
+    ),
     "metadata_escapes": (_escape, "bad storage entry"),
     "metadata_transform": (_transform, "stream transforms"),
     "tensor_missing": (_drop_tensor, "does not fit this run"),

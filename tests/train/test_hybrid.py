@@ -25,9 +25,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from recaccel.config import load_config  # noqa: E402
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch  # noqa: E402
-from recaccel.io.format.schema import FeatureSchema, SparseField  # noqa: E402
 from recaccel.io.convert.synth import generate_synthetic  # noqa: E402
+from recaccel.io.format.schema import FeatureSchema, SparseField  # noqa: E402
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch  # noqa: E402
 from recaccel.train.checkpoint import list_checkpoints  # noqa: E402
 from tests.train.test_trainer import TINY as TINY_DLRM  # noqa: E402
 
@@ -41,17 +41,32 @@ RUNS = {
     "cw_sgd": (["parallel.sharding=column_wise"], ["optim.sparse=sgd"]),
 }
 META = [
-    "model.embedding_dim=8", "model.bottom_mlp=[8, 8]", "model.top_mlp=[8, 1]", "optim.dense=adam",
-    "optim.lr=0.01", "optim.sparse_lr=0.05", "meta.inner_steps=2", "meta.inner_lr=0.1",
-    "meta.first_order=false", "meta.meta_sgd=true", "meta.adapt=head", "parallel.sharding=table_wise",
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[8, 8]",
+    "model.top_mlp=[8, 1]",
+    "optim.dense=adam",
+    "optim.lr=0.01",
+    "optim.sparse_lr=0.05",
+    "meta.inner_steps=2",
+    "meta.inner_lr=0.1",
+    "meta.first_order=false",
+    "meta.meta_sgd=true",
+    "meta.adapt=head",
+    "parallel.sharding=table_wise",
 ]
 META_STEPS, TASKS, SUPPORT, QUERY, ROWS = 3, 4, 5, 6, 20
 KILL_TIMEOUT_S = 30.0
 
 
 def _overrides(data: Path, out: Path, *extra: str) -> list[str]:
-    return [*TINY, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"',
-            f'train.out_dir="{out}"', f"train.steps={STEPS}", *extra]
+    return [
+        *TINY,
+        f'data.train="{data / "train"}"',
+        f'data.test="{data / "test"}"',
+        f'train.out_dir="{out}"',
+        f"train.steps={STEPS}",
+        *extra,
+    ]
 
 
 # ------------------------------------------------------------------ meta helpers
@@ -149,8 +164,19 @@ def _job_meta(rank: int, root: Path) -> dict:
     dense_numel = sum(p.numel() for p in parallel.dense_parameters(optimizer))
     phase = ["idle"]
     calls: list[tuple[str, str, int]] = []
-    names = ["all_reduce", "all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor",
-             "reduce_scatter", "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv"]
+    names = [
+        "all_reduce",
+        "all_to_all_single",
+        "all_to_all",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "broadcast",
+        "barrier",
+        "send",
+        "recv",
+    ]
     originals = {n: getattr(dist, n) for n in names}
 
     def counted(n):
@@ -158,6 +184,7 @@ def _job_meta(rank: int, root: Path) -> dict:
             tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
             calls.append((phase[0], n, -1 if tensor is None else tensor.numel()))
             return originals[n](*args, **kwargs)
+
         return call
 
     run_engine = learner_module.run_engine
@@ -196,8 +223,13 @@ def _job_meta(rank: int, root: Path) -> dict:
         learner_module.run_engine = run_engine
     state = consolidated_state_dict(parallel, objective.module)
     per_step = [calls[a:b] for a, b in zip(ends[:-1], ends[1:])]
-    return {"state": state, "losses": losses, "calls": per_step, "tail": calls[ends[-1]:],
-            "dense_numel": dense_numel}
+    return {
+        "state": state,
+        "losses": losses,
+        "calls": per_step,
+        "tail": calls[ends[-1] :],
+        "dense_numel": dense_numel,
+    }
 
 
 def _job_kill(rank: int, root: Path) -> dict:
@@ -231,7 +263,10 @@ def _worker(rank: int, port: int, root: str) -> None:
     jobs += [("resume", _job_resume), ("meta", _job_meta), ("kill", _job_kill)]
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
             timeout=datetime.timedelta(seconds=KILL_TIMEOUT_S),
         )
         for name, job in jobs:
@@ -275,8 +310,13 @@ def results(tmp_path_factory):
     errors = [f.read_text() for f in sorted(root.glob("error-*.txt"))]
     assert not errors, "\n".join(errors)
     got = {f.stem: torch.load(f, weights_only=False) for f in root.glob("*-*.pt")}
-    return {"root": root, "refs": refs, "meta_ref": meta_ref, "got": got,
-            "exitcodes": [p.exitcode for p in procs]}
+    return {
+        "root": root,
+        "refs": refs,
+        "meta_ref": meta_ref,
+        "got": got,
+        "exitcodes": [p.exitcode for p in procs],
+    }
 
 
 def _assert_states_close(actual: dict, expected: dict, atol: float = 1e-5) -> None:

@@ -16,19 +16,34 @@ from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
 
 TINY = [
-    "synth.train_rows=3000", "synth.test_rows=1000", "synth.num_dense=3", "synth.num_sparse=3",
-    "synth.cardinality=40", "synth.multi_hot_fields=1", "synth.rows_per_row_group=500",
+    "synth.train_rows=3000",
+    "synth.test_rows=1000",
+    "synth.num_dense=3",
+    "synth.num_sparse=3",
+    "synth.cardinality=40",
+    "synth.multi_hot_fields=1",
+    "synth.rows_per_row_group=500",
     "synth.rows_per_file=1500",
-    "data.batch_size=128", "data.shuffle_buffer_rows=1000", "model.embedding_dim=8",
-    "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]", "train.progress=false", "train.log_every=4",
+    "data.batch_size=128",
+    "data.shuffle_buffer_rows=1000",
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[16, 8]",
+    "model.top_mlp=[16, 1]",
+    "train.progress=false",
+    "train.log_every=4",
     "optim.sparse=rowwise_adagrad",
 ]
 HANG_TIMEOUT_S = 2.0
 
 
 def _argv(data: Path, out: Path, *extra: str) -> list[str]:
-    sets = [*TINY, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"', f'train.out_dir="{out}"',
-            *extra]
+    sets = [
+        *TINY,
+        f'data.train="{data / "train"}"',
+        f'data.test="{data / "test"}"',
+        f'train.out_dir="{out}"',
+        *extra,
+    ]
     return [arg for s in sets for arg in ("--set", s)]
 
 
@@ -72,9 +87,16 @@ def test_cli_trains_meta_dlrm_on_two_processes(tmp_path):
     generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{raw}"']).synth)
     for split in ("train", "test"):  # one task per value of the single-hot field C1
         group_by_task(raw / split, data / split, task_key="C1", task_column="user", rows_per_row_group=500)
-    meta = ["train.mode=meta", "train.steps=6", "tasks.tasks_per_batch=8", "tasks.support_size=8",
-            "tasks.query_size=8", "tasks.shuffle_buffer_tasks=16", "meta.inner_steps=1",
-            "meta.first_order=false"]
+    meta = [
+        "train.mode=meta",
+        "train.steps=6",
+        "tasks.tasks_per_batch=8",
+        "tasks.support_size=8",
+        "tasks.query_size=8",
+        "tasks.shuffle_buffer_tasks=16",
+        "meta.inner_steps=1",
+        "meta.first_order=false",
+    ]
     out = tmp_path / "hybrid"
     assert train_main([*_argv(data, out, *meta, "parallel.mode=hybrid"), "--nproc", "2"]) == 0
     metrics = json.loads((out / "metrics.json").read_text())
@@ -102,8 +124,11 @@ def _hung_worker(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     cfg = load_config(None, ["parallel.mode=hybrid", f"parallel.timeout_s={HANG_TIMEOUT_S}"])
     parallel = HybridParallel(cfg, torch.device("cpu"))
-    batch = Batch(torch.zeros(2, 1), SparseFeatures(["a"], torch.zeros(2, dtype=torch.int64),
-                                                    torch.arange(3)), torch.zeros(2))
+    batch = Batch(
+        torch.zeros(2, 1),
+        SparseFeatures(["a"], torch.zeros(2, dtype=torch.int64), torch.arange(3)),
+        torch.zeros(2),
+    )
     if rank == 1:
         time.sleep(30)  # alive but stuck: never joins the next collective
         os._exit(0)

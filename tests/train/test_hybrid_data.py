@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from recaccel.config import load_config
 from recaccel.errors import ConfigError, DataError, RecaccelError
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.factory import build_model
+from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.train.distributed.dense_sync import DenseGradSync
 from recaccel.train.distributed.hybrid_data import (
     GlobalSlices,
@@ -27,8 +27,8 @@ from recaccel.train.distributed.hybrid_data import (
     slice_tasks,
 )
 from recaccel.train.distributed.launch import check_launch, launch_config, strip_nproc
-from recaccel.train.objectives import DLRMObjective, MetaObjective
 from recaccel.train.distributed.sharding import table_kinds
+from recaccel.train.objectives import DLRMObjective, MetaObjective
 
 KEYS = ["a", "b", "c"]
 
@@ -101,8 +101,16 @@ def _schema() -> FeatureSchema:
 def test_loss_shares_add_up_to_the_global_loss(kind, weights):
     """sum_r (n_r / N) * loss(slice_r) == loss(global batch): what makes ranks' gradients sum
     to the single-process gradient."""
-    cfg = load_config(None, ["model.embedding_dim=4", "model.bottom_mlp=[4]", "model.top_mlp=[4, 1]",
-                             "model.embedding_backend=per_table", "meta.adapt=top_mlp"])
+    cfg = load_config(
+        None,
+        [
+            "model.embedding_dim=4",
+            "model.bottom_mlp=[4]",
+            "model.top_mlp=[4, 1]",
+            "model.embedding_backend=per_table",
+            "meta.adapt=top_mlp",
+        ],
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.optim, _schema(), torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
@@ -210,7 +218,10 @@ def test_a_rank_exits_with_its_status_and_flushed_output(tmp_path):
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
     done = subprocess.run(
         [sys.executable, "-m", "recaccel.cli", "--config", str(tmp_path / "missing.toml")],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert done.returncode == 2 and "missing.toml" in done.stderr
 

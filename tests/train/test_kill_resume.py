@@ -22,8 +22,12 @@ from pathlib import Path
 import pytest
 
 from recaccel.cli import train_main
-from tests.train.test_resume_matrix import STEPS_PER_EPOCH, _sets, assert_same_run
-from tests.train.test_resume_matrix import tiny_data  # noqa: F401  (fixture)
+from tests.train.test_resume_matrix import (
+    STEPS_PER_EPOCH,
+    _sets,
+    assert_same_run,
+    tiny_data,  # noqa: F401  (fixture)
+)
 
 TRIALS = int(os.environ.get("RECACCEL_KILL_TRIALS", "2"))
 EVERY = 3  # checkpoint every 3 steps: many checkpoint writes to land in
@@ -33,8 +37,13 @@ START_TIMEOUT_S = 120.0
 
 def _cli(*args: str) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.Popen([sys.executable, "-m", "recaccel.cli", *args], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-m", "recaccel.cli", *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
 
 def _kill_at(proc: subprocess.Popen, run: Path, rng: random.Random) -> bool:
@@ -65,10 +74,12 @@ def _trial(data: Path, run: Path, seed: int) -> int:
     proc = _cli(*fresh)
     kills = 0
     while True:
-        if rng.random() < 0.5 ** kills and _kill_at(proc, run, rng):
+        if rng.random() < 0.5**kills and _kill_at(proc, run, rng):
             kills += 1
             # Killed before the run recorded its config: nothing to resume, start again.
-            proc = _cli("--resume", str(run)) if (run / "config.toml").exists() else _cli(*fresh, "--overwrite")
+            proc = (
+                _cli("--resume", str(run)) if (run / "config.toml").exists() else _cli(*fresh, "--overwrite")
+            )
             continue
         _, err = proc.communicate(timeout=START_TIMEOUT_S)
         assert proc.returncode == 0, err.decode()[-2000:]

@@ -17,11 +17,22 @@ from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
 
 TINY = [
-    "synth.train_rows=3000", "synth.test_rows=500", "synth.num_dense=2", "synth.num_sparse=2",
-    "synth.cardinality=20", "synth.rows_per_row_group=500", "synth.rows_per_file=1500",
-    "data.batch_size=100", "data.shuffle_buffer_rows=500", "model.embedding_dim=4",
-    "model.bottom_mlp=[8, 4]", "model.top_mlp=[8, 1]", "train.progress=false", "train.log_every=1",
-    "parallel.mode=hybrid", "parallel.sharding=row_wise",
+    "synth.train_rows=3000",
+    "synth.test_rows=500",
+    "synth.num_dense=2",
+    "synth.num_sparse=2",
+    "synth.cardinality=20",
+    "synth.rows_per_row_group=500",
+    "synth.rows_per_file=1500",
+    "data.batch_size=100",
+    "data.shuffle_buffer_rows=500",
+    "model.embedding_dim=4",
+    "model.bottom_mlp=[8, 4]",
+    "model.top_mlp=[8, 1]",
+    "train.progress=false",
+    "train.log_every=1",
+    "parallel.mode=hybrid",
+    "parallel.sharding=row_wise",
 ]
 WAIT_S = 90.0
 
@@ -33,8 +44,13 @@ def _data(tmp_path: Path) -> Path:
 
 
 def _argv(data: Path, out: Path, *extra: str) -> list[str]:
-    sets = [*TINY, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"', f'train.out_dir="{out}"',
-            *extra]
+    sets = [
+        *TINY,
+        f'data.train="{data / "train"}"',
+        f'data.test="{data / "test"}"',
+        f'train.out_dir="{out}"',
+        *extra,
+    ]
     return [*(arg for s in sets for arg in ("--set", s)), "--nproc", "2"]
 
 
@@ -127,8 +143,9 @@ def test_a_rank_error_is_shown_once_as_the_rank_wrote_it(tmp_path, capfd):
     table = table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels, pa.float32()))
     pq.write_table(table, path, row_group_size=500)
 
-    status = train_main(_argv(data, tmp_path / "run", "train.steps=20", "parallel.data=sharded",
-                              "data.shuffle=false"))
+    status = train_main(
+        _argv(data, tmp_path / "run", "train.steps=20", "parallel.data=sharded", "data.shuffle=false")
+    )
     err = capfd.readouterr().err
     lines = _ours(err)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,13 @@ from recaccel.metrics import MetricError
 from recaccel.train.objectives import DLRMObjective
 
 SYNTH = [
-    "synth.train_rows=600", "synth.test_rows=300", "synth.num_dense=2", "synth.num_sparse=2",
-    "synth.cardinality=20", "synth.multi_hot_fields=0", "synth.rows_per_row_group=300",
+    "synth.train_rows=600",
+    "synth.test_rows=300",
+    "synth.num_dense=2",
+    "synth.num_sparse=2",
+    "synth.cardinality=20",
+    "synth.multi_hot_fields=0",
+    "synth.rows_per_row_group=300",
     "synth.rows_per_file=600",
 ]
 
@@ -34,10 +38,18 @@ def test_diverged_model_is_a_one_line_error(tmp_path, capsys):
     data = tmp_path / "synth"
     generate_synthetic(load_config(None, [*SYNTH, f'synth.out_dir="{data}"']).synth)
     sets = [
-        *SYNTH, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"',
-        f'train.out_dir="{tmp_path / "run"}"', "data.batch_size=100", "model.embedding_dim=4",
-        "model.bottom_mlp=[4]", "model.top_mlp=[4, 1]", "train.steps=4", "train.progress=false",
-        "optim.lr=1e30", "optim.sparse_lr=1e30",
+        *SYNTH,
+        f'data.train="{data / "train"}"',
+        f'data.test="{data / "test"}"',
+        f'train.out_dir="{tmp_path / "run"}"',
+        "data.batch_size=100",
+        "model.embedding_dim=4",
+        "model.bottom_mlp=[4]",
+        "model.top_mlp=[4, 1]",
+        "train.steps=4",
+        "train.progress=false",
+        "optim.lr=1e30",
+        "optim.sparse_lr=1e30",
     ]
     assert train_main([a for s in sets for a in ("--set", s)]) == 2
     err = capsys.readouterr().err.strip()

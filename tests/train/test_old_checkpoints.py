@@ -16,8 +16,7 @@ from pathlib import Path
 
 from recaccel.cli import train_main
 from tests.train.test_meta_trainer import _ratings
-from tests.train.test_resume_matrix import _meta, assert_same_run
-from tests.train.test_resume_matrix import full_run, tiny_data  # noqa: F401  (fixtures)
+from tests.train.test_resume_matrix import _meta, assert_same_run, full_run, tiny_data  # noqa: F401  (fixtures)
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "checkpoints_2026_11_23"
 
@@ -26,7 +25,9 @@ def _unpack(name: str, data_root: Path, run: Path) -> Path:
     """The fixture run copied to ``run``, its config pointed at ``data_root``."""
     shutil.copytree(FIXTURES / name, run)
     config = run / "config.toml"
-    config.write_text(config.read_text().replace("@DATA@/" + name, str(run)).replace("@DATA@", str(data_root)))
+    config.write_text(
+        config.read_text().replace("@DATA@/" + name, str(run)).replace("@DATA@", str(data_root))
+    )
     return run
 
 

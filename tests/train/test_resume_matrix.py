@@ -27,12 +27,24 @@ from tests.train.test_meta_trainer import task_data  # noqa: F401  (fixture)
 TIMING_KEYS = {"samples_per_s", "data_wait_s", "data_startup_s", "data_wait_fraction"}
 TIMING_ENTRIES = {"train_seconds"}
 TINY = [
-    "synth.train_rows=1800", "synth.test_rows=400", "synth.num_dense=2", "synth.num_sparse=3",
-    "synth.cardinality=30", "synth.multi_hot_fields=1", "synth.rows_per_row_group=300",
+    "synth.train_rows=1800",
+    "synth.test_rows=400",
+    "synth.num_dense=2",
+    "synth.num_sparse=3",
+    "synth.cardinality=30",
+    "synth.multi_hot_fields=1",
+    "synth.rows_per_row_group=300",
     "synth.rows_per_file=900",
-    "data.batch_size=128", "data.shuffle_buffer_rows=500", "data.prefetch=2",
-    "model.embedding_dim=4", "model.bottom_mlp=[8, 4]", "model.top_mlp=[8, 1]", "optim.sparse=adam",
-    "train.log_every=5", "train.progress=false", "train.epochs=2",
+    "data.batch_size=128",
+    "data.shuffle_buffer_rows=500",
+    "data.prefetch=2",
+    "model.embedding_dim=4",
+    "model.bottom_mlp=[8, 4]",
+    "model.top_mlp=[8, 1]",
+    "optim.sparse=adam",
+    "train.log_every=5",
+    "train.progress=false",
+    "train.epochs=2",
 ]
 STEPS_PER_EPOCH = 1800 // 128  # drop_last
 
@@ -45,8 +57,13 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 def _sets(data: Path, out: Path, *extra: str) -> list[str]:
-    sets = [*TINY, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"', f'train.out_dir="{out}"',
-            *extra]
+    sets = [
+        *TINY,
+        f'data.train="{data / "train"}"',
+        f'data.test="{data / "test"}"',
+        f'train.out_dir="{out}"',
+        *extra,
+    ]
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -70,8 +87,9 @@ def assert_same_run(full: Path, resumed: Path, measured: tuple[str, ...] = ()) -
     assert a["train_loss"] is not None and a["data"]["batches_yielded"] == a["steps"]
     fa, fb = _final(full), _final(resumed)
     if measured:
-        fa["data"], fb["data"] = ({k: v for k, v in json.loads(f["data"]).items() if k not in measured}
-                                  for f in (fa, fb))
+        fa["data"], fb["data"] = (
+            {k: v for k, v in json.loads(f["data"]).items() if k not in measured} for f in (fa, fb)
+        )
     assert_same_entries(fa, fb)
 
 
@@ -112,7 +130,10 @@ def full_run(tiny_data, tmp_path_factory) -> Path:
 )
 def test_dlrm_resumed_after_steps_equals_uninterrupted(tiny_data, full_run, tmp_path, stop):
     part = tmp_path / "part"
-    assert train_main(_sets(tiny_data, part, f"train.checkpoint_every={STEPS_PER_EPOCH}", f"train.steps={stop}")) == 0
+    assert (
+        train_main(_sets(tiny_data, part, f"train.checkpoint_every={STEPS_PER_EPOCH}", f"train.steps={stop}"))
+        == 0
+    )
     assert train_main(["--resume", str(part), "--set", "train.steps=0"]) == 0
     assert_same_run(full_run, part)
 
@@ -137,8 +158,18 @@ def test_dlrm_resumed_from_older_checkpoints_equals_uninterrupted(full_run, tmp_
 
 
 def _meta(train: Path, test: Path, out: Path, *extra: str) -> list[str]:
-    return meta_argv(train, test, out, "train.mode=meta", "meta.inner_lr=0.1", "train.epochs=2",
-                     "train.log_every=4", "tasks.shuffle_buffer_tasks=12", "tasks.unit_row_groups=2", *extra)
+    return meta_argv(
+        train,
+        test,
+        out,
+        "train.mode=meta",
+        "meta.inner_lr=0.1",
+        "train.epochs=2",
+        "train.log_every=4",
+        "tasks.shuffle_buffer_tasks=12",
+        "tasks.unit_row_groups=2",
+        *extra,
+    )
 
 
 def test_meta_resumed_anywhere_equals_uninterrupted(task_data, tmp_path):  # noqa: F811
@@ -171,11 +202,17 @@ def test_hybrid_resumed_at_epoch_end_equals_uninterrupted(tiny_data, tmp_path):
     """Two gloo ranks through ``--nproc 2``, stopped at an epoch's last step (the DCP
     checkpoint there) and resumed; compared with the uninterrupted hybrid run."""
     pytest.importorskip("torchrec", exc_type=ImportError)
-    hybrid = ["parallel.mode=hybrid", "parallel.sharding=row_wise", "optim.sparse=rowwise_adagrad",
-              "train.log_every=4"]
+    hybrid = [
+        "parallel.mode=hybrid",
+        "parallel.sharding=row_wise",
+        "optim.sparse=rowwise_adagrad",
+        "train.log_every=4",
+    ]
     full, part = tmp_path / "full", tmp_path / "part"
     assert train_main([*_sets(tiny_data, full, *hybrid), "--nproc", "2"]) == 0
-    assert train_main([*_sets(tiny_data, part, *hybrid, f"train.steps={STEPS_PER_EPOCH}"), "--nproc", "2"]) == 0
+    assert (
+        train_main([*_sets(tiny_data, part, *hybrid, f"train.steps={STEPS_PER_EPOCH}"), "--nproc", "2"]) == 0
+    )
     assert train_main(["--resume", str(part), "--set", "train.steps=0", "--nproc", "2"]) == 0
     a = json.loads((full / "metrics.json").read_text())
     b = json.loads((part / "metrics.json").read_text())
@@ -195,5 +232,7 @@ def _final_dcp(run: Path) -> dict[str, Any]:
     flat = run / "final.pt"
     dcp_to_torch_save(list_sharded_checkpoints(run)[-1], flat)
     entries = torch.load(flat, weights_only=True)
-    return {k: torch.load(io.BytesIO(v), weights_only=True) if isinstance(v, bytes) else v
-            for k, v in entries.items()}
+    return {
+        k: torch.load(io.BytesIO(v), weights_only=True) if isinstance(v, bytes) else v
+        for k, v in entries.items()
+    }

@@ -16,12 +16,22 @@ from recaccel.io.convert.synth import generate_synthetic
 from recaccel.train.checkpoint import list_checkpoints
 
 TINY = [
-    "synth.train_rows=6000", "synth.test_rows=2000", "synth.num_dense=3", "synth.num_sparse=4",
-    "synth.cardinality=50", "synth.multi_hot_fields=1", "synth.rows_per_row_group=1000",
+    "synth.train_rows=6000",
+    "synth.test_rows=2000",
+    "synth.num_dense=3",
+    "synth.num_sparse=4",
+    "synth.cardinality=50",
+    "synth.multi_hot_fields=1",
+    "synth.rows_per_row_group=1000",
     "synth.rows_per_file=3000",
-    "data.batch_size=256", "data.shuffle_buffer_rows=2000", "data.prefetch=2",
-    "model.embedding_dim=8", "model.bottom_mlp=[16, 8]", "model.top_mlp=[16, 1]",
-    "train.log_every=5", "train.progress=false",
+    "data.batch_size=256",
+    "data.shuffle_buffer_rows=2000",
+    "data.prefetch=2",
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[16, 8]",
+    "model.top_mlp=[16, 1]",
+    "train.log_every=5",
+    "train.progress=false",
 ]
 
 
@@ -34,8 +44,13 @@ def tiny_data(tmp_path_factory) -> Path:
 
 
 def _overrides(data: Path, out: Path, *extra: str) -> list[str]:
-    return [*TINY, f'data.train="{data / "train"}"', f'data.test="{data / "test"}"',
-            f'train.out_dir="{out}"', *extra]
+    return [
+        *TINY,
+        f'data.train="{data / "train"}"',
+        f'data.test="{data / "test"}"',
+        f'train.out_dir="{out}"',
+        *extra,
+    ]
 
 
 def _argv(overrides: list[str]) -> list[str]:
@@ -118,8 +133,12 @@ def test_debug_preset_end_to_end(repo_root, tmp_path, capsys):
     small = ["synth.train_rows=20000", "synth.test_rows=4000", f'synth.out_dir="{tmp_path / "data"}"']
     assert data_main(["synth", "--config", preset, *_argv(small)]) == 0
     report = json.loads(capsys.readouterr().out)
-    run = [f'data.train="{tmp_path / "data" / "train"}"', f'data.test="{tmp_path / "data" / "test"}"',
-           f'train.out_dir="{tmp_path / "run"}"', "train.progress=false"]
+    run = [
+        f'data.train="{tmp_path / "data" / "train"}"',
+        f'data.test="{tmp_path / "data" / "test"}"',
+        f'train.out_dir="{tmp_path / "run"}"',
+        "train.progress=false",
+    ]
     assert train_main(["--config", preset, *_argv(run)]) == 0
     printed = capsys.readouterr().out
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())

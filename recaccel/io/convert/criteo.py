@@ -37,8 +37,8 @@ import pyarrow.csv as pacsv
 from tqdm.auto import tqdm
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.writer import DatasetWriter
 from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.format.writer import DatasetWriter
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +196,13 @@ def convert_criteo(
     clicks = dict.fromkeys(splits, 0.0)
     skipped: list[int] = []
     num_skipped = 0
-    with writers["train"], writers["test"], tqdm(
-        total=src_path.stat().st_size, unit="B", unit_scale=True, disable=not progress, desc="criteo"
-    ) as bar:
+    with (
+        writers["train"],
+        writers["test"],
+        tqdm(
+            total=src_path.stat().st_size, unit="B", unit_scale=True, disable=not progress, desc="criteo"
+        ) as bar,
+    ):
         for first_line, block in _iter_blocks(src_path):
             parsed, bad_lines = _parse_block(block, first_line, schema, str(src_path), bad_rows)
             num_skipped += len(bad_lines)
@@ -279,7 +283,7 @@ class _Lines:
     ncols: np.ndarray
 
     @classmethod
-    def index(cls, arr: np.ndarray, first_line: int) -> "_Lines":
+    def index(cls, arr: np.ndarray, first_line: int) -> _Lines:
         ends = np.flatnonzero(arr == ord("\n"))
         starts = np.concatenate([[0], ends[:-1] + 1])
         tabs = np.add.reduceat((arr == ord("\t")).view(np.uint8), starts, dtype=np.int64)

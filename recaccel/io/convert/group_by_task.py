@@ -43,8 +43,8 @@ from recaccel.errors import ConfigError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.format.decode import Policies, Projection, new_decode_stats
-from recaccel.io.format.writer import DatasetWriter
 from recaccel.io.format.schema import FeatureSchema
+from recaccel.io.format.writer import DatasetWriter
 
 logger = logging.getLogger(__name__)
 
@@ -217,10 +217,17 @@ def group_by_task(
         info.schema, Projection.select(info.schema, None, ks.extra), policies or Policies(), stats
     )
     spills = info.num_rows > memory_rows
-    bar = tqdm(total=info.num_rows * (2 if spills else 1), unit="rows", desc="group by task", disable=not progress)
+    bar = tqdm(
+        total=info.num_rows * (2 if spills else 1), unit="rows", desc="group by task", disable=not progress
+    )
     out = _Sink(
         DatasetWriter(
-            out_dir, ks.out_schema, rows_per_row_group, rows_per_file, overwrite=overwrite, compression=compression
+            out_dir,
+            ks.out_schema,
+            rows_per_row_group,
+            rows_per_file,
+            overwrite=overwrite,
+            compression=compression,
         ),
         bar if spills else None,
     )

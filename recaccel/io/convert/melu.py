@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.columns import take_csr
-from recaccel.io.format.writer import DatasetWriter
-from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.convert.group_by_task import grouped_schema, task_order
+from recaccel.io.format.columns import take_csr
+from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.format.writer import DatasetWriter
 
 STATES = ("warm_state", "user_cold_state", "item_cold_state", "user_and_item_cold_state")
 MOVIE_ATTRS = ("rate", "genre", "director", "actor")

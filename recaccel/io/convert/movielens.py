@@ -40,10 +40,10 @@ from pathlib import Path
 import numpy as np
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.columns import take_csr
-from recaccel.io.format.writer import DatasetWriter
-from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.convert.group_by_task import grouped_schema, task_order
+from recaccel.io.format.columns import take_csr
+from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.format.writer import DatasetWriter
 
 SCENARIOS = ("new_users", "new_items", "new_users_items", "time")
 AGE_EDGES = (18, 25, 35, 45, 50, 56)

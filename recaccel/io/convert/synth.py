@@ -44,8 +44,8 @@ from tqdm.auto import tqdm
 
 from recaccel.config import SynthConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.writer import DatasetWriter
 from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.format.writer import DatasetWriter
 from recaccel.metrics import binary_auc, binary_logloss
 
 TARGET_CTR = 0.25
@@ -427,9 +427,11 @@ def generate_synthetic(cfg: SynthConfig, progress: bool = False, *, overwrite: b
         )
         for split in sizes
     }
-    with writers["train"], writers["test"], tqdm(
-        total=sum(sizes.values()), unit="rows", disable=not progress, desc="synth"
-    ) as bar:
+    with (
+        writers["train"],
+        writers["test"],
+        tqdm(total=sum(sizes.values()), unit="rows", disable=not progress, desc="synth") as bar,
+    ):
         for split, rows in sizes.items():
             rng = streams[split]
             for n in _chunk_sizes(rows, chunk):
@@ -476,4 +478,3 @@ def _columns(rows: SynthRows, labels: np.ndarray, schema: FeatureSchema) -> dict
         else:
             cols[field.name] = np.ascontiguousarray(rows.single[:, f])
     return cols
-

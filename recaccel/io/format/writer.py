@@ -41,7 +41,6 @@ from recaccel.config import PARQUET_CODECS
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.schema import FeatureSchema
 
-
 COMPRESSIONS = PARQUET_CODECS
 
 
@@ -98,7 +97,9 @@ class DatasetWriter:
         # A file ends once it holds this many rows. Aligned files end before a full row
         # group could overflow them, so the file limit never cuts a row group mid-task.
         self._file_limit = (
-            None if rows_per_file is None else max(rows_per_file - (rows_per_row_group if self._aligned else 0), 1)
+            None
+            if rows_per_file is None
+            else max(rows_per_file - (rows_per_row_group if self._aligned else 0), 1)
         )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         existing = sorted(self.out_dir.glob(f"{prefix}-*.parquet"))

@@ -43,7 +43,9 @@ class ReadAhead(Generic[T]):
     so results and errors are those of loading inline; ``ahead = 0`` loads inline.
     """
 
-    def __init__(self, load: Callable[[int], T], count: int, ahead: int, *, name: str = "recaccel-read") -> None:
+    def __init__(
+        self, load: Callable[[int], T], count: int, ahead: int, *, name: str = "recaccel-read"
+    ) -> None:
         self._load = load
         self._count = count
         self._ahead = max(0, ahead)

@@ -47,7 +47,6 @@ from torch.utils.data import IterableDataset
 
 from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.sparse import Batch
 from recaccel.io.format.columns import Columns, take_batch
 from recaccel.io.format.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.format.decode import (
@@ -58,6 +57,7 @@ from recaccel.io.format.decode import (
     new_decode_stats,
     row_group_to_columns,
 )
+from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.format.writer import DatasetWriter, write_parquet
 from recaccel.io.readers.read_ahead import PerThread, ReadAhead
 from recaccel.io.readers.state import (
@@ -69,7 +69,7 @@ from recaccel.io.readers.state import (
     restore_position,
     with_last,
 )
-from recaccel.io.format.schema import FeatureSchema
+from recaccel.sparse import Batch
 
 __all__ = [
     "BatchReader",

@@ -143,7 +143,9 @@ def restore_position(
         DataError: if it was taken on a dataset with other row groups.
     """
     if not isinstance(state, dict) or state.get("version") != version or not all(k in state for k in keys):
-        raise ConfigError(f"{what} state must be a dict with version {version} and {list(keys)}, got {state!r}")
+        raise ConfigError(
+            f"{what} state must be a dict with version {version} and {list(keys)}, got {state!r}"
+        )
     for key, now in fingerprint.items():
         saved = state.get(key)
         if saved != now:

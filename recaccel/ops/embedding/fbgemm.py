@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.packing import PackLayout, PackRoute, gather_pack_ids
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig, TableSpec
+from recaccel.sparse import SparseFeatures
 
 FBGEMM_OPTIMIZERS = ("sgd", "rowwise_adagrad")
 

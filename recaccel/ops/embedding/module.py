@@ -12,7 +12,6 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.backend import check_triton_launchable, resolve_backend
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.optimizers import PackState, init_states
@@ -20,6 +19,7 @@ from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, chec
 from recaccel.ops.embedding.reference import ReferenceFusedLookup, reference_lookup
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.state import load_tables, save_tables
+from recaccel.sparse import SparseFeatures
 
 logger = logging.getLogger(__name__)
 

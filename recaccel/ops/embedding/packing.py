@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.specs import InvalidIdError, TableSpec
+from recaccel.sparse import SparseFeatures
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.sparse import SparseFeatures
 
 
 def reference_lookup(

@@ -16,11 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton_kernels import embedding_bag_backward, embedding_bag_forward, fused_update
+from recaccel.sparse import SparseFeatures
 
 
 class TritonEmbeddingBagFunction(torch.autograd.Function):

@@ -32,10 +32,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recaccel.sparse import SparseFeatures
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.sparse import SparseFeatures
 
 _OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
 _BLOCK_L = 16  # ids (or occurrences) loaded per loop iteration

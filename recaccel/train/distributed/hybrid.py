@@ -158,7 +158,8 @@ class HybridParallel:
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             limit = (
-                "the process group's timeout" if self.timeout_s is None
+                "the process group's timeout"
+                if self.timeout_s is None
                 else f"parallel.timeout_s={self.timeout_s:g}s"
             )
             raise CollectiveError(

@@ -100,10 +100,15 @@ def launch_config(nproc: int, log_dir: str) -> LaunchConfig:
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}")
     return LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()), rdzv_backend="c10d", rdzv_endpoint="localhost:0",
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
         max_restarts=0,  # a failed rank ends the run; --resume continues it
-        monitor_interval=MONITOR_INTERVAL_S, shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        monitor_interval=MONITOR_INTERVAL_S,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
 
@@ -191,6 +196,7 @@ def first_failure(failures: Mapping[int, ProcessFailure]) -> tuple[int, ProcessF
         ``(rank, failure)``: not a lost peer if any other failure is there, then the
         earliest timestamp, then the first recorded.
     """
+
     def order(item: tuple[int, tuple[int, ProcessFailure]]) -> tuple[bool, int, int]:
         seen, (_, failure) = item
         return bool(_rank_report(failure).get("peer_failure")), failure.timestamp, seen

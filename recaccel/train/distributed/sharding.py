@@ -205,11 +205,13 @@ def plan_rows(plan) -> list[dict]:
     for module_plan in plan.plan.values():
         for table, p in module_plan.items():
             shards = p.sharding_spec.shards if p.sharding_spec is not None else []
-            rows.append({
-                "table": table,
-                "sharding": p.sharding_type,
-                "kernel": p.compute_kernel,
-                "ranks": list(p.ranks or []),
-                "shards": [list(s.shard_sizes) for s in shards],
-            })
+            rows.append(
+                {
+                    "table": table,
+                    "sharding": p.sharding_type,
+                    "kernel": p.compute_kernel,
+                    "ranks": list(p.ranks or []),
+                    "shards": [list(s.shard_sizes) for s in shards],
+                }
+            )
     return rows

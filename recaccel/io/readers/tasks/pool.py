@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recaccel.sparse import Batch, TaskBatch
 from recaccel.io.format.columns import Columns, take_batch
+from recaccel.sparse import Batch, TaskBatch
 
 
 @dataclass

@@ -62,9 +62,9 @@ from torch.utils.data import IterableDataset
 
 from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.sparse import TaskBatch
 from recaccel.io.format.dataset import DatasetInfo, open_dataset
 from recaccel.io.format.decode import Policies, Projection, add_counts, new_decode_stats
+from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.readers.state import (
     check_reader_args,
     counters_at,
@@ -74,11 +74,11 @@ from recaccel.io.readers.state import (
     restore_position,
     with_last,
 )
-from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.readers.tasks.pool import TaskPool, build_task_batch
 from recaccel.io.readers.tasks.split import SPLIT_COUNTERS, SplitSpec
 from recaccel.io.readers.tasks.stream import HeadStash, check_order, key_bounds, wanted_heads
 from recaccel.io.readers.tasks.units import UnitLoader, UnitWorker
+from recaccel.sparse import TaskBatch
 
 _STATE_VERSION = 1
 
@@ -348,7 +348,11 @@ class TaskReader(IterableDataset):
                 batch = self._build(tasks)
                 self._count(batch)
                 if j >= n:
-                    return batch, _Position(epoch, win.index + 1, win.unit_end, 0, False), counters_at(self.stats)
+                    return (
+                        batch,
+                        _Position(epoch, win.index + 1, win.unit_end, 0, False),
+                        counters_at(self.stats),
+                    )
                 # A resume from inside the window loads its units again.
                 pos = _Position(epoch, win.index, win.unit_start, j, False)
                 return batch, pos, counters_at(self.stats, win.counts)
