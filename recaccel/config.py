@@ -94,9 +94,38 @@ PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]
 NamedPath = Annotated[str, Pattern(r"[^=]+=.+", "must look like name=path")]
 Name = Annotated[str, Pattern(r".+", "must be a non-empty name")]
 
-# Parquet codecs recaccel's writers accept (pyarrow names).
-ParquetCodec = Literal["snappy", "lz4", "zstd", "gzip", "none"]
-PARQUET_CODECS: tuple[str, ...] = typing.get_args(ParquetCodec)
+# The vocabulary of every choice, named once. Config fields use these aliases; components
+# that take one of these values check it against ``choices(alias)`` rather than a tuple
+# of their own.
+ParquetCodec = Literal["snappy", "lz4", "zstd", "gzip", "none"]  # pyarrow names
+InvalidIdsPolicy = Literal["error", "skip", "clip", "hash"]
+InvalidDensePolicy = Literal["error", "skip", "zero"]
+InvalidLabelsPolicy = Literal["error", "skip"]
+LoaderBackend = Literal["torch", "dali"]
+Arch = Literal["dlrm", "melu"]
+Interaction = Literal["dot"]
+EmbeddingBackend = Literal["auto", "reference", "triton", "fbgemm", "per_table"]
+InteractionBackend = Literal["auto", "reference", "triton"]
+Pooling = Literal["sum", "mean"]
+DenseOptimizer = Literal["adam", "sgd", "adagrad"]
+SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
+TrainMode = Literal["dlrm", "meta"]
+Loss = Literal["bce", "mse"]  # BCE on logits (binary labels) | squared error (ratings)
+TaskSplit = Literal["random", "time"]
+AdaptMode = Literal["top_mlp", "head", "head_and_embedding_shift"]
+MetaEngine = Literal["batched", "vmap", "loop"]  # stacked bmm | torch.func | per-task baseline
+ParallelMode = Literal["single", "hybrid"]
+ShardingKind = Literal["table_wise", "row_wise", "column_wise", "data_parallel"]
+DataSharding = Literal["global", "sharded"]
+DistBackend = Literal["auto", "nccl", "gloo"]
+
+
+def choices(alias: Any) -> tuple[str, ...]:
+    """The values of a ``Literal`` choice alias, in declaration order."""
+    return typing.get_args(alias)
+
+
+PARQUET_CODECS: tuple[str, ...] = choices(ParquetCodec)
 
 
 class _Section:
@@ -176,13 +205,13 @@ class DataConfig(_Section):
     shuffle: bool = True
     shuffle_buffer_rows: Count = 65_536
     seed: Seed = 0
-    invalid_ids: Literal["error", "skip", "clip", "hash"] = "error"
-    invalid_dense: Literal["error", "skip", "zero"] = "error"
-    invalid_labels: Literal["error", "skip"] = "error"
+    invalid_ids: InvalidIdsPolicy = "error"
+    invalid_dense: InvalidDensePolicy = "error"
+    invalid_labels: InvalidLabelsPolicy = "error"
     drop_last: bool = True
     read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
     prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline
-    loader_backend: Literal["torch", "dali"] = "torch"  # host-to-device stage
+    loader_backend: LoaderBackend = "torch"  # host-to-device stage
 
 
 @dataclass
@@ -191,15 +220,15 @@ class ModelConfig(_Section):
 
     SECTION: ClassVar[str] = "model"
 
-    arch: Literal["dlrm", "melu"] = "dlrm"
+    arch: Arch = "dlrm"
     embedding_dim: Count = 16
     bottom_mlp: list[Count] = field(default_factory=lambda: [64, 16])
     top_mlp: list[Count] = field(default_factory=lambda: [64, 32, 1])
-    interaction: Literal["dot"] = "dot"
+    interaction: Interaction = "dot"
     # triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1)
-    embedding_backend: Literal["auto", "reference", "triton", "fbgemm", "per_table"] = "auto"
-    interaction_backend: Literal["auto", "reference", "triton"] = "auto"
-    pooling: Literal["sum", "mean"] = "sum"
+    embedding_backend: EmbeddingBackend = "auto"
+    interaction_backend: InteractionBackend = "auto"
+    pooling: Pooling = "sum"
     item_fields: list[Name] = field(default_factory=list)  # melu: the item attribute fields
 
 
@@ -209,10 +238,10 @@ class OptimConfig(_Section):
 
     SECTION: ClassVar[str] = "optim"
 
-    dense: Literal["adam", "sgd", "adagrad"] = "adam"
+    dense: DenseOptimizer = "adam"
     lr: Rate = 1e-3
     weight_decay: NonNegativeFloat = 0.0
-    sparse: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    sparse: SparseOptimizer = "rowwise_adagrad"
     sparse_lr: Rate = 0.05
     eps: NonNegativeFloat = 1e-8
 
@@ -224,11 +253,11 @@ class TrainConfig(_Section):
     SECTION: ClassVar[str] = "train"
 
     out_dir: PathText = "runs/debug"
-    mode: Literal["dlrm", "meta"] = "dlrm"
+    mode: TrainMode = "dlrm"
     eval_tasks: bool = False  # dlrm mode: evaluate on task batches like a meta-learner
     epochs: Count = 1  # ignored when steps > 0
     steps: NonNegative = 0  # > 0: stop after this many steps (overrides epochs); 0 = run `epochs`
-    loss: Literal["auto", "bce", "mse"] = "auto"  # auto: from the data's label_kind
+    loss: Literal["auto", Loss] = "auto"  # auto: from the data's label_kind
     eval_every: NonNegative = 0  # steps; 0 = only at the end
     checkpoint_every: NonNegative = 0  # steps; 0 = only at the end
     log_every: Count = 50  # steps (the first step is always logged)
@@ -248,7 +277,7 @@ class TasksConfig(_Section):
     support_size: Count = 32  # S (rows beyond it are sampled away; fewer are padded)
     query_size: Count = 32  # Q
     min_task_rows: Count = 4  # smaller tasks are skipped and counted
-    split: Literal["random", "time"] = "random"
+    split: TaskSplit = "random"
     # Share of a task's rows that goes to the query set; 0 = query_size rows (used only
     # when query_count is 0).
     query_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.5
@@ -268,8 +297,8 @@ class MetaConfig(_Section):
     inner_lr: Rate = 0.01
     first_order: bool = False
     meta_sgd: bool = False  # learn per-parameter inner learning rates
-    adapt: Literal["top_mlp", "head", "head_and_embedding_shift"] = "top_mlp"
-    engine: Literal["batched", "vmap", "loop"] = "batched"  # stacked bmm | torch.func | per-task baseline
+    adapt: AdaptMode = "top_mlp"
+    engine: MetaEngine = "batched"
     eval_states: list[NamedPath] = field(default_factory=list)  # extra test sets, "name=path"
 
 
@@ -289,11 +318,11 @@ class ParallelConfig(_Section):
 
     SECTION: ClassVar[str] = "parallel"
 
-    mode: Literal["single", "hybrid"] = "single"
-    sharding: Literal["auto", "table_wise", "row_wise", "column_wise", "data_parallel"] = "auto"
+    mode: ParallelMode = "single"
+    sharding: Literal["auto", ShardingKind] = "auto"
     table_sharding: list[str] = field(default_factory=list)  # "name=kind" per table
-    data: Literal["global", "sharded"] = "global"
-    backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto: nccl on CUDA, else gloo
+    data: DataSharding = "global"
+    backend: DistBackend = "auto"  # auto: nccl on CUDA, else gloo
     timeout_s: Rate = 300.0  # a collective waiting longer than this fails the run
 
 
