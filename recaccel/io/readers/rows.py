@@ -18,7 +18,7 @@ Memory is bounded by one buffer plus one batch of carried rows and the next batc
 (cut one ahead, so the last batch of an epoch is known as such), about
 ``shuffle_buffer_rows + rows_per_row_group + 2 * batch_size`` rows, plus as much again for
 each buffer decoded ahead on worker threads (``read_ahead``, default 2),
-whatever the file sizes; ``stats["max_buffered_rows"]`` records the high-water mark.
+whatever the file sizes; ``counters["max_buffered_rows"]`` records the high-water mark.
 Batches are gathered from the buffer straight into their own arrays.
 
 Position. The reader is a cursor: iterating yields the batches from the current
@@ -123,7 +123,7 @@ class BatchReader(IterableDataset):
     Attributes:
         info: the dataset footers (schema, files, row groups).
         schema: the dataset schema.
-        stats: counters: those of :mod:`recaccel.io.format.decode` plus ``rows_yielded``,
+        counters: counters: those of :mod:`recaccel.io.format.decode` plus ``rows_yielded``,
             ``batches_yielded``, ``rows_dropped_last`` and ``max_buffered_rows``;
             they count what this object did, batches cut one ahead included (the
             state carries those at its position, see the module docstring).
@@ -169,10 +169,10 @@ class BatchReader(IterableDataset):
         self.world_size = world_size
         self.drop_last = drop_last
         self.read_ahead = read_ahead
-        self.stats: dict[str, int] = new_decode_stats()
-        self.stats.update(rows_yielded=0, batches_yielded=0, rows_dropped_last=0, max_buffered_rows=0)
+        self.counters: dict[str, int] = new_decode_stats()
+        self.counters.update(rows_yielded=0, batches_yielded=0, rows_dropped_last=0, max_buffered_rows=0)
         self._pos = _Position(0, 0, 0, False)
-        self._counters = dict(self.stats)  # paired with _pos
+        self._pos_counters = dict(self.counters)  # paired with _pos
 
     @classmethod
     def from_config(
@@ -206,6 +206,11 @@ class BatchReader(IterableDataset):
         )
 
     @property
+    def stats(self) -> dict[str, int]:
+        """Deprecated alias of :attr:`counters` (read-only)."""
+        return self.counters
+
+    @property
     def epoch(self) -> int:
         """The epoch the next iteration reads."""
         return self._pos.epoch + 1 if self._pos.done else self._pos.epoch
@@ -222,7 +227,7 @@ class BatchReader(IterableDataset):
         if epoch < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         self._pos = _Position(epoch, 0, 0, False)
-        self._counters = dict(self.stats)
+        self._pos_counters = dict(self.counters)
 
     def __iter__(self) -> Iterator[Batch]:
         for batch, _ in self.iter_with_state():
@@ -240,10 +245,10 @@ class BatchReader(IterableDataset):
         try:
             for (batch, pos, counters), last in with_last(cuts):
                 if last:  # the epoch is over: the state says done, every counter is final
-                    pos, counters = replace(pos, done=True), dict(self.stats)
-                self._pos, self._counters = pos, counters
+                    pos, counters = replace(pos, done=True), dict(self.counters)
+                self._pos, self._pos_counters = pos, counters
                 yield batch, self.state_dict()
-            self._pos, self._counters = replace(self._pos, done=True), dict(self.stats)
+            self._pos, self._pos_counters = replace(self._pos, done=True), dict(self.counters)
         finally:
             cuts.close()
 
@@ -262,7 +267,7 @@ class BatchReader(IterableDataset):
         try:
             for b in range(start.buffer, len(buffers)):
                 cols, delta = loader.get(b)
-                add_counts(self.stats, delta)
+                add_counts(self.counters, delta)
                 n = cols.num_rows
                 i = start.offset if b == start.buffer else 0
                 if i > n:
@@ -272,7 +277,7 @@ class BatchReader(IterableDataset):
                     )
                 order = self._buffer_order(epoch, shard[0], b, n)
                 held = n + carry_rows + loader.ahead_rows()
-                self.stats["max_buffered_rows"] = max(self.stats["max_buffered_rows"], held)
+                self.counters["max_buffered_rows"] = max(self.counters["max_buffered_rows"], held)
                 while n - i >= bs - carry_rows:
                     j = i + bs - carry_rows
                     if carry is None:  # gathered once, straight into the batch's arrays
@@ -283,9 +288,9 @@ class BatchReader(IterableDataset):
                     carry, carry_rows = None, 0
                     self._count(batch)
                     if i < n:  # a resume from here decodes buffer b again
-                        yield batch, _Position(epoch, b, i, False), counters_at(self.stats, delta)
+                        yield batch, _Position(epoch, b, i, False), counters_at(self.counters, delta)
                     else:
-                        yield batch, _Position(epoch, b + 1, 0, False), counters_at(self.stats)
+                        yield batch, _Position(epoch, b + 1, 0, False), counters_at(self.counters)
                 if i < n:  # a copy, so the carry does not pin the whole buffer
                     rest = cols.take(np.arange(i, n) if order is None else order[i:n])
                     carry = rest if carry is None else Columns.concat([carry, rest])
@@ -294,8 +299,8 @@ class BatchReader(IterableDataset):
             if carry_rows and not self.drop_last:
                 batch = carry.to_batch()
                 self._count(batch)
-                yield batch, _Position(epoch, len(buffers), 0, True), counters_at(self.stats)
-            self.stats["rows_dropped_last"] += carry_rows if self.drop_last else 0
+                yield batch, _Position(epoch, len(buffers), 0, True), counters_at(self.counters)
+            self.counters["rows_dropped_last"] += carry_rows if self.drop_last else 0
         finally:
             loader.close()
 
@@ -338,7 +343,7 @@ class BatchReader(IterableDataset):
             "row_offset": p.offset,
             "epoch_done": p.done,
             **self._fingerprint(),
-            "counters": dict(self._counters),
+            "counters": dict(self._pos_counters),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -351,9 +356,9 @@ class BatchReader(IterableDataset):
         """
         keys = ("epoch", "buffer_index", "row_offset")
         fields, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, "reader")
-        restore_counters(state, self.stats, "reader")
+        restore_counters(state, self.counters, "reader")
         self._pos = _Position(*fields, done)
-        self._counters = dict(self.stats)
+        self._pos_counters = dict(self.counters)
 
     def _fingerprint(self) -> dict[str, Any]:
         return {
@@ -371,8 +376,8 @@ class BatchReader(IterableDataset):
         return np.random.default_rng([self.seed, epoch, 1, shard, buffer]).permutation(n)
 
     def _count(self, batch: Batch) -> None:
-        self.stats["rows_yielded"] += batch.batch_size
-        self.stats["batches_yielded"] += 1
+        self.counters["rows_yielded"] += batch.batch_size
+        self.counters["batches_yielded"] += 1
 
 
 class _BufferLoader:

@@ -36,7 +36,7 @@ worker that loaded a unit copied out of its decoded row groups (see
 :mod:`recaccel.io.readers.tasks.pool`): about ``shuffle_buffer_tasks`` plus one unit's worth of
 tasks, plus up to T-1 carried tasks, the units being loaded ahead (``read_ahead``,
 each with its decoded row groups and two cached ones); a task is assembled whole before
-it is sampled. ``stats["max_buffered_rows"]`` is the high-water mark.
+it is sampled. ``counters["max_buffered_rows"]`` is the high-water mark.
 
 Position. As in :class:`~recaccel.io.readers.rows.BatchReader`: ``state_dict()`` is the
 position after the last yielded batch: (epoch, window index, the window's first unit,
@@ -130,7 +130,7 @@ class TaskReader(IterableDataset):
     Attributes:
         info: the dataset footers.
         schema: the dataset schema.
-        stats: decode counters plus ``tasks_read``, ``tasks_skipped_small``,
+        counters: decode counters plus ``tasks_read``, ``tasks_skipped_small``,
             ``rows_skipped_small``, ``tasks_subsampled``, ``rows_subsampled``,
             ``tasks_yielded``, ``rows_yielded`` (real rows), ``batches_yielded``,
             ``tasks_dropped_last``, ``row_groups_read`` and ``max_buffered_rows``.
@@ -205,9 +205,9 @@ class TaskReader(IterableDataset):
         self.read_ahead = read_ahead
         self._bounds = key_bounds(self.info, self.schema.task_key)
         check_order(self.info, *self._bounds, self.schema.task_key)
-        self.stats: dict[str, int] = new_decode_stats()
-        self.stats.update(dict.fromkeys(SPLIT_COUNTERS, 0))
-        self.stats.update(
+        self.counters: dict[str, int] = new_decode_stats()
+        self.counters.update(dict.fromkeys(SPLIT_COUNTERS, 0))
+        self.counters.update(
             tasks_yielded=0,
             rows_yielded=0,
             batches_yielded=0,
@@ -216,7 +216,7 @@ class TaskReader(IterableDataset):
             max_buffered_rows=0,
         )
         self._pos = _Position(0, 0, 0, 0, False)
-        self._counters = dict(self.stats)  # paired with _pos
+        self._pos_counters = dict(self.counters)  # paired with _pos
 
     @classmethod
     def from_config(
@@ -264,6 +264,11 @@ class TaskReader(IterableDataset):
         )
 
     @property
+    def stats(self) -> dict[str, int]:
+        """Deprecated alias of :attr:`counters` (read-only)."""
+        return self.counters
+
+    @property
     def epoch(self) -> int:
         """The epoch the next iteration reads."""
         return self._pos.epoch + 1 if self._pos.done else self._pos.epoch
@@ -273,7 +278,7 @@ class TaskReader(IterableDataset):
         if epoch < 0:
             raise ConfigError(f"epoch must be >= 0, got {epoch}")
         self._pos = _Position(epoch, 0, 0, 0, False)
-        self._counters = dict(self.stats)
+        self._pos_counters = dict(self.counters)
 
     def units(self, epoch: int, shard: tuple[int, int] | None = None) -> list[range]:
         """This rank's units (runs of ``unit_row_groups`` consecutive row groups, as
@@ -318,10 +323,10 @@ class TaskReader(IterableDataset):
         try:
             for (batch, pos, counters), last in with_last(batches):
                 if last:  # the epoch is over: the state says done, every counter is final
-                    pos, counters = end, dict(self.stats)
-                self._pos, self._counters = pos, counters
+                    pos, counters = end, dict(self.counters)
+                self._pos, self._pos_counters = pos, counters
                 yield batch, self.state_dict()
-            self._pos, self._counters = end, dict(self.stats)
+            self._pos, self._pos_counters = end, dict(self.counters)
         finally:
             batches.close()
             loader.close()
@@ -342,7 +347,7 @@ class TaskReader(IterableDataset):
                     "did the dataset, the config or the read policies change?"
                 )
             held = pool.held_rows + (carry.held_rows if carry is not None else 0) + loader.held_rows()
-            self.stats["max_buffered_rows"] = max(self.stats["max_buffered_rows"], held)
+            self.counters["max_buffered_rows"] = max(self.counters["max_buffered_rows"], held)
 
             def emit(tasks: TaskPool, j: int, win: _Window = win, n: int = n):
                 batch = self._build(tasks)
@@ -351,11 +356,11 @@ class TaskReader(IterableDataset):
                     return (
                         batch,
                         _Position(epoch, win.index + 1, win.unit_end, 0, False),
-                        counters_at(self.stats),
+                        counters_at(self.counters),
                     )
                 # A resume from inside the window loads its units again.
                 pos = _Position(epoch, win.index, win.unit_start, j, False)
-                return batch, pos, counters_at(self.stats, win.counts)
+                return batch, pos, counters_at(self.counters, win.counts)
 
             if carry is not None:
                 need = t - carry.num_tasks
@@ -373,11 +378,11 @@ class TaskReader(IterableDataset):
                 carry = pool.subset(np.arange(i, n)).compact()
         if carry is not None:
             if self.drop_last:
-                self.stats["tasks_dropped_last"] += carry.num_tasks
+                self.counters["tasks_dropped_last"] += carry.num_tasks
             else:
                 batch = self._build(carry)
                 self._count(batch)
-                yield batch, _Position(epoch, 0, 0, 0, True), counters_at(self.stats)
+                yield batch, _Position(epoch, 0, 0, 0, True), counters_at(self.counters)
 
     def _windows(
         self, epoch: int, start: _Position, units: list[range], loader: UnitLoader, shard: int
@@ -388,7 +393,7 @@ class TaskReader(IterableDataset):
             first, pools, tasks, window_counts = u, [], 0, {}
             while u < len(units) and tasks < target:
                 pool, counts = loader.get(u)
-                add_counts(self.stats, counts)
+                add_counts(self.counters, counts)
                 add_counts(window_counts, counts)
                 u += 1
                 if pool is not None:
@@ -411,9 +416,9 @@ class TaskReader(IterableDataset):
         return build_task_batch(pool, s, q)
 
     def _count(self, batch: TaskBatch) -> None:
-        self.stats["batches_yielded"] += 1
-        self.stats["tasks_yielded"] += batch.num_tasks
-        self.stats["rows_yielded"] += int(batch.support_mask.sum() + batch.query_mask.sum())
+        self.counters["batches_yielded"] += 1
+        self.counters["tasks_yielded"] += batch.num_tasks
+        self.counters["rows_yielded"] += int(batch.support_mask.sum() + batch.query_mask.sum())
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last yielded batch, plus what it depends on (JSON-able)."""
@@ -426,7 +431,7 @@ class TaskReader(IterableDataset):
             "task_offset": p.offset,
             "epoch_done": p.done,
             **self._fingerprint(),
-            "counters": dict(self._counters),
+            "counters": dict(self._pos_counters),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -438,9 +443,9 @@ class TaskReader(IterableDataset):
         """
         keys = ("epoch", "window", "unit", "task_offset")
         fields, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, "task reader")
-        restore_counters(state, self.stats, "task reader")
+        restore_counters(state, self.counters, "task reader")
         self._pos = _Position(*fields, done)
-        self._counters = dict(self.stats)
+        self._pos_counters = dict(self.counters)
 
     def _fingerprint(self) -> dict[str, Any]:
         s = self.spec
