@@ -12,7 +12,8 @@ table, where ``m`` is, per field,
   output function of Steele et al.'s SplitMix64 generator on the id's 64 two's-complement
   bits: ``z = id + 0x9E3779B97F4A7C15``; ``z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9``;
   ``z = (z ^ (z >> 27)) * 0x94D049BB133111EB``; ``z ^ (z >> 31)``, all modulo 2**64
-  with logical shifts. Dropping the low bit leaves a non-negative int64.
+  with logical shifts (:mod:`recaccel.hashing`). Dropping the low bit leaves a
+  non-negative int64.
 
 ``dense_transform``: column c of [B, Dd] becomes ``clamp(op_c(x), clip_min[c],
 clip_max[c])`` with ``op`` one of ``identity``, ``log1p`` (``log(1 + max(x, 0))``, the
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError
+from recaccel.hashing import splitmix64_63
 from recaccel.ops.backend import resolve_backend
 
 ID_MODES = ("modulo", "hash")
@@ -42,10 +44,6 @@ OP_IDENTITY, OP_LOG1P, OP_CLIP = 0, 1, 2
 _BACKENDS = ("reference", "triton")
 DENSE_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT64_MAX = 2**63 - 1
-# SplitMix64 constants as signed int64 (same bits), for torch's int64 arithmetic.
-_GAMMA = 0x9E3779B97F4A7C15 - 2**64
-_MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-_MIX2 = 0x94D049BB133111EB - 2**64
 
 
 def _per_field(value, num: int, what: str) -> list:
@@ -215,20 +213,6 @@ class DenseTransformParams:
 
     def to(self, device: torch.device | str) -> DenseTransformParams:
         return DenseTransformParams(self.op.to(device), self.clip_min.to(device), self.clip_max.to(device))
-
-
-def _logical_shift_right(z: Tensor, k: int) -> Tensor:
-    """Unsigned ``z >> k`` on int64 bits (torch's ``>>`` on int64 is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def splitmix64_63(ids: Tensor) -> Tensor:
-    """``splitmix64(id) >> 1`` on int64 [N] ids -> non-negative int64 [N] (see module docstring)."""
-    z = ids + _GAMMA  # int64 arithmetic wraps modulo 2**64, as uint64 would
-    z = (z ^ _logical_shift_right(z, 30)) * _MIX1
-    z = (z ^ _logical_shift_right(z, 27)) * _MIX2
-    z = z ^ _logical_shift_right(z, 31)
-    return _logical_shift_right(z, 1)
 
 
 def _check_map_ids_inputs(values: Tensor, offsets: Tensor, params: FieldIdParams) -> int:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recaccel import hashing
 from recaccel.ops.backend import check_triton_launchable
 from recaccel.ops.field_ops import (
     DENSE_TRITON_DTYPES,
@@ -33,15 +34,23 @@ from recaccel.ops.field_ops import (
 _MAP_BLOCK = 1024
 _DENSE_BLOCK_B = 32
 _DENSE_BLOCK_C = 32
+# SplitMix64 (recaccel.hashing) as kernel constants; GAMMA and the multipliers exceed
+# int64, so they enter the uint64 arithmetic as uint64, as literals would.
+_GAMMA = tl.constexpr(hashing.GAMMA)
+_MIX1 = tl.constexpr(hashing.MIX1)
+_MIX2 = tl.constexpr(hashing.MIX2)
+_SHIFT1 = tl.constexpr(hashing.SHIFT1)
+_SHIFT2 = tl.constexpr(hashing.SHIFT2)
+_SHIFT3 = tl.constexpr(hashing.SHIFT3)
 
 
 @triton.jit
 def _splitmix64_63(x):
     """splitmix64 of int64 bits, shifted right once -> non-negative int64."""
-    z = x.to(tl.uint64, bitcast=True) + 0x9E3779B97F4A7C15
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-    z = z ^ (z >> 31)
+    z = x.to(tl.uint64, bitcast=True) + _GAMMA
+    z = (z ^ (z >> _SHIFT1)) * _MIX1
+    z = (z ^ (z >> _SHIFT2)) * _MIX2
+    z = z ^ (z >> _SHIFT3)
     return (z >> 1).to(tl.int64, bitcast=True)
 
 
