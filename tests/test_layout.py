@@ -1,0 +1,447 @@
+"""The package's layout rules, read from the source with ``ast`` (nothing is imported).
+
+Every ``import`` counts, at module level or inside a function (a lazy import still runs,
+and still closes a cycle); only imports under ``if TYPE_CHECKING:`` are left out.
+``from x import y`` resolves to the module ``x.y`` when ``y`` is a submodule, else to
+``x``; a package's ``__init__`` re-exporting from its submodules is an edge from the
+package to each of them. Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and
+``a.b``; those implicit parents are not edges (every module would otherwise sit in a
+cycle with its package).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "recaccel"
+
+# Modules everything may import: they sit under the whole graph.
+BOTTOM = ("recaccel.config", "recaccel.errors", "recaccel.metrics", "recaccel.hashing", "recaccel.sparse")
+# Dotted names in README.md that are not Python names (a Parquet key-value metadata key).
+README_NOT_MODULES = frozenset({"recaccel.schema"})
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import of a recaccel module by another."""
+
+    source: str  # the importing module, e.g. recaccel.io.readers.rows
+    target: str  # the imported module, resolved
+    where: str  # "recaccel/io/readers/rows.py:62: from recaccel... import ..."
+
+
+def within(module: str, area: str) -> bool:
+    """Whether ``module`` is ``area`` or lies inside the package ``area``."""
+    return module == area or module.startswith(area + ".")
+
+
+def within_any(module: str, areas: tuple[str, ...]) -> bool:
+    return any(within(module, area) for area in areas)
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    """Every module of recaccel by dotted name (a package under its own name)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def is_package(module: str) -> bool:
+    return modules()[module].name == "__init__.py"
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (its else branch stays)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+        else:
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _from_base(source: str, node: ast.ImportFrom) -> str:
+    """The module ``from <base> import ...`` names, relative imports made absolute."""
+    if node.level == 0:
+        return node.module or ""
+    package = source if is_package(source) else source.rpartition(".")[0]
+    for _ in range(node.level - 1):
+        package = package.rpartition(".")[0]
+    return f"{package}.{node.module}" if node.module else package
+
+
+def _targets(source: str, node: ast.Import | ast.ImportFrom) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        yield from (alias.name for alias in node.names)
+        return
+    base = _from_base(source, node)
+    for alias in node.names:
+        submodule = f"{base}.{alias.name}"
+        yield submodule if submodule in modules() else base
+
+
+@functools.cache
+def imports() -> tuple[Import, ...]:
+    """Every run-time import of a recaccel module inside recaccel."""
+    found = []
+    for source, path in modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in _runtime_nodes(tree):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            where = f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node)}"
+            for target in dict.fromkeys(_targets(source, node)):
+                if within(target, "recaccel"):
+                    found.append(Import(source, target, where))
+    return tuple(found)
+
+
+def violations(source_in: Callable[[str], bool], forbidden: Callable[[Import], bool]) -> list[str]:
+    return [
+        f"{imp.source} imports {imp.target} ({imp.where})"
+        for imp in imports()
+        if source_in(imp.source) and forbidden(imp)
+    ]
+
+
+def assert_none(found: list[str], rule: str) -> None:
+    assert not found, f"{rule}; broken by:\n  " + "\n  ".join(found)
+
+
+def _reexport(imp: Import) -> bool:
+    """A package's ``__init__`` importing one of its own submodules (naming its public API)."""
+    return is_package(imp.source) and within(imp.target, imp.source) and imp.target != imp.source
+
+
+# ------------------------------------------------------------------ rules between areas
+
+
+def test_format_imports_nothing_else_from_io():
+    assert_none(
+        violations(
+            lambda m: within(m, "recaccel.io.format"),
+            lambda imp: within(imp.target, "recaccel.io") and not within(imp.target, "recaccel.io.format"),
+        ),
+        "recaccel.io.format imports nothing else from recaccel.io",
+    )
+
+
+def test_readers_import_only_format_sparse_and_bottom():
+    allowed = ("recaccel.io.format", "recaccel.io.readers", *BOTTOM)
+    assert_none(
+        violations(
+            lambda m: within(m, "recaccel.io.readers"),
+            lambda imp: not within_any(imp.target, allowed),
+        ),
+        f"readers (recaccel.io.readers.*) import only {', '.join(allowed)} "
+        "(never a converter, the loader or anything above io)",
+    )
+
+
+def test_converters_import_only_format_sparse_and_bottom():
+    allowed = ("recaccel.io.format", *BOTTOM)
+    assert_none(
+        violations(
+            lambda m: within(m, "recaccel.io.convert"),
+            lambda imp: not within_any(imp.target, allowed) and not _reexport(imp),
+        ),
+        f"converters (recaccel.io.convert.*) import only {', '.join(allowed)} "
+        "(never a reader, nor each other: what two converters share belongs in format)",
+    )
+
+
+def test_ops_imports_no_io_train_meta_or_models():
+    above = ("recaccel.io", "recaccel.train", "recaccel.meta", "recaccel.models")
+    assert_none(
+        violations(lambda m: within(m, "recaccel.ops"), lambda imp: within_any(imp.target, above)),
+        f"recaccel.ops imports none of {', '.join(above)}",
+    )
+
+
+def test_models_import_no_train_or_meta():
+    above = ("recaccel.train", "recaccel.meta")
+    assert_none(
+        violations(lambda m: within(m, "recaccel.models"), lambda imp: within_any(imp.target, above)),
+        f"recaccel.models imports none of {', '.join(above)}",
+    )
+
+
+def test_meta_imports_no_train():
+    assert_none(
+        violations(lambda m: within(m, "recaccel.meta"), lambda imp: within(imp.target, "recaccel.train")),
+        "recaccel.meta imports no recaccel.train",
+    )
+
+
+def test_nothing_imports_cli_or_bench():
+    def forbidden(imp: Import) -> bool:
+        if within(imp.target, "recaccel.cli"):
+            return imp.source != "recaccel.cli"
+        if within(imp.target, "recaccel.bench"):
+            return not within_any(imp.source, ("recaccel.cli", "recaccel.bench"))
+        return False
+
+    assert_none(
+        violations(lambda m: True, forbidden),
+        "only recaccel.cli imports recaccel.cli and recaccel.bench (the benchmarks import each other)",
+    )
+
+
+# ------------------------------------------------------------------ cycles
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of ``graph`` (iterative: no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, successors = work[-1]
+            for succ in successors:
+                if succ not in index:
+                    index[succ] = low[succ] = len(index)
+                    stack.append(succ)
+                    on_stack.add(succ)
+                    work.append((succ, iter(sorted(graph[succ]))))
+                    break
+                if succ in on_stack:
+                    low[node] = min(low[node], index[succ])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(sorted(component))
+    return components
+
+
+def shortest_cycle(graph: dict[str, set[str]], start: str, members: set[str]) -> list[str]:
+    """The shortest chain start -> ... -> start through ``members`` (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for succ in sorted(graph[node] & members):
+                if succ == start:
+                    chain = [node]
+                    while chain[-1] != start:
+                        chain.append(came_from[chain[-1]])
+                    return [start, *reversed(chain[:-1]), start]
+                if succ not in came_from:
+                    came_from[succ] = node
+                    following.append(succ)
+        frontier = following
+    raise AssertionError(f"{start} is in no cycle")
+
+
+def test_no_import_cycles():
+    graph: dict[str, set[str]] = {module: set() for module in modules()}
+    lines: dict[tuple[str, str], str] = {}
+    for imp in imports():
+        if imp.target in graph:
+            graph[imp.source].add(imp.target)
+            lines.setdefault((imp.source, imp.target), imp.where)
+    found = []
+    for component in strongly_connected(graph):
+        if len(component) == 1 and component[0] not in graph[component[0]]:
+            continue
+        chain = shortest_cycle(graph, component[0], set(component))
+        edges = "".join(f"\n      {lines[a, b]}" for a, b in zip(chain, chain[1:]))
+        others = sorted(set(component) - set(chain))
+        also = f"\n      (same cycle group: {', '.join(others)})" if others else ""
+        found.append(" -> ".join(chain) + edges + also)
+    assert_none(found, "no import cycle in recaccel (lazy imports and package re-exports count)")
+
+
+def test_import_recaccel_does_not_import_torch():
+    probe = (
+        "import sys, recaccel; "
+        "print(' '.join(m for m in ('torch', 'torchrec', 'triton') if m in sys.modules)); "
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('recaccel'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    heavy, loaded = done.stdout.splitlines()
+    assert not heavy, f"`import recaccel` imports {heavy}; recaccel modules it loaded: {loaded}"
+
+
+# ------------------------------------------------------------------ public API of each package
+
+
+def _all_names(tree: ast.Module) -> list[str] | str:
+    """The names a module's ``__all__`` lists, or why they cannot be read."""
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            value = node.value
+            if not isinstance(value, ast.List | ast.Tuple) or not all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in value.elts
+            ):
+                return f"__all__ is not a literal list of strings (line {node.lineno})"
+            return [e.value for e in value.elts]
+    return "defines no __all__"
+
+
+def _top_level(tree: ast.Module) -> Iterator[ast.stmt]:
+    """Statements that run at import, through if/try blocks (not under TYPE_CHECKING)."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If):
+            stack.extend(node.orelse if _is_type_checking(node.test) else node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            stack.extend(node.body + node.orelse + node.finalbody)
+            for handler in node.handlers:
+                stack.extend(handler.body)
+        else:
+            yield node
+
+
+@functools.cache
+def bindings(module: str) -> dict[str, tuple[str, str] | None]:
+    """Names ``module`` binds at import: None for a local definition, (base, name) for a
+    ``from base import name`` (``base`` absolute)."""
+    tree = ast.parse(modules()[module].read_text())
+    bound: dict[str, tuple[str, str] | None] = {}
+    for node in _top_level(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound[node.name] = None
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        bound[name.id] = None
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                bound[alias.asname or alias.name.partition(".")[0]] = None
+        elif isinstance(node, ast.ImportFrom):
+            base = _from_base(module, node)
+            for alias in node.names:
+                bound[alias.asname or alias.name] = (base, alias.name)
+    return bound
+
+
+def resolve(module: str, name: str, seen: frozenset[str] = frozenset()) -> str | None:
+    """None when ``module.name`` exists (statically), else why not. Names imported from
+    outside recaccel are taken as they are: optional dependencies (torchrec, triton,
+    fbgemm_gpu) may be absent, and nothing is imported here."""
+    if f"{module}.{name}" in modules():
+        return None
+    bound = bindings(module).get(name, "missing")
+    if bound is None:
+        return None
+    if bound == "missing":
+        if "__getattr__" in bindings(module):
+            return None  # a lazy module attribute: cannot be read statically
+        return f"{module} defines no {name}"
+    base, original = bound
+    if not within(base, "recaccel"):
+        return None
+    if base not in modules():
+        return f"{module} imports {original} from {base}, which is no module"
+    if (base, original) in seen:
+        return f"{module}.{name} is imported in a circle"
+    return resolve(base, original, seen | {(base, original)})
+
+
+def packages() -> list[str]:
+    return [module for module in modules() if is_package(module)]
+
+
+def test_every_package_names_its_public_api():
+    found = []
+    for package in packages():
+        path = modules()[package]
+        listed = _all_names(ast.parse(path.read_text()))
+        if isinstance(listed, str):
+            found.append(f"{path.relative_to(REPO)}: {listed}")
+            continue
+        doubled = sorted({name for name in listed if listed.count(name) > 1})
+        if doubled:
+            found.append(f"{path.relative_to(REPO)}: __all__ lists {', '.join(doubled)} twice")
+        found += [
+            f"{path.relative_to(REPO)}: __all__ lists {name!r}: {why}"
+            for name in listed
+            if (why := resolve(package, name))
+        ]
+    assert_none(found, "every package __init__ under recaccel defines __all__, each name in it resolving")
+
+
+def test_resolver_sees_a_missing_name_and_a_cycle_chain():
+    # The checks above can fail: a re-export of a name that does not exist is caught,
+    # and a two-module loop is reported as a chain.
+    assert resolve("recaccel.errors", "NoSuchError") == "recaccel.errors defines no NoSuchError"
+    assert resolve("recaccel", "RecaccelError") is None
+    graph = {"a": {"b"}, "b": {"a", "c"}, "c": set()}
+    assert strongly_connected(graph) == [["c"], ["a", "b"]]
+    assert shortest_cycle(graph, "a", {"a", "b"}) == ["a", "b", "a"]
+
+
+# ------------------------------------------------------------------ README
+
+
+def _readme_names() -> tuple[set[str], set[str]]:
+    """Paths (``recaccel/...``, ``tests/...``) and dotted ``recaccel.`` names README.md gives."""
+    text = (REPO / "README.md").read_text()
+    paths = set(re.findall(r"(?<![\w./-])((?:recaccel|tests)/[\w/.-]*\w/?)", text))
+    dotted = set(re.findall(r"(?<![\w./-])(recaccel(?:\.\w+)+)", text)) - README_NOT_MODULES
+    return paths, dotted
+
+
+def test_readme_names_existing_modules():
+    paths, dotted = _readme_names()
+    found = [
+        f"README.md names {path}, which does not exist"
+        for path in sorted(paths)
+        if not (REPO / path).exists()
+    ]
+    for name in sorted(dotted):
+        parts = name.split(".")
+        known = max(i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules())
+        module, rest = ".".join(parts[:known]), parts[known:]
+        if len(rest) > 1:
+            found.append(f"README.md names {name}: {'.'.join(parts[: known + 1])} is no module")
+        elif rest and (why := resolve(module, rest[0])):
+            found.append(f"README.md names {name}: {why}")
+    assert_none(found, "every module path and dotted recaccel name in README.md exists")
