@@ -445,3 +445,20 @@ def test_readme_names_existing_modules():
         elif rest and (why := resolve(module, rest[0])):
             found.append(f"README.md names {name}: {why}")
     assert_none(found, "every module path and dotted recaccel name in README.md exists")
+
+
+def test_bench_registry_names_existing_modules():
+    # The registry imports benchmarks by name, lazily: a moved module would only fail when run.
+    path = modules()["recaccel.bench.registry"]
+    named = [
+        node.value
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and within(node.value, "recaccel")
+    ]
+    assert named, f"{path.relative_to(REPO)} names no benchmark module"
+    missing = [
+        f"{path.relative_to(REPO)} names {name}, which is no module"
+        for name in named
+        if name not in modules()
+    ]
+    assert_none(missing, "every benchmark module the registry names exists")
