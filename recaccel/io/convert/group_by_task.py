@@ -147,7 +147,7 @@ class _KeySource:
             )
         self.task_key = task_key
         self.timestamp = timestamp
-        self.extra = tuple(c for c in (schema.task_key, schema.timestamp) if c is not None)
+        self.side = tuple(c for c in (schema.task_key, schema.timestamp) if c is not None)
         base = dataclasses.replace(schema, task_key=None, timestamp=None)
         taken = set(base.column_names())
         if out_key in taken:
@@ -155,8 +155,8 @@ class _KeySource:
         self.out_schema = grouped_schema(base, out_key, timestamp)
 
     def keys(self, cols: Columns) -> tuple[np.ndarray, np.ndarray | None]:
-        keys = cols.extra[self.task_key] if self.field is None else cols.values[self.field]
-        times = cols.extra[self.timestamp] if self.timestamp is not None else None
+        keys = cols.side[self.task_key] if self.field is None else cols.values[self.field]
+        times = cols.side[self.timestamp] if self.timestamp is not None else None
         return keys, times
 
 
@@ -214,7 +214,7 @@ def group_by_task(
     ks = _KeySource(info.schema, task_key, timestamp, task_column)
     stats = new_decode_stats()
     reader = RowGroupReader(
-        info.schema, Projection.select(info.schema, None, ks.extra), policies or Policies(), stats
+        info.schema, Projection.select(info.schema, None, ks.side), policies or Policies(), stats
     )
     spills = info.num_rows > memory_rows
     bar = tqdm(
@@ -352,9 +352,9 @@ class _Run:
 
     def __init__(self, run_dir: Path, schema: FeatureSchema) -> None:
         info = open_dataset(run_dir, schema)
-        extra = tuple(c for c in (schema.task_key, schema.timestamp) if c is not None)
+        side = tuple(c for c in (schema.task_key, schema.timestamp) if c is not None)
         self._reader = RowGroupReader(
-            schema, Projection.select(schema, None, extra), Policies(), new_decode_stats()
+            schema, Projection.select(schema, None, side), Policies(), new_decode_stats()
         )
         self._refs = list(info.row_groups)
         self._schema = schema
@@ -382,8 +382,8 @@ class _Run:
         return self._next < len(self._refs)
 
     def keys(self) -> tuple[np.ndarray, np.ndarray | None]:
-        k = self.cols.extra[self._schema.task_key][self.pos :]
-        t = None if self._schema.timestamp is None else self.cols.extra[self._schema.timestamp][self.pos :]
+        k = self.cols.side[self._schema.task_key][self.pos :]
+        t = None if self._schema.timestamp is None else self.cols.side[self._schema.timestamp][self.pos :]
         return k, t
 
     def last(self) -> tuple[int, int]:
@@ -420,6 +420,6 @@ def _merge(run_dirs: list[Path], schema: FeatureSchema, out: _Sink) -> None:
         parts = [r.pop(n) for r in live if (n := r.count_le(bound)) > 0]
         cols = Columns.concat(parts)
         out.high(sum(r.cols.num_rows for r in runs if r.live) + cols.num_rows)
-        keys = cols.extra[schema.task_key]
-        times = None if schema.timestamp is None else cols.extra[schema.timestamp]
+        keys = cols.side[schema.task_key]
+        times = None if schema.timestamp is None else cols.side[schema.timestamp]
         out.write_sorted(cols, keys, times)

@@ -30,7 +30,7 @@ class Columns:
         values: F arrays, int64 [N_f], the ids of field f for all rows.
         offsets: F arrays, int64 [n+1], starting at 0: row i of field f holds
             ``values[f][offsets[f][i]:offsets[f][i+1]]``.
-        extra: side columns by name (task key, timestamp), int64 [n] each.
+        side: side columns by name (task key, timestamp), int64 [n] each.
         single: F flags, True where every bag of the field holds exactly one id (then
             ``offsets`` is ``arange(n+1)`` and gathers skip the CSR work); None =
             computed from the offsets.
@@ -45,7 +45,7 @@ class Columns:
     keys: list[str]
     values: list[np.ndarray]
     offsets: list[np.ndarray]
-    extra: dict[str, np.ndarray] = field(default_factory=dict)
+    side: dict[str, np.ndarray] = field(default_factory=dict)
     single: list[bool] | None = None
     ids: np.ndarray | None = None
 
@@ -58,7 +58,7 @@ class Columns:
         for key, off in zip(self.keys, self.offsets):
             if off.shape != (n + 1,):
                 raise ValueError(f"offsets of field {key!r} have shape {off.shape}, expected ({n + 1},)")
-        for name, col in self.extra.items():
+        for name, col in self.side.items():
             if col.shape != (n,):
                 raise ValueError(f"side column {name!r} has shape {col.shape}, expected ({n},)")
         if self.single is None:
@@ -100,7 +100,7 @@ class Columns:
             keys=list(self.keys),
             values=values,
             offsets=offsets,
-            extra={k: np.take(v, idx) for k, v in self.extra.items()},
+            side={k: np.take(v, idx) for k, v in self.side.items()},
             single=list(self.single),
             ids=ids,
         )
@@ -121,7 +121,7 @@ class Columns:
             keys=list(self.keys),
             values=values,
             offsets=offsets,
-            extra={k: v[start:stop] for k, v in self.extra.items()},
+            side={k: v[start:stop] for k, v in self.side.items()},
             single=list(self.single),
             ids=None if self.ids is None else self.ids[start:stop],
         )
@@ -144,7 +144,7 @@ class Columns:
         for p in parts[1:]:
             if (
                 p.keys != first.keys
-                or p.extra.keys() != first.extra.keys()
+                or p.side.keys() != first.side.keys()
                 or p.dense.shape[1] != first.dense.shape[1]
             ):
                 raise ValueError("Columns.concat: parts have different columns")
@@ -171,13 +171,13 @@ class Columns:
             keys=list(first.keys),
             values=values,
             offsets=offsets,
-            extra={k: np.concatenate([p.extra[k] for p in parts]) for k in first.extra},
+            side={k: np.concatenate([p.side[k] for p in parts]) for k in first.side},
             single=single,
             ids=ids,
         )
 
     @classmethod
-    def empty(cls, keys: list[str], num_dense: int, extra: tuple[str, ...] = ()) -> Columns:
+    def empty(cls, keys: list[str], num_dense: int, side: tuple[str, ...] = ()) -> Columns:
         """Zero rows with the given columns."""
         return cls(
             dense=np.zeros((0, num_dense), dtype=np.float32),
@@ -185,7 +185,7 @@ class Columns:
             keys=list(keys),
             values=[np.zeros(0, dtype=np.int64) for _ in keys],
             offsets=[np.zeros(1, dtype=np.int64) for _ in keys],
-            extra={k: np.zeros(0, dtype=np.int64) for k in extra},
+            side={k: np.zeros(0, dtype=np.int64) for k in side},
         )
 
     def to_batch(self) -> Batch:

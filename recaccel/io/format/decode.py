@@ -79,32 +79,32 @@ class Policies:
 class Projection:
     """The columns to decode: a subset of the schema's dense and sparse features.
 
-    The label is always decoded; ``extra`` names integer side columns (task key,
+    The label is always decoded; ``side`` names integer side columns (task key,
     timestamp) carried along as int64.
     """
 
     dense: tuple[str, ...]
     sparse: tuple[SparseField, ...]
-    extra: tuple[str, ...] = ()
+    side: tuple[str, ...] = ()
 
     @classmethod
     def select(
         cls,
         schema: FeatureSchema,
         columns: list[str] | tuple[str, ...] | None = None,
-        extra: tuple[str, ...] = (),
+        side: tuple[str, ...] = (),
     ) -> Projection:
         """Projects ``schema`` onto ``columns`` (dense/sparse names; None = all), in schema order.
 
         Raises:
             ConfigError: naming a column that is not a dense or sparse feature of the schema.
         """
-        side = {c for c in (schema.task_key, schema.timestamp) if c is not None}
-        for name in extra:
-            if name not in side:
+        allowed = {c for c in (schema.task_key, schema.timestamp) if c is not None}
+        for name in side:
+            if name not in allowed:
                 raise ConfigError(f"side column {name!r} is not the schema's task key or timestamp")
         if columns is None:
-            return cls(tuple(schema.dense), tuple(schema.sparse), tuple(extra))
+            return cls(tuple(schema.dense), tuple(schema.sparse), tuple(side))
         wanted = set(columns)
         known = set(schema.dense) | set(schema.sparse_names)
         unknown = sorted(wanted - known)
@@ -116,12 +116,12 @@ class Projection:
         return cls(
             tuple(c for c in schema.dense if c in wanted),
             tuple(f for f in schema.sparse if f.name in wanted),
-            tuple(extra),
+            tuple(side),
         )
 
     def arrow_columns(self, schema: FeatureSchema) -> list[str]:
         """Parquet columns to read, in file order."""
-        return [schema.label, *self.dense, *(f.name for f in self.sparse), *self.extra]
+        return [schema.label, *self.dense, *(f.name for f in self.sparse), *self.side]
 
 
 def new_decode_stats() -> dict[str, int]:
@@ -200,16 +200,16 @@ def row_group_to_columns(
             ids_bad |= bad
     _drop_rows(stats, drop, ids_bad, "rows_skipped_invalid_ids")
 
-    extra = {}
-    for name in proj.extra:
+    side = {}
+    for name in proj.side:
         arr = _column(by_name, name, path, row_group)
         if arr.null_count:
             row = int(np.flatnonzero(_null_mask(arr))[0])
             raise DataError(f"null value at row {row}", path=path, column=name, row_group=row_group)
-        extra[name] = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
+        side[name] = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
 
     single = [not f.multi_hot for f in proj.sparse]  # null single-hot rows are dropped or raised
-    cols = Columns(dense, labels, [f.name for f in proj.sparse], values, offsets, extra, single)
+    cols = Columns(dense, labels, [f.name for f in proj.sparse], values, offsets, side, single)
     if drop.any():
         _count(stats, "rows_skipped", int(drop.sum()))
         cols = cols.take(np.flatnonzero(~drop))

@@ -203,7 +203,7 @@ class TaskStream:
         if skip is not None and last == skip:
             return []  # the whole row group continues a task owned earlier
         cols = self._read(g)
-        keys = cols.extra[self.task_key]
+        keys = cols.side[self.task_key]
         start = int(np.searchsorted(keys, skip, "right")) if skip is not None else 0
         if start and self.heads is not None:
             self.heads.offer(g, lambda: cols.take(np.arange(start)))
@@ -216,7 +216,7 @@ class TaskStream:
             head = self.heads.claim(h) if self.heads is not None else None
             if head is None:
                 nxt = self._read(h)
-                head = nxt.slice(0, int(np.searchsorted(nxt.extra[self.task_key], last, "right")))
+                head = nxt.slice(0, int(np.searchsorted(nxt.side[self.task_key], last, "right")))
             parts.append(head)
             if int(self.last[h]) != last:
                 break
@@ -225,8 +225,8 @@ class TaskStream:
         return out + [self._part(Columns.concat(parts))]
 
     def _part(self, rows: Columns) -> OwnedRows:
-        times = rows.extra[self.timestamp] if self.timestamp is not None else None
-        return OwnedRows(rows, rows.extra[self.task_key], times)
+        times = rows.side[self.timestamp] if self.timestamp is not None else None
+        return OwnedRows(rows, rows.side[self.task_key], times)
 
     def _read(self, g: int) -> Columns:
         cols = self._cache.get(g)
@@ -244,7 +244,7 @@ class TaskStream:
     def _decode(self, g: int) -> Columns:
         cols = self.source.read(self.info.row_groups[g])
         self.stats["row_groups_read"] += 1
-        keys = cols.extra[self.task_key]
+        keys = cols.side[self.task_key]
         down = np.flatnonzero(keys[1:] < keys[:-1])
         if down.size:
             i = int(down[0])
