@@ -1,12 +1,20 @@
-"""recaccel: fast training of DLRM and meta-learning DLRM on GPUs."""
+"""recaccel: fast training of DLRM and meta-learning DLRM on GPUs.
+
+The public API: :func:`train`, :func:`resume`, :func:`evaluate`, :func:`load_config`,
+the config classes and the errors a caller catches. Importing it does not import torch
+(checked by ``tests/test_layout.py``).
+"""
 
 from recaccel.api import evaluate, resume, train
 from recaccel.config import (
     Config,
     DataConfig,
+    MetaConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     SynthConfig,
+    TasksConfig,
     TrainConfig,
     load_config,
 )
@@ -19,10 +27,13 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DataError",
+    "MetaConfig",
     "ModelConfig",
     "OptimConfig",
+    "ParallelConfig",
     "RecaccelError",
     "SynthConfig",
+    "TasksConfig",
     "TrainConfig",
     "evaluate",
     "load_config",
