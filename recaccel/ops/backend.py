@@ -22,9 +22,22 @@ from collections.abc import Sequence
 
 import torch
 
+from recaccel.config import EmbeddingBackend, choices
 from recaccel.errors import ConfigError
 
-BACKENDS = ("reference", "triton", "fbgemm")
+# Config choices that name no operator backend: ``auto`` picks one, and ``per_table`` is
+# the models' per-table ``nn.EmbeddingBag`` baseline (recaccel.models.embedding).
+_NOT_OP_BACKENDS = ("auto", "per_table")
+
+
+def op_backends(alias: object) -> tuple[str, ...]:
+    """The operator backends among a config choice alias's values (``auto`` and
+    ``per_table`` left out), in declaration order."""
+    return tuple(name for name in choices(alias) if name not in _NOT_OP_BACKENDS)
+
+
+# Every operator backend: the embedding has them all (reference, triton, fbgemm).
+BACKENDS = op_backends(EmbeddingBackend)
 
 # Preference order of ``auto`` per device type; reference is always the last resort.
 _AUTO_ORDER = {"cuda": ("triton", "fbgemm", "reference"), "cpu": ("reference",)}

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from recaccel import hashing
 from recaccel.ops.backend import check_triton_launchable
-from recaccel.ops.field_ops import (
+from recaccel.ops.field_ops.params import (
     DENSE_TRITON_DTYPES,
     MODE_HASH,
     OP_LOG1P,

@@ -31,7 +31,7 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.ops.backend import check_triton_launchable
-from recaccel.ops.interaction import (
+from recaccel.ops.interaction.reference import (
     TRITON_DTYPES,
     check_interaction_input,
     pair_indices,
