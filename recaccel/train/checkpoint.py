@@ -10,7 +10,6 @@ import json
 import math
 import os
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +31,8 @@ from recaccel.train.checkpoint_io import (
     python_rng_state,
     read_payload,
 )
+from recaccel.train.checkpoint_paths import list_checkpoints, newest_checkpoint
 from recaccel.train.runlog import CHECKPOINT_DIR
-
-_NAME = re.compile(r"step-(\d+)\.pt$")
 
 
 @dataclass
@@ -156,13 +154,6 @@ def save_checkpoint(
     return path
 
 
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Checkpoints of a run, oldest first."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    found = [p for p in folder.glob("step-*.pt") if _NAME.search(p.name)]
-    return sorted(found, key=lambda p: int(_NAME.search(p.name).group(1)))
-
-
 def load_checkpoint(
     run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> TrainState:
@@ -202,22 +193,6 @@ def load_reader_position(reader: Any, position: dict[str, Any], run_dir: Path) -
     except RecaccelError as e:
         what = f"its reader position does not fit this run: {e}"
         raise CheckpointError(newest_checkpoint(run_dir), what) from None
-
-
-def all_checkpoints(run_dir: Path) -> list[Path]:
-    """Every checkpoint of a run: its ``step-*.pt`` files and complete ``step-*.dcp`` folders."""
-    from recaccel.train.distributed.dist_checkpoint import list_sharded_checkpoints  # it imports this module
-
-    return list_checkpoints(run_dir) + list_sharded_checkpoints(run_dir)
-
-
-def newest_checkpoint(run_dir: Path) -> Path:
-    """The checkpoint a resume of ``run_dir`` reads: its newest ``step-*.pt`` file or complete
-    ``step-*.dcp`` folder (the checkpoints folder itself when it has none)."""
-    found = all_checkpoints(run_dir)
-    if not found:
-        return Path(run_dir) / CHECKPOINT_DIR
-    return max(found, key=lambda p: int(re.search(r"step-(\d+)", p.name).group(1)))
 
 
 def restore_checked(path: Path, entries: dict[str, Any]) -> TrainState:

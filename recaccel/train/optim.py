@@ -1,12 +1,26 @@
-"""Dense optimizers for the parameters autograd updates (MLPs, non-fused embeddings)."""
+"""Optimizers from ``[optim]``: the dense one over the parameters autograd updates (MLPs,
+non-fused embeddings), and the settings of the sparse one fused into the embeddings."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from recaccel.config import OptimConfig
+from recaccel.config import DenseOptimizer, OptimConfig, choices
 from recaccel.errors import ConfigError
+from recaccel.ops.embedding.specs import SparseOptimConfig
+
+_DENSE: dict[DenseOptimizer, Callable[[list[nn.Parameter], OptimConfig], torch.optim.Optimizer]] = {
+    "adam": lambda params, cfg: torch.optim.Adam(
+        params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay
+    ),
+    "sgd": lambda params, cfg: torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
+    "adagrad": lambda params, cfg: torch.optim.Adagrad(
+        params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay
+    ),
+}
 
 
 def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -15,11 +29,16 @@ def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     Fused embeddings keep their weights as buffers and update them inside backward,
     so they never appear here.
     """
+    if cfg.dense not in _DENSE:
+        raise ConfigError(
+            f"optim.dense must be one of {', '.join(choices(DenseOptimizer))}, got {cfg.dense!r}"
+        )
     params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.dense == "adam":
-        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    if cfg.dense == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.dense == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    raise ConfigError(f"optim.dense must be adam, sgd or adagrad, got {cfg.dense!r}")
+    return _DENSE[cfg.dense](params, cfg)
+
+
+def sparse_optim_config(cfg: OptimConfig) -> SparseOptimConfig:
+    """The fused sparse optimizer's hyper-parameters (``optim.sparse_lr``, ``optim.eps``;
+    Adam's betas at their defaults), the one place ``[optim]`` becomes them: recaccel's
+    packed embeddings, TorchRec's FBGEMM kernels and the data-parallel tables all read it."""
+    return SparseOptimConfig(lr=cfg.sparse_lr, eps=cfg.eps)

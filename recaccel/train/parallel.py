@@ -2,12 +2,12 @@
 
 :class:`SingleProcess` is one process on one device; :class:`recaccel.train.distributed.hybrid.
 HybridParallel` shards embeddings through TorchRec and sums dense gradients over ranks.
-The Trainer calls the same methods on either, so its loop has no mode branches.
+The Trainer calls the same methods on either, so its loop has no mode branches;
+:func:`recaccel.train.trainer.build_parallel` picks one from ``parallel.mode``.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -15,10 +15,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from recaccel.config import Config
-from recaccel.errors import ConfigError
+from recaccel.io.readers.protocol import Reader
 from recaccel.sparse import Batch, TaskBatch
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from recaccel.train.objectives import Objective
 
 
 class Parallelism(Protocol):
@@ -34,11 +34,11 @@ class Parallelism(Protocol):
 
     def wrap(self, module: nn.Module) -> nn.Module: ...
 
-    def reader(self, make: Callable[[int, int], Any], *, train: bool) -> Any: ...
+    def reader(self, make: Callable[[int, int], Reader], *, train: bool) -> Reader: ...
 
-    def batches(self, loader: Iterable, objective: Any) -> Iterator: ...
+    def batches(self, loader: Iterable, objective: Objective) -> Iterator: ...
 
-    def train_step(self, objective: Any, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor: ...
+    def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor: ...
 
     def gather(self, tensor: Tensor) -> Tensor: ...
 
@@ -51,24 +51,6 @@ class Parallelism(Protocol):
     ) -> TrainState: ...
 
     def close(self) -> None: ...
-
-
-def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
-    """The process layout ``cfg.parallel.mode`` asks for.
-
-    Raises:
-        ConfigError: ``single`` mode in a multi-process launch.
-    """
-    if cfg.parallel.mode == "hybrid":
-        from recaccel.train.distributed.hybrid import HybridParallel
-
-        return HybridParallel(cfg, device)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        raise ConfigError(
-            f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid"
-        )
-    return SingleProcess(device)
 
 
 def batch_rows(batch: Batch | TaskBatch) -> int:
@@ -95,18 +77,18 @@ class SingleProcess:
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
 
-    def reader(self, make: Callable[[int, int], Any], *, train: bool) -> Any:
+    def reader(self, make: Callable[[int, int], Reader], *, train: bool) -> Reader:
         return make(0, 1)
 
-    def batches(self, loader: Iterable, objective: Any) -> Iterator:
+    def batches(self, loader: Iterable, objective: Objective) -> Iterator:
         for batch in loader:
             self.step_rows = batch_rows(batch)
             yield batch
 
-    def train_step(self, objective: Any, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
+    def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
         """One optimizer step; a fused embedding applies its sparse update inside backward."""
         optimizer.zero_grad(set_to_none=True)
-        loss = objective.loss(batch)
+        loss = objective.batch_loss(batch)
         loss.backward()
         optimizer.step()
         return loss.detach()

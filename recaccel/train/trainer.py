@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -12,17 +13,19 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from recaccel.config import Config
+from recaccel.config import Config, Loss
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
+from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
 from recaccel.models.factory import build_model
-from recaccel.train.checkpoint import TrainState, all_checkpoints, load_reader_position
+from recaccel.train.checkpoint import TrainState, load_reader_position
+from recaccel.train.checkpoint_paths import all_checkpoints
 from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.parallel import Parallelism, build_parallel
+from recaccel.train.parallel import Parallelism, SingleProcess
 from recaccel.train.runlog import RunLog, check_run_dir, clear_run
 
 logger = logging.getLogger(__name__)
@@ -39,14 +42,32 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"train.device={name!r} is not a device name (auto, cpu, cuda)") from None
 
 
-def loss_kind(cfg: Config, label_kind: str) -> str:
+def resolve_loss(cfg: Config, label_kind: str) -> Loss:
     """``bce`` for click labels, ``mse`` for ratings (``train.loss = auto`` picks by data)."""
-    kind = cfg.train.loss
-    if kind == "auto":
+    loss = cfg.train.loss
+    if loss == "auto":
         return "bce" if label_kind == "binary" else "mse"
-    if kind == "bce" and label_kind != "binary":
+    if loss == "bce" and label_kind != "binary":
         raise ConfigError(f"train.loss=bce needs binary labels; {cfg.data.train} has {label_kind} labels")
-    return kind
+    return loss
+
+
+def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
+    """The process layout ``cfg.parallel.mode`` asks for.
+
+    Raises:
+        ConfigError: ``single`` mode in a multi-process launch.
+    """
+    if cfg.parallel.mode == "hybrid":
+        from recaccel.train.distributed.hybrid import HybridParallel
+
+        return HybridParallel(cfg, device)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise ConfigError(
+            f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid"
+        )
+    return SingleProcess(device)
 
 
 class Trainer:
@@ -86,39 +107,60 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         self.parallel = parallel or build_parallel(cfg, self.device)
         self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
-        if cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True)
-        # Every generator a checkpoint saves starts seeded, so runs (and their checkpoints)
-        # repeat in fresh processes too.
-        torch.manual_seed(cfg.train.seed)
-        random.seed(cfg.train.seed)
-        np.random.seed(cfg.train.seed)
+        self._seed()
         self.schema = open_dataset(cfg.data.train).schema
-        model = build_model(cfg.model, cfg.optim, self.schema, self.device)
-        kind = loss_kind(cfg, self.schema.label_kind)
-        objective_type = MetaObjective if cfg.train.mode == "meta" else DLRMObjective
-        self.objective: Objective = objective_type(cfg, model, kind)
-        # train.eval_tasks: score a plain DLRM like a meta-learner (fine-tuned on each
-        # task's support rows, and as is), on the same query rows: the meta baselines.
-        plain_on_tasks = cfg.train.eval_tasks and objective_type is DLRMObjective
-        self.evaluator: Objective = MetaObjective(cfg, model, kind) if plain_on_tasks else self.objective
+        self.objective, self.evaluator = self._objectives()
         self.module = self.parallel.wrap(self.objective.module)
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
         self.reader = self._reader(self.objective, cfg.data.train, train=True)
         self.state = TrainState()
-        if resume and fresh_if_no_checkpoint and not all_checkpoints(self.run_dir):
-            logger.warning("%s has no checkpoint yet: training starts from step 0", self.run_dir)
-        elif resume:
-            self.state = self.parallel.load_checkpoint(self.run_dir, self.objective.module, self.optimizer)
-            logger.info("resumed %s at step %d", self.run_dir, self.state.step)
+        if resume:
+            self._restore(fresh_if_no_checkpoint)
         # Opened by fit(): evaluating a run's checkpoint must not rewrite its record.
         self.log: RunLog | None = None
+        self._clock = 0.0  # perf_counter() when the current stretch of training began
 
-    def _reader(self, objective: Objective, path: str, *, train: bool):
-        def make(rank: int, world_size: int):
+    def _seed(self) -> None:
+        """Seeds every generator a checkpoint saves, so runs (and their checkpoints) repeat
+        in fresh processes too."""
+        t = self.cfg.train
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        torch.manual_seed(t.seed)
+        random.seed(t.seed)
+        np.random.seed(t.seed)
+
+    def _objectives(self) -> tuple[Objective, Objective]:
+        """The training objective and the one evaluation runs.
+
+        ``train.eval_tasks`` scores a plain DLRM like a meta-learner (fine-tuned on each
+        task's support rows, and as is), on the same query rows: the meta baselines.
+        """
+        cfg = self.cfg
+        model = build_model(cfg.model, cfg.optim, self.schema, self.device)
+        loss = resolve_loss(cfg, self.schema.label_kind)
+        if cfg.train.mode == "meta":
+            objective = MetaObjective(cfg, model, loss)
+            return objective, objective
+        objective = DLRMObjective(cfg, model, loss)
+        return objective, (MetaObjective(cfg, model, loss) if cfg.train.eval_tasks else objective)
+
+    def _restore(self, fresh_if_no_checkpoint: bool) -> None:
+        """Loads the newest checkpoint of the run directory (model, optimizer, TrainState)."""
+        if fresh_if_no_checkpoint and not all_checkpoints(self.run_dir):
+            logger.warning("%s has no checkpoint yet: training starts from step 0", self.run_dir)
+            return
+        self.state = self.parallel.load_checkpoint(self.run_dir, self.objective.module, self.optimizer)
+        logger.info("resumed %s at step %d", self.run_dir, self.state.step)
+
+    def _reader(self, objective: Objective, path: str, *, train: bool) -> Reader:
+        def make(rank: int, world_size: int) -> Reader:
             return objective.reader(path, train=train, rank=rank, world_size=world_size)
 
         return self.parallel.reader(make, train=train)
+
+    def _loader(self, reader: Reader) -> DeviceLoader:
+        return DeviceLoader(reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend)
 
     def _event(self, kind: str, **fields: Any) -> None:
         if self.log is not None:
@@ -134,79 +176,123 @@ class Trainer:
 
     def _total_steps(self) -> int | None:
         t = self.cfg.train
-        per_epoch = getattr(self.reader, "num_batches", None)
+        per_epoch = self.reader.num_batches
         return t.steps if t.steps > 0 else (per_epoch * t.epochs if per_epoch else None)
 
     def _checkpoint(self) -> None:
         self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
 
+    # ------------------------------------------------------------------ fit
+
     def fit(self) -> dict[str, Any]:
         """Trains until ``train.steps`` (or ``train.epochs``), evaluates, writes metrics.json
         (and the resolved config.toml and log.jsonl in the run directory)."""
-        t = self.cfg.train
-        if self.parallel.is_main:
-            if self.overwrite:  # before any rank writes: they meet at a collective first
-                clear_run(self.run_dir)
-            self.log = RunLog(self.run_dir)
-            self.log.write_config(self.cfg)
+        self._open_run()
         bar = tqdm(
             total=self._total_steps(),
             initial=self.state.step,
             unit="step",
-            disable=not (t.progress and self.parallel.is_main),
+            disable=not (self.cfg.train.progress and self.parallel.is_main),
         )
-        loader = DeviceLoader(
-            self.reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend
-        )
+        loader = self._loader(self.reader)
         wait = DataWait()
         seconds_before = self.state.train_seconds
-        stats = getattr(self.reader, "stats", None)
-        if self.state.data is not None and stats is not None:  # resumed: counting goes on
-            set_counters(stats, self.state.data)
+        if self.state.data is not None:  # resumed: counting goes on
+            set_counters(self.reader.counters, self.state.data)
         self.module.train()
         while not self._reached_end():
-            self.reader.set_epoch(self.state.epoch)
-            finished = False
-            if self.state.reader is not None:
-                load_reader_position(self.reader, self.state.reader, self.run_dir)
-                # Saved after the epoch's last batch: the reader would go on into the next
-                # epoch, which this loop counts as the next one. Every rank still joins the
-                # (empty) pass, so hybrid ranks agree the epoch is over.
-                finished = epoch_done(self.state.reader)
-            steps_before = self.state.step
-            clock = time.perf_counter()
-            # Hybrid: every rank agrees before each step that all ranks have a batch.
-            for batch in wait.wrap(self.parallel.batches(() if finished else loader, self.objective)):
-                loss = self.train_step(batch)
-                self.state.step += 1
-                self.state.samples += self.parallel.step_rows
-                self.state.reader = loader.state_dict()
-                self.state.data = self._counters(self.state.reader)
-                bar.update(1)
-                if self.state.step % t.log_every == 0 or self.state.step == 1:
-                    self.state.last_loss = float(loss)
-                    bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
-                    self._event(
-                        "train", step=self.state.step, epoch=self.state.epoch, loss=self.state.last_loss
-                    )
-                if t.checkpoint_every > 0 and self.state.step % t.checkpoint_every == 0:
-                    self._checkpoint()
-                if t.eval_every > 0 and self.state.step % t.eval_every == 0:
-                    # Evaluation time is not training time.
-                    self.state.train_seconds += time.perf_counter() - clock
-                    self._event("eval", step=self.state.step, **self.evaluate())
-                    self.module.train()
-                    clock = time.perf_counter()
-                if self._reached_end():
-                    break
-            self.state.train_seconds += time.perf_counter() - clock
-            if self.state.step == steps_before and self.state.reader is None:
-                raise DataError(f"no training batch could be formed from {self.cfg.data.train}")
-            if not (t.steps > 0 and self.state.step >= t.steps):
-                self.state.epoch += 1
-                self.state.reader = None
+            self._run_epoch(loader, wait, bar)
         bar.close()
         self._checkpoint()
+        return self._finish(wait, seconds_before)
+
+    def _open_run(self) -> None:
+        """Rank 0 opens the run's record: log.jsonl, and the resolved config.toml."""
+        if not self.parallel.is_main:
+            return
+        if self.overwrite:  # before any rank writes: they meet at a collective first
+            clear_run(self.run_dir)
+        self.log = RunLog(self.run_dir)
+        self.log.write_config(self.cfg)
+
+    def _run_epoch(self, loader: DeviceLoader, wait: DataWait, bar: tqdm) -> None:
+        """Trains on the rest of ``state.epoch`` (or up to ``train.steps``).
+
+        Raises:
+            DataError: a fresh epoch that formed no batch at all.
+        """
+        finished = self._enter_epoch()
+        steps_before = self.state.step
+        self._clock = time.perf_counter()
+        # Hybrid: every rank agrees before each step that all ranks have a batch.
+        for batch in wait.wrap(self.parallel.batches(() if finished else loader, self.objective)):
+            loss = self._train_step(batch, loader)
+            bar.update(1)
+            self._log(loss, bar)
+            self._maybe_checkpoint()
+            self._maybe_evaluate()
+            if self._reached_end():
+                break
+        self._stop_clock()
+        if self.state.step == steps_before and self.state.reader is None:
+            raise DataError(f"no training batch could be formed from {self.cfg.data.train}")
+        if not (self.cfg.train.steps > 0 and self.state.step >= self.cfg.train.steps):
+            self.state.epoch += 1
+            self.state.reader = None
+
+    def _enter_epoch(self) -> bool:
+        """Moves the reader to ``state.epoch`` (at the saved position when resuming);
+        returns whether that position is already the epoch's end.
+
+        A state saved after the epoch's last batch would have the reader go on into the
+        next epoch, which the loop counts as the next one. Every rank still joins the
+        (empty) pass, so hybrid ranks agree the epoch is over.
+        """
+        self.reader.set_epoch(self.state.epoch)
+        if self.state.reader is None:
+            return False
+        load_reader_position(self.reader, self.state.reader, self.run_dir)
+        return epoch_done(self.state.reader)
+
+    def _train_step(self, batch: Any, loader: DeviceLoader) -> torch.Tensor:
+        """One step, and the state after it (position and counters of the next batch)."""
+        loss = self.train_step(batch)
+        self.state.step += 1
+        self.state.samples += self.parallel.step_rows
+        self.state.reader = loader.state_dict()
+        self.state.data = self._counters(self.state.reader)
+        return loss
+
+    def _log(self, loss: torch.Tensor, bar: tqdm) -> None:
+        """Every ``train.log_every`` steps (and the first): the loss to the bar and the log."""
+        step = self.state.step
+        if step % self.cfg.train.log_every and step != 1:
+            return
+        self.state.last_loss = float(loss)
+        bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
+        self._event("train", step=step, epoch=self.state.epoch, loss=self.state.last_loss)
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.cfg.train.checkpoint_every
+        if every > 0 and self.state.step % every == 0:
+            self._checkpoint()
+
+    def _maybe_evaluate(self) -> None:
+        """Every ``train.eval_every`` steps: an ``eval`` event (its time is not training time)."""
+        every = self.cfg.train.eval_every
+        if every <= 0 or self.state.step % every:
+            return
+        self._stop_clock()
+        self._event("eval", step=self.state.step, **self.evaluate())
+        self.module.train()
+        self._clock = time.perf_counter()
+
+    def _stop_clock(self) -> None:
+        """Adds the training time since the clock last started to ``state.train_seconds``."""
+        self.state.train_seconds += time.perf_counter() - self._clock
+
+    def _finish(self, wait: DataWait, seconds_before: float) -> dict[str, Any]:
+        """Evaluates, writes the final event and metrics.json, closes the run."""
         metrics = self.evaluate_all()
         metrics.update(
             steps=self.state.step,
@@ -217,7 +303,7 @@ class Trainer:
             data_wait_s=wait.seconds,
             data_startup_s=wait.startup_seconds,
             data_wait_fraction=wait.fraction(self.state.train_seconds - seconds_before),
-            data=dict(self.state.data) if self.state.data is not None else dict(stats or {}),
+            data=dict(self.state.data) if self.state.data is not None else dict(self.reader.counters),
         )
         self._event("final", **metrics)
         if self.log is not None:
@@ -230,23 +316,16 @@ class Trainer:
         """The reader counters as of the last trained batch: those paired with its position
         (the loader reads ahead), else the reader's own."""
         paired = saved_counters(position)
-        return paired if paired is not None else dict(getattr(self.reader, "stats", {}))
+        return paired if paired is not None else dict(self.reader.counters)
+
+    # ----------------------------------------------------------- evaluation
 
     def evaluate(self, path: str | None = None) -> dict[str, Any]:
         """Metrics of the current model on ``path`` (default ``data.test``)."""
         path = path or self.cfg.data.test
         reader = self._reader(self.evaluator, path, train=False)
         self.module.eval()
-        batches = DeviceLoader(
-            reader, self.device, self.cfg.data.prefetch, backend=self.cfg.data.loader_backend
-        )
-        if isinstance(self.evaluator, DLRMObjective):
-            logits, labels = self.evaluator.predictions(batches)
-            logits, labels = self.parallel.gather(logits), self.parallel.gather(labels)
-            if labels.numel() == 0:
-                raise DataError(f"evaluation data {path} has no rows")
-            return self.evaluator.metrics(logits, labels)
-        return self.evaluator.evaluate(batches)
+        return self.evaluator.evaluate(self._loader(reader), gather=self.parallel.gather, source=path)
 
     def evaluate_all(self) -> dict[str, Any]:
         """Metrics on data.test at the top level; with ``meta.eval_states`` (``name=path``)

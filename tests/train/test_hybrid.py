@@ -116,7 +116,7 @@ def _meta_single() -> tuple[dict, list[float]]:
     losses = []
     for tb in _task_batches():
         optimizer.zero_grad(set_to_none=True)
-        loss = objective.loss(tb)
+        loss = objective.batch_loss(tb)
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
@@ -155,7 +155,7 @@ def _job_meta(rank: int, root: Path) -> dict:
     import recaccel.meta.learner as learner_module
     from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
     from recaccel.train.distributed.hybrid import HybridParallel
-    from recaccel.train.distributed.hybrid_data import row_bounds, slice_tasks
+    from recaccel.train.distributed.hybrid_data import row_bounds
 
     cfg, objective, make_optimizer = _meta_objective()
     parallel = HybridParallel(cfg, torch.device("cpu"))
@@ -197,16 +197,16 @@ def _job_meta(rank: int, root: Path) -> dict:
             phase[0] = "forward"
 
     class Phased:
-        loss_kind = "bce"
+        loss = "bce"
         module = objective.module
 
-        def loss(self, batch):
+        def batch_loss(self, batch):
             phase[0] = "forward"
-            value = objective.loss(batch)
+            value = objective.batch_loss(batch)
             phase[0] = "backward+sync"
             return value
 
-    local = [slice_tasks(tb, *row_bounds(tb.num_tasks, rank, WORLD)) for tb in _task_batches()]
+    local = [tb.slice_tasks(*row_bounds(tb.num_tasks, rank, WORLD)) for tb in _task_batches()]
     losses, ends = [], [0]
     for n in names:
         setattr(dist, n, counted(n))

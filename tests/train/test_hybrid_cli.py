@@ -134,7 +134,7 @@ def _hung_worker(rank: int, port: int, out: str) -> None:
         os._exit(0)
 
     class Objective:
-        loss_kind = "bce"
+        loss = "bce"
 
     start = time.monotonic()
     try:

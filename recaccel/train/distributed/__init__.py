@@ -1,0 +1,67 @@
+"""Multi-process training: TorchRec-sharded embeddings, data-parallel dense layers.
+
+:class:`HybridParallel` is the process layout (the Trainer's ``Parallelism``);
+beside it each rank's data (``hybrid_data``), the dense gradient allreduce
+(``dense_sync``), table sharding (``sharding``), sharded checkpoints
+(``dist_checkpoint``) and the launcher (``launch``).
+
+Names resolve on first use: importing this package needs neither TorchRec nor a
+process group (TorchRec is optional; it is imported when tables are sharded).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recaccel.train.distributed.collectives import CollectiveError
+    from recaccel.train.distributed.dense_sync import DenseGradSync
+    from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict, load_sharded, save_sharded
+    from recaccel.train.distributed.hybrid import HybridParallel
+    from recaccel.train.distributed.hybrid_data import GlobalSlices
+    from recaccel.train.distributed.launch import check_launch, relaunch, under_torchrun
+    from recaccel.train.distributed.sharding import plan_rows, shard_tables, table_kinds
+
+# Each public name and the submodule defining it (imported on first use).
+_EXPORTS = {
+    "HybridParallel": "hybrid",
+    "CollectiveError": "collectives",
+    "GlobalSlices": "hybrid_data",
+    "DenseGradSync": "dense_sync",
+    "shard_tables": "sharding",
+    "table_kinds": "sharding",
+    "plan_rows": "sharding",
+    "save_sharded": "dist_checkpoint",
+    "load_sharded": "dist_checkpoint",
+    "consolidated_state_dict": "dist_checkpoint",
+    "check_launch": "launch",
+    "relaunch": "launch",
+    "under_torchrun": "launch",
+}
+
+__all__ = [
+    "CollectiveError",
+    "DenseGradSync",
+    "GlobalSlices",
+    "HybridParallel",
+    "check_launch",
+    "consolidated_state_dict",
+    "load_sharded",
+    "plan_rows",
+    "relaunch",
+    "save_sharded",
+    "shard_tables",
+    "table_kinds",
+    "under_torchrun",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

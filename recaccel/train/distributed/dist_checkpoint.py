@@ -23,18 +23,18 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from recaccel.config import Config
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import CHECKPOINT_DIR, TrainState, restore_checked, state_entries
+from recaccel.train.checkpoint import TrainState, restore_checked, state_entries
 from recaccel.train.checkpoint_io import (
     CheckpointError,
     apply_state,
@@ -49,13 +49,27 @@ from recaccel.train.checkpoint_io import (
     safe_dcp_reader,
     show,
 )
-
-if TYPE_CHECKING:
-    from recaccel.train.distributed.hybrid import HybridParallel
+from recaccel.train.checkpoint_paths import INFO_FILE, list_sharded_checkpoints
+from recaccel.train.runlog import CHECKPOINT_DIR
 
 FORMAT = 1
-INFO_FILE = "recaccel.json"
-_NAME = re.compile(r"^step-(\d+)\.dcp$")
+
+
+class ShardedLayout(Protocol):
+    """What a sharded checkpoint reads of the hybrid layout
+    (:class:`~recaccel.train.distributed.hybrid.HybridParallel` after ``wrap``)."""
+
+    cfg: Config
+    rank: int
+    world_size: int
+    dmp: Any  # TorchRec's DistributedModelParallel of the sharded tables, or None
+    plan: Any  # its sharding plan
+    replicated: Any  # the data-parallel tables' PackedEmbeddingBag, or None
+    replicated_optimizer: torch.optim.Optimizer | None
+    embedding_prefix: str  # the SparseArch embedding's state-dict prefix
+
+    @property
+    def is_main(self) -> bool: ...
 
 
 def _blob(obj: Any) -> bytes:
@@ -71,15 +85,8 @@ def _unblob(path: Path, entry: str, data: Any) -> Any:
     return read_payload(io.BytesIO(data), f"{path} (entry {entry!r})")
 
 
-def list_sharded_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete sharded checkpoints of a run, oldest first."""
-    folder = Path(run_dir) / CHECKPOINT_DIR
-    found = [p for p in folder.glob("step-*.dcp") if _NAME.match(p.name) and (p / INFO_FILE).is_file()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
-
-
 def _state_dict(
-    parallel: HybridParallel, model: nn.Module, optimizer: torch.optim.Optimizer
+    parallel: ShardedLayout, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
     """What DCP writes or reads: tensors in place, blobs (bytes) for the rest."""
     sd: dict[str, Any] = {"model": model.state_dict(), "dense_optim": b""}
@@ -95,7 +102,7 @@ def _state_dict(
 
 def save_sharded(
     run_dir: Path,
-    parallel: HybridParallel,
+    parallel: ShardedLayout,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     state: TrainState,
@@ -138,7 +145,7 @@ def save_sharded(
 
 
 def load_sharded(
-    run_dir: Path, parallel: HybridParallel, model: nn.Module, optimizer: torch.optim.Optimizer
+    run_dir: Path, parallel: ShardedLayout, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> TrainState:
     """Restores the newest sharded checkpoint of ``run_dir`` (a collective).
 
@@ -216,7 +223,7 @@ def _dcp_load(path: Path, sd: dict[str, Any]) -> None:
         raise dcp_failure(path, e) from None
 
 
-def _local_pieces(parallel: HybridParallel) -> list[tuple[str, tuple[int, ...], tuple[int, ...], Tensor]]:
+def _local_pieces(parallel: ShardedLayout) -> list[tuple[str, tuple[int, ...], tuple[int, ...], Tensor]]:
     """This rank's shards of every table's rows and row-wise accumulators:
     (checkpoint name, full shape, offsets, tensor)."""
     from recaccel.train.distributed.sharding import plan_rows
@@ -240,7 +247,7 @@ def _local_pieces(parallel: HybridParallel) -> list[tuple[str, tuple[int, ...], 
     return pieces
 
 
-def consolidated_state_dict(parallel: HybridParallel, model: nn.Module) -> dict[str, Tensor] | None:
+def consolidated_state_dict(parallel: ShardedLayout, model: nn.Module) -> dict[str, Tensor] | None:
     """The model's full state in the single-process layout, on rank 0 (None on other ranks).
 
     Dense entries are ``model.state_dict()``'s; each table adds
@@ -269,7 +276,7 @@ def consolidated_state_dict(parallel: HybridParallel, model: nn.Module) -> dict[
     return out
 
 
-def _replicated_momentum(parallel: HybridParallel) -> dict[str, Tensor]:
+def _replicated_momentum(parallel: ShardedLayout) -> dict[str, Tensor]:
     """Row-wise Adagrad accumulators [R] of the data-parallel tables, by table."""
     opt = parallel.replicated_optimizer
     if opt is None or parallel.cfg.optim.sparse != "rowwise_adagrad":

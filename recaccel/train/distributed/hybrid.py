@@ -43,28 +43,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from recaccel.config import Config
-from recaccel.errors import ConfigError, RecaccelError
+from recaccel.config import Config, SparseOptimizer
+from recaccel.errors import ConfigError
+from recaccel.io.readers.protocol import Reader
 from recaccel.train.checkpoint import TrainState
+from recaccel.train.distributed.collectives import CollectiveError, is_comm_error
 from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
 from recaccel.train.distributed.hybrid_data import GlobalSlices, loss_denominator
 from recaccel.train.distributed.launch import under_torchrun
+from recaccel.train.objectives import Objective
+from recaccel.train.optim import sparse_optim_config
 from recaccel.train.parallel import batch_rows
 
 logger = logging.getLogger(__name__)
 
-_COMM_MARKERS = ("gloo", "nccl", "connection", "timed out", "timeout", "processgroup", "peer", "socket")
-
-
-class CollectiveError(RecaccelError):
-    """A collective failed: a peer rank exited, or did not answer within the timeout."""
-
-
-def _is_comm_error(error: BaseException) -> bool:
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(m in text for m in _COMM_MARKERS)
+# The sparse rules a replicated table can run (as torch optimizers on dense gradients).
+_REPLICATED_OPTIMIZERS: tuple[SparseOptimizer, ...] = ("sgd", "rowwise_adagrad")
 
 
 def _env_int(name: str, default: int | None = None) -> int | None:
@@ -154,7 +148,7 @@ class HybridParallel:
         try:
             yield
         except RuntimeError as e:
-            if not _is_comm_error(e):
+            if not is_comm_error(e):
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             limit = (
@@ -231,7 +225,7 @@ class HybridParallel:
         from recaccel.ops.embedding import PackedEmbeddingBag
 
         optim = self.cfg.optim
-        if optim.sparse not in ("sgd", "rowwise_adagrad"):
+        if optim.sparse not in _REPLICATED_OPTIMIZERS:
             raise ConfigError(
                 f"data_parallel tables support optim.sparse = sgd or rowwise_adagrad, got {optim.sparse!r}"
             )
@@ -240,11 +234,12 @@ class HybridParallel:
             for t in tables:
                 module.table_state(t.name)["weight"].copy_(weights[t.name])
         params = list(module.parameters())
+        rule = sparse_optim_config(optim)
         if optim.sparse == "sgd":
-            return module, torch.optim.SGD(params, lr=optim.sparse_lr)
+            return module, torch.optim.SGD(params, lr=rule.lr)
         from torchrec.optim import RowWiseAdagrad  # the FBGEMM rule on dense gradients
 
-        return module, RowWiseAdagrad(params, lr=optim.sparse_lr, eps=optim.eps)
+        return module, RowWiseAdagrad(params, lr=rule.lr, eps=rule.eps)
 
     def _broadcast(self, module: nn.Module) -> None:
         """Makes every rank's dense parameters and buffers rank 0's (one broadcast per dtype)."""
@@ -255,7 +250,7 @@ class HybridParallel:
 
     # ------------------------------------------------------------------- data
 
-    def reader(self, make: Callable[[int, int], Any], *, train: bool) -> Any:
+    def reader(self, make: Callable[[int, int], Reader], *, train: bool) -> Reader:
         """This rank's reader, from ``make(rank, world_size)`` building a plain one.
 
         Training with ``parallel.data = "sharded"`` reads this rank's row groups; otherwise
@@ -266,20 +261,19 @@ class HybridParallel:
             return make(self.rank, self.world_size)
         return GlobalSlices(make(0, 1), self.rank, self.world_size, train=train, whole_tasks=not train)
 
-    def batches(self, loader: Iterable, objective: Any) -> Iterator:
+    def batches(self, loader: Iterable, objective: Objective) -> Iterator:
         """The loader's batches for as long as every rank has one.
 
         Before each step one allreduce of (has a batch, loss normaliser, rows) tells every
         rank whether all have a batch, the global normaliser (:attr:`step_rows` gets the
         global row count). A rank that runs dry still joins it, so all stop together.
         """
-        kind = objective.loss_kind
         items = iter(loader)
         while True:
             batch = next(items, None)
             info = torch.zeros(3, dtype=torch.float64)
             if batch is not None:
-                info[0], info[1], info[2] = 1.0, loss_denominator(batch, kind), batch_rows(batch)
+                info[0], info[1], info[2] = 1.0, loss_denominator(batch, objective.loss), batch_rows(batch)
             with self.collectives("agreeing on the next step"):
                 buffer = info.to(self._comm_device())
                 dist.all_reduce(buffer)
@@ -304,7 +298,7 @@ class HybridParallel:
             params += list(self.replicated.parameters())
         return params
 
-    def train_step(self, objective: Any, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
+    def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
         """One hybrid step on this rank's batch; returns the global mean loss (detached).
 
         Call inside :meth:`batches` (it sets this step's global normaliser).
@@ -315,8 +309,8 @@ class HybridParallel:
         if self.replicated_optimizer is not None:
             self.replicated_optimizer.zero_grad(set_to_none=True)
         with self.collectives("the training step"):
-            loss = objective.loss(batch)
-            share = loss_denominator(batch, objective.loss_kind) / max(self._step_denominator, 1e-12)
+            loss = objective.batch_loss(batch)
+            share = loss_denominator(batch, objective.loss) / max(self._step_denominator, 1e-12)
             scaled = loss * share
             scaled.backward()
             total = self._sync.allreduce(scaled.detach().reshape(1).float())

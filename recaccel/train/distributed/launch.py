@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from recaccel.config import Config
 from recaccel.errors import ConfigError, RecaccelError
+from recaccel.train.distributed.collectives import CollectiveError
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -250,8 +251,6 @@ def report_rank_error(error: BaseException) -> bool:
 
 
 def _is_peer_failure(error: BaseException) -> bool:
-    from recaccel.train.distributed.hybrid import CollectiveError  # imported late: hybrid imports this module
-
     return isinstance(error, CollectiveError)
 
 

@@ -30,12 +30,14 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from recaccel.config import OptimConfig, ParallelConfig
+from recaccel.config import OptimConfig, ParallelConfig, ShardingKind, choices
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding.specs import TableSpec
+from recaccel.train.optim import sparse_optim_config
 
-KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel")
-_AUTO_KINDS = ("table_wise", "row_wise", "column_wise")
+KINDS: tuple[ShardingKind, ...] = choices(ShardingKind)
+# The kinds TorchRec shards (``data_parallel`` tables stay outside it): ``auto``'s choices.
+_AUTO_KINDS = tuple(kind for kind in KINDS if kind != "data_parallel")
 
 
 def table_kinds(cfg: ParallelConfig, tables: list[str]) -> dict[str, str]:
@@ -76,9 +78,10 @@ def fused_params(optim: OptimConfig, device: torch.device) -> dict:
         "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
         "adam": EmbOptimType.ADAM,
     }[optim.sparse]
-    params = {"optimizer": kind, "learning_rate": optim.sparse_lr, "eps": optim.eps}
+    rule = sparse_optim_config(optim)
+    params = {"optimizer": kind, "learning_rate": rule.lr, "eps": rule.eps}
     if optim.sparse == "adam":
-        params.update(beta1=0.9, beta2=0.999)  # recaccel's SparseOptimConfig defaults
+        params.update(beta1=rule.beta1, beta2=rule.beta2)
     return params
 
 
