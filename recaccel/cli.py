@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from recaccel.config import BadRowsPolicy, MovieLensScenario, ParquetCodec, choices
 from recaccel.errors import DataError, RecaccelError
 
 
@@ -158,7 +159,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
         "--test-fraction", type=float, default=0.2, help="last fraction of rows kept for test"
     )
     criteo.add_argument("--rows-per-row-group", type=int, default=65_536)
-    criteo.add_argument("--bad-rows", choices=["error", "skip"], default="error")
+    criteo.add_argument("--bad-rows", choices=choices(BadRowsPolicy), default="error")
     criteo.add_argument("--overwrite", action="store_true", help="replace existing Parquet files")
     _compression_arg(criteo)
 
@@ -168,7 +169,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     movielens.add_argument(
         "--scenario",
         default="new_users",
-        choices=["new_users", "new_items", "new_users_items", "time"],
+        choices=choices(MovieLensScenario),
         help="cold-start split: held-out users, items, both, or the latest ratings",
     )
     movielens.add_argument("--test-fraction", type=float, default=0.2)
@@ -209,11 +210,9 @@ def data_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _compression_arg(parser: argparse.ArgumentParser) -> None:
-    from recaccel.io.format.writer import COMPRESSIONS
-
     parser.add_argument(
         "--compression",
-        choices=COMPRESSIONS,
+        choices=choices(ParquetCodec),
         default="snappy",
         help="Parquet codec (lz4 decodes about twice as fast as snappy at a similar size)",
     )

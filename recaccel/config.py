@@ -118,6 +118,9 @@ ParallelMode = Literal["single", "hybrid"]
 ShardingKind = Literal["table_wise", "row_wise", "column_wise", "data_parallel"]
 DataSharding = Literal["global", "sharded"]
 DistBackend = Literal["auto", "nccl", "gloo"]
+# Converter options (recaccel-data), not config fields.
+BadRowsPolicy = Literal["error", "skip"]  # criteo: a bad line raises, or is dropped and counted
+MovieLensScenario = Literal["new_users", "new_items", "new_users_items", "time"]  # cold-start split
 
 
 def choices(alias: Any) -> tuple[str, ...]:

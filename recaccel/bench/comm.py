@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.common import add_output_args, environment_info, write_results_markdown
+from recaccel.config import ShardingKind, choices
 from recaccel.errors import ConfigError
 
 WORLD = 2
-KINDS = ("table_wise", "row_wise", "column_wise", "data_parallel")
+KINDS = choices(ShardingKind)
 _COLLECTIVES = (
     "all_reduce",
     "all_to_all_single",
