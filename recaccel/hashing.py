@@ -19,8 +19,12 @@ This module sits at the bottom of the package graph: it imports only numpy and t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-from torch import Tensor
+
+if TYPE_CHECKING:  # annotations only: numpy users (io) need not import torch
+    from torch import Tensor
 
 __all__ = [
     "GAMMA",

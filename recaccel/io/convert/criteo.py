@@ -9,7 +9,7 @@ field is a missing value. The transform, as in the usual DLRM preprocessing:
 - ``C_j`` (field index ``f = j - 1``) -> single-hot int64 id in ``0 .. cardinality-1``:
   missing -> the reserved id 0; a hex string ``h`` ->
   ``1 + mix64((int(h, 16) + (f + 1) * 0x9E3779B97F4A7C15) mod 2**64) mod (cardinality - 1)``
-  where ``mix64`` is the SplitMix64 finalizer (:func:`mix64`). The hash depends only on
+  where ``mix64`` is the SplitMix64 finalizer (:func:`recaccel.hashing.mix64`). The hash depends only on
   the value and the field, so ids are the same in every process and run.
 - The last ``round(lines * test_fraction)`` lines go to the test split, the others to
   train (the files are in time order, so this is a time split).
@@ -37,6 +37,7 @@ import pyarrow.csv as pacsv
 from tqdm.auto import tqdm
 
 from recaccel.errors import ConfigError, DataError
+from recaccel.hashing import GAMMA, mix64
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
 
@@ -49,7 +50,6 @@ CAT_COLUMNS = tuple(f"C{j + 1}" for j in range(NUM_CAT))
 TSV_COLUMNS = ("label", *INT_COLUMNS, *CAT_COLUMNS)
 
 _BLOCK_BYTES = 1 << 23
-_GOLDEN = 0x9E3779B97F4A7C15
 _PATTERNS = {  # what a valid field looks like, and what to say when it does not
     "label": ("^[01]$", "label must be 0 or 1"),
     "int": ("^(-?[0-9]{1,18})?$", "not an integer (or more than 18 digits)"),
@@ -122,17 +122,9 @@ def criteo_schema(cardinality: int | Sequence[int]) -> FeatureSchema:
     return FeatureSchema(dense=INT_COLUMNS, sparse=sparse)
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer: a bijective, well-mixing map of uint64 [n] to uint64 [n]."""
-    x = np.asarray(x, dtype=np.uint64)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 def hash_ids(values: np.ndarray, field: int, cardinality: int) -> np.ndarray:
     """Maps parsed categorical values uint64 [n] of field ``field`` to ids in 1..cardinality-1."""
-    salt = np.uint64(((field + 1) * _GOLDEN) % 2**64)
+    salt = np.uint64(((field + 1) * GAMMA) % 2**64)
     salted = np.asarray(values, dtype=np.uint64) + salt  # wraps mod 2**64
     return (mix64(salted) % np.uint64(cardinality - 1)).astype(np.int64) + 1
 

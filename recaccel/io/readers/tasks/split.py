@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recaccel.errors import ConfigError
-from recaccel.io.convert.criteo import mix64
+from recaccel.hashing import GAMMA, mix64
 
 SPLIT_POLICIES = ("random", "time")
 
@@ -209,7 +209,7 @@ def _query_counts(counts: np.ndarray, spec: SplitSpec) -> np.ndarray:
 def _row_random(keys: np.ndarray, pos: np.ndarray, seed_words: tuple[int, ...]) -> np.ndarray:
     """uint64 [n] pseudo-random numbers of (seed words, task key, position in task)."""
     with np.errstate(over="ignore"):
-        salt = np.array([0x9E3779B97F4A7C15], dtype=np.uint64)
+        salt = np.array([GAMMA], dtype=np.uint64)
         for w in seed_words:
             salt = mix64(salt + np.uint64(w))
         h = mix64(keys.astype(np.int64, copy=False).view(np.uint64) ^ salt)
