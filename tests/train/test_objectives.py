@@ -9,8 +9,10 @@ import torch
 
 from recaccel.cli import train_main
 from recaccel.config import Config, load_config
+from recaccel.errors import DataError
 from recaccel.io.convert.synth import generate_synthetic
 from recaccel.metrics import MetricError
+from recaccel.sparse import Batch, SparseFeatures
 from recaccel.train.objectives import DLRMObjective
 
 SYNTH = [
@@ -55,3 +57,40 @@ def test_diverged_model_is_a_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "evaluation: model predictions" in err and "diverged" in err
+
+
+class _Scores(torch.nn.Module):
+    """A model whose logit is the batch's first dense column (what evaluation sees)."""
+
+    def forward(self, batch):
+        return batch.dense[:, 0]
+
+
+def _rows(logits: list[float], labels: list[float]) -> Batch:
+    n = len(logits)
+    sparse = SparseFeatures(["a"], torch.zeros(n, dtype=torch.int64), torch.arange(n + 1))
+    return Batch(torch.tensor(logits).reshape(n, 1), sparse, torch.tensor(labels))
+
+
+def test_dlrm_evaluation_scores_the_gathered_predictions_of_all_ranks():
+    # AUC is not a mean of per-rank parts: the objective computes it over what `gather`
+    # returns (here: another rank's rows appended), not over this rank's rows.
+    objective = DLRMObjective(Config(), _Scores(), "bce")
+    local = [_rows([0.9, 0.1], [1.0, 0.0])]
+    other = (torch.tensor([0.8, 0.7]), torch.tensor([0.0, 1.0]))
+    calls = iter([other[0], other[1]])
+
+    def gather(tensor):
+        return torch.cat([tensor, next(calls)])
+
+    metrics = objective.evaluate(local, gather=gather, source="test/")
+    assert metrics["eval_rows"] == 4
+    assert metrics["auc"] == pytest.approx(0.75)  # 3 of the 4 positive-negative pairs in order
+    alone = objective.evaluate(local, gather=lambda t: t, source="test/")
+    assert alone["eval_rows"] == 2 and alone["auc"] == pytest.approx(1.0)
+
+
+def test_dlrm_evaluation_of_no_rows_names_the_data():
+    objective = DLRMObjective(Config(), _Scores(), "mse")
+    with pytest.raises(DataError, match=r"^evaluation data data/empty has no rows$"):
+        objective.evaluate([], gather=lambda t: t, source="data/empty")
