@@ -8,9 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from recaccel.config import DenseOptimizer, OptimConfig, choices
-from recaccel.errors import ConfigError
-from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.config import DenseOptimizer, OptimConfig
+from recaccel.ops.embedding import SparseOptimConfig
 
 _DENSE: dict[DenseOptimizer, Callable[[list[nn.Parameter], OptimConfig], torch.optim.Optimizer]] = {
     "adam": lambda params, cfg: torch.optim.Adam(
@@ -27,12 +26,8 @@ def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     """An optimizer over ``model.parameters()``.
 
     Fused embeddings keep their weights as buffers and update them inside backward,
-    so they never appear here.
+    so they never appear here. ``cfg.dense`` is one of the choices (OptimConfig checks it).
     """
-    if cfg.dense not in _DENSE:
-        raise ConfigError(
-            f"optim.dense must be one of {', '.join(choices(DenseOptimizer))}, got {cfg.dense!r}"
-        )
     params = [p for p in model.parameters() if p.requires_grad]
     return _DENSE[cfg.dense](params, cfg)
 

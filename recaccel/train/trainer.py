@@ -333,10 +333,8 @@ class Trainer:
         metrics = self.evaluate()
         if self.cfg.meta.eval_states:
             states = {Path(self.cfg.data.test).name: dict(metrics)}
-            for spec in self.cfg.meta.eval_states:
-                name, sep, path = spec.partition("=")
-                if not sep or not name or not path:
-                    raise ConfigError(f"meta.eval_states entry {spec!r} must look like name=path")
+            for spec in self.cfg.meta.eval_states:  # "name=path", as MetaConfig checked
+                name, _, path = spec.partition("=")
                 states[name] = self.evaluate(path)
             metrics["states"] = states
         return metrics

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from recaccel.config import DenseOptimizer, OptimConfig, ShardingKind, choices
-from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.ops.embedding import SparseOptimConfig
 from recaccel.train.optim import build_dense_optimizer, sparse_optim_config
 
 
