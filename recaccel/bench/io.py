@@ -57,6 +57,7 @@ from recaccel.bench.common import (
 from recaccel.config import SynthConfig, TasksConfig
 from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.tasks.reader import TaskReader
 
@@ -153,17 +154,15 @@ def candidates(path: Path, args) -> dict:
         reader = BatchReader(
             path,
             args.batch_size,
-            seed=0,
-            shuffle=shuffle,
+            ReadOptions(seed=0, shuffle=shuffle, read_ahead=args.read_ahead),
             shuffle_buffer_rows=65_536,
-            read_ahead=args.read_ahead,
         )
         for _ in reader:
             pass
         return reader.stats["rows_read"]
 
     def tasks():
-        reader = TaskReader(path, tcfg, seed=0, read_ahead=args.read_ahead)
+        reader = TaskReader(path, tcfg, ReadOptions(seed=0, read_ahead=args.read_ahead))
         for _ in reader:
             pass
         return reader

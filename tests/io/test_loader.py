@@ -13,9 +13,11 @@ import torch
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.format.writer import write_parquet
 from recaccel.io.host_buffer import ALIGN, layout_of, pack, unpack
 from recaccel.io.loader import DeviceLoader, _DaliCopier
-from recaccel.io.readers.rows import BatchReader, write_parquet
+from recaccel.io.readers.options import ReadOptions
+from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.tasks.reader import TaskReader
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from tests.io.test_tasks import write_tasks
@@ -136,9 +138,9 @@ def test_cpu_loader_same_batches_with_and_without_prefetch_and_exact_states():
             },
             rows_per_row_group=30,
         )
-        reference = [(b, s) for b, s in BatchReader(path, 16, seed=2).iter_with_state()]
+        reference = [(b, s) for b, s in BatchReader(path, 16, ReadOptions(seed=2)).iter_with_state()]
         for prefetch in (0, 1, 3):
-            loader = DeviceLoader(BatchReader(path, 16, seed=2), "cpu", prefetch)
+            loader = DeviceLoader(BatchReader(path, 16, ReadOptions(seed=2)), "cpu", prefetch)
             got = []
             for batch in loader:
                 got.append((batch, loader.state_dict()))
@@ -155,8 +157,8 @@ def test_loader_task_batches_and_resume_through_the_loader():
         c = TasksConfig(
             tasks_per_batch=4, support_size=5, query_size=3, min_task_rows=2, shuffle_buffer_tasks=6
         )
-        full = list(TaskReader(path, c, seed=1))
-        reader = TaskReader(path, c, seed=1)
+        full = list(TaskReader(path, c, ReadOptions(seed=1)))
+        reader = TaskReader(path, c, ReadOptions(seed=1))
         loader = DeviceLoader(reader, "cpu", prefetch=2)
         taken = []
         for tb in loader:
@@ -164,7 +166,7 @@ def test_loader_task_batches_and_resume_through_the_loader():
             if len(taken) == 3:
                 break
         state = loader.state_dict()  # after the 3rd batch, although the thread ran ahead
-        resumed = TaskReader(path, c, seed=1)
+        resumed = TaskReader(path, c, ReadOptions(seed=1))
         resumed.load_state_dict(state)
         rest = list(DeviceLoader(resumed, "cpu", prefetch=2))
         assert len(taken) + len(rest) == len(full)
@@ -207,8 +209,8 @@ def test_cuda_loader_matches_cpu_batches(backend, prefetch):
         path = Path(tmp)
         write_tasks(path, list(range(1, 30)), 5, rg=13)
         c = TasksConfig(tasks_per_batch=3, support_size=4, query_size=4, min_task_rows=1)
-        ref = list(TaskReader(path, c, seed=4))
-        loader = DeviceLoader(TaskReader(path, c, seed=4), "cuda", prefetch, backend=backend)
+        ref = list(TaskReader(path, c, ReadOptions(seed=4)))
+        loader = DeviceLoader(TaskReader(path, c, ReadOptions(seed=4)), "cuda", prefetch, backend=backend)
         side = torch.cuda.Stream()
         got = []
         with torch.cuda.stream(side):  # the consumer's current stream is not the default one

@@ -18,6 +18,7 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.convert.group_by_task import grouped_claim
 from recaccel.io.convert.melu import STATES, convert_melu
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.tasks.reader import TaskReader
 
 
@@ -110,7 +111,7 @@ def test_attributes_match_the_raw_files(src, converted):
 def test_melu_protocol_tasks(converted):
     _, out = converted
     c = TasksConfig(tasks_per_batch=32, support_size=90, query_size=10, min_task_rows=13, query_fraction=0.0)
-    reader = TaskReader(out / "user_and_item_cold_state", c, seed=0, train=False)
+    reader = TaskReader(out / "user_and_item_cold_state", c, ReadOptions(seed=0), train=False)
     data = read_state(out, "user_and_item_cold_state", ["user"])
     sizes = defaultdict(int)
     for u in data["user"]:

@@ -24,8 +24,12 @@ from hypothesis import strategies as st
 from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns, take_csr
+from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.decode import Policies
 from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
-from recaccel.io.readers.rows import BatchReader, DatasetWriter, open_dataset, write_parquet
+from recaccel.io.format.writer import DatasetWriter, write_parquet
+from recaccel.io.readers.options import ReadOptions, Shard
+from recaccel.io.readers.rows import BatchReader
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXACT = dict(rtol=0, atol=0)
@@ -157,7 +161,7 @@ def test_roundtrip_in_file_order(spec, batch_size, drop_last, style):
         assert info.schema == schema and info.num_rows == n
         ref = reference_rows(tmp, schema)
         assert len(ref) == n
-        reader = BatchReader(tmp, batch_size, shuffle=False, drop_last=drop_last)
+        reader = BatchReader(tmp, batch_size, ReadOptions(shuffle=False, drop_last=drop_last))
         batches = list(reader)
         keep = (n // batch_size) * batch_size if drop_last else n
         assert [b.batch_size for b in batches] == [
@@ -238,7 +242,7 @@ def test_reader_casts_wider_types(tmp_path):
     pq.write_table(table, tmp_path / "x.parquet")  # a foreign file: no recaccel metadata
     with pytest.raises(DataError, match="x.parquet.*no recaccel schema"):
         open_dataset(tmp_path)
-    (batch,) = list(BatchReader(tmp_path, 8, schema=schema, shuffle=False))
+    (batch,) = list(BatchReader(tmp_path, 8, ReadOptions(shuffle=False), schema=schema))
     check_batch_equals_rows(
         batch, [(1.0, (1.5, 3.0), ((9,), (1, 2))), (0.0, (-2.25, 4.0), ((0,), ()))], ["s0", "s1"]
     )
@@ -281,7 +285,7 @@ def test_shuffle_is_a_seeded_permutation(spec, batch_size, buffer_rows):
         ref = reference_rows(Path(tmp), schema)
 
         def read(s, epoch=0):
-            reader = BatchReader(tmp, batch_size, seed=s, shuffle_buffer_rows=buffer_rows)
+            reader = BatchReader(tmp, batch_size, ReadOptions(seed=s), shuffle_buffer_rows=buffer_rows)
             reader.set_epoch(epoch)
             return list(reader)
 
@@ -307,11 +311,8 @@ def test_ranks_partition_the_rows(spec, batch_size, world_size, shuffle):
             reader = BatchReader(
                 tmp,
                 batch_size,
-                shuffle=shuffle,
+                ReadOptions(shuffle=shuffle, seed=seed, shard=Shard(rank=rank, world_size=world_size)),
                 shuffle_buffer_rows=17,
-                seed=seed,
-                rank=rank,
-                world_size=world_size,
             )
             rows += all_rows(reader)
         assert Counter(rows) == Counter(reference_rows(Path(tmp), schema))
@@ -328,7 +329,7 @@ def test_every_codec_reads_back_the_same_rows(tmp_path, codec):
         meta.row_group(0).column(0).compression
         == {"lz4": "LZ4", "zstd": "ZSTD", "none": "UNCOMPRESSED"}[codec]
     )
-    read = [all_rows(BatchReader(tmp_path / d, 16, shuffle=False)) for d in ("snappy", codec)]
+    read = [all_rows(BatchReader(tmp_path / d, 16, ReadOptions(shuffle=False))) for d in ("snappy", codec)]
     assert read[0] == read[1] == reference_rows(tmp_path / "snappy", schema)
     with pytest.raises(ConfigError, match="compression must be one of"):
         write_parquet(tmp_path / "bad", schema, cols, compression="brotli2")
@@ -340,7 +341,10 @@ def test_ranks_and_dataloader_workers_partition_the_rows(tmp_path, shuffle):
     rows = []
     for rank in range(2):
         reader = BatchReader(
-            tmp_path, 16, shuffle=shuffle, shuffle_buffer_rows=50, seed=3, rank=rank, world_size=2
+            tmp_path,
+            16,
+            ReadOptions(shuffle=shuffle, seed=3, shard=Shard(rank=rank, world_size=2)),
+            shuffle_buffer_rows=50,
         )
         rows += all_rows(torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2))
     assert Counter(rows) == Counter(reference_rows(tmp_path, schema))
@@ -354,7 +358,10 @@ def test_resume_yields_exactly_the_remaining_batches(spec, batch_size, shuffle, 
         write_parquet(
             tmp, schema, make_columns(schema, n, seed), rows_per_row_group=rg, rows_per_file=per_file
         )
-        kw = dict(shuffle=shuffle, drop_last=drop_last, seed=seed, shuffle_buffer_rows=buffer_rows)
+        kw = dict(
+            options=ReadOptions(shuffle=shuffle, drop_last=drop_last, seed=seed),
+            shuffle_buffer_rows=buffer_rows,
+        )
         full = BatchReader(tmp, batch_size, **kw)
         full.set_epoch(2)
         expected = list(full)
@@ -394,7 +401,7 @@ def test_iteration_without_set_epoch_moves_to_next_epoch(tmp_path):
 
 def test_state_is_done_after_last_full_batch_with_drop_last(tmp_path):
     small_dataset(tmp_path)  # 300 rows: 9 batches of 32, 12 rows dropped
-    reader = BatchReader(tmp_path, 32, drop_last=True, shuffle_buffer_rows=50)
+    reader = BatchReader(tmp_path, 32, ReadOptions(drop_last=True), shuffle_buffer_rows=50)
     it = iter(reader)
     for _ in range(8):
         next(it)
@@ -406,15 +413,15 @@ def test_state_is_done_after_last_full_batch_with_drop_last(tmp_path):
 
 def test_load_state_dict_rejects_other_settings(tmp_path):
     small_dataset(tmp_path)
-    state = BatchReader(tmp_path, 32, seed=1).state_dict()
+    state = BatchReader(tmp_path, 32, ReadOptions(seed=1)).state_dict()
     with pytest.raises(ConfigError, match="seed=1.*seed=2"):
-        BatchReader(tmp_path, 32, seed=2).load_state_dict(state)
+        BatchReader(tmp_path, 32, ReadOptions(seed=2)).load_state_dict(state)
     with pytest.raises(ConfigError, match="world_size"):
-        BatchReader(tmp_path, 32, seed=1, world_size=2).load_state_dict(state)
+        BatchReader(tmp_path, 32, ReadOptions(seed=1, shard=Shard(world_size=2))).load_state_dict(state)
     with pytest.raises(DataError, match="num_rows"):
-        BatchReader(tmp_path, 32, seed=1).load_state_dict({**state, "num_rows": 5})
+        BatchReader(tmp_path, 32, ReadOptions(seed=1)).load_state_dict({**state, "num_rows": 5})
     with pytest.raises(ConfigError, match="position"):
-        BatchReader(tmp_path, 32, seed=1).load_state_dict({**state, "row_offset": -1})
+        BatchReader(tmp_path, 32, ReadOptions(seed=1)).load_state_dict({**state, "row_offset": -1})
 
 
 def test_memory_bounded_by_shuffle_buffer(tmp_path):
@@ -424,12 +431,12 @@ def test_memory_bounded_by_shuffle_buffer(tmp_path):
         tmp_path, schema, make_columns(schema, 10 * buffer_rows, 0), rows_per_row_group=rg, rows_per_file=3000
     )
     for ahead in (0, 1, 2):  # each buffer decoded ahead adds one buffer
-        reader = BatchReader(tmp_path, batch, shuffle_buffer_rows=buffer_rows, read_ahead=ahead)
+        reader = BatchReader(tmp_path, batch, ReadOptions(read_ahead=ahead), shuffle_buffer_rows=buffer_rows)
         rows = sum(b.batch_size for b in reader)
         assert rows == 10 * buffer_rows
         most = (1 + ahead) * (buffer_rows + rg) + batch
         assert buffer_rows <= reader.stats["max_buffered_rows"] <= most
-        plain = BatchReader(tmp_path, batch, shuffle=False, read_ahead=ahead)
+        plain = BatchReader(tmp_path, batch, ReadOptions(shuffle=False, read_ahead=ahead))
         assert sum(b.batch_size for b in plain) == rows
         assert plain.stats["max_buffered_rows"] <= (1 + ahead) * rg + batch
 
@@ -445,10 +452,10 @@ def test_read_ahead_changes_nothing_but_timing(tmp_path, shuffle):
         tmp_path / "part-00001.parquet",
         row_group_size=30,
     )
-    kw = dict(shuffle=shuffle, seed=5, shuffle_buffer_rows=70, invalid_ids="hash", schema=schema)
     runs = []
     for ahead in (0, 1, 3):
-        reader = BatchReader(tmp_path, 24, read_ahead=ahead, **kw)
+        opts = ReadOptions(shuffle=shuffle, seed=5, policies=Policies(invalid_ids="hash"), read_ahead=ahead)
+        reader = BatchReader(tmp_path, 24, opts, shuffle_buffer_rows=70, schema=schema)
         out = list(reader.iter_with_state())
         stats = {k: v for k, v in reader.stats.items() if k != "max_buffered_rows"}
         for _, state in out:  # the memory high-water mark grows with read-ahead; nothing else does
@@ -459,13 +466,13 @@ def test_read_ahead_changes_nothing_but_timing(tmp_path, shuffle):
         assert states == runs[0][1] and stats == runs[0][2]
     assert runs[0][2]["ids_hashed"] > 0
     with pytest.raises(ConfigError, match="read_ahead"):
-        BatchReader(tmp_path, 8, read_ahead=-1)
+        BatchReader(tmp_path, 8, ReadOptions(read_ahead=-1))
 
 
 def test_abandoned_iteration_with_read_ahead_then_resume(tmp_path):
     small_dataset(tmp_path, n=300, rg=20)
-    expected = list(BatchReader(tmp_path, 16, seed=1, shuffle_buffer_rows=40, read_ahead=0))
-    reader = BatchReader(tmp_path, 16, seed=1, shuffle_buffer_rows=40, read_ahead=2)
+    expected = list(BatchReader(tmp_path, 16, ReadOptions(seed=1, read_ahead=0), shuffle_buffer_rows=40))
+    reader = BatchReader(tmp_path, 16, ReadOptions(seed=1, read_ahead=2), shuffle_buffer_rows=40)
     it = iter(reader)
     head = [next(it) for _ in range(5)]
     it.close()  # stops the worker thread and closes the files
@@ -475,7 +482,7 @@ def test_abandoned_iteration_with_read_ahead_then_resume(tmp_path):
 def test_column_projection(tmp_path):
     schema = small_dataset(tmp_path)
     cols = ["s2", "d1", "s1", "d0"]
-    batches = list(BatchReader(tmp_path, 64, shuffle=False, columns=cols))
+    batches = list(BatchReader(tmp_path, 64, ReadOptions(shuffle=False), columns=cols))
     ref = reference_rows(tmp_path, schema, cols)  # schema order: d0, d1
     for k, batch in enumerate(batches):
         assert batch.dense.shape[1] == 2
@@ -488,9 +495,10 @@ def test_from_config(tmp_path):
     small_dataset(tmp_path)
     cfg = DataConfig(batch_size=16, eval_batch_size=100, shuffle_buffer_rows=40, seed=3, drop_last=True)
     train = BatchReader.from_config(tmp_path, cfg, train=True)
-    assert (train.batch_size, train.shuffle, train.drop_last, train.seed) == (16, True, True, 3)
+    o = train.options
+    assert (train.batch_size, o.shuffle, o.drop_last, o.seed) == (16, True, True, 3)
     ev = BatchReader.from_config(tmp_path, cfg, train=False)
-    assert (ev.batch_size, ev.shuffle, ev.drop_last) == (100, False, False)
+    assert (ev.batch_size, ev.options.shuffle, ev.options.drop_last) == (100, False, False)
     assert all_rows(ev) == reference_rows(tmp_path, open_dataset(tmp_path).schema)
     with pytest.raises(ConfigError, match="invalid_ids"):
         BatchReader.from_config(tmp_path, DataConfig(invalid_ids="drop"), train=True)
@@ -530,7 +538,7 @@ def test_corrupted_page_names_file_and_row_group(tmp_path):
     raw = bytearray(victim.read_bytes())
     raw[start + chunk.total_compressed_size - 1] ^= 0xFF  # last byte of a page body
     victim.write_bytes(bytes(raw))
-    reader = BatchReader(tmp_path, 10, shuffle=False)  # footers are intact
+    reader = BatchReader(tmp_path, 10, ReadOptions(shuffle=False))  # footers are intact
     with pytest.raises(
         DataError, match=r"part-00000\.parquet, row group 2, column 'd0': cannot read row group.*CRC"
     ):
@@ -579,7 +587,7 @@ def test_empty_file_is_skipped_with_a_warning(tmp_path, caplog):
         info = open_dataset(tmp_path)
     assert "a-00000.parquet has no rows" in caplog.text
     assert len(info.files) == 2 and info.num_rows == 7
-    assert all_rows(BatchReader(tmp_path, 3, shuffle=False)) == reference_rows(tmp_path, schema)
+    assert all_rows(BatchReader(tmp_path, 3, ReadOptions(shuffle=False))) == reference_rows(tmp_path, schema)
 
 
 # ---------------------------------------------------------------- bad values
@@ -627,7 +635,7 @@ def test_error_policy_names_file_row_group_column_value_row(tmp_path, column, va
     lists_dataset(tmp_path, schema, cols)
     where = f"part-00000.parquet, row group 1, column '{column}': "
     with pytest.raises(DataError, match=re_escape(where + message)):
-        list(BatchReader(tmp_path, 8, shuffle=False))
+        list(BatchReader(tmp_path, 8, ReadOptions(shuffle=False)))
 
 
 def re_escape(text: str) -> str:
@@ -639,7 +647,9 @@ def re_escape(text: str) -> str:
 def test_rating_labels_accept_any_finite_value(tmp_path):
     schema = FeatureSchema(dense=("d0",), sparse=(SparseField("s0", 5),), label_kind="rating")
     lists_dataset(tmp_path, schema, {"label": [3.5, -1.0, 4.0], "d0": [0.0] * 3, "s0": [1, 2, 3]})
-    assert [b.labels.tolist() for b in BatchReader(tmp_path, 3, shuffle=False)] == [[3.5, -1.0, 4.0]]
+    assert [b.labels.tolist() for b in BatchReader(tmp_path, 3, ReadOptions(shuffle=False))] == [
+        [3.5, -1.0, 4.0]
+    ]
     lists_dataset(tmp_path / "inf", schema, {"label": [3.5, math.inf], "d0": [0.0] * 2, "s0": [1, 2]})
     with pytest.raises(DataError, match="invalid label inf at row 1: not finite"):
         list(BatchReader(tmp_path / "inf", 3))
@@ -746,7 +756,11 @@ def test_repair_policies_match_reference(seed, n, rg, ids, dense, p_bad):
     with tempfile.TemporaryDirectory() as tmp:
         lists_dataset(Path(tmp), schema, cols, rg)
         reader = BatchReader(
-            tmp, 7, shuffle=False, invalid_ids=ids, invalid_dense=dense, invalid_labels="skip"
+            tmp,
+            7,
+            ReadOptions(
+                shuffle=False, policies=Policies(invalid_ids=ids, invalid_dense=dense, invalid_labels="skip")
+            ),
         )
         got = all_rows(reader)
         want, stats = expected_after_policies(pq.read_table(tmp).to_pylist(), schema, ids, dense, "skip")
@@ -783,7 +797,11 @@ def test_repair_policies_on_every_kind_of_bad_value(tmp_path, ids, dense):
         cols[column][row] = value
     lists_dataset(tmp_path, schema, cols, rg=6)
     reader = BatchReader(
-        tmp_path, 4, shuffle=False, invalid_ids=ids, invalid_dense=dense, invalid_labels="skip"
+        tmp_path,
+        4,
+        ReadOptions(
+            shuffle=False, policies=Policies(invalid_ids=ids, invalid_dense=dense, invalid_labels="skip")
+        ),
     )
     got = all_rows(reader)
     want, stats = expected_after_policies(pq.read_table(tmp_path).to_pylist(), schema, ids, dense, "skip")
@@ -803,5 +821,5 @@ def test_num_batches_matches_an_epoch(tmp_path):
     }
     write_parquet(tmp_path, schema, cols, rows_per_row_group=100)
     for drop_last in (True, False):
-        reader = BatchReader(tmp_path, 64, drop_last=drop_last, shuffle_buffer_rows=300)
+        reader = BatchReader(tmp_path, 64, ReadOptions(drop_last=drop_last), shuffle_buffer_rows=300)
         assert reader.num_batches == sum(1 for _ in reader)

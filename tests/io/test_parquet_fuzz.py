@@ -21,6 +21,7 @@ About 100 variants run in CI (a few seconds); ``RECACCEL_FUZZ_VARIANTS=2000`` (a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -40,8 +41,10 @@ import torch
 from recaccel.config import TasksConfig
 from recaccel.errors import RecaccelError
 from recaccel.io.convert.group_by_task import grouped_schema
+from recaccel.io.format.decode import Policies
 from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
+from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.tasks.reader import TaskReader
 
@@ -409,13 +412,18 @@ def run_with_deadline(read: Callable[[], object], what: str):
 
 
 def read_batches(path: Path, opened: list, **policy) -> tuple[list, dict]:
-    reader = BatchReader(path, 8, shuffle_buffer_rows=30, **policy)
+    reader = BatchReader(path, 8, ReadOptions(policies=Policies(**policy)), shuffle_buffer_rows=30)
     opened.append(True)
     return list(reader), dict(reader.stats)
 
 
 def read_tasks(path: Path, opened: list, **policy) -> tuple[list, dict]:
-    reader = TaskReader(path, TASKS, train=False, unit_row_groups=1, **policy)
+    reader = TaskReader(
+        path,
+        dataclasses.replace(TASKS, unit_row_groups=1),
+        ReadOptions(policies=Policies(**policy)),
+        train=False,
+    )
     opened.append(True)
     return list(reader), dict(reader.stats)
 

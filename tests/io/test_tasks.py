@@ -25,8 +25,10 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.convert.group_by_task import grouped_schema
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.decode import Policies
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
+from recaccel.io.readers.options import ReadOptions, Shard
 from recaccel.io.readers.tasks.pool import take_batch
 from recaccel.io.readers.tasks.reader import TaskReader
 
@@ -177,7 +179,7 @@ def test_eval_mode_keeps_every_row_with_the_split_rule(sizes, split, fraction, r
         write_tasks(path, sizes, seed, rg=rg)
         ref = file_tasks(path)
         c = cfg(split=split, query_fraction=fraction, min_task_rows=1)
-        reader = TaskReader(path, c, seed=seed, train=False)
+        reader = TaskReader(path, c, ReadOptions(seed=seed), train=False)
         seen = {}
         for tb in reader:
             check_shapes(tb, c)
@@ -197,7 +199,7 @@ def test_eval_mode_keeps_every_row_with_the_split_rule(sizes, split, fraction, r
                 assert sorted(ts[r] for r in qry) == [ts[r] for r in qry]
                 if sup:
                     assert max(ts[r] for r in sup) <= min(ts[r] for r in qry)
-        again = [batch_tasks(tb) for tb in TaskReader(path, c, seed=seed, train=False)]
+        again = [batch_tasks(tb) for tb in TaskReader(path, c, ReadOptions(seed=seed), train=False)]
         assert [x for b in again for x in b] == [
             (k, *seen[k]) for k in sorted(seen)
         ]  # key order, deterministic
@@ -217,7 +219,7 @@ def test_train_mode_samples_to_sizes(sizes, split, s, q, seed):
         write_tasks(path, sizes, seed, rg=7)
         ref = file_tasks(path)
         c = cfg(split=split, support_size=s, query_size=q, min_task_rows=1, query_fraction=0.4)
-        reader = TaskReader(path, c, seed=seed, shuffle=True)
+        reader = TaskReader(path, c, ReadOptions(seed=seed, shuffle=True))
         got = {}
         for tb in reader:
             check_shapes(tb, c)
@@ -246,7 +248,7 @@ def test_padding_repeats_the_first_row_and_masks_match():
         path = Path(tmp)
         write_tasks(path, [3, 9, 1, 5], 1, rg=4)
         c = cfg(support_size=5, query_size=3, min_task_rows=1, tasks_per_batch=4)
-        (tb,) = list(TaskReader(path, c, seed=0, shuffle=False))
+        (tb,) = list(TaskReader(path, c, ReadOptions(seed=0, shuffle=False)))
         rid_s = tb.support.sparse.field("rid")[0].view(4, 5)
         rid_q = tb.query.sparse.field("rid")[0].view(4, 3)
         for t in range(4):
@@ -262,8 +264,8 @@ def test_fixed_query_count_melu_protocol():
         write_tasks(path, [25, 11, 40, 13], 2, rg=8)
         c = cfg(support_size=40, query_size=10, min_task_rows=13)
         for reader in (
-            TaskReader(path, c, seed=0, query_count=10),
-            TaskReader(path, dataclasses.replace(c, query_fraction=0.0), seed=0),
+            TaskReader(path, c, ReadOptions(seed=0), query_count=10),
+            TaskReader(path, dataclasses.replace(c, query_fraction=0.0), ReadOptions(seed=0)),
         ):
             counts = [(len(s), len(q)) for tb in reader for _, s, q in batch_tasks(tb)]
             assert sorted(counts) == sorted([(15, 10), (30, 10), (3, 10)])
@@ -275,7 +277,7 @@ def test_small_tasks_are_skipped_and_counted():
         path = Path(tmp)
         sizes = [1, 4, 2, 7, 3, 3, 9]
         write_tasks(path, sizes, 3, rg=5)
-        reader = TaskReader(path, cfg(min_task_rows=4), seed=0, train=False)
+        reader = TaskReader(path, cfg(min_task_rows=4), ReadOptions(seed=0), train=False)
         keys = [k for tb in reader for k, _, _ in batch_tasks(tb)]
         assert len(keys) == 3
         small = [s for s in sizes if s < 4]
@@ -302,7 +304,10 @@ def test_every_row_once_per_epoch_across_ranks(world_size, train, unit):
             keys: Counter = Counter()
             for rank in range(world_size):
                 reader = TaskReader(
-                    path, c, seed=5, train=train, rank=rank, world_size=world_size, unit_row_groups=unit
+                    path,
+                    dataclasses.replace(c, unit_row_groups=unit),
+                    ReadOptions(seed=5, shard=Shard(rank=rank, world_size=world_size)),
+                    train=train,
                 )
                 reader.set_epoch(epoch)
                 for tb in reader:
@@ -323,12 +328,17 @@ def test_every_row_once_across_ranks_and_dataloader_workers(train):
         c = cfg(support_size=30, query_size=30, min_task_rows=1, shuffle_buffer_tasks=4)
         rids: Counter = Counter()
         for rank in range(2):
-            reader = TaskReader(path, c, seed=5, train=train, rank=rank, world_size=2, unit_row_groups=1)
+            reader = TaskReader(
+                path,
+                dataclasses.replace(c, unit_row_groups=1),
+                ReadOptions(seed=5, shard=Shard(rank=rank, world_size=2)),
+                train=train,
+            )
             loader = torch.utils.data.DataLoader(reader, batch_size=None, num_workers=2)
             for tb in loader:
                 rids.update(r for _, sup, qry in batch_tasks(tb) for r in sup + qry)
         assert rids == Counter(r for rows in ref.values() for r, _ in rows)
-        reader = TaskReader(path, c, seed=5, train=train, unit_row_groups=1)
+        reader = TaskReader(path, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=5), train=train)
         state = next(iter(reader.iter_with_state()))[1]
         reader.load_state_dict(state)  # mid-epoch: one shard's position, not each worker's
         with pytest.raises(ConfigError, match="resume mid-epoch inside DataLoader workers"):
@@ -342,7 +352,7 @@ def test_shuffle_is_seeded_and_changes_with_epoch():
         c = cfg(shuffle_buffer_tasks=20)
 
         def order(seed, epoch):
-            r = TaskReader(path, c, seed=seed, unit_row_groups=1)
+            r = TaskReader(path, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=seed))
             r.set_epoch(epoch)
             return [batch_tasks(tb) for tb in r]
 
@@ -350,7 +360,9 @@ def test_shuffle_is_seeded_and_changes_with_epoch():
         # Loading units ahead on threads changes neither the batches nor the task counters.
         runs = []
         for ahead in (0, 1, 3):
-            r = TaskReader(path, c, seed=1, unit_row_groups=1, read_ahead=ahead)
+            r = TaskReader(
+                path, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=1, read_ahead=ahead)
+            )
             batches = [batch_tasks(tb) for tb in r]
             runs.append((batches, {k: v for k, v in r.stats.items() if k.startswith(("tasks", "rows_y"))}))
         assert runs[0][0] == order(1, 0)
@@ -368,11 +380,11 @@ def test_resume_mid_epoch_yields_exactly_the_rest(train):
         rng = np.random.default_rng(7)
         write_tasks(path, rng.integers(1, 20, 45).tolist(), 7, rg=11)
         c = cfg(shuffle_buffer_tasks=7, tasks_per_batch=4, min_task_rows=3)
-        full_reader = TaskReader(path, c, seed=3, train=train)
+        full_reader = TaskReader(path, c, ReadOptions(seed=3), train=train)
         full = [(batch_tasks(tb), st) for tb, st in full_reader.iter_with_state()]
         assert full[-1][1]["epoch_done"] and not full[0][1]["epoch_done"] or len(full) == 1
         for k in range(len(full)):
-            reader = TaskReader(path, c, seed=3, train=train)
+            reader = TaskReader(path, c, ReadOptions(seed=3), train=train)
             reader.load_state_dict(full[k][1])
             if k == len(full) - 1:  # the state after the last batch starts the next epoch
                 assert reader.epoch == 1
@@ -391,7 +403,7 @@ def test_resume_mid_epoch_yields_exactly_the_rest(train):
             assert extra_rows == 11 * extra_groups, k
         assert full[-1][1]["counters"] == full_reader.stats
         # A reader resumed mid-epoch also continues into the next epoch normally.
-        reader = TaskReader(path, c, seed=3, train=train)
+        reader = TaskReader(path, c, ReadOptions(seed=3), train=train)
         reader.load_state_dict(full[len(full) // 2][1])
         list(reader)
         assert reader.epoch == 1
@@ -403,7 +415,11 @@ def test_a_unit_read_after_the_next_one_reuses_its_kept_head(read_ahead):
         path = Path(tmp)
         sizes = [5] * 40  # rg=7: tasks cross row groups, none spans three
         write_tasks(path, sizes, 9, rg=7)
-        reader = TaskReader(path, cfg(min_task_rows=1), seed=2, unit_row_groups=1, read_ahead=read_ahead)
+        reader = TaskReader(
+            path,
+            dataclasses.replace(cfg(min_task_rows=1), unit_row_groups=1),
+            ReadOptions(seed=2, read_ahead=read_ahead),
+        )
         rids = Counter(r for tb in reader for _, sup, qry in batch_tasks(tb) for r in sup + qry)
         assert rids == Counter(range(sum(sizes)))
         units = [u.start for u in reader.units(0)]
@@ -429,7 +445,9 @@ def test_task_aligned_row_groups_are_decoded_once(train):
         c = cfg(min_task_rows=1)
 
         def read(p):
-            reader = TaskReader(p, c, seed=4, train=train, unit_row_groups=1, read_ahead=0)
+            reader = TaskReader(
+                p, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=4, read_ahead=0), train=train
+            )
             return sorted(t for tb in reader for t in batch_tasks(tb)), reader.stats
 
         got, stats = read(path / "aligned")
@@ -452,8 +470,18 @@ def test_files_without_statistics_read_the_key_column():
         md = pq.ParquetFile(path / "plain" / "part-00000.parquet").metadata
         assert md.row_group(0).column(0).statistics is None
         c = cfg(min_task_rows=1)
-        a = [batch_tasks(tb) for tb in TaskReader(path / "stats", c, seed=1, unit_row_groups=1)]
-        b = [batch_tasks(tb) for tb in TaskReader(path / "plain", c, seed=1, unit_row_groups=1)]
+        a = [
+            batch_tasks(tb)
+            for tb in TaskReader(
+                path / "stats", dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=1)
+            )
+        ]
+        b = [
+            batch_tasks(tb)
+            for tb in TaskReader(
+                path / "plain", dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=1)
+            )
+        ]
         assert a == b and sum(len(x) for x in a) == len(sizes)
 
 
@@ -461,13 +489,13 @@ def test_state_is_checked():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [4, 5, 6], 0)
-        state = TaskReader(path, cfg(), seed=1).state_dict()
+        state = TaskReader(path, cfg(), ReadOptions(seed=1)).state_dict()
         with pytest.raises(ConfigError, match="seed"):
-            TaskReader(path, cfg(), seed=2).load_state_dict(state)
+            TaskReader(path, cfg(), ReadOptions(seed=2)).load_state_dict(state)
         with pytest.raises(ConfigError, match="version"):
-            TaskReader(path, cfg(), seed=1).load_state_dict({"version": 99})
+            TaskReader(path, cfg(), ReadOptions(seed=1)).load_state_dict({"version": 99})
         bad = dict(state, task_offset=10_000)
-        reader = TaskReader(path, cfg(), seed=1)
+        reader = TaskReader(path, cfg(), ReadOptions(seed=1))
         reader.load_state_dict(bad)
         with pytest.raises(DataError, match="past the window"):
             list(reader)
@@ -479,7 +507,7 @@ def test_memory_stays_bounded_on_a_file_ten_times_the_buffer():
         sizes = [20] * 500  # 10,000 rows
         write_tasks(path, sizes, 8, rg=100)
         c = cfg(shuffle_buffer_tasks=50, support_size=8, query_size=4, tasks_per_batch=8)
-        reader = TaskReader(path, c, seed=0, unit_row_groups=1)
+        reader = TaskReader(path, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=0))
         n = sum(tb.num_tasks for tb in reader)
         assert n == 500
         # window: buffer + one unit of whole tasks; carry: T sampled tasks; row groups
@@ -496,12 +524,13 @@ def test_from_config_uses_data_settings():
         write_tasks(path, [4] * 10, 0)
         data = DataConfig(seed=9, shuffle=False, drop_last=True, invalid_ids="clip")
         r = TaskReader.from_config(path, cfg(), data, train=True)
-        assert (r.seed, r.shuffle, r.drop_last, r.policies.invalid_ids) == (9, False, True, "clip")
+        o = r.options
+        assert (o.seed, o.shuffle, o.drop_last, o.policies.invalid_ids) == (9, False, True, "clip")
         assert sum(tb.num_tasks for tb in r) == 9 and r.stats["tasks_dropped_last"] == 1
         ev = TaskReader.from_config(path, cfg(), data, train=False)
-        assert not ev.train and not ev.shuffle and not ev.drop_last
+        assert not ev.train and not ev.options.shuffle and not ev.options.drop_last
         whole = TaskReader.from_config(path, Config(data=data, tasks=cfg(tasks_per_batch=5)), train=True)
-        assert (whole.seed, whole.cfg.tasks_per_batch, whole.drop_last) == (9, 5, True)
+        assert (whole.options.seed, whole.cfg.tasks_per_batch, whole.options.drop_last) == (9, 5, True)
         with pytest.raises(ConfigError, match=r"\[data\]"):
             TaskReader.from_config(path, cfg(), train=True)
 
@@ -515,7 +544,7 @@ def test_unsorted_task_key_in_grouped_file_names_file_and_row_group():
         cols = task_columns([3, 3, 3, 3], 0, keys=[1, 2, 3, 4])
         cols["user"] = np.array([1, 1, 1, 3, 3, 3, 2, 2, 4, 4, 4, 4])  # inside row group 0
         write_parquet(path, task_schema(12), cols, rows_per_row_group=8, align_tasks=False)
-        reader = TaskReader(path, cfg(), seed=0)
+        reader = TaskReader(path, cfg(), ReadOptions(seed=0))
         with pytest.raises(
             DataError, match=r"part-00000.parquet, row group 0.*from 3 to 2 at row 6.*claims to be grouped"
         ):
@@ -526,13 +555,13 @@ def test_unsorted_task_key_in_grouped_file_names_file_and_row_group():
         cols["user"] = np.array([5, 5, 5, 5, 1, 1, 1, 1, 2, 2, 2, 2])
         write_parquet(path, task_schema(12), cols, rows_per_row_group=4, align_tasks=False)
         with pytest.raises(DataError, match=r"row group 1.*decreases from 5 to 1"):
-            TaskReader(path, cfg(), seed=0)
+            TaskReader(path, cfg(), ReadOptions(seed=0))
     with tempfile.TemporaryDirectory() as tmp:  # not claimed: same check, other advice
         path = Path(tmp)
         cols = task_columns([2, 2], 0, keys=[2, 1])
         write_parquet(path, task_schema(4, grouped=False), cols, rows_per_row_group=4, align_tasks=False)
         with pytest.raises(DataError, match="not sorted by task key; rewrite it"):
-            list(TaskReader(path, cfg(), seed=0))
+            list(TaskReader(path, cfg(), ReadOptions(seed=0)))
 
 
 def test_missing_task_key_or_timestamp():
@@ -543,14 +572,14 @@ def test_missing_task_key_or_timestamp():
             path, schema, {"label": np.zeros(3, np.float32), "d0": np.ones(3), "c": np.zeros(3, int)}
         )
         with pytest.raises(DataError, match="no task key"):
-            TaskReader(path, cfg(), seed=0)
+            TaskReader(path, cfg(), ReadOptions(seed=0))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [3, 3], 0, timestamp=False)
         with pytest.raises(DataError, match="timestamp"):
-            TaskReader(path, cfg(split="time"), seed=0)
+            TaskReader(path, cfg(split="time"), ReadOptions(seed=0))
         with pytest.raises(ConfigError, match="query_fraction"):
-            TaskReader(path, cfg(query_fraction=1.5), seed=0)
+            TaskReader(path, cfg(query_fraction=1.5), ReadOptions(seed=0))
 
 
 def test_corrupt_truncated_and_empty_files():
@@ -561,7 +590,7 @@ def test_corrupt_truncated_and_empty_files():
         data = files[1].read_bytes()
         files[1].write_bytes(data[: len(data) // 2])
         with pytest.raises(DataError, match="part-00001.parquet.*(corrupt|truncated)"):
-            TaskReader(path, cfg(), seed=0)
+            TaskReader(path, cfg(), ReadOptions(seed=0))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [5, 5, 5, 5], 0, rg=20)
@@ -571,11 +600,11 @@ def test_corrupt_truncated_and_empty_files():
         raw[mid : mid + 64] = bytes(64)  # a data page, checksummed
         f.write_bytes(bytes(raw))
         with pytest.raises(DataError, match="part-00000.parquet"):
-            list(TaskReader(path, cfg(), seed=0))
+            list(TaskReader(path, cfg(), ReadOptions(seed=0)))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_parquet(path, task_schema(1), task_columns([0], 0, keys=[1]) | {"rid": np.zeros(0, int)})
-        reader = TaskReader(path, cfg(), seed=0)
+        reader = TaskReader(path, cfg(), ReadOptions(seed=0))
         assert list(reader) == [] and reader.state_dict()["epoch_done"]
 
 
@@ -586,7 +615,7 @@ def test_schemas_that_disagree():
         write_tasks(path / "b", [3, 3], 1, timestamp=False)
         (path / "b" / "part-00000.parquet").rename(path / "a" / "part-00001.parquet")
         with pytest.raises(DataError, match="part-00001.parquet.*schema differs"):
-            TaskReader(path / "a", cfg(), seed=0)
+            TaskReader(path / "a", cfg(), ReadOptions(seed=0))
 
 
 def test_null_values_in_list_columns_follow_the_policy():
@@ -596,7 +625,12 @@ def test_null_values_in_list_columns_follow_the_policy():
         cols["tags"] = pa.array([[1], None, [2], [3, None], [], [4]], pa.list_(pa.int64()))
         write_parquet(path, task_schema(6), cols)
         with pytest.raises(DataError, match=r"column 'tags'.*null list at row 1"):
-            list(TaskReader(path, cfg(), seed=0))
-        reader = TaskReader(path, cfg(min_task_rows=1), seed=0, train=False, invalid_ids="skip")
+            list(TaskReader(path, cfg(), ReadOptions(seed=0)))
+        reader = TaskReader(
+            path,
+            cfg(min_task_rows=1),
+            ReadOptions(seed=0, policies=Policies(invalid_ids="skip")),
+            train=False,
+        )
         rids = sorted(r for tb in reader for _, s, q in batch_tasks(tb) for r in s + q)
         assert rids == [0, 2, 4, 5] and reader.stats["rows_skipped_invalid_ids"] == 2

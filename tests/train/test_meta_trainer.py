@@ -11,7 +11,7 @@ import pytest
 from recaccel.cli import train_main
 from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.schema import FeatureSchema, SparseField
-from recaccel.io.readers.rows import write_parquet
+from recaccel.io.format.writer import write_parquet
 
 
 def _ratings(out: Path, users: range, seed: int) -> Path:

@@ -73,3 +73,44 @@ class ReadAhead(Generic[T]):
         self._futures.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+class WorkerLoader(Generic[S, T]):
+    """Items ``0 .. count-1`` loaded by ``load(worker, i)``, ``ahead`` of them in advance.
+
+    Each thread gets its own worker from ``new_worker()`` (file handles, counters), so
+    loads share nothing mutable; ``close()`` stops the loads and closes every worker.
+
+    Args:
+        new_worker: makes one thread's worker (it has ``close()``).
+        load: loads item ``i`` with the calling thread's worker.
+        count: number of items.
+        ahead: items loaded in advance on that many threads; 0 = load on request.
+        name: the worker threads' name prefix.
+    """
+
+    def __init__(
+        self,
+        new_worker: Callable[[], S],
+        load: Callable[[S, int], T],
+        count: int,
+        ahead: int,
+        *,
+        name: str = "recaccel-read",
+    ) -> None:
+        self.workers = PerThread(new_worker)
+        self._loads = ReadAhead(lambda i: load(self.workers.get(), i), count, ahead, name=name)
+
+    def get(self, i: int) -> T:
+        """Item ``i`` (raises what its load raised)."""
+        return self._loads.get(i)
+
+    def pending(self) -> list[int]:
+        """Items being loaded ahead (for memory accounting)."""
+        return self._loads.pending()
+
+    def close(self) -> None:
+        """Cancels loads not started, waits for running ones, closes the workers."""
+        self._loads.close()
+        for worker in self.workers.all():
+            worker.close()

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
-import torch.utils.data
-
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import DatasetInfo
 from recaccel.io.format.decode import Policies
@@ -15,36 +13,6 @@ T = TypeVar("T")
 
 # Fingerprint keys that describe the data rather than the settings.
 _DATA_KEYS = ("num_row_groups", "num_rows")
-
-
-def check_reader_args(*, seed: int, rank: int, world_size: int, read_ahead: int) -> None:
-    """Raises ConfigError unless ``seed >= 0``, ``0 <= rank < world_size`` and ``read_ahead >= 0``."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    if seed < 0:
-        raise ConfigError(f"seed must be >= 0, got {seed}")
-    if read_ahead < 0:
-        raise ConfigError(f"read_ahead must be >= 0, got {read_ahead}")
-
-
-def data_shard(rank: int, world_size: int, mid_epoch: bool) -> tuple[int, int]:
-    """(shard, shards) this reader reads: its rank's, split further among the workers
-    when it runs inside a ``torch.utils.data.DataLoader`` with several workers (worker w
-    of W on rank r reads shard ``r * W + w`` of ``world_size * W``).
-
-    Raises:
-        ConfigError: when resuming mid-epoch inside such workers (a saved position
-            belongs to one shard, not to each worker's).
-    """
-    worker = torch.utils.data.get_worker_info()
-    if worker is None or worker.num_workers <= 1:
-        return rank, world_size
-    if mid_epoch:
-        raise ConfigError(
-            "a reader cannot resume mid-epoch inside DataLoader workers: the saved position "
-            "is one shard's; resume with num_workers <= 1 (or recaccel's DeviceLoader)"
-        )
-    return rank * worker.num_workers + worker.id, world_size * worker.num_workers
 
 
 def data_fingerprint(info: DatasetInfo, policies: Policies) -> dict[str, Any]:

@@ -53,43 +53,35 @@ and row counters count each task and row once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from torch.utils.data import IterableDataset
 
 from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.dataset import DatasetInfo, open_dataset
-from recaccel.io.format.decode import Policies, Projection, add_counts, new_decode_stats
+from recaccel.io.format.decode import Projection, add_counts
 from recaccel.io.format.schema import FeatureSchema
-from recaccel.io.readers.state import (
-    check_reader_args,
-    counters_at,
-    data_fingerprint,
-    data_shard,
-    restore_counters,
-    restore_position,
-    with_last,
-)
+from recaccel.io.readers.engine import Position, ShardedReader
+from recaccel.io.readers.options import ReadOptions, Shard
+from recaccel.io.readers.state import counters_at
 from recaccel.io.readers.tasks.pool import TaskPool, build_task_batch
 from recaccel.io.readers.tasks.split import SPLIT_COUNTERS, SplitSpec
 from recaccel.io.readers.tasks.stream import HeadStash, check_order, key_bounds, wanted_heads
 from recaccel.io.readers.tasks.units import UnitLoader, UnitWorker
 from recaccel.sparse import TaskBatch
 
-_STATE_VERSION = 1
+__all__ = ["TaskReader"]
 
-
-@dataclass(frozen=True)
-class _Position:
-    epoch: int
-    window: int
-    unit: int
-    offset: int
-    done: bool
+_COUNTERS = (
+    *SPLIT_COUNTERS,
+    "tasks_yielded",
+    "rows_yielded",
+    "batches_yielded",
+    "tasks_dropped_last",
+    "row_groups_read",
+    "max_buffered_rows",
+)
 
 
 @dataclass
@@ -101,31 +93,42 @@ class _Window:
     counts: dict[str, int]  # counter increments of loading its units
 
 
-class TaskReader(IterableDataset):
+class TaskReader(ShardedReader):
     """Iterable of CPU :class:`TaskBatch` es read from task-grouped Parquet (module doc).
+
+    Example::
+
+        T=2 tasks per batch, S=2 support, Q=1 query, unit_row_groups=1, one rank:
+
+        rows (sorted by key)  g0[a a a b b] g1[b c c c] g2[d d d e e e]
+        units                 u0=g0 owns a, b (b completed from g1); u1=g1 owns c; u2=g2 owns d, e
+        epoch order           permute(seed, epoch) -> u2 u0 u1; windows of >= shuffle_buffer_tasks
+        tasks                 split per task: support | query, sampled to S, padded to S
+        batches               TaskBatch(task_ids [2], support Batch [T*S=4 rows], support_mask [2, 2],
+                                        query Batch [T*Q=2 rows], query_mask [2, 1])
+        state_dict()          {"epoch": 0, "window": 1, "unit": 1, "task_offset": 1,
+                               "epoch_done": False, "seed": ..., ..., "counters": {"tasks_yielded": 4, ...}}
+
+        reader = TaskReader("data/tasks", TasksConfig(tasks_per_batch=32), ReadOptions(seed=1))
+        for tb in reader:
+            ...  # tb.support, tb.query: Batch; tb.support_mask, tb.query_mask: [T, S], [T, Q]
 
     Args:
         path: a ``.parquet`` file or a directory of them, sorted by task key.
-        cfg: T, S, Q, minimum task rows, split policy, query fraction, buffer size.
-        schema: expected schema; None = the one stored in the files.
-        columns: dense/sparse feature names to read; None = all.
-        seed: base seed of shuffles, splits and sampling (>= 0).
-        shuffle: shuffle row groups and tasks (training only).
+        cfg: T, S, Q, minimum task rows, split policy, query fraction, buffer size and
+            ``unit_row_groups`` (row groups per unit of shuffling and sharding; a unit's
+            last task usually runs into the next row group, which is then decoded once
+            more; longer units make that rarer).
+        options: seed (of shuffles, splits and sampling), shuffle and drop_last (training
+            only), bad-value policies, read-ahead (units decoded, split and compacted in
+            advance, each on its own thread, see :mod:`recaccel.io.readers.tasks.units`)
+            and the rank's shard.
         train: False = evaluation mode (every row kept; see the module docstring).
-        rank: this process's shard, 0 <= rank < world_size.
-        world_size: number of shards.
-        drop_last: drop an epoch's last batch if it has fewer than T tasks.
         query_count: > 0: exactly this many query rows per task (the rest support),
             instead of ``cfg.query_fraction``. None = ``cfg.query_count`` if > 0, else
             ``cfg.query_size`` when ``cfg.query_fraction <= 0``, else 0.
-        unit_row_groups: row groups per unit of shuffling and sharding. A unit's last
-            task usually runs into the next row group, which is then decoded once
-            more; longer units make that rarer.
-        read_ahead: units decoded, split and compacted in advance, each on its own
-            thread, while the current one is batched (see :mod:`recaccel.io.readers.tasks.units`);
-            0 = none.
-        invalid_ids, invalid_dense, invalid_labels: bad-value policies (see
-            :mod:`recaccel.io.format.decode`).
+        schema: expected schema; None = the one stored in the files.
+        columns: dense/sparse feature names to read; None = all.
 
     Attributes:
         info: the dataset footers.
@@ -141,33 +144,26 @@ class TaskReader(IterableDataset):
             as :func:`open_dataset` does, and while iterating for unsorted or bad data.
     """
 
+    _KEYS = ("window", "unit", "task_offset")
+    _WHAT = "task reader"
+
     def __init__(
         self,
         path: str | Path,
         cfg: TasksConfig,
+        options: ReadOptions = ReadOptions(),  # noqa: B008 (frozen)
         *,
+        train: bool = True,
+        query_count: int | None = None,
         schema: FeatureSchema | None = None,
         columns: list[str] | tuple[str, ...] | None = None,
-        seed: int = 0,
-        shuffle: bool = True,
-        train: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-        drop_last: bool = False,
-        query_count: int | None = None,
-        unit_row_groups: int = 4,
-        read_ahead: int = 2,
-        invalid_ids: str = "error",
-        invalid_dense: str = "error",
-        invalid_labels: str = "error",
     ) -> None:
         if cfg.tasks_per_batch < 1:
             raise ConfigError(f"tasks.tasks_per_batch must be >= 1, got {cfg.tasks_per_batch}")
         if cfg.shuffle_buffer_tasks < 1:
             raise ConfigError(f"tasks.shuffle_buffer_tasks must be >= 1, got {cfg.shuffle_buffer_tasks}")
-        check_reader_args(seed=seed, rank=rank, world_size=world_size, read_ahead=read_ahead)
-        if unit_row_groups < 1:
-            raise ConfigError(f"unit_row_groups must be >= 1, got {unit_row_groups}")
+        if cfg.unit_row_groups < 1:
+            raise ConfigError(f"unit_row_groups must be >= 1, got {cfg.unit_row_groups}")
         if query_count is None:
             query_count = cfg.query_count
             if query_count == 0 and cfg.query_fraction <= 0:
@@ -181,9 +177,8 @@ class TaskReader(IterableDataset):
             cfg.min_task_rows,
             train,
         )
-        self.policies = Policies(invalid_ids, invalid_dense, invalid_labels)
-        self.info: DatasetInfo = open_dataset(path, schema)
-        self.schema = self.info.schema
+        options = replace(options, shuffle=options.shuffle and train, drop_last=options.drop_last and train)
+        super().__init__(path, schema, options, _COUNTERS)
         if self.schema.task_key is None:
             raise DataError(
                 "the dataset has no task key column; group it with recaccel-data tasks", path=str(path)
@@ -195,28 +190,9 @@ class TaskReader(IterableDataset):
         side = (self.schema.task_key,) + ((self.schema.timestamp,) if self.schema.timestamp else ())
         self.projection = Projection.select(self.schema, columns, side)
         self.cfg = cfg
-        self.seed = seed
         self.train = train
-        self.shuffle = shuffle and train
-        self.rank = rank
-        self.world_size = world_size
-        self.drop_last = drop_last and train
-        self.unit_row_groups = unit_row_groups
-        self.read_ahead = read_ahead
         self._bounds = key_bounds(self.info, self.schema.task_key)
         check_order(self.info, *self._bounds, self.schema.task_key)
-        self.counters: dict[str, int] = new_decode_stats()
-        self.counters.update(dict.fromkeys(SPLIT_COUNTERS, 0))
-        self.counters.update(
-            tasks_yielded=0,
-            rows_yielded=0,
-            batches_yielded=0,
-            tasks_dropped_last=0,
-            row_groups_read=0,
-            max_buffered_rows=0,
-        )
-        self._pos = _Position(0, 0, 0, 0, False)
-        self._pos_counters = dict(self.counters)  # paired with _pos
 
     @classmethod
     def from_config(
@@ -244,41 +220,16 @@ class TaskReader(IterableDataset):
             raise ConfigError("TaskReader.from_config needs the [data] section with a TasksConfig")
         else:
             tasks_cfg = cfg
+        shard = Shard(rank, world_size)
+        options = ReadOptions.from_config(data_cfg, train=train, shard=shard, read_ahead=tasks_cfg.read_ahead)
         return cls(
-            path,
-            tasks_cfg,
-            schema=schema,
-            columns=columns,
-            seed=data_cfg.seed,
-            shuffle=data_cfg.shuffle,
-            train=train,
-            rank=rank,
-            world_size=world_size,
-            drop_last=data_cfg.drop_last,
-            query_count=query_count,
-            unit_row_groups=tasks_cfg.unit_row_groups,
-            read_ahead=tasks_cfg.read_ahead,
-            invalid_ids=data_cfg.invalid_ids,
-            invalid_dense=data_cfg.invalid_dense,
-            invalid_labels=data_cfg.invalid_labels,
+            path, tasks_cfg, options, train=train, query_count=query_count, schema=schema, columns=columns
         )
 
     @property
-    def stats(self) -> dict[str, int]:
-        """Deprecated alias of :attr:`counters` (read-only)."""
-        return self.counters
-
-    @property
-    def epoch(self) -> int:
-        """The epoch the next iteration reads."""
-        return self._pos.epoch + 1 if self._pos.done else self._pos.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """Moves the position to the start of ``epoch``."""
-        if epoch < 0:
-            raise ConfigError(f"epoch must be >= 0, got {epoch}")
-        self._pos = _Position(epoch, 0, 0, 0, False)
-        self._pos_counters = dict(self.counters)
+    def num_batches(self) -> None:
+        """None: tasks per epoch are known only once the key column has been split."""
+        return None
 
     def units(self, epoch: int, shard: tuple[int, int] | None = None) -> list[range]:
         """This rank's units (runs of ``unit_row_groups`` consecutive row groups, as
@@ -287,67 +238,74 @@ class TaskReader(IterableDataset):
         Args:
             epoch: the epoch.
             shard: (shard, shards) to read instead of (rank, world_size) (DataLoader
-                workers split a rank's share, see ``reader_state.data_shard``).
+                workers split a rank's share, see ``Shard.for_worker``).
         """
-        index, count = shard if shard is not None else (self.rank, self.world_size)
-        g, b = len(self.info.row_groups), self.unit_row_groups
+        own = self.options.shard
+        g, b = len(self.info.row_groups), self.cfg.unit_row_groups
         blocks = [range(lo, min(lo + b, g)) for lo in range(0, g, b)]
-        n = len(blocks)
-        order = np.random.default_rng([self.seed, epoch, 0]).permutation(n) if self.shuffle else np.arange(n)
-        return [blocks[i] for i in order[index::count]]
+        return [blocks[i] for i in self.block_order(len(blocks), epoch, shard or (own.rank, own.world_size))]
 
-    def __iter__(self) -> Iterator[TaskBatch]:
-        for batch, _ in self.iter_with_state():
-            yield batch
+    def _settings(self) -> dict[str, object]:
+        o, s = self.options, self.spec
+        return {
+            "seed": o.seed,
+            "shuffle": o.shuffle,
+            "train": self.train,
+            "rank": o.shard.rank,
+            "world_size": o.shard.world_size,
+            "split": [
+                s.policy,
+                s.query_fraction,
+                s.query_count,
+                s.support_size,
+                s.query_size,
+                s.min_task_rows,
+            ],
+            "shuffle_buffer_tasks": self.cfg.shuffle_buffer_tasks,
+            "unit_row_groups": self.cfg.unit_row_groups,
+        }
 
-    def iter_with_state(self) -> Iterator[tuple[TaskBatch, dict[str, Any]]]:
-        """Yields each TaskBatch with the reader state just after it (for checkpoints)."""
-        if self._pos.done:
-            self._pos = _Position(self._pos.epoch + 1, 0, 0, 0, False)
-        start = self._pos
-        end = _Position(start.epoch, 0, 0, 0, True)
-        shard = data_shard(self.rank, self.world_size, mid_epoch=start.unit > 0 or start.offset > 0)
+    def _end(self, pos: Position) -> Position:
+        return Position(pos.epoch, (0, 0, 0), True)
+
+    def _cut(
+        self, start: Position, shard: tuple[int, int]
+    ) -> Iterator[tuple[TaskBatch, Position, dict[str, int]]]:
         units = self.units(start.epoch, shard)
-        seed_words = (self.seed, 1, start.epoch) if self.train else (self.seed, 0)
+        seed = self.options.seed
+        seed_words = (seed, 1, start.epoch) if self.train else (seed, 0)
         # A unit read before the unit its last task runs into gets that head from there.
-        heads = HeadStash(wanted_heads(units[start.unit :]))
+        heads = HeadStash(wanted_heads(units[start.fields[1] :]))
         args = (self.info, self.projection, self.policies, self._bounds, self.spec, seed_words, heads)
         loader = UnitLoader(
             lambda: UnitWorker(*args),
             units,
             [sum(self.info.row_groups[g].num_rows for g in unit) for unit in units],
-            self.read_ahead,
+            self.options.read_ahead,
             heads,
         )
-        batches = self._batches(start, units, loader, shard[0])
         try:
-            for (batch, pos, counters), last in with_last(batches):
-                if last:  # the epoch is over: the state says done, every counter is final
-                    pos, counters = end, dict(self.counters)
-                self._pos, self._pos_counters = pos, counters
-                yield batch, self.state_dict()
-            self._pos, self._pos_counters = end, dict(self.counters)
+            yield from self._batches(start, units, loader, shard[0])
         finally:
-            batches.close()
             loader.close()
 
     def _batches(
-        self, start: _Position, units: list[range], loader: UnitLoader, shard: int
-    ) -> Iterator[tuple[TaskBatch, _Position, dict[str, int]]]:
-        """Batches from ``start``, each with the position after it and the counters to
-        pair with that position (see :func:`reader_state.counters_at`)."""
+        self, start: Position, units: list[range], loader: UnitLoader, shard: int
+    ) -> Iterator[tuple[TaskBatch, Position, dict[str, int]]]:
         epoch, t = start.epoch, self.cfg.tasks_per_batch
+        start_window, _, start_offset = start.fields
         carry: TaskPool | None = None
         for win in self._windows(epoch, start, units, loader, shard):
             pool, n = win.pool, win.pool.num_tasks
-            i = start.offset if win.index == start.window else 0
+            i = start_offset if win.index == start_window else 0
             if i > n:
                 raise DataError(
                     f"saved reader position (window {win.index}, task {i}) is past the window's {n} tasks; "
                     "did the dataset, the config or the read policies change?"
                 )
-            held = pool.held_rows + (carry.held_rows if carry is not None else 0) + loader.held_rows()
-            self.counters["max_buffered_rows"] = max(self.counters["max_buffered_rows"], held)
+            self.note_held(
+                pool.held_rows + (carry.held_rows if carry is not None else 0) + loader.held_rows()
+            )
 
             def emit(tasks: TaskPool, j: int, win: _Window = win, n: int = n):
                 batch = self._build(tasks)
@@ -355,11 +313,11 @@ class TaskReader(IterableDataset):
                 if j >= n:
                     return (
                         batch,
-                        _Position(epoch, win.index + 1, win.unit_end, 0, False),
+                        Position(epoch, (win.index + 1, win.unit_end, 0)),
                         counters_at(self.counters),
                     )
                 # A resume from inside the window loads its units again.
-                pos = _Position(epoch, win.index, win.unit_start, j, False)
+                pos = Position(epoch, (win.index, win.unit_start, j))
                 return batch, pos, counters_at(self.counters, win.counts)
 
             if carry is not None:
@@ -377,18 +335,18 @@ class TaskReader(IterableDataset):
             if i < n:  # compacted, so the carry does not keep the window's rows alive
                 carry = pool.subset(np.arange(i, n)).compact()
         if carry is not None:
-            if self.drop_last:
+            if self.options.drop_last:
                 self.counters["tasks_dropped_last"] += carry.num_tasks
             else:
                 batch = self._build(carry)
                 self._count(batch)
-                yield batch, _Position(epoch, 0, 0, 0, True), counters_at(self.counters)
+                yield batch, self._end(start), counters_at(self.counters)
 
     def _windows(
-        self, epoch: int, start: _Position, units: list[range], loader: UnitLoader, shard: int
+        self, epoch: int, start: Position, units: list[range], loader: UnitLoader, shard: int
     ) -> Iterator[_Window]:
-        target = self.cfg.shuffle_buffer_tasks if self.shuffle else 1
-        u, w = start.unit, start.window
+        target = self.cfg.shuffle_buffer_tasks if self.options.shuffle else 1
+        w, u = start.fields[0], start.fields[1]
         while u < len(units):
             first, pools, tasks, window_counts = u, [], 0, {}
             while u < len(units) and tasks < target:
@@ -402,8 +360,8 @@ class TaskReader(IterableDataset):
             if not pools:
                 return
             pool = TaskPool.concat(pools).merged()
-            if self.shuffle:
-                perm = np.random.default_rng([self.seed, epoch, 1, shard, w]).permutation(pool.num_tasks)
+            perm = self.buffer_order(epoch, shard, w, pool.num_tasks)
+            if perm is not None:
                 pool = pool.subset(perm)
             yield _Window(w, first, u, pool, window_counts)
             w += 1
@@ -419,51 +377,3 @@ class TaskReader(IterableDataset):
         self.counters["batches_yielded"] += 1
         self.counters["tasks_yielded"] += batch.num_tasks
         self.counters["rows_yielded"] += int(batch.support_mask.sum() + batch.query_mask.sum())
-
-    def state_dict(self) -> dict[str, Any]:
-        """The position after the last yielded batch, plus what it depends on (JSON-able)."""
-        p = self._pos
-        return {
-            "version": _STATE_VERSION,
-            "epoch": p.epoch,
-            "window": p.window,
-            "unit": p.unit,
-            "task_offset": p.offset,
-            "epoch_done": p.done,
-            **self._fingerprint(),
-            "counters": dict(self._pos_counters),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Makes the next iteration resume at ``state`` (from :meth:`state_dict`).
-
-        Raises:
-            ConfigError: if the state is malformed or was taken with other settings.
-            DataError: if it was taken on a dataset with other row groups.
-        """
-        keys = ("epoch", "window", "unit", "task_offset")
-        fields, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, "task reader")
-        restore_counters(state, self.counters, "task reader")
-        self._pos = _Position(*fields, done)
-        self._pos_counters = dict(self.counters)
-
-    def _fingerprint(self) -> dict[str, Any]:
-        s = self.spec
-        return {
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-            "train": self.train,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "split": [
-                s.policy,
-                s.query_fraction,
-                s.query_count,
-                s.support_size,
-                s.query_size,
-                s.min_task_rows,
-            ],
-            "shuffle_buffer_tasks": self.cfg.shuffle_buffer_tasks,
-            "unit_row_groups": self.unit_row_groups,
-            **data_fingerprint(self.info, self.policies),
-        }

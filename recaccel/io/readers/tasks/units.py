@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from recaccel.io.format.dataset import DatasetInfo, RowGroupReader
 from recaccel.io.format.decode import Policies, Projection, add_counts, counter_increments, new_decode_stats
-from recaccel.io.readers.read_ahead import PerThread, ReadAhead
+from recaccel.io.readers.read_ahead import WorkerLoader
 from recaccel.io.readers.tasks.pool import TaskPool
 from recaccel.io.readers.tasks.split import SPLIT_COUNTERS, SplitSpec, split_tasks
 from recaccel.io.readers.tasks.stream import HeadStash, TaskStream
@@ -99,10 +99,10 @@ class UnitLoader:
         ahead: int,
         heads: HeadStash | None = None,
     ) -> None:
-        self._units = units
         self._unit_rows = unit_rows
-        self._workers = PerThread(new_worker)
-        self._loads = ReadAhead(self._work, len(units), ahead, name="recaccel-tasks")
+        self._loads = WorkerLoader(
+            new_worker, lambda w, u: w.load(units[u]), len(units), ahead, name="recaccel-tasks"
+        )
         self._heads = heads
 
     def get(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
@@ -114,13 +114,8 @@ class UnitLoader:
         of the kept heads."""
         ahead = sum(self._unit_rows[v] for v in self._loads.pending())
         heads = self._heads.rows if self._heads is not None else 0
-        return ahead + heads + sum(w.stream.cached_rows for w in self._workers.all())
+        return ahead + heads + sum(w.stream.cached_rows for w in self._loads.workers.all())
 
     def close(self) -> None:
         """Cancels loads not started, waits for running ones, closes the workers' files."""
         self._loads.close()
-        for w in self._workers.all():
-            w.close()
-
-    def _work(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
-        return self._workers.get().load(self._units[u])
