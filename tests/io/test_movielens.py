@@ -10,9 +10,9 @@ import pytest
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.convert.group_by_task import grouped_claim
 from recaccel.io.convert.movielens import SCENARIOS, convert_movielens
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.grouping import grouped_claim
 from recaccel.io.readers.tasks.reader import TaskReader
 
 
@@ -132,7 +132,7 @@ def test_binarized_labels_and_task_reading(src, raw, tmp_path):
     c = TasksConfig(tasks_per_batch=16, support_size=8, query_size=8, min_task_rows=1, split="time")
     reader = TaskReader(tmp_path / "test", c, train=False)
     ids = [int(i) for tb in reader for i in tb.task_ids]
-    assert ids == sorted({r["user"] for r in data}) and reader.stats["rows_yielded"] == len(data)
+    assert ids == sorted({r["user"] for r in data}) and reader.counters["rows_yielded"] == len(data)
 
 
 def test_bad_arguments_and_input(src, tmp_path):

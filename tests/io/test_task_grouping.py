@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.convert.group_by_task import GROUPED_KEY, group_by_task, grouped_claim
+from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.grouping import GROUPED_KEY, grouped_claim
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.tasks.reader import TaskReader
@@ -133,7 +134,7 @@ def test_grouped_output_reads_as_tasks_and_keeps_memory_bounded():
         reader = TaskReader(tmp / "out", TasksConfig(min_task_rows=1, tasks_per_batch=7), train=False)
         keys = [k for tb in reader for k, _, _ in batch_tasks(tb)]
         assert keys == sorted(set(keys)) and len(keys) == report.tasks
-        assert reader.stats["rows_yielded"] == n
+        assert reader.counters["rows_yielded"] == n
 
 
 def test_bad_arguments_and_input():

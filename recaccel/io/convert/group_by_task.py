@@ -16,9 +16,8 @@ When everything fits in ``memory_rows`` no run is spilled. Memory holds about
 ``memory_rows`` rows while making runs and ``k`` run row groups of
 ``max(1024, memory_rows // (2k))`` rows while merging (``k`` runs).
 
-What marks a file as grouped. The output schema (stored in every file's metadata)
-has ``task_key`` (and ``timestamp``) set and ``extra["grouped"] =
-{"task_key": ..., "timestamp": ...}``. The task reader reads the task key column of
+What marks a file as grouped: the claim of :mod:`recaccel.io.format.grouping` in the
+output schema (stored in every file's metadata). The task reader reads the task key column of
 every row group once to find task boundaries and check the order across row groups;
 a file that claims to be grouped is still verified (:mod:`recaccel.io.readers.tasks.stream`).
 
@@ -43,35 +42,13 @@ from recaccel.errors import ConfigError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.format.decode import Policies, Projection, new_decode_stats
+from recaccel.io.format.grouping import grouped_schema, task_order
 from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.format.writer import DatasetWriter
 
 logger = logging.getLogger(__name__)
 
-GROUPED_KEY = "grouped"
 _MIN_MERGE_ROWS = 1024
-
-
-def grouped_claim(schema: FeatureSchema) -> dict | None:
-    """``{"task_key": ..., "timestamp": ...}`` if the schema says its files are grouped."""
-    claim = schema.extra.get(GROUPED_KEY) if isinstance(schema.extra, dict) else None
-    if isinstance(claim, dict) and claim.get("task_key") == schema.task_key and schema.task_key:
-        return claim
-    return None
-
-
-def grouped_schema(schema: FeatureSchema, task_key: str, timestamp: str | None) -> FeatureSchema:
-    """``schema`` with ``task_key``/``timestamp`` set and the grouped claim recorded."""
-    extra = dict(schema.extra) if isinstance(schema.extra, dict) else {}
-    extra[GROUPED_KEY] = {"task_key": task_key, "timestamp": timestamp}
-    return dataclasses.replace(schema, task_key=task_key, timestamp=timestamp, extra=extra)
-
-
-def task_order(keys: np.ndarray, times: np.ndarray | None) -> np.ndarray:
-    """Stable sort order of rows by (task key, timestamp): int64 [n]."""
-    if times is None:
-        return np.argsort(keys, kind="stable")
-    return np.lexsort((times, keys))
 
 
 def writer_columns(cols: Columns, schema: FeatureSchema, keys: np.ndarray, times: np.ndarray | None) -> dict:

@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.convert.group_by_task import grouped_schema, task_order
 from recaccel.io.format.columns import take_csr
+from recaccel.io.format.grouping import grouped_schema, task_order
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
 

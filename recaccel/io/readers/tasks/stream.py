@@ -35,9 +35,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from recaccel.errors import DataError
-from recaccel.io.convert.group_by_task import grouped_claim
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import READ_ERRORS, DatasetInfo, RowGroupReader, RowGroupRef, read_error_text
+from recaccel.io.format.grouping import grouped_claim
 
 
 @dataclass
