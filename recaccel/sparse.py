@@ -1,6 +1,13 @@
 """Batch types: the unit of data between the reader, the loader and the model.
 
-Shapes: B batch, F sparse fields, Dd dense features, N total ids in the batch.
+:class:`SparseFeatures` (the sparse ids of B rows), :class:`Batch` (one mini-batch)
+and :class:`TaskBatch` (T tasks of support and query rows), with the row operations
+the rest of the library needs: slicing rows or tasks for a rank, stacking the rows of
+two batches for one lookup, reordering fields to meet a model by name. This module
+is the bottom of the package graph: it imports nothing from recaccel but its errors.
+
+Shapes: B batch, F sparse fields, Dd dense features, N total ids in the batch,
+T tasks, S / Q support / query rows per task.
 """
 
 from __future__ import annotations
@@ -17,13 +24,44 @@ from recaccel.errors import DataError
 class SparseFeatures:
     """Field-major CSR of sparse ids, the layout of TorchRec's KeyedJaggedTensor.
 
-    Bag ``(f, b)`` (field f, row b) holds ``values[offsets[f*B+b] : offsets[f*B+b+1]]``.
+    Bag ``(f, b)`` (field f, row b) holds ``values[offsets[f*B+b] : offsets[f*B+b+1]]``:
+    all the bags of the first field, row by row, then those of the second, and so on.
 
     Attributes:
         keys: F field names.
         values: int64 [N] ids.
         offsets: int64 [F*B+1], starting at 0 and non-decreasing.
         weights: optional float32 [N] per-id weights.
+
+    Example::
+
+        2 fields, 3 rows (F = 2, B = 3); a bag may be empty:
+
+                      row 0      row 1      row 2
+            "user"    [10, 11]   []         [12]
+            "item"    [20]       [21, 22]   [23]
+
+            keys    = ["user", "item"]
+            values  = [10, 11, 12,  20, 21, 22, 23]     # N = 7, "user" ids then "item" ids
+            lengths = [ 2,  0,  1,   1,  2,  1]         # F*B bags, bag (f, b) at f*B + b
+            offsets = [0, 2, 2, 3,  4, 6, 7]            # F*B + 1: bag (f, b) is
+                                                        # values[offsets[f*B+b] : offsets[f*B+b+1]]
+            weights = None, or one float per id (N)
+
+        >>> sf = SparseFeatures.from_lengths(
+        ...     ["user", "item"],
+        ...     torch.tensor([10, 11, 12, 20, 21, 22, 23]),
+        ...     torch.tensor([2, 0, 1, 1, 2, 1]),
+        ... )
+        >>> sf.offsets.tolist(), sf.batch_size
+        ([0, 2, 2, 3, 4, 6, 7], 3)
+        >>> sf.field("item")[0].tolist()  # one field's ids, and its offsets from 0
+        [20, 21, 22, 23]
+        >>> part = sf.slice_rows(1, 3)  # rows 1 and 2 of every field
+        >>> part.values.tolist(), part.offsets.tolist()
+        ([12, 21, 22, 23], [0, 0, 1, 3, 4])
+        >>> sf.select(["item"]).values.tolist()  # fields by name
+        [20, 21, 22, 23]
     """
 
     keys: list[str]
@@ -146,12 +184,93 @@ class SparseFeatures:
         counts = starts.diff().index_select(0, pick)
         # All fields reordered: the id count is known, so no host sync.
         n = self.values.numel() if len(src) == f else int(counts.sum())
-        field_of = torch.repeat_interleave(torch.arange(len(src), device=device), counts, output_size=n)
-        run_start = torch.cumsum(counts, 0) - counts
-        index = torch.arange(n, device=device) + (first - run_start)[field_of]
+        index = _runs_index(first, counts, n)
         lengths = self.lengths().long().view(f, b).index_select(0, pick).reshape(-1)
         weights = None if self.weights is None else self.weights[index]
         return SparseFeatures.from_lengths([self.keys[i] for i in src], self.values[index], lengths, weights)
+
+    def slice_rows(self, lo: int, hi: int) -> SparseFeatures:
+        """Rows ``[lo, hi)`` of every field (a rank's part of a global batch).
+
+        One gather (each field's ids of those rows are one contiguous run); one host
+        sync for the id count.
+
+        Args:
+            lo: first row, ``0 <= lo <= hi``.
+            hi: one past the last row, ``hi <= B``.
+
+        Returns:
+            The same F fields of ``hi - lo`` rows, bags unchanged; int64 offsets.
+
+        Raises:
+            ValueError: the rows are not within ``[0, B]``.
+        """
+        f, b = self.num_fields, self.batch_size
+        _check_rows(lo, hi, b, "rows")
+        device = self.offsets.device
+        rows = torch.arange(f, device=device) * b
+        starts, ends = self.offsets[rows + lo], self.offsets[rows + hi]
+        counts = ends - starts
+        index = _runs_index(starts, counts, int(counts.sum()))
+        lengths = self.lengths().view(f, b)[:, lo:hi].reshape(-1)
+        weights = None if self.weights is None else self.weights[index]
+        return SparseFeatures.from_lengths(list(self.keys), self.values[index], lengths, weights)
+
+    def concat_rows(self, other: SparseFeatures) -> SparseFeatures:
+        """The rows of this batch, then the rows of ``other``: one CSR for one lookup.
+
+        Fully vectorised (no loop over fields, no host synchronisation): every id of
+        field f moves by the number of ids of the other batch that now precede it.
+
+        Args:
+            other: the same F fields (matched by name, in any order) of B2 rows.
+
+        Returns:
+            F fields of B + B2 rows, in this batch's field order. ``weights`` is None
+            when neither batch has weights; when only one has, the other's ids get
+            weight 1.
+
+        Raises:
+            DataError: the two batches do not hold the same fields.
+            ValueError: the tensors are on different devices.
+        """
+        first, second = self, other.reorder(self.keys)
+        if first.values.device != second.values.device:
+            raise ValueError(
+                f"batches are on different devices: {first.values.device} vs {second.values.device}"
+            )
+        num_fields = first.num_fields
+        device = first.offsets.device
+        if num_fields == 0:
+            return SparseFeatures([], first.values[:0], torch.zeros(1, dtype=torch.int64, device=device))
+        rows_a, rows_b = first.batch_size, second.batch_size
+        lengths = torch.cat(
+            [first.lengths().view(num_fields, rows_a), second.lengths().view(num_fields, rows_b)], dim=1
+        ).reshape(-1)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+
+        # Start of each field's ids in each input and in the output: [F + 1].
+        field_bounds = torch.arange(num_fields + 1, device=device)
+        start_a = first.offsets[field_bounds * rows_a]
+        start_b = second.offsets[field_bounds * rows_b]
+        count_a, count_b = start_a.diff(), start_b.diff()
+        start_out = start_a[:-1] + start_b[:-1]
+        n_a, n_b = first.values.numel(), second.values.numel()
+        pos_a = _runs_index(start_out, count_a, n_a, start_a[:-1])
+        pos_b = _runs_index(start_out + count_a, count_b, n_b, start_b[:-1])
+
+        values = first.values.new_empty(n_a + n_b)
+        values[pos_a] = first.values
+        values[pos_b] = second.values.to(values.dtype)
+        weights = None
+        if first.weights is not None or second.weights is not None:
+            w_a = first.weights if first.weights is not None else torch.ones(n_a, device=device)
+            w_b = second.weights if second.weights is not None else torch.ones(n_b, device=device)
+            weights = w_a.new_empty(n_a + n_b)
+            weights[pos_a] = w_a
+            weights[pos_b] = w_b.to(weights.dtype)
+        return SparseFeatures(list(first.keys), values, offsets, weights)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
@@ -214,15 +333,52 @@ def _names(fields: list[str]) -> str:
     return ", ".join(repr(f) for f in fields)
 
 
+def _runs_index(starts: Tensor, counts: Tensor, n: int, run_start: Tensor | None = None) -> Tensor:
+    """Positions of K contiguous runs laid end to end: run k is ``starts[k] .. starts[k] + counts[k] - 1``.
+
+    Args:
+        starts: int64 [K] where each run begins.
+        counts: int64 [K] run lengths.
+        n: ``counts.sum()`` (given, so the caller decides whether it costs a host sync).
+        run_start: int64 [K] where each run begins in the packed order; default the
+            exclusive cumulative sum of ``counts`` (the runs packed back to back).
+
+    Returns:
+        int64 [n]: for the i-th element of run k, ``starts[k] + i``.
+    """
+    device = counts.device
+    run_of = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=n)
+    if run_start is None:
+        run_start = torch.cumsum(counts, 0) - counts
+    return torch.arange(n, device=device) + (starts - run_start)[run_of]
+
+
+def _check_rows(lo: int, hi: int, n: int, unit: str) -> None:
+    """Refuses a range ``[lo, hi)`` outside ``[0, n]`` (slicing would clip it silently)."""
+    if not 0 <= lo <= hi <= n:
+        raise ValueError(f"{unit} [{lo}, {hi}) are not within the batch's {n} {unit}")
+
+
 @dataclass
 class Batch:
-    """One mini-batch.
+    """One mini-batch: B rows of dense features, sparse ids, labels and sample weights.
 
     Attributes:
         dense: float32 [B, Dd].
         sparse: the B rows' sparse ids.
         labels: float32 [B].
         weights: optional float32 [B] sample weights (also used as a row mask).
+
+    Example::
+
+        B = 3 rows, Dd = 2 dense features, the 2 sparse fields of SparseFeatures' example:
+
+                   dense          sparse "user"   sparse "item"   label   weight
+            row 0  [0.1, 2.0]     [10, 11]        [20]            1.0     1.0
+            row 1  [0.3, 0.0]     []              [21, 22]        0.0     1.0
+            row 2  [1.5, 0.2]     [12]            [23]            1.0     0.0  (masked out)
+
+        ``batch.slice_rows(1, 3)`` is rows 1 and 2 of every column.
     """
 
     dense: Tensor
@@ -233,6 +389,20 @@ class Batch:
     @property
     def batch_size(self) -> int:
         return self.labels.shape[0]
+
+    def slice_rows(self, lo: int, hi: int) -> Batch:
+        """Rows ``[lo, hi)`` of every column (see :meth:`SparseFeatures.slice_rows`).
+
+        Raises:
+            ValueError: the rows are not within ``[0, B]``.
+        """
+        _check_rows(lo, hi, self.batch_size, "rows")
+        return Batch(
+            self.dense[lo:hi],
+            self.sparse.slice_rows(lo, hi),
+            self.labels[lo:hi],
+            None if self.weights is None else self.weights[lo:hi],
+        )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return Batch(
@@ -265,6 +435,18 @@ class TaskBatch:
         support_mask: float32 [T, S], 1 for a real row, 0 for padding.
         query_mask: float32 [T, Q].
         task_ids: int64 [T] task keys.
+
+    Example::
+
+        T = 2 tasks (keys 7 and 9), S = 2, Q = 3; task 9 has one support row and two
+        query rows, the rest is padding (mask 0):
+
+            support rows   0    1  |  2    3          support_mask  [[1, 1],
+                           task 7  |  task 9                         [1, 0]]
+            query rows     0  1  2 |  3  4  5         query_mask    [[1, 1, 1],
+                           task 7  |  task 9                         [1, 1, 0]]
+
+        ``tb.slice_tasks(1, 2)`` is task 9 alone (support rows 2-3, query rows 3-5).
     """
 
     support: Batch
@@ -284,6 +466,50 @@ class TaskBatch:
     @property
     def query_size(self) -> int:
         return self.query_mask.shape[1]
+
+    def slice_tasks(self, lo: int, hi: int) -> TaskBatch:
+        """Tasks ``[lo, hi)`` with their support and query rows.
+
+        Raises:
+            ValueError: the tasks are not within ``[0, T]``.
+        """
+        _check_rows(lo, hi, self.num_tasks, "tasks")
+        s, q = self.support_size, self.query_size
+        return TaskBatch(
+            self.support.slice_rows(lo * s, hi * s),
+            self.query.slice_rows(lo * q, hi * q),
+            self.support_mask[lo:hi],
+            self.query_mask[lo:hi],
+            self.task_ids[lo:hi],
+        )
+
+    def concat_sparse(self) -> SparseFeatures:
+        """The sparse ids of every support row, then of every query row: T*S + T*Q rows
+        for one embedding lookup (:meth:`split_rows` splits its output back).
+
+        Raises:
+            DataError: support and query do not hold the same fields.
+        """
+        return self.support.sparse.concat_rows(self.query.sparse)
+
+    def split_rows(self, rows: Tensor) -> tuple[Tensor, Tensor]:
+        """Splits per-row outputs of :meth:`concat_sparse`'s rows into task-major blocks.
+
+        Args:
+            rows: [T*S + T*Q, ...] (e.g. pooled embeddings [., F, D]), support rows first.
+
+        Returns:
+            Views [T, S, ...] (support) and [T, Q, ...] (query).
+
+        Raises:
+            ValueError: ``rows`` does not have T*(S+Q) rows.
+        """
+        t, s, q = self.num_tasks, self.support_size, self.query_size
+        n_s = t * s
+        if rows.shape[0] != n_s + t * q:
+            raise ValueError(f"expected {n_s} + {t * q} rows for T={t}, S={s}, Q={q}, got {rows.shape[0]}")
+        tail = rows.shape[1:]
+        return rows[:n_s].view(t, s, *tail), rows[n_s:].view(t, q, *tail)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TaskBatch:
         return TaskBatch(

@@ -66,7 +66,7 @@ class MetaBenchSpec:
 def build(spec: MetaBenchSpec) -> tuple[DLRM, TaskBatch]:
     """The model and the TaskBatch of a setting, on ``spec.device``."""
     device = torch.device(spec.device)
-    world = SyntheticTasks(spec.num_dense, [spec.cardinality] * spec.num_fields, kind="bce", seed=spec.seed)
+    world = SyntheticTasks(spec.num_dense, [spec.cardinality] * spec.num_fields, loss="bce", seed=spec.seed)
     tb = world.sample(
         spec.tasks, spec.support, spec.query, generator=torch.Generator().manual_seed(spec.seed)
     )

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+from recaccel.config import Loss
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.learner import MetaLearner
 from recaccel.meta.ranking import auc_per_task, ndcg_per_task
@@ -49,7 +50,7 @@ class TaskMetrics:
         gain: nDCG gain, ``"exponential"`` or ``"linear"``.
     """
 
-    def __init__(self, loss: str, ks: Sequence[int] = (1, 3), gain: str = "exponential") -> None:
+    def __init__(self, loss: Loss, ks: Sequence[int] = (1, 3), gain: str = "exponential") -> None:
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
         self.loss, self.ks, self.gain = loss, tuple(ks), gain
@@ -121,8 +122,8 @@ def evaluate_meta(
         MetricError: a real query row's prediction is NaN or infinite, or its label is out
             of range (a one-line RecaccelError).
     """
-    adapted = TaskMetrics(learner.loss_kind, ks, gain)
-    base = TaskMetrics(learner.loss_kind, ks, gain)
+    adapted = TaskMetrics(learner.loss, ks, gain)
+    base = TaskMetrics(learner.loss, ks, gain)
     was_training = learner.training
     learner.eval()
     try:

@@ -15,19 +15,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-LOSSES = ("bce", "mse")
+from recaccel.config import Loss, choices
+
+LOSSES = choices(Loss)
 
 
-def elementwise_loss(pred: Tensor, labels: Tensor, kind: str) -> Tensor:
+def elementwise_loss(pred: Tensor, labels: Tensor, loss: Loss) -> Tensor:
     """Per-row loss: BCE with logits (``"bce"``, binary labels) or squared error (``"mse"``)."""
-    if kind == "bce":
+    if loss == "bce":
         return F.binary_cross_entropy_with_logits(pred, labels, reduction="none")
-    if kind == "mse":
+    if loss == "mse":
         return (pred - labels).square()
-    raise ValueError(f"loss must be one of {LOSSES}, got {kind!r}")
+    raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
 
 
-def masked_task_losses(pred: Tensor, labels: Tensor, mask: Tensor, kind: str) -> Tensor:
+def masked_task_losses(pred: Tensor, labels: Tensor, mask: Tensor, loss: Loss) -> Tensor:
     """Mean loss of each task over its real rows: ``sum(mask*l) / max(sum(mask), 1)``.
 
     Works with or without the leading task axis (under ``vmap`` it is absent).
@@ -36,15 +38,15 @@ def masked_task_losses(pred: Tensor, labels: Tensor, mask: Tensor, kind: str) ->
         pred: [T, N] logits or ratings.
         labels: [T, N].
         mask: [T, N], 1 for a real row, 0 for padding.
-        kind: ``"bce"`` or ``"mse"``.
+        loss: ``"bce"`` or ``"mse"``.
 
     Returns:
         [T] losses (a task without real rows has loss 0).
     """
-    loss = elementwise_loss(pred, labels, kind)
+    per_row = elementwise_loss(pred, labels, loss)
     # where() rather than a product alone: a padded row's loss may be inf.
-    loss = torch.where(mask > 0, loss * mask, torch.zeros_like(loss))
-    return loss.sum(-1) / mask.sum(-1).clamp_min(1.0)
+    per_row = torch.where(mask > 0, per_row * mask, torch.zeros_like(per_row))
+    return per_row.sum(-1) / mask.sum(-1).clamp_min(1.0)
 
 
 def mean_over_tasks(task_losses: Tensor, mask: Tensor) -> Tensor:

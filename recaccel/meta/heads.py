@@ -27,10 +27,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from recaccel.config import AdaptMode, choices
 from recaccel.errors import ConfigError
 from recaccel.meta.functional import batched_mlp, mlp_layers
 
-ADAPT_MODES = ("top_mlp", "head", "head_and_embedding_shift")
+ADAPT_MODES = choices(AdaptMode)
 SHIFT = "embedding_shift"  # name of the per-task pooled-embedding correction
 _ARCHES = ("dense_arch", "interaction_arch", "over_arch")
 
@@ -47,7 +48,7 @@ class AdaptPlan:
         shift: whether :data:`SHIFT` is adapted.
     """
 
-    mode: str
+    mode: AdaptMode
     dense_names: tuple[str, ...]
     over_names: tuple[str, ...]
     shift: bool
@@ -68,7 +69,7 @@ class AdaptPlan:
         return self.hidden_static and not self.shift
 
 
-def adapt_plan(model: nn.Module, mode: str) -> AdaptPlan:
+def adapt_plan(model: nn.Module, mode: AdaptMode) -> AdaptPlan:
     """Resolves an adapt mode against a model's arches.
 
     Raises:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from recaccel.config import MetaConfig
+from recaccel.config import Loss, MetaConfig, MetaEngine
 from recaccel.errors import ConfigError
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.heads import SHIFT, TaskHead, adapt_plan, initial_params, shift_shape
 from recaccel.meta.maml import ENGINES, Block, MetaOutput, Rates, run_engine
-from recaccel.meta.rows import concat_rows, split_task_rows
 from recaccel.sparse import TaskBatch
 
 
@@ -46,7 +45,9 @@ class MetaLearner(nn.Module):
         ConfigError: bad config values or a model that cannot be meta-learned.
     """
 
-    def __init__(self, model: nn.Module, cfg: MetaConfig, loss: str = "bce", engine: str = "batched") -> None:
+    def __init__(
+        self, model: nn.Module, cfg: MetaConfig, loss: Loss = "bce", engine: MetaEngine = "batched"
+    ) -> None:
         super().__init__()
         if loss not in LOSSES:
             raise ConfigError(f"meta loss must be one of {LOSSES}, got {loss!r}")
@@ -58,7 +59,7 @@ class MetaLearner(nn.Module):
             raise ConfigError(f"meta.inner_lr must be > 0, got {cfg.inner_lr}")
         self.model = model
         self.cfg = cfg
-        self.loss_kind = loss
+        self.loss = loss
         self.engine = engine
         self.plan = adapt_plan(model, cfg.adapt)
         try:
@@ -104,13 +105,13 @@ class MetaLearner(nn.Module):
                     f"TaskBatch {name} has {batch.batch_size} rows ({batch.sparse.batch_size} sparse rows), "
                     f"expected T*{name[0].upper()} = {t}*{rows}"
                 )
-        pooled = self.model.embed(concat_rows(tb.support.sparse, tb.query.sparse))
+        pooled = self.model.embed(tb.concat_sparse())
         dense = torch.cat([tb.support.dense, tb.query.dense]).to(pooled.dtype)
         shared = self.head.shared_rows(dense, pooled)
         support: Block = {}
         query: Block = {}
         for key, rows in shared.items():
-            support[key], query[key] = split_task_rows(rows, t, s, q)
+            support[key], query[key] = tb.split_rows(rows)
         support["labels"] = tb.support.labels.to(pooled.dtype).view(t, s)
         query["labels"] = tb.query.labels.to(pooled.dtype).view(t, q)
         support["mask"] = tb.support_mask.to(pooled.dtype)
@@ -135,7 +136,7 @@ class MetaLearner(nn.Module):
             query,
             steps=steps,
             first_order=first_order,
-            kind=self.loss_kind,
+            loss=self.loss,
         )
 
     def step_loss(self, tb: TaskBatch) -> tuple[Tensor, dict[str, Tensor]]:

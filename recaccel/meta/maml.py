@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from recaccel.config import Loss, MetaEngine, choices
 from recaccel.meta.functional import masked_task_losses, mean_over_tasks
 from recaccel.meta.heads import TaskHead
 
-ENGINES = ("batched", "vmap", "loop")
+ENGINES = choices(MetaEngine)
 
 Block = dict[str, Tensor]
 Rates = dict[str, Tensor] | float
@@ -76,7 +77,7 @@ def run_batched(
     *,
     steps: int,
     first_order: bool,
-    kind: str,
+    loss: Loss,
 ) -> MetaOutput:
     """The batched engine; ``support`` / ``query`` hold [T, S|Q, ...] blocks."""
     num_tasks = support["labels"].shape[0]
@@ -88,7 +89,7 @@ def run_batched(
         else:
             leaves, block = params, support
         with torch.enable_grad():
-            losses = masked_task_losses(head.batched(leaves, block), block["labels"], block["mask"], kind)
+            losses = masked_task_losses(head.batched(leaves, block), block["labels"], block["mask"], loss)
             grads = torch.autograd.grad(losses.sum(), list(leaves.values()), create_graph=not first_order)
         if support_loss is None:
             support_loss = mean_over_tasks(losses.detach(), support["mask"])
@@ -97,17 +98,19 @@ def run_batched(
         with torch.no_grad():
             pred = head.batched(params, support)
             support_loss = mean_over_tasks(
-                masked_task_losses(pred, support["labels"], support["mask"], kind), support["mask"]
+                masked_task_losses(pred, support["labels"], support["mask"], loss), support["mask"]
             )
     pred = head.batched(params, query)
-    loss = mean_over_tasks(masked_task_losses(pred, query["labels"], query["mask"], kind), query["mask"])
-    return MetaOutput(loss, pred, support_loss)
+    query_loss = mean_over_tasks(
+        masked_task_losses(pred, query["labels"], query["mask"], loss), query["mask"]
+    )
+    return MetaOutput(query_loss, pred, support_loss)
 
 
 def _task_adapt(
     head: TaskHead,
     rates: Rates,
-    kind: str,
+    loss: Loss,
     steps: int,
     first_order: bool,
     grad_fn: Callable[[Callable[..., Tensor], dict[str, Tensor], Block], tuple[dict[str, Tensor], Tensor]],
@@ -115,7 +118,7 @@ def _task_adapt(
     """One task's adaptation and query loss, given how to take a gradient."""
 
     def support_loss(params: dict[str, Tensor], block: Block) -> Tensor:
-        return masked_task_losses(head.per_task(params, block), block["labels"], block["mask"], kind)
+        return masked_task_losses(head.per_task(params, block), block["labels"], block["mask"], loss)
 
     def task(params: dict[str, Tensor], sup: Block, qry: Block) -> tuple[Tensor, Tensor, Tensor]:
         first = None
@@ -128,7 +131,7 @@ def _task_adapt(
         if first is None:
             first = support_loss(params, sup).detach()
         pred = head.per_task(params, qry)
-        return masked_task_losses(pred, qry["labels"], qry["mask"], kind), pred, first.detach()
+        return masked_task_losses(pred, qry["labels"], qry["mask"], loss), pred, first.detach()
 
     return task
 
@@ -142,14 +145,14 @@ def run_vmap(
     *,
     steps: int,
     first_order: bool,
-    kind: str,
+    loss: Loss,
 ) -> MetaOutput:
     """The ``torch.func`` engine: ``vmap`` over tasks of ``grad`` of the support loss."""
 
     def grad_fn(fn, params, block):
         return torch.func.grad_and_value(fn)(params, block)
 
-    task = _task_adapt(head, rates, kind, steps, first_order, grad_fn)
+    task = _task_adapt(head, rates, loss, steps, first_order, grad_fn)
     losses, pred, first = torch.func.vmap(task, in_dims=(None, 0, 0))(init, support, query)
     return MetaOutput(mean_over_tasks(losses, query["mask"]), pred, mean_over_tasks(first, support["mask"]))
 
@@ -163,7 +166,7 @@ def run_loop(
     *,
     steps: int,
     first_order: bool,
-    kind: str,
+    loss: Loss,
 ) -> MetaOutput:
     """The baseline: a Python loop over tasks, ``torch.autograd.grad`` per inner step."""
 
@@ -175,7 +178,7 @@ def run_loop(
             grads = torch.autograd.grad(value, list(params.values()), create_graph=not first_order)
         return dict(zip(params, grads)), value
 
-    task = _task_adapt(head, rates, kind, steps, first_order, grad_fn)
+    task = _task_adapt(head, rates, loss, steps, first_order, grad_fn)
     num_tasks = support["labels"].shape[0]
     outs = [
         task(init, {k: v[t] for k, v in support.items()}, {k: v[t] for k, v in query.items()})
@@ -186,7 +189,7 @@ def run_loop(
 
 
 def run_engine(
-    engine: str,
+    engine: MetaEngine,
     head: TaskHead,
     init: dict[str, Tensor],
     rates: Rates,
@@ -195,10 +198,10 @@ def run_engine(
     *,
     steps: int,
     first_order: bool,
-    kind: str,
+    loss: Loss,
 ) -> MetaOutput:
     """Dispatches to :func:`run_batched`, :func:`run_vmap` or :func:`run_loop`."""
     runners = {"batched": run_batched, "vmap": run_vmap, "loop": run_loop}
     if engine not in runners:
         raise ValueError(f"meta engine must be one of {ENGINES}, got {engine!r}")
-    return runners[engine](head, init, rates, support, query, steps=steps, first_order=first_order, kind=kind)
+    return runners[engine](head, init, rates, support, query, steps=steps, first_order=first_order, loss=loss)

@@ -3,8 +3,8 @@
 A fixed "world" maps a row to a global score ``g(x) = w . dense + sum_f mean(b_f[ids])``.
 Each sampled task t draws an offset ``c_t ~ N(0, task_scale^2)`` that no feature reveals:
 
-- ``kind="mse"``: ``label = g(x) + c_t + noise * N(0, 1)`` (ratings);
-- ``kind="bce"``: ``label ~ Bernoulli(sigmoid(g(x) + c_t))`` (clicks).
+- ``loss="mse"``: ``label = g(x) + c_t + noise * N(0, 1)`` (ratings);
+- ``loss="bce"``: ``label ~ Bernoulli(sigmoid(g(x) + c_t))`` (clicks).
 
 A single global model cannot predict ``c_t``; one inner step on a task's support rows
 can estimate it, so meta-learning beats plain training by a margin set by
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from recaccel.config import Loss
 from recaccel.meta.functional import LOSSES
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
@@ -30,7 +31,7 @@ class SyntheticTasks:
     Args:
         num_dense: Dd.
         cardinalities: rows of each field's id space (F fields named ``f0, f1, ...``).
-        kind: ``"mse"`` or ``"bce"``.
+        loss: ``"mse"`` or ``"bce"``.
         task_scale: standard deviation of the per-task offset.
         noise: label noise standard deviation (``mse`` only).
         max_bag: bags hold 1..max_bag ids (1: single-hot).
@@ -42,20 +43,20 @@ class SyntheticTasks:
         num_dense: int = 4,
         cardinalities: Sequence[int] = (20, 20, 20),
         *,
-        kind: str = "mse",
+        loss: Loss = "mse",
         task_scale: float = 1.0,
         noise: float = 0.1,
         max_bag: int = 1,
         seed: int = 0,
     ) -> None:
-        if kind not in LOSSES:
-            raise ValueError(f"kind must be one of {LOSSES}, got {kind!r}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
         if max_bag < 1 or not cardinalities or min(cardinalities) < 1:
             raise ValueError(
                 f"need max_bag >= 1 and positive cardinalities, got {max_bag}, {list(cardinalities)}"
             )
         gen = torch.Generator().manual_seed(seed)
-        self.kind, self.task_scale, self.noise, self.max_bag = kind, task_scale, noise, max_bag
+        self.loss, self.task_scale, self.noise, self.max_bag = loss, task_scale, noise, max_bag
         self.keys = [f"f{i}" for i in range(len(cardinalities))]
         self.cardinalities = [int(c) for c in cardinalities]
         self.num_dense = num_dense
@@ -75,7 +76,7 @@ class SyntheticTasks:
             lengths.append(length)
             values.append(ids)
         logit = score + offsets_of_task
-        if self.kind == "mse":
+        if self.loss == "mse":
             labels = logit + self.noise * torch.randn(n, generator=gen)
         else:
             labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)

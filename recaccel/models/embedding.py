@@ -7,14 +7,19 @@ operator in :mod:`recaccel.ops.embedding` computes the same thing in a few launc
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
+from recaccel.config import EmbeddingBackend, Pooling, SparseOptimizer, choices
 from recaccel.errors import ConfigError
-from recaccel.io.format.schema import SparseField
 from recaccel.sparse import SparseFeatures
 
-EMBEDDING_BACKENDS = ("auto", "reference", "triton", "fbgemm", "per_table")
+if TYPE_CHECKING:  # only read by attribute: models do not depend on io at run time
+    from recaccel.io.format.schema import SparseField
+
+EMBEDDING_BACKENDS = choices(EmbeddingBackend)
 
 
 class PerTableEmbeddingBag(nn.Module):
@@ -30,7 +35,12 @@ class PerTableEmbeddingBag(nn.Module):
     """
 
     def __init__(
-        self, features: list[str], num_rows: list[int], dim: int, pooling: str = "sum", sparse: bool = False
+        self,
+        features: list[str],
+        num_rows: list[int],
+        dim: int,
+        pooling: Pooling = "sum",
+        sparse: bool = False,
     ) -> None:
         super().__init__()
         if len(features) != len(num_rows):
@@ -73,10 +83,10 @@ def field_embedding(
     fields: list[SparseField],
     dim: int,
     *,
-    backend: str,
-    pooling: str = "sum",
+    backend: EmbeddingBackend,
+    pooling: Pooling = "sum",
     mode: str = "fused",
-    optimizer: str = "sgd",
+    optimizer: SparseOptimizer = "sgd",
     optim=None,
     device: torch.device | str | None = None,
     seed: int | None = None,
@@ -84,7 +94,8 @@ def field_embedding(
     """One table per field, looked up per table (``per_table``) or packed.
 
     Args:
-        fields: the F sparse fields, in the order of the output's field axis.
+        fields: the F sparse fields (each with ``name`` and ``cardinality``), in the
+            order of the output's field axis.
         dim: D.
         backend: ``per_table`` or a :class:`~recaccel.ops.embedding.PackedEmbeddingBag`
             backend (``auto``, ``reference``, ``triton``, ``fbgemm``).

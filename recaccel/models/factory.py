@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from recaccel.config import ModelConfig, OptimConfig
 from recaccel.errors import ConfigError
-from recaccel.io.format.schema import FeatureSchema
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding
 from recaccel.models.table_memory import check_table_memory
+
+if TYPE_CHECKING:  # only read by attribute: models do not depend on io at run time
+    from recaccel.io.format.schema import FeatureSchema
 
 
 def build_embedding(

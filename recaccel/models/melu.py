@@ -18,15 +18,19 @@ Shapes: B batch, F = item + user fields, D embedding dim, Dd dense features.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from recaccel.config import EmbeddingBackend, Pooling, choices
 from recaccel.errors import ConfigError
-from recaccel.io.format.schema import SparseField
 from recaccel.models.arches import DenseArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding
+
+if TYPE_CHECKING:  # only read by attribute: models do not depend on io at run time
+    from recaccel.io.format.schema import SparseField
 
 
 @dataclass
@@ -50,7 +54,7 @@ class MeLUConfig:
     hidden: list[int] = field(default_factory=lambda: [64, 64])
     num_dense: int = 0
     dense_mlp: list[int] = field(default_factory=list)
-    pooling: str = "mean"
+    pooling: Pooling = "mean"
 
     def __post_init__(self) -> None:
         if not self.item_fields and not self.user_fields:
@@ -65,7 +69,7 @@ class MeLUConfig:
             )
         if self.num_dense < 0 or (self.dense_mlp and self.num_dense == 0):
             raise ConfigError(f"MeLU dense_mlp={self.dense_mlp} needs num_dense > 0, got {self.num_dense}")
-        if self.pooling not in ("sum", "mean"):
+        if self.pooling not in choices(Pooling):
             raise ConfigError(f"MeLU pooling must be 'sum' or 'mean', got {self.pooling!r}")
 
     @property
@@ -110,7 +114,7 @@ class DensePassThrough(nn.Module):
 def melu_embedding(
     cfg: MeLUConfig,
     *,
-    backend: str = "per_table",
+    backend: EmbeddingBackend = "per_table",
     mode: str = "autograd",
     optim=None,
     device: torch.device | str | None = None,

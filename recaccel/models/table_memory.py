@@ -8,11 +8,14 @@ halt). The model factory checks the tables' bytes against the memory where they 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from recaccel.errors import DataError
-from recaccel.io.format.schema import FeatureSchema
+
+if TYPE_CHECKING:  # only read by attribute: models do not depend on io at run time
+    from recaccel.io.format.schema import FeatureSchema
 
 
 def host_memory_bytes() -> int:

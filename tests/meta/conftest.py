@@ -29,10 +29,10 @@ def make_dlrm(embedding: str = "per_table", dtype: torch.dtype = torch.float64, 
     return model.to(dtype)
 
 
-def make_rows(n: int, gen: torch.Generator, kind: str, dtype: torch.dtype = torch.float64) -> Batch:
+def make_rows(n: int, gen: torch.Generator, loss: str, dtype: torch.dtype = torch.float64) -> Batch:
     lengths = torch.randint(0, 3, (NUM_FIELDS * n,), generator=gen)
     values = torch.randint(0, ROWS, (int(lengths.sum()),), generator=gen)
-    if kind == "bce":
+    if loss == "bce":
         labels = torch.randint(0, 2, (n,), generator=gen).to(dtype)
     else:
         labels = torch.randn(n, generator=gen, dtype=dtype) + 3.0
@@ -40,7 +40,7 @@ def make_rows(n: int, gen: torch.Generator, kind: str, dtype: torch.dtype = torc
     return Batch(dense, SparseFeatures.from_lengths(KEYS, values, lengths), labels)
 
 
-def make_task_batch(tasks: int, support: int, query: int, kind: str = "bce", seed: int = 0) -> TaskBatch:
+def make_task_batch(tasks: int, support: int, query: int, loss: str = "bce", seed: int = 0) -> TaskBatch:
     """Tasks with padded rows, one task without real support rows and one without query rows."""
     gen = torch.Generator().manual_seed(seed)
     s_mask = (torch.rand(tasks, support, generator=gen) > 0.3).double()
@@ -51,8 +51,8 @@ def make_task_batch(tasks: int, support: int, query: int, kind: str = "bce", see
         s_mask[1] = 0.0
         q_mask[2] = 0.0
     return TaskBatch(
-        make_rows(tasks * support, gen, kind),
-        make_rows(tasks * query, gen, kind),
+        make_rows(tasks * support, gen, loss),
+        make_rows(tasks * query, gen, loss),
         s_mask,
         q_mask,
         torch.arange(tasks),

@@ -107,16 +107,16 @@ def test_click_metrics_match_sklearn():
     assert out["gauc_tasks"] == len(per_task)
 
 
-@pytest.mark.parametrize("kind", ["mse", "bce"])
-def test_evaluate_meta_scores_adapted_and_unadapted_predictions(kind):
-    learner = MetaLearner(make_dlrm(), MetaConfig(inner_steps=1, inner_lr=0.3), loss=kind)
-    batches = [make_task_batch(4, 5, 6, kind=kind, seed=s) for s in (1, 2)]
+@pytest.mark.parametrize("loss", ["mse", "bce"])
+def test_evaluate_meta_scores_adapted_and_unadapted_predictions(loss):
+    learner = MetaLearner(make_dlrm(), MetaConfig(inner_steps=1, inner_lr=0.3), loss=loss)
+    batches = [make_task_batch(4, 5, 6, loss=loss, seed=s) for s in (1, 2)]
     out = evaluate_meta(learner, batches)
     for suffix, predict in (
         ("", learner.adapt_and_predict),
         ("_no_adapt", learner.predict_without_adaptation),
     ):
-        want = TaskMetrics(kind)
+        want = TaskMetrics(loss)
         for tb in batches:
             want.update(predict(tb), tb.query.labels.view(4, 6), tb.query_mask)
         for key, value in want.compute().items():

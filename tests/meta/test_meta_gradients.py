@@ -25,15 +25,15 @@ class _Head(nn.Module):
         return self.model.head(dense, pooled)
 
 
-def _masked_mean(pred, labels, mask, kind):
-    if kind == "bce":
-        loss = F.binary_cross_entropy_with_logits(pred, labels, reduction="none")
+def _masked_mean(pred, labels, mask, loss):
+    if loss == "bce":
+        per_row = F.binary_cross_entropy_with_logits(pred, labels, reduction="none")
     else:
-        loss = (pred - labels) ** 2
-    return (mask * loss).sum() / torch.clamp(mask.sum(), min=1.0)
+        per_row = (pred - labels) ** 2
+    return (mask * per_row).sum() / torch.clamp(mask.sum(), min=1.0)
 
 
-def reference_step(model, tb, mode, steps, first_order, kind, rate_of):
+def reference_step(model, tb, mode, steps, first_order, loss, rate_of):
     """A Python loop over tasks; support and query embedded separately; model.head per task."""
     t_, s_, q_ = tb.num_tasks, tb.support_size, tb.query_size
     pooled_s = model.embed(tb.support.sparse).view(t_, s_, NUM_FIELDS, DIM)
@@ -54,9 +54,9 @@ def reference_step(model, tb, mode, steps, first_order, kind, rate_of):
         for _ in range(steps):
             emb = pooled_s[t] if shift is None else pooled_s[t] + shift
             pred = functional_call(head, {f"model.{n}": v for n, v in p.items()}, (dense_s[t], emb))
-            loss = _masked_mean(pred, y_s[t], tb.support_mask[t], kind)
+            support_loss = _masked_mean(pred, y_s[t], tb.support_mask[t], loss)
             inputs = list(p.values()) + ([shift] if shift is not None else [])
-            grads = torch.autograd.grad(loss, inputs, create_graph=not first_order, retain_graph=True)
+            grads = torch.autograd.grad(support_loss, inputs, create_graph=not first_order, retain_graph=True)
             if first_order:
                 grads = [g.detach() for g in grads]
             p = {n: v - rate_of(n) * g for (n, v), g in zip(p.items(), grads)}
@@ -66,7 +66,7 @@ def reference_step(model, tb, mode, steps, first_order, kind, rate_of):
         pred = functional_call(head, {f"model.{n}": v for n, v in p.items()}, (dense_q[t], emb))
         preds.append(pred)
         if tb.query_mask[t].sum() > 0:
-            losses.append(_masked_mean(pred, y_q[t], tb.query_mask[t], kind))
+            losses.append(_masked_mean(pred, y_q[t], tb.query_mask[t], loss))
     return torch.stack(losses).mean(), torch.stack(preds)
 
 
@@ -77,17 +77,17 @@ def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def _compare(engine, mode, steps, first_order, meta_sgd, kind, embedding):
-    tb = make_task_batch(4, 5, 6, kind=kind, seed=steps)
+def _compare(engine, mode, steps, first_order, meta_sgd, loss, embedding):
+    tb = make_task_batch(4, 5, 6, loss=loss, seed=steps)
     model = make_dlrm(embedding)
     cfg = MetaConfig(inner_steps=steps, inner_lr=0.3, first_order=first_order, meta_sgd=meta_sgd, adapt=mode)
-    learner = MetaLearner(model, cfg, loss=kind, engine=engine)
+    learner = MetaLearner(model, cfg, loss=loss, engine=engine)
     gen = torch.Generator().manual_seed(7)
     for rate in learner.inner_lrs.values():  # distinct rates catch a rate applied to the wrong tensor
         rate.data.copy_(torch.rand(rate.shape, generator=gen, dtype=rate.dtype) * 0.4 + 0.05)
 
-    loss, info = learner.step_loss(tb)
-    loss.backward()
+    meta_loss, info = learner.step_loss(tb)
+    meta_loss.backward()
     got = _grads(learner)
     learner.zero_grad(set_to_none=True)
 
@@ -96,11 +96,11 @@ def _compare(engine, mode, steps, first_order, meta_sgd, kind, embedding):
     def rate_of(name):
         return rates if isinstance(rates, float) else rates[name]
 
-    ref_loss, _ = reference_step(model, tb, mode, steps, first_order, kind, rate_of)
+    ref_loss, _ = reference_step(model, tb, mode, steps, first_order, loss, rate_of)
     ref_loss.backward()
     want = _grads(learner)
 
-    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(meta_loss, ref_loss, **TOL)
     torch.testing.assert_close(info["query_loss"], ref_loss.detach(), **TOL)
     assert set(got) == set(want)
     for name in want:
@@ -116,9 +116,9 @@ def _compare(engine, mode, steps, first_order, meta_sgd, kind, embedding):
 @pytest.mark.parametrize("meta_sgd", [False, True])
 @pytest.mark.parametrize("steps", [1, 2, 3])
 def test_batched_engine_matches_reference(mode, first_order, meta_sgd, steps):
-    kind = "mse" if steps == 2 else "bce"
+    loss = "mse" if steps == 2 else "bce"
     embedding = "packed" if meta_sgd else "per_table"
-    _compare("batched", mode, steps, first_order, meta_sgd, kind, embedding)
+    _compare("batched", mode, steps, first_order, meta_sgd, loss, embedding)
 
 
 @pytest.mark.parametrize("engine", ["vmap", "loop"])
@@ -129,7 +129,7 @@ def test_vmap_and_loop_engines_match_reference(engine, mode, first_order):
 
 
 def test_padded_rows_do_not_matter():
-    tb = make_task_batch(4, 5, 6, kind="mse", seed=3)
+    tb = make_task_batch(4, 5, 6, loss="mse", seed=3)
     cfg = MetaConfig(inner_steps=2, inner_lr=0.2, adapt="head_and_embedding_shift")
 
     def run(batch):
@@ -156,7 +156,7 @@ def test_padded_rows_do_not_matter():
 
 @pytest.mark.parametrize("mode", ["top_mlp", "head_and_embedding_shift"])
 def test_predictions_match_reference(mode):
-    tb = make_task_batch(4, 5, 6, kind="bce", seed=5)
+    tb = make_task_batch(4, 5, 6, loss="bce", seed=5)
     model = make_dlrm()
     learner = MetaLearner(model, MetaConfig(inner_steps=2, inner_lr=0.5, adapt=mode), loss="bce")
     adapted, base = learner.predict(tb)
@@ -172,7 +172,7 @@ def test_predictions_match_reference(mode):
 
 
 def test_support_loss_info_is_the_unadapted_support_loss():
-    tb = make_task_batch(4, 5, 6, kind="bce", seed=2)
+    tb = make_task_batch(4, 5, 6, loss="bce", seed=2)
     model = make_dlrm()
     _, info = MetaLearner(model, MetaConfig(inner_steps=1), loss="bce").step_loss(tb)
     with torch.no_grad():
@@ -237,7 +237,7 @@ def _packed_dlrm(mode: str):
 @pytest.mark.parametrize("first_order", [True, False])
 def test_fused_embedding_applies_the_meta_gradient_once(first_order):
     """Fused SGD moves each embedding row by -lr times the meta-gradient autograd mode computes."""
-    tb = make_task_batch(4, 5, 6, kind="bce", seed=4)
+    tb = make_task_batch(4, 5, 6, loss="bce", seed=4)
     cfg = MetaConfig(inner_steps=2, inner_lr=0.3, first_order=first_order, adapt="head_and_embedding_shift")
     auto, fused = _packed_dlrm("autograd"), _packed_dlrm("fused")
     before = {k: v.clone() for k, v in fused.sparse_arch.embedding.state_dict().items()}

@@ -54,7 +54,7 @@ def _coordinates(grad: torch.Tensor, count: int = 2) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize("meta_sgd", [False, True])
 def test_second_order_meta_gradient_matches_finite_differences(meta_sgd):
-    tb = make_task_batch(4, 5, 6, kind="bce", seed=9)
+    tb = make_task_batch(4, 5, 6, loss="bce", seed=9)
     learner = _learner("batched", meta_sgd, first_order=False)
     grads = _grads(learner, tb)
     params = dict(learner.named_parameters())
@@ -78,7 +78,7 @@ def test_second_order_meta_gradient_matches_finite_differences(meta_sgd):
 
 
 def test_first_order_gradient_differs_from_the_true_meta_gradient():
-    tb = make_task_batch(4, 5, 6, kind="bce", seed=9)
+    tb = make_task_batch(4, 5, 6, loss="bce", seed=9)
     second = _grads(_learner("batched", True, first_order=False), tb)
     first = _grads(_learner("batched", True, first_order=True), tb)
     head = [n for n in second if n.startswith("model.over_arch.")]

@@ -26,7 +26,7 @@ def _model(world: SyntheticTasks) -> DLRM:
 
 def test_meta_training_beats_plain_training_on_query_loss():
     world = SyntheticTasks(
-        num_dense=4, cardinalities=[20, 20, 20], kind="mse", task_scale=1.0, noise=0.1, seed=0
+        num_dense=4, cardinalities=[20, 20, 20], loss="mse", task_scale=1.0, noise=0.1, seed=0
     )
     cfg = MetaConfig(inner_steps=1, inner_lr=0.1, first_order=False, adapt="top_mlp")
 

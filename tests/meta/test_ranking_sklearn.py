@@ -140,7 +140,7 @@ def test_diverged_meta_model_is_a_one_line_error():
         model.over_arch.model[-1].bias.fill_(math.nan)
     learner = MetaLearner(model, MetaConfig(inner_steps=1), loss="bce")
     with pytest.raises(RecaccelError) as e:
-        evaluate_meta(learner, [make_task_batch(4, 5, 6, kind="bce")])
+        evaluate_meta(learner, [make_task_batch(4, 5, 6, loss="bce")])
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith("meta evaluation: query predictions after adaptation:") and "diverged" in msg

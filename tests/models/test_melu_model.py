@@ -90,7 +90,7 @@ def _melu_for(world: SyntheticTasks, seed: int = 0) -> MeLU:
 
 
 def test_meta_learner_adapts_only_the_mlp_and_engines_agree():
-    world = SyntheticTasks(num_dense=2, cardinalities=[10, 10, 10], kind="mse", seed=3)
+    world = SyntheticTasks(num_dense=2, cardinalities=[10, 10, 10], loss="mse", seed=3)
     tb = world.sample(4, 6, 5, generator=torch.Generator().manual_seed(0), min_rows=3)
     grads = {}
     for engine in ("batched", "loop"):
@@ -115,7 +115,7 @@ def one_thread():
 
 
 def test_meta_training_improves_adapted_rating_error(one_thread):
-    world = SyntheticTasks(num_dense=2, cardinalities=[10, 10, 10], kind="mse", task_scale=1.0, seed=4)
+    world = SyntheticTasks(num_dense=2, cardinalities=[10, 10, 10], loss="mse", task_scale=1.0, seed=4)
     learner = MetaLearner(_melu_for(world), MetaConfig(inner_steps=1, inner_lr=0.05), loss="mse")
     opt = torch.optim.Adam(learner.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(0)

@@ -15,17 +15,11 @@ from hypothesis import strategies as st
 from recaccel.config import load_config
 from recaccel.errors import ConfigError, DataError, RecaccelError
 from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.readers.protocol import Reader
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.train.distributed.dense_sync import DenseGradSync
-from recaccel.train.distributed.hybrid_data import (
-    GlobalSlices,
-    loss_denominator,
-    row_bounds,
-    slice_batch,
-    slice_sparse,
-    slice_tasks,
-)
+from recaccel.train.distributed.hybrid_data import GlobalSlices, loss_denominator, row_bounds
 from recaccel.train.distributed.launch import check_launch, launch_config, strip_nproc
 from recaccel.train.distributed.sharding import table_kinds
 from recaccel.train.objectives import DLRMObjective, MetaObjective
@@ -61,11 +55,11 @@ def test_row_bounds_tile_the_batch_near_equally(n, world):
 
 @settings(max_examples=25, deadline=None)
 @given(rows=st.integers(1, 12), seed=st.integers(0, 1000), data=st.data())
-def test_slice_sparse_keeps_each_bag(rows, seed, data):
+def test_slice_rows_keeps_each_bag(rows, seed, data):
     sf = _sparse(rows, torch.Generator().manual_seed(seed), weighted=True)
     lo = data.draw(st.integers(0, rows))
     hi = data.draw(st.integers(lo, rows))
-    part = slice_sparse(sf, lo, hi)
+    part = sf.slice_rows(lo, hi)
     assert part.keys == sf.keys and part.batch_size == hi - lo
     for name in KEYS:
         values, offsets, weights = sf.field(name)
@@ -85,12 +79,12 @@ def _task_batch(tasks: int, s: int, q: int, gen: torch.Generator) -> TaskBatch:
 
 def test_slice_tasks_takes_whole_tasks():
     tb = _task_batch(4, 3, 2, torch.Generator().manual_seed(0))
-    part = slice_tasks(tb, 1, 3)
+    part = tb.slice_tasks(1, 3)
     assert part.num_tasks == 2 and part.task_ids.tolist() == [1, 2]
     torch.testing.assert_close(part.query_mask, tb.query_mask[1:3])
     torch.testing.assert_close(part.support.dense, tb.support.dense[3:9])
     torch.testing.assert_close(part.query.labels, tb.query.labels[2:6])
-    assert part.query.sparse.values.tolist() == slice_sparse(tb.query.sparse, 2, 6).values.tolist()
+    assert part.query.sparse.values.tolist() == tb.query.sparse.slice_rows(2, 6).values.tolist()
 
 
 def _schema() -> FeatureSchema:
@@ -115,25 +109,33 @@ def test_loss_shares_add_up_to_the_global_loss(kind, weights):
     model = build_model(cfg.model, cfg.optim, _schema(), torch.device("cpu"))
     gen = torch.Generator().manual_seed(1)
     if kind == "meta":
-        objective, batch, loss_kind = MetaObjective(cfg, model, "bce"), _task_batch(4, 3, 5, gen), "bce"
-        slices = [slice_tasks(batch, *row_bounds(4, r, 2)) for r in range(2)]
+        objective, batch, loss = MetaObjective(cfg, model, "bce"), _task_batch(4, 3, 5, gen), "bce"
+        slices = [batch.slice_tasks(*row_bounds(4, r, 2)) for r in range(2)]
     else:
-        objective, batch, loss_kind = DLRMObjective(cfg, model, kind), _batch(10, gen, weights), kind
-        slices = [slice_batch(batch, *row_bounds(10, r, 3)) for r in range(3)]
-    total = sum(loss_denominator(s, loss_kind) for s in slices)
-    assert total == pytest.approx(loss_denominator(batch, loss_kind), rel=1e-12)
-    shared = sum(objective.loss(s) * loss_denominator(s, loss_kind) / total for s in slices)
-    torch.testing.assert_close(shared, objective.loss(batch))
+        objective, batch, loss = DLRMObjective(cfg, model, kind), _batch(10, gen, weights), kind
+        slices = [batch.slice_rows(*row_bounds(10, r, 3)) for r in range(3)]
+    total = sum(loss_denominator(s, loss) for s in slices)
+    assert total == pytest.approx(loss_denominator(batch, loss), rel=1e-12)
+    shared = sum(objective.batch_loss(s) * loss_denominator(s, loss) / total for s in slices)
+    torch.testing.assert_close(shared, objective.batch_loss(batch))
 
 
 class _Reader:
     """A minimal resumable reader of fixed batches."""
 
     def __init__(self, batches):
-        self.batches, self.pos, self.stats = batches, 0, {"rows": 1}
+        self.batches, self.pos, self.epoch, self.counters = batches, 0, 0, {"rows": 1}
+
+    @property
+    def num_batches(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for b, _ in self.iter_with_state():
+            yield b
 
     def iter_with_state(self):
-        for i, b in enumerate(self.batches):
+        for i, b in enumerate(self.batches[self.pos :], self.pos):
             self.pos = i + 1
             yield b, {"pos": self.pos}
 
@@ -144,7 +146,7 @@ class _Reader:
         self.pos = state["pos"]
 
     def set_epoch(self, epoch):
-        self.pos = 0
+        self.epoch, self.pos = epoch, 0
 
 
 def test_global_slices_partition_every_batch():
@@ -156,7 +158,6 @@ def test_global_slices_partition_every_batch():
         torch.testing.assert_close(dense, batch.dense)
         assert {per_rank[r][i][1]["pos"] for r in range(3)} == {i + 1}
     reader = GlobalSlices(_Reader(batches), 0, 4, train=True)
-    assert reader.stats == {"rows": 1}  # the wrapped reader's attributes show through
     with pytest.raises(DataError, match="multiple of 4"):
         next(iter(reader))
     uneven = next(iter(GlobalSlices(_Reader(batches), 3, 4, train=False)))
@@ -228,7 +229,7 @@ def test_a_rank_exits_with_its_status_and_flushed_output(tmp_path):
 
 def test_hybrid_needs_a_launcher_and_single_mode_refuses_many_ranks(monkeypatch):
     from recaccel.train.distributed.hybrid import HybridParallel
-    from recaccel.train.parallel import build_parallel
+    from recaccel.train.trainer import build_parallel
 
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
@@ -254,3 +255,27 @@ def test_sharded_checkpoint_refuses_another_world_size(tmp_path):
         load_sharded(tmp_path, SimpleNamespace(world_size=2), None, None)
     with pytest.raises(RecaccelError, match="no sharded checkpoint"):
         load_sharded(tmp_path / "elsewhere", SimpleNamespace(world_size=2), None, None)
+
+
+def test_global_slices_is_a_reader_of_the_wrapped_position():
+    """Epoch, counters, batch count and position are the wrapped reader's; a state saved
+    on one rank resumes the slices of every rank."""
+    gen = torch.Generator().manual_seed(4)
+    batches = [_batch(4, gen) for _ in range(3)]
+    inner = _Reader(batches)
+    inner.schema = "the wrapped reader's own attribute"
+    reader = GlobalSlices(inner, 1, 2, train=True)
+    assert isinstance(reader, Reader)
+    assert (reader.epoch, reader.counters, reader.num_batches) == (0, {"rows": 1}, 3)
+    assert reader.counters is inner.counters  # live, not a copy
+    first = next(iter(reader))
+    torch.testing.assert_close(first.dense, batches[0].dense[2:4])
+    assert reader.state_dict() == {"pos": 1}
+    resumed = GlobalSlices(_Reader(batches), 1, 2, train=True)
+    resumed.load_state_dict(reader.state_dict())
+    rest = list(resumed)
+    assert len(rest) == 2
+    torch.testing.assert_close(rest[0].dense, batches[1].dense[2:4])
+    reader.set_epoch(5)
+    assert (reader.epoch, inner.pos) == (5, 0)
+    assert not hasattr(reader, "schema")  # nothing else of the wrapped reader shows through

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
+from recaccel.config import Loss
 from recaccel.errors import DataError
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch
+from recaccel.io.readers.protocol import Reader
+from recaccel.sparse import Batch, TaskBatch
 
 
 def row_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -37,62 +37,25 @@ def row_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     return lo, lo + base + (1 if rank < extra else 0)
 
 
-def slice_sparse(sf: SparseFeatures, lo: int, hi: int) -> SparseFeatures:
-    """Rows ``[lo, hi)`` of every field of a field-major CSR batch."""
-    f, b = sf.num_fields, sf.batch_size
-    rows = torch.arange(f, device=sf.offsets.device) * b
-    starts, ends = sf.offsets[rows + lo], sf.offsets[rows + hi]
-    counts = ends - starts
-    n = int(counts.sum())
-    # Each field's ids are one contiguous run; gather them all with one index.
-    field_of = torch.repeat_interleave(torch.arange(f, device=sf.offsets.device), counts, output_size=n)
-    run_start = torch.cumsum(counts, 0) - counts
-    index = torch.arange(n, device=sf.offsets.device) - run_start[field_of] + starts[field_of]
-    lengths = sf.lengths().view(f, b)[:, lo:hi].reshape(-1)
-    weights = None if sf.weights is None else sf.weights[index]
-    return SparseFeatures.from_lengths(list(sf.keys), sf.values[index], lengths, weights)
-
-
-def slice_batch(batch: Batch, lo: int, hi: int) -> Batch:
-    """Rows ``[lo, hi)`` of a Batch."""
-    return Batch(
-        batch.dense[lo:hi],
-        slice_sparse(batch.sparse, lo, hi),
-        batch.labels[lo:hi],
-        None if batch.weights is None else batch.weights[lo:hi],
-    )
-
-
-def slice_tasks(tb: TaskBatch, lo: int, hi: int) -> TaskBatch:
-    """Tasks ``[lo, hi)`` of a TaskBatch, with their support and query rows."""
-    s, q = tb.support_size, tb.query_size
-    return TaskBatch(
-        slice_batch(tb.support, lo * s, hi * s),
-        slice_batch(tb.query, lo * q, hi * q),
-        tb.support_mask[lo:hi],
-        tb.query_mask[lo:hi],
-        tb.task_ids[lo:hi],
-    )
-
-
-def loss_denominator(batch: Batch | TaskBatch, loss_kind: str) -> float:
+def loss_denominator(batch: Batch | TaskBatch, loss: Loss) -> float:
     """What the step loss of ``batch`` is a mean over: tasks with real query rows (meta),
     rows (BCE, whose sample weights scale terms of a mean over rows), or the sum of the
     sample weights (weighted MSE)."""
     if isinstance(batch, TaskBatch):
         return float((batch.query_mask.sum(-1) > 0).sum())
-    if loss_kind == "mse" and batch.weights is not None:
+    if loss == "mse" and batch.weights is not None:
         return float(batch.weights.double().sum())
     return float(batch.batch_size)
 
 
 class GlobalSlices:
-    """A reader of global batches that yields this rank's slice of each.
+    """A reader of global batches that yields this rank's slice of each (a :class:`Reader`).
 
     Position, epochs and counters are the wrapped reader's (the same on every rank).
 
     Args:
-        reader: a single-process reader (rank 0 of 1) of Batches or TaskBatches.
+        reader: a single-process reader (rank 0 of 1) of Batches or TaskBatches; None
+            when only :meth:`local` is used.
         rank: this rank.
         world_size: W.
         train: training slices must be equal: a batch that does not split evenly raises.
@@ -104,7 +67,7 @@ class GlobalSlices:
     """
 
     def __init__(
-        self, reader: Any, rank: int, world_size: int, *, train: bool, whole_tasks: bool = False
+        self, reader: Reader | None, rank: int, world_size: int, *, train: bool, whole_tasks: bool = False
     ) -> None:
         self.reader = reader
         self.rank = rank
@@ -112,11 +75,17 @@ class GlobalSlices:
         self.train = train
         self.whole_tasks = whole_tasks
 
-    def __getattr__(self, name: str) -> Any:
-        # stats, schema, epoch, num_batches, ...: the wrapped reader's.
-        if name == "reader":
-            raise AttributeError(name)
-        return getattr(self.reader, name)
+    @property
+    def epoch(self) -> int:
+        return self.reader.epoch
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return self.reader.counters
+
+    @property
+    def num_batches(self) -> int | None:
+        return self.reader.num_batches
 
     def set_epoch(self, epoch: int) -> None:
         self.reader.set_epoch(epoch)
@@ -133,9 +102,7 @@ class GlobalSlices:
 
     def iter_with_state(self) -> Iterator[tuple[Batch | TaskBatch, dict[str, Any]]]:
         """This rank's slice of each global batch, with the reader state after it."""
-        source = getattr(self.reader, "iter_with_state", None)
-        pairs = source() if source is not None else ((b, self.reader.state_dict()) for b in self.reader)
-        for batch, state in pairs:
+        for batch, state in self.reader.iter_with_state():
             yield self.local(batch), state
 
     def local(self, batch: Batch | TaskBatch) -> Batch | TaskBatch:
@@ -152,4 +119,4 @@ class GlobalSlices:
                 f"{self.world_size} and keep data.drop_last = true"
             )
         lo, hi = row_bounds(n, self.rank, self.world_size)
-        return slice_tasks(batch, lo, hi) if tasks else slice_batch(batch, lo, hi)
+        return batch.slice_tasks(lo, hi) if tasks else batch.slice_rows(lo, hi)
