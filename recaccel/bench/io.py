@@ -159,7 +159,7 @@ def candidates(path: Path, args) -> dict:
         )
         for _ in reader:
             pass
-        return reader.stats["rows_read"]
+        return reader.counters["rows_read"]
 
     def tasks():
         reader = TaskReader(path, tcfg, ReadOptions(seed=0, read_ahead=args.read_ahead))
@@ -248,7 +248,7 @@ def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
             "peak_rss_mib": memory.get(name),
         }
         if name == "tasks":
-            row["tasks_per_s"] = reader.stats["tasks_yielded"] / med[name]
+            row["tasks_per_s"] = reader.counters["tasks_yielded"] / med[name]
         table.append(row)
     codec = pq.ParquetFile(info.files[0]).metadata.row_group(0).column(0).compression
     notes = [
@@ -363,7 +363,7 @@ def _task_stats(reader: TaskReader) -> str:
         "row_groups_read",
         "max_buffered_rows",
     )
-    return ", ".join(f"{k}={reader.stats[k]}" for k in keys)
+    return ", ".join(f"{k}={reader.counters[k]}" for k in keys)
 
 
 def main(args, command_line: str) -> Path:

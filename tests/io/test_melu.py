@@ -15,9 +15,9 @@ import pytest
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
+from recaccel.io.convert.group_by_task import grouped_claim
 from recaccel.io.convert.melu import STATES, convert_melu
 from recaccel.io.format.dataset import open_dataset
-from recaccel.io.format.grouping import grouped_claim
 from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.tasks.reader import TaskReader
 
@@ -123,7 +123,7 @@ def test_melu_protocol_tasks(converted):
         ):
             seen[key] = (int(ns), int(nq))
     assert seen == {u: (n - 10, 10) for u, n in sizes.items() if n >= 13}
-    assert reader.stats["tasks_skipped_small"] == sum(1 for n in sizes.values() if n < 13)
+    assert reader.counters["tasks_skipped_small"] == sum(1 for n in sizes.values() if n < 13)
 
 
 def test_filters_unknown_values_and_errors(src, tmp_path):

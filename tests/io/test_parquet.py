@@ -170,7 +170,7 @@ def test_roundtrip_in_file_order(spec, batch_size, drop_last, style):
         for k, batch in enumerate(batches):
             assert batch.dense.dtype == torch.float32 and batch.sparse.values.dtype == torch.int64
             check_batch_equals_rows(batch, ref[k * batch_size : (k + 1) * batch_size], schema.sparse_names)
-        assert reader.stats["rows_yielded"] == keep and reader.stats["rows_dropped_last"] == n - keep
+        assert reader.counters["rows_yielded"] == keep and reader.counters["rows_dropped_last"] == n - keep
         assert reader.state_dict()["epoch_done"]
 
 
@@ -377,14 +377,14 @@ def test_resume_yields_exactly_the_remaining_batches(spec, batch_size, shuffle, 
         resumed.load_state_dict(state)
         rest = list(resumed)
         if finished:  # a finished epoch resumes at the next one
-            assert state["counters"] == full.stats
+            assert state["counters"] == full.counters
             full.set_epoch(3)
             same_batches(rest, list(full))
         else:
             same_batches(got + rest, expected)
             # The counters travel with the position: the resumed reader ends with the
             # uninterrupted one's (a partly read buffer's decode is not counted twice).
-            assert resumed.stats == full.stats
+            assert resumed.counters == full.counters
         if k < len(expected):  # the same reader object, iterated again, also continues
             same_batches(got + list(head), expected)
 
@@ -408,7 +408,7 @@ def test_state_is_done_after_last_full_batch_with_drop_last(tmp_path):
     assert not reader.state_dict()["epoch_done"]
     next(it)
     assert reader.state_dict()["epoch_done"] and reader.epoch == 1
-    assert list(it) == [] and reader.stats["rows_dropped_last"] == 300 - 9 * 32
+    assert list(it) == [] and reader.counters["rows_dropped_last"] == 300 - 9 * 32
 
 
 def test_load_state_dict_rejects_other_settings(tmp_path):
@@ -435,10 +435,10 @@ def test_memory_bounded_by_shuffle_buffer(tmp_path):
         rows = sum(b.batch_size for b in reader)
         assert rows == 10 * buffer_rows
         most = (1 + ahead) * (buffer_rows + rg) + batch
-        assert buffer_rows <= reader.stats["max_buffered_rows"] <= most
+        assert buffer_rows <= reader.counters["max_buffered_rows"] <= most
         plain = BatchReader(tmp_path, batch, ReadOptions(shuffle=False, read_ahead=ahead))
         assert sum(b.batch_size for b in plain) == rows
-        assert plain.stats["max_buffered_rows"] <= (1 + ahead) * rg + batch
+        assert plain.counters["max_buffered_rows"] <= (1 + ahead) * rg + batch
 
 
 @pytest.mark.parametrize("shuffle", [True, False])
@@ -457,7 +457,7 @@ def test_read_ahead_changes_nothing_but_timing(tmp_path, shuffle):
         opts = ReadOptions(shuffle=shuffle, seed=5, policies=Policies(invalid_ids="hash"), read_ahead=ahead)
         reader = BatchReader(tmp_path, 24, opts, shuffle_buffer_rows=70, schema=schema)
         out = list(reader.iter_with_state())
-        stats = {k: v for k, v in reader.stats.items() if k != "max_buffered_rows"}
+        stats = {k: v for k, v in reader.counters.items() if k != "max_buffered_rows"}
         for _, state in out:  # the memory high-water mark grows with read-ahead; nothing else does
             del state["counters"]["max_buffered_rows"]
         runs.append(([b for b, _ in out], [s for _, s in out], stats))
@@ -543,7 +543,7 @@ def test_corrupted_page_names_file_and_row_group(tmp_path):
         DataError, match=r"part-00000\.parquet, row group 2, column 'd0': cannot read row group.*CRC"
     ):
         list(reader)
-    assert reader.stats["rows_yielded"] == 50  # row groups 0 and 1 came through
+    assert reader.counters["rows_yielded"] == 50  # row groups 0 and 1 came through
 
 
 def test_files_with_different_schemas(tmp_path):
@@ -709,8 +709,8 @@ def check_stats(reader: BatchReader, stats: Counter, rows_out: int) -> None:
         "ids_hashed",
         "dense_zeroed",
     ):
-        assert reader.stats[key] == stats[key], key
-    assert reader.stats["rows_yielded"] == rows_out
+        assert reader.counters[key] == stats[key], key
+    assert reader.counters["rows_yielded"] == rows_out
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

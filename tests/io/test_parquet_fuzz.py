@@ -40,8 +40,8 @@ import torch
 
 from recaccel.config import TasksConfig
 from recaccel.errors import RecaccelError
+from recaccel.io.convert.group_by_task import grouped_schema
 from recaccel.io.format.decode import Policies
-from recaccel.io.format.grouping import grouped_schema
 from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.options import ReadOptions
@@ -414,7 +414,7 @@ def run_with_deadline(read: Callable[[], object], what: str):
 def read_batches(path: Path, opened: list, **policy) -> tuple[list, dict]:
     reader = BatchReader(path, 8, ReadOptions(policies=Policies(**policy)), shuffle_buffer_rows=30)
     opened.append(True)
-    return list(reader), dict(reader.stats)
+    return list(reader), dict(reader.counters)
 
 
 def read_tasks(path: Path, opened: list, **policy) -> tuple[list, dict]:
@@ -425,7 +425,7 @@ def read_tasks(path: Path, opened: list, **policy) -> tuple[list, dict]:
         train=False,
     )
     opened.append(True)
-    return list(reader), dict(reader.stats)
+    return list(reader), dict(reader.counters)
 
 
 # ---------------------------------------------------------------- checks

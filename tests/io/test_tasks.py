@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
+from recaccel.io.convert.group_by_task import grouped_schema
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.decode import Policies
-from recaccel.io.format.grouping import grouped_schema
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.options import ReadOptions, Shard
@@ -239,8 +239,8 @@ def test_train_mode_samples_to_sizes(sizes, split, s, q, seed):
             subsampled += (len(sup) + len(qry)) < n
             if split == "time" and sup and qry:
                 assert max(ts[r] for r in sup) <= min(ts[r] for r in qry)
-        assert reader.stats["tasks_subsampled"] == subsampled
-        assert reader.stats["tasks_yielded"] == len(ref)
+        assert reader.counters["tasks_subsampled"] == subsampled
+        assert reader.counters["tasks_yielded"] == len(ref)
 
 
 def test_padding_repeats_the_first_row_and_masks_match():
@@ -269,7 +269,7 @@ def test_fixed_query_count_melu_protocol():
         ):
             counts = [(len(s), len(q)) for tb in reader for _, s, q in batch_tasks(tb)]
             assert sorted(counts) == sorted([(15, 10), (30, 10), (3, 10)])
-            assert reader.stats["tasks_skipped_small"] == 1 and reader.stats["rows_skipped_small"] == 11
+            assert reader.counters["tasks_skipped_small"] == 1 and reader.counters["rows_skipped_small"] == 11
 
 
 def test_small_tasks_are_skipped_and_counted():
@@ -281,9 +281,9 @@ def test_small_tasks_are_skipped_and_counted():
         keys = [k for tb in reader for k, _, _ in batch_tasks(tb)]
         assert len(keys) == 3
         small = [s for s in sizes if s < 4]
-        assert reader.stats["tasks_skipped_small"] == len(small)
-        assert reader.stats["rows_skipped_small"] == sum(small)
-        assert reader.stats["rows_yielded"] == sum(s for s in sizes if s >= 4)
+        assert reader.counters["tasks_skipped_small"] == len(small)
+        assert reader.counters["rows_skipped_small"] == sum(small)
+        assert reader.counters["rows_yielded"] == sum(s for s in sizes if s >= 4)
 
 
 # ---------------------------------------------------------------- sharding, shuffle, resume
@@ -364,7 +364,7 @@ def test_shuffle_is_seeded_and_changes_with_epoch():
                 path, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=1, read_ahead=ahead)
             )
             batches = [batch_tasks(tb) for tb in r]
-            runs.append((batches, {k: v for k, v in r.stats.items() if k.startswith(("tasks", "rows_y"))}))
+            runs.append((batches, {k: v for k, v in r.counters.items() if k.startswith(("tasks", "rows_y"))}))
         assert runs[0][0] == order(1, 0)
         assert runs[0] == runs[1] == runs[2]
         assert order(1, 0) != order(1, 1)
@@ -396,12 +396,12 @@ def test_resume_mid_epoch_yields_exactly_the_rest(train):
             # once more a row group whose kept head an earlier unit held (seen: -1 to +3
             # row groups over repeated runs). They stay whole row groups.
             work = ("rows_read", "row_groups_read", "max_buffered_rows")
-            assert {k: v for k, v in reader.stats.items() if k not in work} == {
-                k: v for k, v in full_reader.stats.items() if k not in work
+            assert {k: v for k, v in reader.counters.items() if k not in work} == {
+                k: v for k, v in full_reader.counters.items() if k not in work
             }
-            extra_rows, extra_groups = (reader.stats[k] - full_reader.stats[k] for k in work[:2])
+            extra_rows, extra_groups = (reader.counters[k] - full_reader.counters[k] for k in work[:2])
             assert extra_rows == 11 * extra_groups, k
-        assert full[-1][1]["counters"] == full_reader.stats
+        assert full[-1][1]["counters"] == full_reader.counters
         # A reader resumed mid-epoch also continues into the next epoch normally.
         reader = TaskReader(path, c, ReadOptions(seed=3), train=train)
         reader.load_state_dict(full[len(full) // 2][1])
@@ -432,7 +432,7 @@ def test_a_unit_read_after_the_next_one_reuses_its_kept_head(read_ahead):
         again = [h for h in range(1, len(rg_rows)) if first[h] == last[h - 1] and pos[h - 1] < pos[h]]
         crossing = sum(first[h] == last[h - 1] for h in range(1, len(rg_rows)))
         assert 0 < len(again) < crossing
-        assert sum(sizes) <= reader.stats["rows_read"] <= sum(sizes) + sum(rg_rows[h] for h in again)
+        assert sum(sizes) <= reader.counters["rows_read"] <= sum(sizes) + sum(rg_rows[h] for h in again)
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -448,7 +448,7 @@ def test_task_aligned_row_groups_are_decoded_once(train):
             reader = TaskReader(
                 p, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=4, read_ahead=0), train=train
             )
-            return sorted(t for tb in reader for t in batch_tasks(tb)), reader.stats
+            return sorted(t for tb in reader for t in batch_tasks(tb)), reader.counters
 
         got, stats = read(path / "aligned")
         want, _ = read(path / "cut")
@@ -514,8 +514,8 @@ def test_memory_stays_bounded_on_a_file_ten_times_the_buffer():
         # cached (2) and decoded ahead (this unit, the next, one continuation).
         tasks_per_unit = 100 // 20 + 1
         bound = (c.shuffle_buffer_tasks + tasks_per_unit) * 20 + c.tasks_per_batch * (8 + 4) + (2 + 3) * 100
-        assert 0 < reader.stats["max_buffered_rows"] <= bound
-        assert reader.stats["max_buffered_rows"] * 5 < sum(sizes)
+        assert 0 < reader.counters["max_buffered_rows"] <= bound
+        assert reader.counters["max_buffered_rows"] * 5 < sum(sizes)
 
 
 def test_from_config_uses_data_settings():
@@ -526,7 +526,7 @@ def test_from_config_uses_data_settings():
         r = TaskReader.from_config(path, cfg(), data, train=True)
         o = r.options
         assert (o.seed, o.shuffle, o.drop_last, o.policies.invalid_ids) == (9, False, True, "clip")
-        assert sum(tb.num_tasks for tb in r) == 9 and r.stats["tasks_dropped_last"] == 1
+        assert sum(tb.num_tasks for tb in r) == 9 and r.counters["tasks_dropped_last"] == 1
         ev = TaskReader.from_config(path, cfg(), data, train=False)
         assert not ev.train and not ev.options.shuffle and not ev.options.drop_last
         whole = TaskReader.from_config(path, Config(data=data, tasks=cfg(tasks_per_batch=5)), train=True)
@@ -633,4 +633,4 @@ def test_null_values_in_list_columns_follow_the_policy():
             train=False,
         )
         rids = sorted(r for tb in reader for _, s, q in batch_tasks(tb) for r in s + q)
-        assert rids == [0, 2, 4, 5] and reader.stats["rows_skipped_invalid_ids"] == 2
+        assert rids == [0, 2, 4, 5] and reader.counters["rows_skipped_invalid_ids"] == 2

@@ -164,11 +164,6 @@ class ShardedReader(IterableDataset):
         self._pos = Position(values[0], tuple(values[1:]), done)
         self._pos_counters = dict(self.counters)
 
-    @property
-    def stats(self) -> dict[str, int]:
-        """Deprecated alias of :attr:`counters` (read-only)."""
-        return self.counters
-
     def block_order(self, num_blocks: int, epoch: int, shard: tuple[int, int]) -> list[int]:
         """Indices of the blocks shard ``shard = (s, S)`` reads in ``epoch``, in order."""
         if self.options.shuffle:
