@@ -15,9 +15,9 @@ import pytest
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.convert.group_by_task import grouped_claim
 from recaccel.io.convert.melu import STATES, convert_melu
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.grouping import grouped_claim
 from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.tasks.reader import TaskReader
 

@@ -10,9 +10,9 @@ import pytest
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.convert.group_by_task import grouped_claim
 from recaccel.io.convert.movielens import SCENARIOS, convert_movielens
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.grouping import grouped_claim
 from recaccel.io.readers.tasks.reader import TaskReader
 
 

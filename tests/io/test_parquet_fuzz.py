@@ -40,8 +40,8 @@ import torch
 
 from recaccel.config import TasksConfig
 from recaccel.errors import RecaccelError
-from recaccel.io.convert.group_by_task import grouped_schema
 from recaccel.io.format.decode import Policies
+from recaccel.io.format.grouping import grouped_schema
 from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.options import ReadOptions

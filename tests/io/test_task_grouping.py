@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from recaccel.config import TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.convert.group_by_task import GROUPED_KEY, group_by_task, grouped_claim
+from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.dataset import open_dataset
+from recaccel.io.format.grouping import GROUPED_KEY, grouped_claim
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.tasks.reader import TaskReader

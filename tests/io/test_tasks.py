@@ -22,10 +22,10 @@ from hypothesis import strategies as st
 
 from recaccel.config import Config, DataConfig, TasksConfig
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.convert.group_by_task import grouped_schema
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.decode import Policies
+from recaccel.io.format.grouping import grouped_schema
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.options import ReadOptions, Shard
