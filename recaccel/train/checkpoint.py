@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from recaccel.errors import RecaccelError
+from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import are_counters
 from recaccel.train.checkpoint_io import (
     STATE_KEYS,
@@ -180,7 +181,7 @@ def load_checkpoint(
     return restore_checked(path, payload)
 
 
-def load_reader_position(reader: Any, position: dict[str, Any], run_dir: Path) -> None:
+def load_reader_position(reader: Reader, position: dict[str, Any], run_dir: Path) -> None:
     """``reader.load_state_dict(position)`` for the position a resume read from ``run_dir``:
     a position the reader refuses (other settings or data, or malformed) is reported
     naming the checkpoint it came from.
