@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 from tqdm.auto import tqdm
 
+from recaccel.config import BadRowsPolicy, choices
 from recaccel.errors import ConfigError, DataError
 from recaccel.hashing import GAMMA, mix64
 from recaccel.io.format.schema import FeatureSchema, SparseField
@@ -137,7 +138,7 @@ def convert_criteo(
     test_fraction: float = 0.2,
     rows_per_row_group: int = 8192,
     rows_per_file: int | None = 1_000_000,
-    bad_rows: str = "error",
+    bad_rows: BadRowsPolicy = "error",
     overwrite: bool = False,
     progress: bool = False,
     compression: str = "snappy",
@@ -165,7 +166,7 @@ def convert_criteo(
         DataError: on a bad line (policy ``error``), a missing or empty file, or a
             train split without rows.
     """
-    if bad_rows not in ("error", "skip"):
+    if bad_rows not in choices(BadRowsPolicy):
         raise ConfigError(f"bad_rows must be 'error' or 'skip', got {bad_rows!r}")
     if not 0.0 <= test_fraction < 1.0:
         raise ConfigError(f"test_fraction must be in [0, 1), got {test_fraction}")

@@ -39,13 +39,14 @@ from pathlib import Path
 
 import numpy as np
 
+from recaccel.config import MovieLensScenario, choices
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import take_csr
 from recaccel.io.format.grouping import grouped_schema, task_order
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
 
-SCENARIOS = ("new_users", "new_items", "new_users_items", "time")
+SCENARIOS = choices(MovieLensScenario)
 AGE_EDGES = (18, 25, 35, 45, 50, 56)
 NUM_DECADES = 8
 FIRST_DECADE = 1920
@@ -131,7 +132,7 @@ def convert_movielens(
     """Converts MovieLens 100K into task-grouped ``train`` and ``test`` splits (module doc).
 
     ``compression`` is the Parquet codec of the written files (see
-    :data:`recaccel.io.format.writer.COMPRESSIONS`).
+    :data:`recaccel.config.ParquetCodec`).
 
     Raises:
         ConfigError: on a bad scenario or fraction.

@@ -31,15 +31,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from recaccel.config import InvalidDensePolicy, InvalidIdsPolicy, InvalidLabelsPolicy, choices
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns, single_hot_offsets
 from recaccel.io.format.schema import FeatureSchema, SparseField
 
 logger = logging.getLogger(__name__)
-
-ID_POLICIES = ("error", "skip", "clip", "hash")
-DENSE_POLICIES = ("error", "skip", "zero")
-LABEL_POLICIES = ("error", "skip")
 
 DECODE_COUNTERS = (
     "rows_read",
@@ -61,15 +58,15 @@ class Policies:
         ConfigError: on an unknown policy name.
     """
 
-    invalid_ids: str = "error"
-    invalid_dense: str = "error"
-    invalid_labels: str = "error"
+    invalid_ids: InvalidIdsPolicy = "error"
+    invalid_dense: InvalidDensePolicy = "error"
+    invalid_labels: InvalidLabelsPolicy = "error"
 
     def __post_init__(self) -> None:
         for key, value, allowed in (
-            ("invalid_ids", self.invalid_ids, ID_POLICIES),
-            ("invalid_dense", self.invalid_dense, DENSE_POLICIES),
-            ("invalid_labels", self.invalid_labels, LABEL_POLICIES),
+            ("invalid_ids", self.invalid_ids, choices(InvalidIdsPolicy)),
+            ("invalid_dense", self.invalid_dense, choices(InvalidDensePolicy)),
+            ("invalid_labels", self.invalid_labels, choices(InvalidLabelsPolicy)),
         ):
             if value not in allowed:
                 raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")

@@ -37,11 +37,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recaccel.config import PARQUET_CODECS
+from recaccel.config import ParquetCodec, choices
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.schema import FeatureSchema
-
-COMPRESSIONS = PARQUET_CODECS
 
 
 class DatasetWriter:
@@ -57,7 +55,7 @@ class DatasetWriter:
         rows_per_file: start a new file after this many rows; None = one file.
         prefix: file name prefix.
         overwrite: delete existing ``{prefix}-*.parquet`` files first instead of failing.
-        compression: Parquet codec, one of :data:`COMPRESSIONS`. ``snappy`` (default)
+        compression: Parquet codec, one of :data:`recaccel.config.ParquetCodec`. ``snappy`` (default)
             is the most widely readable; ``lz4`` decoded about twice as fast at a
             similar size in our measurements (bench/results/io_lz4.md).
         align_tasks: with a task key in the schema, end row groups at task boundaries
@@ -84,8 +82,10 @@ class DatasetWriter:
             raise ValueError(f"rows_per_row_group must be > 0, got {rows_per_row_group}")
         if rows_per_file is not None and rows_per_file <= 0:
             raise ValueError(f"rows_per_file must be > 0 or None, got {rows_per_file}")
-        if compression not in COMPRESSIONS:
-            raise ConfigError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+        if compression not in choices(ParquetCodec):
+            raise ConfigError(
+                f"compression must be one of {', '.join(choices(ParquetCodec))}, got {compression!r}"
+            )
         self.out_dir = Path(out_dir)
         self.schema = schema
         self.rows_per_row_group = rows_per_row_group
