@@ -18,7 +18,8 @@ On CPU the batches are handed out as the reader made them (no packing, no stream
 
 The loader tracks the reader position paired with the last batch it *handed out* (not
 the last one the thread prefetched), so a checkpoint taken between steps resumes
-exactly; readers with ``iter_with_state()`` report it without a race.
+exactly: the reader's ``iter_with_state()`` pairs each batch with its position, so the
+thread reading ahead does not race the state.
 """
 
 from __future__ import annotations
@@ -27,25 +28,16 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from recaccel.config import LoaderBackend, choices
 from recaccel.errors import ConfigError
 from recaccel.io.host_buffer import ALIGN, Layout, layout_of, pack, unpack
+from recaccel.io.readers.protocol import Reader
 from recaccel.sparse import Batch, TaskBatch
-
-BACKENDS = ("torch", "dali")
-
-
-class ResumableBatches(Protocol):
-    """What the loader needs from a reader (``iter_with_state()`` is used when present)."""
-
-    def __iter__(self) -> Iterator[Batch | TaskBatch]: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
 
 _DONE = object()
 
@@ -71,7 +63,8 @@ class DeviceLoader:
     """Iterates a reader's batches on ``device``, ``prefetch`` batches ahead.
 
     Args:
-        reader: yields CPU Batches or TaskBatches and reports its position.
+        reader: yields CPU Batches or TaskBatches with its position after each
+            (:meth:`Reader.iter_with_state`).
         device: target device.
         prefetch: batches prepared ahead on a background thread (0 = inline).
         backend: host-to-device stage on CUDA: ``"torch"`` (one async copy of the
@@ -84,14 +77,16 @@ class DeviceLoader:
 
     def __init__(
         self,
-        reader: ResumableBatches,
+        reader: Reader,
         device: torch.device | str,
         prefetch: int = 2,
         *,
-        backend: str = "torch",
+        backend: LoaderBackend = "torch",
     ) -> None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"loader backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if backend not in choices(LoaderBackend):
+            raise ConfigError(
+                f"loader backend must be one of {', '.join(choices(LoaderBackend))}, got {backend!r}"
+            )
         self.reader = reader
         self.device = torch.device(device)
         self.prefetch = max(0, int(prefetch))
@@ -116,16 +111,8 @@ class DeviceLoader:
             self._state = staged.state
             yield batch
 
-    def _items(self) -> Iterator[tuple[Batch | TaskBatch, dict[str, Any]]]:
-        with_state = getattr(self.reader, "iter_with_state", None)
-        if with_state is not None:
-            yield from with_state()
-            return
-        for batch in self.reader:
-            yield batch, self.reader.state_dict()
-
     def _produce(self) -> Iterator[_Staged]:
-        for batch, state in self._items():
+        for batch, state in self.reader.iter_with_state():
             yield self._stage(batch, state)
 
     def _stage(self, batch: Batch | TaskBatch, state: dict[str, Any]) -> _Staged:

@@ -17,6 +17,7 @@ from recaccel.io.format.writer import write_parquet
 from recaccel.io.host_buffer import ALIGN, layout_of, pack, unpack
 from recaccel.io.loader import DeviceLoader, _DaliCopier
 from recaccel.io.readers.options import ReadOptions
+from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.tasks.reader import TaskReader
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
@@ -105,20 +106,32 @@ def test_pack_unpack_task_batch_and_buffer_reuse():
 
 
 class _ListReader:
-    """Yields fixed batches; state = number handed out (no iter_with_state)."""
+    """A Reader of fixed batches; state = number handed out. The loader reads only
+    ``iter_with_state`` (plain iteration raises, so a loader that used it would fail)."""
+
+    epoch, counters, num_batches = 0, {}, None
 
     def __init__(self, batches, fail_at: int | None = None) -> None:
         self.batches, self.pos, self.fail_at = batches, 0, fail_at
 
+    def set_epoch(self, epoch: int) -> None:
+        raise AssertionError("the loader does not move the epoch")
+
     def __iter__(self):
+        raise AssertionError("the loader iterates iter_with_state()")
+
+    def iter_with_state(self):
         for i, b in enumerate(self.batches):
             if i == self.fail_at:
                 raise RuntimeError("reader broke")
             self.pos = i + 1
-            yield b
+            yield b, self.state_dict()
 
     def state_dict(self):
         return {"pos": self.pos}
+
+    def load_state_dict(self, state) -> None:
+        self.pos = state["pos"]
 
 
 def test_cpu_loader_same_batches_with_and_without_prefetch_and_exact_states():
@@ -184,6 +197,21 @@ def test_loader_propagates_reader_errors_and_stops_cleanly():
             break
     assert loader.state_dict() == {"pos": 2}
     assert len(list(DeviceLoader(_ListReader(batches), "cpu", prefetch=0))) == 5
+
+
+def test_loader_state_is_the_one_paired_with_the_batch_handed_out():
+    """The reader runs ahead on the thread (its own position moves on); the loader's state
+    is the one ``iter_with_state`` paired with the last batch the consumer got."""
+    batches = [make_batch(4, 1, ["a"], i, False, False) for i in range(6)]
+    reader = _ListReader(batches)
+    assert isinstance(reader, Reader)
+    loader = DeviceLoader(reader, "cpu", prefetch=3)
+    states = []
+    for _ in loader:
+        states.append(loader.state_dict())
+        if len(states) == 2:
+            break
+    assert states == [{"pos": 1}, {"pos": 2}]
 
 
 def test_backend_choice_errors():
