@@ -20,8 +20,13 @@ from torch import Tensor
 
 from recaccel.errors import ConfigError, RecaccelError
 from recaccel.models.embedding import PerTableEmbeddingBag
-from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec, init_table_weights
-from recaccel.ops.embedding.specs import OPTIMIZER_STATES
+from recaccel.ops.embedding import (
+    OPTIMIZER_STATES,
+    PackedEmbeddingBag,
+    SparseOptimConfig,
+    TableSpec,
+    init_table_weights,
+)
 from recaccel.sparse import SparseFeatures
 
 ID_DISTRIBUTIONS = ("uniform", "zipf")

@@ -2,6 +2,11 @@
 
 Every op is a triad behind one signature: ``reference`` (plain PyTorch, the
 specification), ``triton`` (fused GPU kernels) and, for the embedding, ``fbgemm``.
+One layout per op, ``ops/<op>/``: the public names and the backend dispatch in its
+``__init__``, then ``reference.py``, ``triton`` and ``fbgemm.py`` where it has them (a
+backend imports the reference or a shared module, never the package ``__init__``).
+:mod:`recaccel.ops.backend` resolves a backend name for a device. ``ops`` imports no
+``io``: batches come as :class:`recaccel.sparse.SparseFeatures`.
 """
 
 from recaccel.ops.embedding import InvalidIdError, PackedEmbeddingBag, SparseOptimConfig, TableSpec

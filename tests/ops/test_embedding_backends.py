@@ -269,3 +269,22 @@ def test_set_learning_rate_reaches_the_fused_update(backend, sparse_batch):
     _step(got, sf, 42)
     _step(want, sf, 42)
     _assert_same_state(got, want)
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [("reference", "fused"), ("reference", "autograd"), pytest.param("triton", "fused", marks=needs_triton)],
+)
+def test_packs_use_the_modules_current_tensors(backend, mode, sparse_batch):
+    # to_empty() (like .to(device)) gives the module new tensors: loading, lookups and
+    # fused updates must all reach those, not the ones the packs were built with.
+    tables, sf = _case("mixed_dims_shared_mean_weighted", sparse_batch, seed=50, optimizer="adam")
+    want = PackedEmbeddingBag(tables, backend="reference", mode=mode, optim=CFG, seed=51)
+    got = PackedEmbeddingBag(tables, backend=backend, mode=mode, optim=CFG, seed=52)
+    got.to_empty(device="cpu")
+    got.load_state_dict(want.state_dict())
+    torch.testing.assert_close(_step(got, sf, 53), _step(want, sf, 53))
+    if mode == "autograd":
+        for g, w in zip(got.parameters(), want.parameters()):
+            torch.testing.assert_close(g.grad, w.grad)
+    _assert_same_state(got, want)

@@ -22,7 +22,7 @@ _SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from recaccel.ops.embedding import triton_kernels as K
+    from recaccel.ops.embedding.triton import kernels as K
 
     COMMON = {"batch_size": "i32", "dim": "i32"}
     GRAD = {"grad_out_ptr": "*fp32", "bags_ptr": "*i64", "scale_ptr": "*fp32", "seg_ptr": "*i64"}

@@ -8,6 +8,7 @@ shares no code with the module.
 from __future__ import annotations
 
 import dataclasses
+import doctest
 import io
 
 import pytest
@@ -15,8 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from recaccel.config import Pooling, SparseOptimizer, choices
 from recaccel.errors import ConfigError, DataError
 from recaccel.ops.embedding import (
+    OPTIMIZER_STATES,
+    OPTIMIZERS,
+    POOLINGS,
     InvalidIdError,
     PackedEmbeddingBag,
     SparseOptimConfig,
@@ -24,6 +29,8 @@ from recaccel.ops.embedding import (
     init_table_weights,
     reference,
 )
+from recaccel.ops.embedding import module as embedding_module
+from recaccel.ops.embedding.fbgemm import FBGEMM_OPTIMIZERS
 from recaccel.ops.embedding.packing import gather_pack_ids
 from recaccel.sparse import SparseFeatures
 
@@ -391,3 +398,15 @@ def test_row_gradients_in_pieces_equal_the_dense_gradient(max_rows, layout, spar
     assert torch.equal(rows, torch.unique(ids.rows))  # ascending, each touched row once
     got = torch.zeros_like(dense).index_copy_(0, rows, torch.cat([g for _, g in pieces]))
     torch.testing.assert_close(got, dense)
+
+
+def test_docstring_example_runs():
+    result = doctest.testmod(embedding_module, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted >= 5 and result.failed == 0
+
+
+def test_vocabulary_comes_from_the_config_aliases():
+    assert POOLINGS == choices(Pooling)
+    assert OPTIMIZERS == choices(SparseOptimizer)
+    assert set(OPTIMIZER_STATES) == set(OPTIMIZERS)  # every optimizer says what state it keeps
+    assert FBGEMM_OPTIMIZERS == ("sgd", "rowwise_adagrad")  # FBGEMM on CPU has no Adam

@@ -2,12 +2,30 @@
 
 Tables of the same dim and optimizer share one packed buffer; one lookup per pack pools
 every feature of a batch; in fused mode the backward deduplicates rows and applies SGD,
-row-wise Adagrad or Adam in place. Backends: ``reference`` (PyTorch, the specification),
-``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), ``fbgemm`` (FBGEMM's
-table-batched embedding). Triton and FBGEMM are imported only when used.
+row-wise Adagrad or Adam in place.
+
+Layout:
+
+- :mod:`~recaccel.ops.embedding.module`: :class:`PackedEmbeddingBag` and the backend
+  dispatch (:func:`choose_backend`, :func:`pack_backend_class`).
+- :mod:`~recaccel.ops.embedding.specs`: :class:`TableSpec`, :class:`SparseOptimConfig`.
+- :mod:`~recaccel.ops.embedding.packing`: the packing plan and the routing of a batch.
+- :mod:`~recaccel.ops.embedding.pack_backend`: the per-pack backend interface.
+- Backends, one pack class each: :mod:`~recaccel.ops.embedding.reference` (PyTorch, the
+  specification), :mod:`~recaccel.ops.embedding.triton` (CUDA, or CPU under
+  ``TRITON_INTERPRET=1``), :mod:`~recaccel.ops.embedding.fbgemm` (FBGEMM's
+  table-batched embedding). Triton and FBGEMM are imported only when used.
+- :mod:`~recaccel.ops.embedding.optimizers`: the sparse update rules;
+  :mod:`~recaccel.ops.embedding.state`: backend-independent checkpoints.
 """
 
-from recaccel.ops.embedding.module import PackedEmbeddingBag, choose_backend, init_table_weights
+from recaccel.ops.embedding.module import (
+    PackedEmbeddingBag,
+    choose_backend,
+    init_table_weights,
+    pack_backend_class,
+)
+from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, PackLayout
 from recaccel.ops.embedding.specs import (
     OPTIMIZER_STATES,
@@ -23,6 +41,7 @@ __all__ = [
     "OPTIMIZER_STATES",
     "POOLINGS",
     "InvalidIdError",
+    "PackBackend",
     "PackLayout",
     "PackedEmbeddingBag",
     "PackingPlan",
@@ -30,4 +49,5 @@ __all__ = [
     "TableSpec",
     "choose_backend",
     "init_table_weights",
+    "pack_backend_class",
 ]

@@ -21,22 +21,27 @@ Shapes: B batch, S features a pack declares, F_p of them in the batch, D dim, R 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
 from recaccel.ops.embedding.packing import PackLayout, PackRoute, gather_pack_ids
-from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig, TableSpec
+from recaccel.ops.embedding.specs import OPTIMIZER_STATES, OPTIMIZERS, SparseOptimConfig, TableSpec
 from recaccel.sparse import SparseFeatures
 
-FBGEMM_OPTIMIZERS = ("sgd", "rowwise_adagrad")
+# The sparse optimizers this backend runs, by name, with FBGEMM's rule for each.
+_FBGEMM_RULES = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
+FBGEMM_OPTIMIZERS = tuple(name for name in OPTIMIZERS if name in _FBGEMM_RULES)  # a subset, in that order
 
 
-def fbgemm_unsupported(tables: list[TableSpec], mode: str, config: SparseOptimConfig) -> str | None:
+def fbgemm_unsupported(tables: list[TableSpec], mode: str, optim: SparseOptimConfig) -> str | None:
     """Why the FBGEMM backend cannot run these tables and options, or None when it can."""
     if mode != "fused":
         return f"mode={mode!r} (FBGEMM applies the optimizer inside its backward; use mode='fused')"
-    if config.weight_decay > 0:
-        return f"weight_decay={config.weight_decay} (fbgemm-gpu-cpu 1.8.0 silently ignores weight decay)"
+    if optim.weight_decay > 0:
+        return f"weight_decay={optim.weight_decay} (fbgemm-gpu-cpu 1.8.0 silently ignores weight decay)"
     for t in tables:
         if t.optimizer not in FBGEMM_OPTIMIZERS:
             return (
@@ -49,21 +54,22 @@ def fbgemm_unsupported(tables: list[TableSpec], mode: str, config: SparseOptimCo
 
 
 class FbgemmPack:
-    """One pack held by an FBGEMM TBE.
+    """One pack held by an FBGEMM TBE (a :class:`~recaccel.ops.embedding.pack_backend.PackBackend`).
 
     It is deliberately not an ``nn.Module`` attribute of the owning module: its weights
     are a Parameter of the TBE that must not appear in ``model.parameters()`` (the dense
-    optimizer would step them again), nor its internal buffers in the state dict.
+    optimizer would step them again), nor its internal buffers in the state dict. So it
+    holds no tensors on the module (``held`` is empty), and ``.to()`` does not move it.
 
     Args:
         layout: The pack.
-        config: Sparse optimizer hyper-parameters.
+        optim: Sparse optimizer hyper-parameters.
         device: CPU (rows in host memory) or CUDA (rows in device memory).
         weights: Initial float32 [R_t, D] rows of each table of the pack.
     """
 
     def __init__(
-        self, layout: PackLayout, config: SparseOptimConfig, device: torch.device, weights: list[Tensor]
+        self, layout: PackLayout, optim: SparseOptimConfig, device: torch.device, weights: list[Tensor]
     ) -> None:
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
@@ -79,15 +85,14 @@ class FbgemmPack:
         on_gpu = device.type == "cuda"
         location = EmbeddingLocation.DEVICE if on_gpu else EmbeddingLocation.HOST
         compute = ComputeDevice.CUDA if on_gpu else ComputeDevice.CPU
-        optimizer = {"sgd": EmbOptimType.EXACT_SGD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}
         self.layout = layout
         self.dim = layout.dim
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(
             [(t.num_rows, t.dim, location, compute) for t in layout.tables],
             feature_table_map=[i for i, t in enumerate(layout.tables) for _ in t.features],
-            optimizer=optimizer[layout.optimizer],
-            learning_rate=config.lr,
-            eps=config.eps,
+            optimizer=getattr(EmbOptimType, _FBGEMM_RULES[layout.optimizer]),
+            learning_rate=optim.lr,
+            eps=optim.eps,
             pooling_mode=PoolingMode.SUM,
             device=device,
             # recaccel checks ids itself, once per batch for all packs.
@@ -97,11 +102,31 @@ class FbgemmPack:
             for view, w in zip(self.tbe.split_embedding_weights(), weights):
                 view.copy_(w)
 
+    always_checks_ids: ClassVar[bool] = False
+
+    @classmethod
+    def create(
+        cls,
+        layout: PackLayout,
+        weights: list[Tensor],
+        *,
+        mode: str,
+        optim: SparseOptimConfig,
+        device: torch.device,
+        sparse_grad: bool,
+    ) -> tuple[FbgemmPack, dict[str, Tensor]]:
+        """The pack (fused mode: :func:`fbgemm_unsupported` has ruled out the others), and
+        no tensors for the module to hold."""
+        return cls(layout, optim, device, weights), {}
+
     @property
     def device(self) -> torch.device:
         return self.tbe.weights_host.device if self.tbe.weights_host.numel() else self.tbe.weights_dev.device
 
-    def table_tensors(self) -> list[dict[str, Tensor]]:
+    def check_batch_device(self, held: Mapping[str, Tensor], device: torch.device) -> None:
+        """Nothing here: :meth:`lookup` says where the tables live and how to move them."""
+
+    def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
         """Per table of the pack: views of its rows [R, D] and optimizer state, by checkpoint name."""
         weights = self.tbe.split_embedding_weights()
         states = self.tbe.split_optimizer_states() if OPTIMIZER_STATES[self.layout.optimizer] else None
@@ -117,14 +142,17 @@ class FbgemmPack:
     def set_learning_rate(self, lr: float) -> None:
         self.tbe.set_learning_rate(lr)
 
-    def lookup(self, sf: SparseFeatures, route: PackRoute, batch_size: int, update: bool) -> Tensor:
+    def lookup(
+        self, held: Mapping[str, Tensor], sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+    ) -> Tensor:
         """Pools the pack's features of a batch.
 
         Args:
+            held: Unused (empty).
             sf: The batch.
             route: The pack's route for the batch's keys.
             batch_size: B.
-            update: Let backward update the rows (training); otherwise no graph is built.
+            train: Let backward update the rows (training); otherwise no graph is built.
 
         Returns:
             float32 [B, F_p, D] in the batch's feature order.
@@ -135,7 +163,7 @@ class FbgemmPack:
                 f"on {sf.values.device}; build the module with device={sf.values.device}"
             )
         ids = gather_pack_ids(sf, route.slots, batch_size)
-        with torch.set_grad_enabled(update and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(train and torch.is_grad_enabled()):
             pooled = self.tbe(ids.rows, ids.offsets, ids.scale)
         out = pooled.view(batch_size, route.slots.count, self.dim)
         if route.slots.identity:

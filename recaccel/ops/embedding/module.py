@@ -1,5 +1,9 @@
 """PackedEmbeddingBag: every table of a model in a few packed buffers, one lookup per pack.
 
+The module routes a batch's features to their packs and holds the packs' tensors; each
+pack's lookups, updates and state belong to its backend object
+(:mod:`recaccel.ops.embedding.pack_backend`), chosen once at construction.
+
 Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
 """
 
@@ -12,12 +16,12 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.ops.backend import check_triton_launchable, resolve_backend
+from recaccel.ops.backend import BACKENDS, resolve_backend
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
-from recaccel.ops.embedding.optimizers import PackState, init_states
-from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch, gather_pack_ids
-from recaccel.ops.embedding.reference import ReferenceFusedLookup, reference_lookup
-from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig, TableSpec
+from recaccel.ops.embedding.pack_backend import PackBackend
+from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch
+from recaccel.ops.embedding.reference import ReferencePack
+from recaccel.ops.embedding.specs import SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.state import load_tables, save_tables
 from recaccel.sparse import SparseFeatures
 
@@ -29,7 +33,7 @@ _MAX_CACHED_ROUTES = 16
 
 
 def choose_backend(
-    backend: str, device: torch.device, tables: list[TableSpec], mode: str, config: SparseOptimConfig
+    backend: str, device: torch.device, tables: list[TableSpec], mode: str, optim: SparseOptimConfig
 ) -> str:
     """Resolves ``backend`` for these tables on ``device``.
 
@@ -41,10 +45,10 @@ def choose_backend(
         ConfigError: ``fbgemm`` asked for explicitly with an option it does not support.
         ValueError, RuntimeError: see :func:`recaccel.ops.backend.resolve_backend`.
     """
-    name = resolve_backend(backend, device, available=("reference", "triton", "fbgemm"), op=_OP)
+    name = resolve_backend(backend, device, available=BACKENDS, op=_OP)
     if name != "fbgemm":
         return name
-    reason = fbgemm_unsupported(tables, mode, config)
+    reason = fbgemm_unsupported(tables, mode, optim)
     if reason is None:
         try:
             import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
@@ -56,6 +60,15 @@ def choose_backend(
         raise ConfigError(f"{_OP}: backend='fbgemm' does not support {reason}")
     logger.info("%s: backend auto -> reference (fbgemm does not support %s)", _OP, reason)
     return "reference"
+
+
+def pack_backend_class(backend: str) -> type[PackBackend]:
+    """The pack class of a resolved backend (Triton's imported only when chosen)."""
+    if backend == "triton":
+        from recaccel.ops.embedding.triton import TritonPack
+
+        return TritonPack
+    return {"reference": ReferencePack, "fbgemm": FbgemmPack}[backend]
 
 
 def init_table_weights(
@@ -85,6 +98,39 @@ class PackedEmbeddingBag(nn.Module):
     ``sf.weights`` is None). Mean pooling divides that sum by the bag's number of ids
     ``L`` (not by the sum of the weights), as ``nn.EmbeddingBag(mode="mean")`` does; an
     empty bag pools to zeros. Per-id weights are constants (no gradient flows to them).
+
+    Example::
+
+        Tables of one dim and optimizer share a packed buffer; a batch's features are
+        looked up with one lookup per pack:
+
+            tables (TableSpec)           packs
+              user   [100, 4] --+
+              item   [ 50, 4] --+---->  pack 0 [150, 4]  rows 0..99 user, 100..149 item
+              genre  [ 20, 8] -------->  pack 1 [ 20, 8]
+
+            batch (SparseFeatures)  row 0    row 1
+              "item"                [3, 7]   []      --> pack 0, ids + 100 --+
+              "user"                [42]     [5]     --> pack 0, ids + 0   --+--> [B, F, D] = [2, 2, 4]
+                                                       out[b, f] = the pooled rows of bag (f, b)
+
+        >>> tables = [TableSpec("user", 100, 4), TableSpec("item", 50, 4), TableSpec("genre", 20, 8)]
+        >>> emb = PackedEmbeddingBag(tables, backend="reference", seed=0)
+        >>> [(p.num_rows, p.dim) for p in emb.plan.packs]
+        [(150, 4), (20, 8)]
+        >>> sf = SparseFeatures.from_lengths(
+        ...     ["item", "user"], torch.tensor([3, 7, 42, 5]), torch.tensor([2, 0, 1, 1])
+        ... )
+        >>> emb(sf).shape  # [B, F, D], features in sf.keys order
+        torch.Size([2, 2, 4])
+        >>> item = emb.table_state("item")["weight"]  # a view of pack 0's rows 100..149
+        >>> torch.equal(emb(sf)[0, 0], item[3] + item[7]), emb(sf)[1, 0].abs().sum().item()
+        (True, 0.0)
+        >>> mixed = SparseFeatures.from_lengths(
+        ...     ["user", "genre"], torch.tensor([1, 2]), torch.tensor([1, 0, 0, 1])
+        ... )
+        >>> emb.forward_concat(mixed).shape  # mixed dims: [B, 4 + 8]
+        torch.Size([2, 12])
 
     Modes:
         ``"fused"``: packed rows and optimizer state are buffers (``parameters()`` yields
@@ -147,25 +193,23 @@ class PackedEmbeddingBag(nn.Module):
         self.bounds_check = bounds_check
         self.sparse_grad = sparse_grad
         self.backend = choose_backend(backend, device, tables, mode, self.optim)
-        if self.backend == "triton":
-            from recaccel.ops.embedding import triton_kernels
-
-            check_triton_launchable(triton_kernels._embedding_bag_fwd_kernel, device, _OP)
+        pack_class = pack_backend_class(self.backend)
         init = init_table_weights(tables, seed, generator)
-        self._fbgemm: list[FbgemmPack] = []
-        self._steps = [torch.zeros((), dtype=torch.int64) for _ in self.plan.packs]
+        self._packs: list[PackBackend] = []
+        self._held_names: list[tuple[str, ...]] = []  # per pack: what this module holds for it
         for layout in self.plan.packs:
-            rows = [init[t.name] for t in layout.tables]
-            if self.backend == "fbgemm":
-                self._fbgemm.append(FbgemmPack(layout, self.optim, device, rows))
-                continue
-            weight = torch.cat(rows).to(device)
-            if mode == "autograd":
-                self.register_parameter(f"weight_{layout.index}", nn.Parameter(weight))
-            else:
-                self.register_buffer(f"weight_{layout.index}", weight, persistent=False)
-            for name, tensor in init_states(layout.optimizer, layout.num_rows, layout.dim, device).items():
-                self.register_buffer(f"{name}_{layout.index}", tensor, persistent=False)
+            weights = [init[t.name] for t in layout.tables]
+            pack, held = pack_class.create(
+                layout, weights, mode=mode, optim=self.optim, device=device, sparse_grad=sparse_grad
+            )
+            for name, tensor in held.items():
+                if isinstance(tensor, nn.Parameter):
+                    self.register_parameter(f"{name}_{layout.index}", tensor)
+                else:
+                    self.register_buffer(f"{name}_{layout.index}", tensor, persistent=False)
+            self._packs.append(pack)
+            self._held_names.append(tuple(held))
+        self._always_check_ids = pack_class.always_checks_ids
         self._routes: dict[tuple, Routing] = {}
 
     # ----------------------------------------------------------------- lookups
@@ -218,46 +262,20 @@ class PackedEmbeddingBag(nn.Module):
         sf = self._validate(sf)
         routing = self._route(sf.keys, sf.values.device)
         batch_size = sf.batch_size
-        if self.bounds_check or self.backend == "reference":
+        if self.bounds_check or self._always_check_ids:
             check_batch(sf, routing, self.plan)
         return routing, [self._lookup_pack(p, sf, r, batch_size) for p, r in enumerate(routing.packs)]
 
     def _lookup_pack(self, p: int, sf: SparseFeatures, route: PackRoute, batch_size: int) -> Tensor:
         layout = self.plan.packs[p]
-        local = route.local
-        if local.count == 0 or batch_size == 0:
-            return torch.zeros(batch_size, local.count, layout.dim, device=sf.values.device)
-        update = self.mode == "fused" and self.training and torch.is_grad_enabled()
-        if self.backend == "fbgemm":
-            return self._fbgemm[p].lookup(sf, route, batch_size, update)
-        weight = getattr(self, f"weight_{p}")
-        if self.backend == "triton":
-            from recaccel.ops.embedding import triton_autograd, triton_kernels
+        if route.local.count == 0 or batch_size == 0:
+            return torch.zeros(batch_size, route.local.count, layout.dim, device=sf.values.device)
+        train = self.training and torch.is_grad_enabled()
+        return self._packs[p].lookup(self._held(p), sf, route, batch_size, train)
 
-            if self.mode == "autograd":
-                return triton_autograd.TritonEmbeddingBagFunction.apply(
-                    weight, sf, local, batch_size, self.sparse_grad
-                )
-            if not update:
-                return triton_kernels.embedding_bag_forward(weight, sf, local, batch_size)
-            return triton_autograd.TritonFusedEmbeddingBagFunction.apply(
-                self._anchor(weight), self._pack_state(p), self.optim, sf, local, batch_size
-            )
-        if self.mode == "autograd" or not update:
-            ids = gather_pack_ids(sf, local, batch_size)
-            return reference_lookup(weight, ids, batch_size, local.count, sparse_grad=self.sparse_grad)
-        return ReferenceFusedLookup.apply(
-            self._anchor(weight), self._pack_state(p), self.optim, sf, local, batch_size
-        )
-
-    @staticmethod
-    def _anchor(weight: Tensor) -> Tensor:
-        return torch.empty(0, device=weight.device, requires_grad=True)
-
-    def _pack_state(self, p: int) -> PackState:
-        layout = self.plan.packs[p]
-        states = {name: getattr(self, f"{name}_{p}") for name, _ in OPTIMIZER_STATES[layout.optimizer]}
-        return PackState(layout.optimizer, getattr(self, f"weight_{p}"), states, self._steps[p])
+    def _held(self, p: int) -> dict[str, Tensor]:
+        """This module's tensors of pack ``p``, by name (looked up now: ``.to()`` replaces buffers)."""
+        return {name: getattr(self, f"{name}_{p}") for name in self._held_names[p]}
 
     def _route(self, keys: list[str], device: torch.device) -> Routing:
         key = (tuple(keys), device)
@@ -275,9 +293,7 @@ class PackedEmbeddingBag(nn.Module):
             raise DataError(
                 f"{_OP}: sparse ids must be integers, got {sf.values.dtype} for features {sf.keys}"
             )
-        device = self._device()
-        if sf.values.device != device and self.backend != "fbgemm":
-            raise ValueError(f"{_OP}: the batch is on {sf.values.device} but the tables are on {device}")
+        self._packs[0].check_batch_device(self._held(0), sf.values.device)
         # The kernels read flat int64 ids/offsets and float32 weights (constants: no gradient).
         values, offsets = sf.values.long().contiguous(), sf.offsets.long().contiguous()
         weights = None if sf.weights is None else sf.weights.detach().float().contiguous()
@@ -285,17 +301,12 @@ class PackedEmbeddingBag(nn.Module):
             return sf
         return SparseFeatures(sf.keys, values, offsets, weights)
 
-    def _device(self) -> torch.device:
-        if self._fbgemm:
-            return self._fbgemm[0].device
-        return self.weight_0.device
-
     # ------------------------------------------------------- optimizer and state
 
     def set_learning_rate(self, lr: float) -> None:
         """Changes the sparse optimizer's learning rate (e.g. from a schedule)."""
         self.optim = dataclasses.replace(self.optim, lr=lr)
-        for pack in self._fbgemm:
+        for pack in self._packs:
             pack.set_learning_rate(lr)
 
     def table_state(self, name: str) -> dict[str, Tensor]:
@@ -315,31 +326,20 @@ class PackedEmbeddingBag(nn.Module):
     def table_states(self) -> dict[str, dict[str, Tensor]]:
         """:meth:`table_state` of every table, by table name, in table order."""
         out: dict[str, dict[str, Tensor]] = {}
-        for layout in self.plan.packs:
-            if self._fbgemm:
-                per_table = self._fbgemm[layout.index].table_tensors()
-            else:
-                weight = getattr(self, f"weight_{layout.index}").detach()
-                states = {
-                    s: getattr(self, f"{s}_{layout.index}") for s, _ in OPTIMIZER_STATES[layout.optimizer]
-                }
-                per_table = []
-                for table, start in zip(layout.tables, layout.row_offsets):
-                    rows = slice(start, start + table.num_rows)
-                    per_table.append({"weight": weight[rows], **{s: t[rows] for s, t in states.items()}})
-            for table, tensors in zip(layout.tables, per_table):
-                if table.optimizer == "adam":
-                    tensors["step"] = self._steps[layout.index]
+        for p, layout in enumerate(self.plan.packs):
+            for table, tensors in zip(layout.tables, self._packs[p].table_tensors(self._held(p))):
                 out[table.name] = tensors
         return {t.name: out[t.name] for t in self.tables}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        save_tables(self, destination, prefix)
+        save_tables(self.table_states(), destination, prefix)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
-        load_tables(self, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs)
+        load_tables(
+            self.table_states(), state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def extra_repr(self) -> str:
         packs = ", ".join(

@@ -44,9 +44,9 @@ def init_states(optimizer: str, num_rows: int, dim: int, device: torch.device) -
     }
 
 
-def adam_bias_corrections(config: SparseOptimConfig, step: int) -> tuple[float, float]:
+def adam_bias_corrections(optim: SparseOptimConfig, step: int) -> tuple[float, float]:
     """``(1 - beta1^t, 1 - beta2^t)`` for Adam's step ``t`` (computed in float64)."""
-    return 1.0 - config.beta1**step, 1.0 - config.beta2**step
+    return 1.0 - optim.beta1**step, 1.0 - optim.beta2**step
 
 
 # Rows updated per piece: a piece's rows are read, updated and written back while they
@@ -62,7 +62,7 @@ def rows_per_piece(dim: int) -> int:
 
 
 @torch.no_grad()
-def update_rows(state: PackState, config: SparseOptimConfig, rows: Tensor, grad: Tensor) -> None:
+def update_rows(state: PackState, optim: SparseOptimConfig, rows: Tensor, grad: Tensor) -> None:
     """Applies one sparse optimizer step to some rows, in place; the caller counts the step.
 
     The caller adds 1 to ``state.step`` once per step, before its first call (Adam reads
@@ -72,13 +72,13 @@ def update_rows(state: PackState, config: SparseOptimConfig, rows: Tensor, grad:
 
     Args:
         state: The pack's weight and optimizer state (updated in place); ``step`` is read.
-        config: Hyper-parameters.
+        optim: Hyper-parameters.
         rows: int64 [U] unique packed rows.
         grad: float32 [U, D] summed gradient of each row (not modified).
     """
     weight = state.weight
     w = weight.index_select(0, rows)
-    lr, wd = config.lr, config.weight_decay
+    lr, wd = optim.lr, optim.weight_decay
     if state.optimizer == "sgd":
         if wd == 0:
             w.add_(grad, alpha=-lr)  # one pass: w + (-lr) * g
@@ -89,15 +89,15 @@ def update_rows(state: PackState, config: SparseOptimConfig, rows: Tensor, grad:
         momentum = state.states["momentum1"]
         m = momentum.index_select(0, rows).add_((g * g).mean(dim=1))
         momentum.index_copy_(0, rows, m)
-        w.sub_((lr / (m.sqrt() + config.eps))[:, None] * g)
+        w.sub_((lr / (m.sqrt() + optim.eps))[:, None] * g)
     elif state.optimizer == "adam":
-        bc1, bc2 = adam_bias_corrections(config, int(state.step))
+        bc1, bc2 = adam_bias_corrections(optim, int(state.step))
         m1_all, m2_all = state.states["momentum1"], state.states["momentum2"]
-        m1 = m1_all.index_select(0, rows).mul_(config.beta1).add_((1 - config.beta1) * grad)
-        m2 = m2_all.index_select(0, rows).mul_(config.beta2).add_((1 - config.beta2) * grad * grad)
+        m1 = m1_all.index_select(0, rows).mul_(optim.beta1).add_((1 - optim.beta1) * grad)
+        m2 = m2_all.index_select(0, rows).mul_(optim.beta2).add_((1 - optim.beta2) * grad * grad)
         m1_all.index_copy_(0, rows, m1)
         m2_all.index_copy_(0, rows, m2)
-        w.sub_(lr * ((m1 / bc1) / ((m2 / bc2).sqrt() + config.eps) + wd * w))
+        w.sub_(lr * ((m1 / bc1) / ((m2 / bc2).sqrt() + optim.eps) + wd * w))
     else:
         raise ValueError(f"unknown sparse optimizer {state.optimizer!r}")
     weight.index_copy_(0, rows, w)

@@ -4,7 +4,9 @@ One ``torch.nn.functional.embedding_bag`` per pack looks up every feature of the
 ids are shifted by their table's row offset (:func:`gather_pack_ids`) and pooled with
 ``mode="sum"`` and per-id scales (the id's weight, times ``1/L`` for mean pooling).
 
-Fused mode wraps it in :class:`ReferenceFusedLookup`, whose backward sorts the ids by
+:class:`ReferencePack` is the reference backend of one pack of a
+:class:`~recaccel.ops.embedding.PackedEmbeddingBag`. Fused mode wraps the lookup in
+:class:`ReferenceFusedLookup`, whose backward sorts the ids by
 row, sums each unique row's occurrence gradients (one ``embedding_bag`` over the output
 gradient) and applies the sparse optimizer to those rows, a piece of rows at a time
 (:func:`~recaccel.ops.embedding.optimizers.rows_per_piece`); no dense [R, D] gradient
@@ -22,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
+from recaccel.ops.embedding.pack_backend import HeldPack
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.sparse import SparseFeatures
@@ -115,7 +118,7 @@ class ReferenceFusedLookup(torch.autograd.Function):
         ctx,
         anchor: Tensor,
         state: PackState,
-        config: SparseOptimConfig,
+        optim: SparseOptimConfig,
         sf: SparseFeatures,
         local: LocalFeatures,
         batch_size: int,
@@ -123,12 +126,34 @@ class ReferenceFusedLookup(torch.autograd.Function):
         ids = gather_pack_ids(sf, local, batch_size, with_bags=True)
         with torch.no_grad():
             out = reference_lookup(state.weight, ids, batch_size, local.count)
-        ctx.ids, ctx.state, ctx.config = ids, state, config
+        ctx.ids, ctx.state, ctx.optim = ids, state, optim
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         ctx.state.step.add_(1)
         for rows, grad in coalesce_row_grads(grad_out, ctx.ids):
-            update_rows(ctx.state, ctx.config, rows, grad)
+            update_rows(ctx.state, ctx.optim, rows, grad)
         return None, None, None, None, None, None
+
+
+class ReferencePack(HeldPack):
+    """One pack on the reference backend (see :class:`~recaccel.ops.embedding.pack_backend.HeldPack`).
+
+    It checks every batch's ids: ``embedding_bag`` would index out of range otherwise.
+    """
+
+    always_checks_ids = True
+
+    def lookup_autograd(
+        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+    ) -> Tensor:
+        ids = gather_pack_ids(sf, local, batch_size)
+        return reference_lookup(weight, ids, batch_size, local.count, sparse_grad=self.sparse_grad)
+
+    lookup_frozen = lookup_autograd  # a buffer: no gradient, hence no graph
+
+    def lookup_fused(
+        self, anchor: Tensor, state: PackState, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+    ) -> Tensor:
+        return ReferenceFusedLookup.apply(anchor, state, self.optim, sf, local, batch_size)

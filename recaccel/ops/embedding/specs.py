@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from recaccel.config import Pooling, SparseOptimizer, choices
 from recaccel.errors import ConfigError, DataError
 
-POOLINGS = ("sum", "mean")
-OPTIMIZERS = ("sgd", "rowwise_adagrad", "adam")
+POOLINGS = choices(Pooling)  # sum, mean
+OPTIMIZERS = choices(SparseOptimizer)  # sgd, rowwise_adagrad, adam
 
 # Optimizer state of one table, by optimizer: (name, per-row?) where per-row state is
 # [R] and per-element state is [R, D]. Names follow FBGEMM's (momentum1, momentum2).
@@ -52,8 +53,8 @@ class TableSpec:
     num_rows: int
     dim: int
     features: list[str] = field(default_factory=list)
-    pooling: str = "sum"
-    optimizer: str = "rowwise_adagrad"
+    pooling: Pooling = "sum"
+    optimizer: SparseOptimizer = "rowwise_adagrad"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

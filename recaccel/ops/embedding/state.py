@@ -8,22 +8,23 @@ of packing (new tables of another dim) leaves the other tables' keys unchanged.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from recaccel.ops.embedding.module import PackedEmbeddingBag
+# Per table name: its tensors by checkpoint name (``weight``, ``momentum1``, ...), views
+# of the module's packed state (PackedEmbeddingBag.table_states()).
+TableStates = Mapping[str, Mapping[str, Tensor]]
 
 
-def save_tables(module: PackedEmbeddingBag, destination: dict, prefix: str) -> None:
+def save_tables(table_states: TableStates, destination: dict, prefix: str) -> None:
     """Writes every table's rows and optimizer state under ``prefix``.
 
     Rows are views of the packed buffers (``torch.save`` stores each buffer once);
     ``step`` is a copy, a snapshot of the pack's counter.
     """
-    for table_name, tensors in module.table_states().items():
+    for table_name, tensors in table_states.items():
         for name, tensor in tensors.items():
             destination[f"{prefix}{table_name}.{name}"] = (
                 tensor.clone() if name == "step" else tensor.detach()
@@ -31,7 +32,7 @@ def save_tables(module: PackedEmbeddingBag, destination: dict, prefix: str) -> N
 
 
 def load_tables(
-    module: PackedEmbeddingBag,
+    table_states: TableStates,
     state_dict: dict,
     prefix: str,
     strict: bool,
@@ -39,7 +40,8 @@ def load_tables(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    """Copies every table's rows and optimizer state from ``state_dict`` into the packs.
+    """Copies every table's rows and optimizer state from ``state_dict`` into ``table_states``
+    (views of the packs, so into the packs).
 
     Follows ``nn.Module._load_from_state_dict``'s contract: absent keys go to
     ``missing_keys``, keys under ``prefix`` that no table owns to ``unexpected_keys``
@@ -48,7 +50,7 @@ def load_tables(
     """
     expected: set[str] = set()
     steps: dict[int, tuple[Tensor, int]] = {}
-    for table_name, tensors in module.table_states().items():
+    for table_name, tensors in table_states.items():
         for name, target in tensors.items():
             key = f"{prefix}{table_name}.{name}"
             expected.add(key)

@@ -19,7 +19,7 @@ from torch import Tensor
 from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
 from recaccel.ops.embedding.specs import SparseOptimConfig
-from recaccel.ops.embedding.triton_kernels import embedding_bag_backward, embedding_bag_forward, fused_update
+from recaccel.ops.embedding.triton.kernels import embedding_bag_backward, embedding_bag_forward, fused_update
 from recaccel.sparse import SparseFeatures
 
 
@@ -59,16 +59,16 @@ class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
         ctx,
         anchor: Tensor,
         state: PackState,
-        config: SparseOptimConfig,
+        optim: SparseOptimConfig,
         sf: SparseFeatures,
         local: LocalFeatures,
         batch_size: int,
     ) -> Tensor:
-        ctx.state, ctx.config, ctx.sf, ctx.local, ctx.batch_size = state, config, sf, local, batch_size
+        ctx.state, ctx.optim, ctx.sf, ctx.local, ctx.batch_size = state, optim, sf, local, batch_size
         return embedding_bag_forward(state.weight, sf, local, batch_size)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         ids = gather_pack_ids(ctx.sf, ctx.local, ctx.batch_size, with_bags=True)
-        fused_update(ctx.state, ctx.config, grad_out, ids, ctx.batch_size)
+        fused_update(ctx.state, ctx.optim, grad_out, ids, ctx.batch_size)
         return None, None, None, None, None, None

@@ -1,7 +1,7 @@
 """Triton packed embedding bag: forward, backward and fused sparse-optimizer kernels.
 
 Kernels (each with its launcher below it; the autograd Functions are in
-:mod:`recaccel.ops.embedding.triton_autograd`; the reference is
+:mod:`recaccel.ops.embedding.triton.autograd`; the reference is
 :mod:`recaccel.ops.embedding.reference`):
 
 - ``_embedding_bag_fwd_kernel``: one launch pools every feature of a pack. Grid
@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recaccel.ops.backend import check_triton_launchable
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
@@ -89,6 +90,12 @@ def _embedding_bag_fwd_kernel(
     is_mean = tl.load(is_mean_ptr + j)
     denom = tl.where(is_mean, tl.maximum(end - start, 1), 1).to(tl.float32)
     tl.store(out_ptr + b * stride_ob + j * stride_of + cols, acc / denom, mask=col_mask)
+
+
+def check_kernels_launchable(device: torch.device) -> None:
+    """Raises :class:`~recaccel.ops.backend.BackendUnavailableError` when these kernels
+    cannot run on tensors of ``device`` (CPU tensors, kernels compiled, not interpreted)."""
+    check_triton_launchable(_embedding_bag_fwd_kernel, device, "PackedEmbeddingBag")
 
 
 def _block_d(dim: int) -> int:
@@ -308,13 +315,13 @@ def embedding_bag_backward(grad_out: Tensor, ids: PackIds, batch_size: int) -> t
 
 
 def fused_update(
-    state: PackState, config: SparseOptimConfig, grad_out: Tensor, ids: PackIds, batch_size: int
+    state: PackState, optim: SparseOptimConfig, grad_out: Tensor, ids: PackIds, batch_size: int
 ) -> None:
     """Deduplicates a pack's rows and applies the sparse optimizer to them in one launch.
 
     Args:
         state: The pack's weight, optimizer state and step, updated in place.
-        config: Hyper-parameters.
+        optim: Hyper-parameters.
         grad_out: [B, S, D] gradient of the pooled output.
         ids: The pack's ids, with ``bags``.
         batch_size: B.
@@ -325,7 +332,7 @@ def fused_update(
         return
     dim = state.weight.shape[1]
     grad_out = grad_out.to(torch.float32)
-    bc1, bc2 = adam_bias_corrections(config, int(state.step))
+    bc1, bc2 = adam_bias_corrections(optim, int(state.step))
     m1 = state.states.get("momentum1", state.weight)
     m2 = state.states.get("momentum2", state.weight)
     _embedding_bag_fused_update_kernel[(rows.numel(),)](
@@ -343,11 +350,11 @@ def fused_update(
         grad_out.stride(0),
         grad_out.stride(1),
         grad_out.stride(2),
-        config.lr,
-        config.eps,
-        config.beta1,
-        config.beta2,
-        config.weight_decay,
+        optim.lr,
+        optim.eps,
+        optim.beta1,
+        optim.beta2,
+        optim.weight_decay,
         bc1,
         bc2,
         OPTIMIZER=_OPTIMIZER_CODES[state.optimizer],

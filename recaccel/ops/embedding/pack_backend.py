@@ -1,0 +1,196 @@
+"""One pack on one backend: the interface :class:`PackedEmbeddingBag` drives, and the base
+of the packs whose tensors the module itself holds.
+
+A :class:`PackedEmbeddingBag` builds one pack object per (dim, optimizer) pack, all of one
+backend class chosen once at construction (:class:`~recaccel.ops.embedding.reference.ReferencePack`,
+:class:`~recaccel.ops.embedding.triton.TritonPack`,
+:class:`~recaccel.ops.embedding.fbgemm.FbgemmPack`), and from then on only calls
+:class:`PackBackend` methods: the module holds no backend branches.
+
+Reference and Triton packs keep their rows and optimizer state as tensors of the owning
+module (``weight_<p>``, ``momentum1_<p>``, ...: Parameters in autograd mode, else
+non-persistent buffers), so ``.to()``, ``parameters()`` and ``buffers()`` see them;
+``.to()`` replaces buffers, so the module hands a pack its current tensors (``held``, by
+name) at every call instead of the pack keeping them. The FBGEMM pack keeps its tables
+in its TBE and holds nothing on the module.
+
+Shapes: B batch, F_p features of the pack in a batch, D dim, R_t rows of a table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import ClassVar, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from recaccel.ops.embedding.optimizers import PackState, init_states
+from recaccel.ops.embedding.packing import LocalFeatures, PackLayout, PackRoute
+from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig
+from recaccel.sparse import SparseFeatures
+
+_OP = "PackedEmbeddingBag"
+
+
+class PackBackend(Protocol):
+    """What the module asks of one pack.
+
+    Attributes:
+        always_checks_ids: Check every batch's ids whatever ``bounds_check`` says (the
+            reference: its gathers would fail with an opaque message otherwise).
+    """
+
+    always_checks_ids: ClassVar[bool]
+
+    @classmethod
+    def create(
+        cls,
+        layout: PackLayout,
+        weights: list[Tensor],
+        *,
+        mode: str,
+        optim: SparseOptimConfig,
+        device: torch.device,
+        sparse_grad: bool,
+    ) -> tuple[PackBackend, dict[str, Tensor]]:
+        """The pack of ``layout``, and the tensors the module is to hold for it.
+
+        Args:
+            layout: The pack.
+            weights: Initial float32 [R_t, D] rows of each table of the pack (CPU).
+            mode: ``"fused"`` or ``"autograd"``.
+            optim: Sparse optimizer hyper-parameters.
+            device: Where the rows live.
+            sparse_grad: Autograd mode: a sparse gradient for the packed weight.
+
+        Returns:
+            (pack, held): ``held`` by name; the module registers each as ``<name>_<pack>``,
+            a Parameter as a parameter, the others as non-persistent buffers.
+        """
+
+    def check_batch_device(self, held: Mapping[str, Tensor], device: torch.device) -> None:
+        """Raises ValueError when a batch on ``device`` cannot be looked up by this pack."""
+
+    def lookup(
+        self, held: Mapping[str, Tensor], sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+    ) -> Tensor:
+        """Pools the pack's features of a batch (they are not all absent, B > 0).
+
+        Args:
+            held: The module's tensors of this pack, by name.
+            sf: The batch (int64 ids and offsets, float32 weights or None).
+            route: The pack's route for the batch's keys.
+            batch_size: B.
+            train: The lookup is part of a training step (module in training mode, grad
+                enabled): a fused pack's backward updates its rows.
+
+        Returns:
+            float32 [B, F_p, D] in the batch's feature order.
+        """
+
+    def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
+        """Per table of the pack: views of its rows [R_t, D] and optimizer state, by
+        checkpoint name (``weight``, ``momentum1``, ``momentum2``, ``step``)."""
+
+    def set_learning_rate(self, lr: float) -> None:
+        """Changes the learning rate of the pack's sparse optimizer."""
+
+
+class HeldPack:
+    """Base of the packs whose rows and optimizer state the module holds (reference, Triton).
+
+    Subclasses say how to pool in each mode; this class builds the tensors, picks the
+    mode, and slices the packed tensors into per-table views.
+
+    Args:
+        layout: The pack.
+        mode: ``"fused"`` or ``"autograd"``.
+        optim: Sparse optimizer hyper-parameters (fused mode).
+        sparse_grad: Autograd mode: give the packed weight a sparse gradient.
+    """
+
+    always_checks_ids: ClassVar[bool] = False
+
+    def __init__(self, layout: PackLayout, *, mode: str, optim: SparseOptimConfig, sparse_grad: bool) -> None:
+        self.layout = layout
+        self.mode = mode
+        self.optim = optim
+        self.sparse_grad = sparse_grad
+        # Adam's t: a CPU tensor, so that reading it never waits for the GPU.
+        self.step = torch.zeros((), dtype=torch.int64)
+
+    @classmethod
+    def create(
+        cls,
+        layout: PackLayout,
+        weights: list[Tensor],
+        *,
+        mode: str,
+        optim: SparseOptimConfig,
+        device: torch.device,
+        sparse_grad: bool,
+    ) -> tuple[HeldPack, dict[str, Tensor]]:
+        """The pack, and its tensors for the module to hold: ``weight`` [R, D] (a Parameter
+        in autograd mode) from the tables' initial rows ``weights`` (float32 [R_t, D]
+        each), then zero optimizer state."""
+        pack = cls(layout, mode=mode, optim=optim, sparse_grad=sparse_grad)
+        weight = torch.cat(weights).to(device)
+        held = {"weight": nn.Parameter(weight) if mode == "autograd" else weight}
+        held.update(init_states(layout.optimizer, layout.num_rows, layout.dim, device))
+        return pack, held
+
+    def check_batch_device(self, held: Mapping[str, Tensor], device: torch.device) -> None:
+        if device != held["weight"].device:
+            raise ValueError(f"{_OP}: the batch is on {device} but the tables are on {held['weight'].device}")
+
+    def lookup(
+        self, held: Mapping[str, Tensor], sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+    ) -> Tensor:
+        weight = held["weight"]
+        if self.mode == "autograd":
+            return self.lookup_autograd(weight, sf, route.local, batch_size)
+        if not train:
+            return self.lookup_frozen(weight, sf, route.local, batch_size)
+        # The rows are buffers: an empty input that requires grad makes autograd call the
+        # fused backward.
+        anchor = torch.empty(0, device=weight.device, requires_grad=True)
+        return self.lookup_fused(anchor, self._state(held), sf, route.local, batch_size)
+
+    def lookup_autograd(
+        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+    ) -> Tensor:
+        """Autograd mode: [B, S, D], differentiable w.r.t. the Parameter ``weight``."""
+        raise NotImplementedError
+
+    def lookup_frozen(
+        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+    ) -> Tensor:
+        """Fused mode outside training: [B, S, D], no graph."""
+        raise NotImplementedError
+
+    def lookup_fused(
+        self, anchor: Tensor, state: PackState, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+    ) -> Tensor:
+        """Fused mode in training: [B, S, D] whose backward updates ``state`` in place."""
+        raise NotImplementedError
+
+    def _state(self, held: Mapping[str, Tensor]) -> PackState:
+        states = {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}
+        return PackState(self.layout.optimizer, held["weight"], states, self.step)
+
+    def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
+        weight = held["weight"].detach()
+        states = {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}
+        out = []
+        for table, start in zip(self.layout.tables, self.layout.row_offsets):
+            rows = slice(start, start + table.num_rows)
+            tensors = {"weight": weight[rows], **{name: t[rows] for name, t in states.items()}}
+            if table.optimizer == "adam":
+                tensors["step"] = self.step
+            out.append(tensors)
+        return out
+
+    def set_learning_rate(self, lr: float) -> None:
+        self.optim = dataclasses.replace(self.optim, lr=lr)
