@@ -46,7 +46,7 @@ position, less the counts of the window a resume loads again, and ``load_state_d
 restores them. Decode counters (``rows_read``, ...)
 count decodes: a row group decoded again to complete a task counts twice (this
 happens when a unit is read before the unit its last task runs into; read after it,
-the task's rows there were kept by that unit, see ``task_stream.HeadStash``); the task
+the task's rows there were kept by that unit, see ``stream.HeadStash``); the task
 and row counters count each task and row once.
 """
 

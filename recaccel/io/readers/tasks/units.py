@@ -33,7 +33,7 @@ class UnitWorker:
         info: the dataset.
         projection: the columns to decode (task key and timestamp among the side columns).
         policies: bad-value policies.
-        bounds: first / last task key of each row group (see ``task_stream.key_bounds``).
+        bounds: first / last task key of each row group (see ``stream.key_bounds``).
         spec: the split rules.
         seed_words: seed of the splits.
         heads: row-group heads shared by the workers of one pass, or None.
