@@ -111,6 +111,7 @@ DenseOptimizer = Literal["adam", "sgd", "adagrad"]
 SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
 TrainMode = Literal["dlrm", "meta"]
 Loss = Literal["bce", "mse"]  # BCE on logits (binary labels) | squared error (ratings)
+LabelKind = Literal["binary", "rating"]  # a dataset's labels: clicks {0, 1} | real-valued ratings
 TaskSplit = Literal["random", "time"]
 AdaptMode = Literal["top_mlp", "head", "head_and_embedding_shift"]
 MetaEngine = Literal["batched", "vmap", "loop"]  # stacked bmm | torch.func | per-task baseline

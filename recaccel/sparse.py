@@ -390,6 +390,11 @@ class Batch:
     def batch_size(self) -> int:
         return self.labels.shape[0]
 
+    @property
+    def training_rows(self) -> int:
+        """Rows a step trains on (every row of a Batch)."""
+        return self.batch_size
+
     def slice_rows(self, lo: int, hi: int) -> Batch:
         """Rows ``[lo, hi)`` of every column (see :meth:`SparseFeatures.slice_rows`).
 
@@ -458,6 +463,11 @@ class TaskBatch:
     @property
     def num_tasks(self) -> int:
         return self.task_ids.shape[0]
+
+    @property
+    def training_rows(self) -> int:
+        """Rows a step trains on: the real (unpadded) support and query rows."""
+        return int(self.support_mask.sum() + self.query_mask.sum())
 
     @property
     def support_size(self) -> int:

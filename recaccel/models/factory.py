@@ -25,7 +25,7 @@ def build_embedding(
     from recaccel.ops.embedding import SparseOptimConfig
 
     check_table_memory(schema, model_cfg.embedding_dim, device)  # refuse before allocating
-    optim = SparseOptimConfig(lr=optim_cfg.sparse_lr, eps=optim_cfg.eps)
+    optim = SparseOptimConfig.from_config(optim_cfg)
     return field_embedding(
         list(schema.sparse),
         model_cfg.embedding_dim,

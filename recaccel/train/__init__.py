@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
     from recaccel.train.checkpoint_paths import all_checkpoints, list_checkpoints, newest_checkpoint
     from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
-    from recaccel.train.optim import build_dense_optimizer, sparse_optim_config
+    from recaccel.train.optim import build_dense_optimizer
     from recaccel.train.parallel import Parallelism, SingleProcess
     from recaccel.train.runlog import RunLog
     from recaccel.train.trainer import Trainer, build_parallel, resolve_device, resolve_loss
@@ -38,7 +38,6 @@ _EXPORTS = {
     "all_checkpoints": "checkpoint_paths",
     "newest_checkpoint": "checkpoint_paths",
     "build_dense_optimizer": "optim",
-    "sparse_optim_config": "optim",
     "RunLog": "runlog",
 }
 
@@ -60,7 +59,6 @@ __all__ = [
     "resolve_device",
     "resolve_loss",
     "save_checkpoint",
-    "sparse_optim_config",
 ]
 
 

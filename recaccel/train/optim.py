@@ -1,5 +1,6 @@
-"""Optimizers from ``[optim]``: the dense one over the parameters autograd updates (MLPs,
-non-fused embeddings), and the settings of the sparse one fused into the embeddings."""
+"""The dense optimizer from ``[optim]``, over the parameters autograd updates (MLPs,
+non-fused embeddings). The sparse one is fused into the embeddings and configured by
+:meth:`recaccel.ops.embedding.SparseOptimConfig.from_config`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import torch
 from torch import nn
 
 from recaccel.config import DenseOptimizer, OptimConfig
-from recaccel.ops.embedding import SparseOptimConfig
 
 _DENSE: dict[DenseOptimizer, Callable[[list[nn.Parameter], OptimConfig], torch.optim.Optimizer]] = {
     "adam": lambda params, cfg: torch.optim.Adam(
@@ -30,10 +30,3 @@ def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     """
     params = [p for p in model.parameters() if p.requires_grad]
     return _DENSE[cfg.dense](params, cfg)
-
-
-def sparse_optim_config(cfg: OptimConfig) -> SparseOptimConfig:
-    """The fused sparse optimizer's hyper-parameters (``optim.sparse_lr``, ``optim.eps``;
-    Adam's betas at their defaults), the one place ``[optim]`` becomes them: recaccel's
-    packed embeddings, TorchRec's FBGEMM kernels and the data-parallel tables all read it."""
-    return SparseOptimConfig(lr=cfg.sparse_lr, eps=cfg.eps)

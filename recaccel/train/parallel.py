@@ -16,7 +16,6 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.io.readers.protocol import Reader
-from recaccel.sparse import Batch, TaskBatch
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from recaccel.train.objectives import Objective
 
@@ -53,13 +52,6 @@ class Parallelism(Protocol):
     def close(self) -> None: ...
 
 
-def batch_rows(batch: Batch | TaskBatch) -> int:
-    """Training rows of a batch: rows of a Batch, real support + query rows of a TaskBatch."""
-    if isinstance(batch, TaskBatch):
-        return int(batch.support_mask.sum() + batch.query_mask.sum())
-    return batch.batch_size
-
-
 class SingleProcess:
     """One process, one device: wrapping and gathering are identities."""
 
@@ -82,7 +74,7 @@ class SingleProcess:
 
     def batches(self, loader: Iterable, objective: Objective) -> Iterator:
         for batch in loader:
-            self.step_rows = batch_rows(batch)
+            self.step_rows = batch.training_rows
             yield batch
 
     def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from recaccel.config import Config, Loss
+from recaccel.config import Config, LabelKind, Loss
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
@@ -42,7 +42,7 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"train.device={name!r} is not a device name (auto, cpu, cuda)") from None
 
 
-def resolve_loss(cfg: Config, label_kind: str) -> Loss:
+def resolve_loss(cfg: Config, label_kind: LabelKind) -> Loss:
     """``bce`` for click labels, ``mse`` for ratings (``train.loss = auto`` picks by data)."""
     loss = cfg.train.loss
     if loss == "auto":

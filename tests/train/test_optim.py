@@ -9,7 +9,7 @@ import torch
 
 from recaccel.config import DenseOptimizer, OptimConfig, ShardingKind, choices
 from recaccel.ops.embedding import SparseOptimConfig
-from recaccel.train.optim import build_dense_optimizer, sparse_optim_config
+from recaccel.train.optim import build_dense_optimizer
 
 
 @pytest.mark.parametrize("dense", choices(DenseOptimizer))
@@ -26,7 +26,7 @@ def test_every_dense_choice_builds_its_optimizer(dense):
 
 
 def test_sparse_settings_come_from_optim_config():
-    rule = sparse_optim_config(OptimConfig(sparse_lr=0.3, eps=1e-6))
+    rule = SparseOptimConfig.from_config(OptimConfig(sparse_lr=0.3, eps=1e-6))
     assert rule == SparseOptimConfig(lr=0.3, eps=1e-6)
 
 
@@ -38,7 +38,7 @@ def test_fbgemm_fused_params_read_the_sparse_settings():
 
     optim = OptimConfig(sparse="adam", sparse_lr=0.3, eps=1e-6)
     params = fused_params(optim, torch.device("cuda"))  # only the device kind is read
-    rule = sparse_optim_config(optim)
+    rule = SparseOptimConfig.from_config(optim)
     assert params == {
         "optimizer": EmbOptimType.ADAM,
         "learning_rate": rule.lr,

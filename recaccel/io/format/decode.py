@@ -389,4 +389,4 @@ def _count(stats: dict[str, int], key: str, n: int) -> None:
     before = stats.get(key, 0)
     stats[key] = before + n
     if before == 0 and key != "rows_read":
-        logger.warning("recaccel reader: %s (first occurrence; see reader.stats for counts)", key)
+        logger.warning("recaccel reader: %s (first occurrence; see the reader's counters)", key)

@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import pyarrow as pa
 
+from recaccel.config import LabelKind, choices
 from recaccel.errors import DataError
 
 SCHEMA_METADATA_KEY = b"recaccel.schema"
 MAX_CARDINALITY = 2**63 - 1  # ids are int64
-LABEL_KINDS = ("binary", "rating")
+LABEL_KINDS = choices(LabelKind)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class FeatureSchema:
     dense: tuple[str, ...]
     sparse: tuple[SparseField, ...]
     label: str = "label"
-    label_kind: str = "binary"
+    label_kind: LabelKind = "binary"
     task_key: str | None = None
     timestamp: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)

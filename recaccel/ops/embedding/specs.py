@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from recaccel.config import Pooling, SparseOptimizer, choices
+from recaccel.config import OptimConfig, Pooling, SparseOptimizer, choices
 from recaccel.errors import ConfigError, DataError
 
 POOLINGS = choices(Pooling)  # sum, mean
@@ -106,6 +106,13 @@ class SparseOptimConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     weight_decay: float = 0.0
+
+    @classmethod
+    def from_config(cls, cfg: OptimConfig) -> SparseOptimConfig:
+        """The settings ``[optim]`` gives (``sparse_lr``, ``eps``; Adam's betas at their
+        defaults): the one place a config becomes them, for recaccel's packed embeddings,
+        TorchRec's FBGEMM kernels and the data-parallel tables alike."""
+        return cls(lr=cfg.sparse_lr, eps=cfg.eps)
 
     def __post_init__(self) -> None:
         if not self.lr > 0:

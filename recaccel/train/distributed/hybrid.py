@@ -46,14 +46,13 @@ from torch import Tensor, nn
 from recaccel.config import Config, SparseOptimizer
 from recaccel.errors import ConfigError
 from recaccel.io.readers.protocol import Reader
+from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.train.checkpoint import TrainState
 from recaccel.train.distributed.collectives import CollectiveError, is_comm_error
 from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
 from recaccel.train.distributed.hybrid_data import GlobalSlices, loss_denominator
 from recaccel.train.distributed.launch import under_torchrun
 from recaccel.train.objectives import Objective
-from recaccel.train.optim import sparse_optim_config
-from recaccel.train.parallel import batch_rows
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +233,7 @@ class HybridParallel:
             for t in tables:
                 module.table_state(t.name)["weight"].copy_(weights[t.name])
         params = list(module.parameters())
-        rule = sparse_optim_config(optim)
+        rule = SparseOptimConfig.from_config(optim)
         if optim.sparse == "sgd":
             return module, torch.optim.SGD(params, lr=rule.lr)
         from torchrec.optim import RowWiseAdagrad  # the FBGEMM rule on dense gradients
@@ -273,7 +272,7 @@ class HybridParallel:
             batch = next(items, None)
             info = torch.zeros(3, dtype=torch.float64)
             if batch is not None:
-                info[0], info[1], info[2] = 1.0, loss_denominator(batch, objective.loss), batch_rows(batch)
+                info[0], info[1], info[2] = 1.0, loss_denominator(batch, objective.loss), batch.training_rows
             with self.collectives("agreeing on the next step"):
                 buffer = info.to(self._comm_device())
                 dist.all_reduce(buffer)

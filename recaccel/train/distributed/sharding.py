@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from recaccel.config import OptimConfig, ParallelConfig, ShardingKind, choices
 from recaccel.errors import ConfigError
-from recaccel.ops.embedding.specs import TableSpec
-from recaccel.train.optim import sparse_optim_config
+from recaccel.ops.embedding.specs import SparseOptimConfig, TableSpec
 
 KINDS: tuple[ShardingKind, ...] = choices(ShardingKind)
 # The kinds TorchRec shards (``data_parallel`` tables stay outside it): ``auto``'s choices.
@@ -78,7 +77,7 @@ def fused_params(optim: OptimConfig, device: torch.device) -> dict:
         "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
         "adam": EmbOptimType.ADAM,
     }[optim.sparse]
-    rule = sparse_optim_config(optim)
+    rule = SparseOptimConfig.from_config(optim)
     params = {"optimizer": kind, "learning_rate": rule.lr, "eps": rule.eps}
     if optim.sparse == "adam":
         params.update(beta1=rule.beta1, beta2=rule.beta2)
