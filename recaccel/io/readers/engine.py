@@ -25,6 +25,7 @@ reads again). Once an epoch's last batch has been yielded the position says
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +54,7 @@ class Position:
     done: bool = False
 
 
-class ShardedReader(IterableDataset):
+class ShardedReader(IterableDataset, ABC):
     """Base of the streaming readers (see the module docstring).
 
     Subclasses set ``_KEYS`` (state names of the position fields) and ``_WHAT`` (the
@@ -100,9 +101,9 @@ class ShardedReader(IterableDataset):
         return self._pos.epoch + 1 if self._pos.done else self._pos.epoch
 
     @property
+    @abstractmethod
     def num_batches(self) -> int | None:
         """Batches per epoch for a progress bar, or None when not known ahead."""
-        raise NotImplementedError
 
     def set_epoch(self, epoch: int) -> None:
         """Moves the position to the start of ``epoch`` (counters go on counting)."""
@@ -193,12 +194,12 @@ class ShardedReader(IterableDataset):
     def _fingerprint(self) -> dict[str, Any]:
         return {**self._settings(), **data_fingerprint(self.info, self.policies)}
 
+    @abstractmethod
     def _settings(self) -> dict[str, Any]:
         """The settings a saved position depends on (JSON-able, in state order)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _cut(self, start: Position, shard: tuple[int, int]) -> Iterator[tuple[Any, Position, dict[str, int]]]:
         """Batches from ``start`` to the epoch's end of shard ``shard`` (see
         ``Shard.for_worker``), each with the position after it and the counters to pair
         with that position (see :func:`state.counters_at`)."""
-        raise NotImplementedError

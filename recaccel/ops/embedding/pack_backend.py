@@ -20,6 +20,7 @@ Shapes: B batch, F_p features of the pack in a batch, D dim, R_t rows of a table
 from __future__ import annotations
 
 import dataclasses
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar, Protocol
 
@@ -98,7 +99,7 @@ class PackBackend(Protocol):
         """Changes the learning rate of the pack's sparse optimizer."""
 
 
-class HeldPack:
+class HeldPack(ABC):
     """Base of the packs whose rows and optimizer state the module holds (reference, Triton).
 
     Subclasses say how to pool in each mode; this class builds the tensors, picks the
@@ -158,23 +159,23 @@ class HeldPack:
         anchor = torch.empty(0, device=weight.device, requires_grad=True)
         return self.lookup_fused(anchor, self._state(held), sf, route.local, batch_size)
 
+    @abstractmethod
     def lookup_autograd(
         self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
     ) -> Tensor:
         """Autograd mode: [B, S, D], differentiable w.r.t. the Parameter ``weight``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lookup_frozen(
         self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
     ) -> Tensor:
         """Fused mode outside training: [B, S, D], no graph."""
-        raise NotImplementedError
 
+    @abstractmethod
     def lookup_fused(
         self, anchor: Tensor, state: PackState, sf: SparseFeatures, local: LocalFeatures, batch_size: int
     ) -> Tensor:
         """Fused mode in training: [B, S, D] whose backward updates ``state`` in place."""
-        raise NotImplementedError
 
     def _state(self, held: Mapping[str, Tensor]) -> PackState:
         states = {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}
