@@ -2,6 +2,9 @@
 # make test  : set up, lint (ruff check, ruff format --check) and run the test suite
 # make bench : the embedding benchmark, into the published bench/results/ (recaccel-bench
 #              writes under runs/bench/ unless --out names another place)
+# make gpu-check : on a GPU machine (no venv there: PYTHONPATH=. make gpu-check OUT=dir) the GPU
+#              tests, every benchmark at GPU sizes and the targets' summary, within 9 minutes;
+#              make gpu-check DEVICE=cpu runs the same steps at tiny sizes in the venv
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -9,7 +12,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 CUDA   := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -38,6 +41,12 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/recaccel-bench embedding --out bench/results/embedding.md --json bench/results/embedding.json
+
+DEVICE ?= cuda
+OUT    ?= runs/gpu-check
+# On CPU the venv's python (after setup); on a GPU machine the system's, which holds torch.
+gpu-check: $(if $(filter cpu,$(DEVICE)),setup)
+	$(if $(filter cpu,$(DEVICE)),$(PY),$(PYTHON)) -m recaccel.bench.gpu_check --device $(DEVICE) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache
