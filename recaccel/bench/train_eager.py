@@ -1,0 +1,179 @@
+"""The hand-written DLRM ``recaccel-bench train`` compares recaccel with.
+
+What a PyTorch user writes today, as TorchRec's unsharded ``EmbeddingBagCollection`` and
+``InteractionArch`` do it: one ``nn.EmbeddingBag`` per table (sum pooling, sparse
+gradients) looked up in a loop after splitting the batch's ids by field (one host read
+of the field boundaries per batch, as ``KeyedJaggedTensor.to_dict`` does), the dot
+interaction as ``bmm`` plus a gather of the upper triangle, the same MLPs as recaccel's
+arches, a torch optimizer for the tables and another for the MLPs.
+
+:func:`check_same_function` proves, before anything is timed, that this model computes
+recaccel's function: with recaccel's weights copied in, its logits equal recaccel's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from recaccel.config import OptimConfig, SparseOptimizer
+from recaccel.errors import ConfigError, RecaccelError
+from recaccel.sparse import Batch, SparseFeatures
+
+# recaccel's fused sparse optimizer -> the closest torch optimizer that takes sparse
+# gradients (torch has no row-wise Adagrad: its Adagrad keeps one accumulator per element).
+EAGER_SPARSE_OPTIMIZERS: dict[SparseOptimizer, str] = {
+    "sgd": "torch.optim.SGD",
+    "rowwise_adagrad": "torch.optim.Adagrad (element-wise; torch has no row-wise Adagrad)",
+    "adam": "torch.optim.SparseAdam",
+}
+
+
+def _mlp(in_features: int, sizes: list[int], *, final_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i, out in enumerate(sizes):
+        layers.append(nn.Linear(in_features, out))
+        if final_relu or i < len(sizes) - 1:
+            layers.append(nn.ReLU())
+        in_features = out
+    return nn.Sequential(*layers)
+
+
+class EagerHead(nn.Module):
+    """Bottom MLP, bmm + gather dot interaction, top MLP: the model's dense part.
+
+    Args:
+        num_dense: Dd.
+        num_sparse: F.
+        bottom: bottom MLP sizes, ending in D.
+        top: top MLP sizes, ending in 1.
+    """
+
+    def __init__(self, num_dense: int, num_sparse: int, bottom: list[int], top: list[int]) -> None:
+        super().__init__()
+        dim = bottom[-1]
+        rows = num_sparse + 1
+        self.bottom = _mlp(num_dense, bottom, final_relu=True)
+        self.top = _mlp(dim + rows * (rows - 1) // 2, top, final_relu=False)
+        pairs = torch.triu_indices(rows, rows, offset=1)  # (0,1), (0,2), ..., (F-1,F)
+        self.register_buffer("pair_i", pairs[0], persistent=False)
+        self.register_buffer("pair_j", pairs[1], persistent=False)
+
+    def interact(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """[B, D] and [B, F, D] -> [B, D + (F+1)F/2]: the dense vector, then every pair's dot product."""
+        x = torch.cat([dense.unsqueeze(1), pooled], dim=1)  # [B, F+1, D]
+        gram = torch.bmm(x, x.transpose(1, 2))  # [B, F+1, F+1]
+        return torch.cat([dense, gram[:, self.pair_i, self.pair_j]], dim=1)
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """Logits [B] from dense features [B, Dd] and pooled embeddings [B, F, D]."""
+        return self.top(self.interact(self.bottom(dense), pooled)).squeeze(-1)
+
+
+class EagerDLRM(nn.Module):
+    """The hand-written DLRM: per-table bags and :class:`EagerHead`.
+
+    Args:
+        features: the F field names, in the model's order.
+        cardinalities: rows of each field's table.
+        num_dense: Dd (>= 1).
+        bottom: bottom MLP sizes, ending in the embedding dim D.
+        top: top MLP sizes, ending in 1.
+        device: where the model lives.
+    """
+
+    def __init__(
+        self,
+        features: list[str],
+        cardinalities: list[int],
+        num_dense: int,
+        bottom: list[int],
+        top: list[int],
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_dense < 1:
+            raise ConfigError("train bench: the eager baseline needs dense features (num_dense >= 1)")
+        self.features = list(features)
+        dim = bottom[-1]
+        self.bags = nn.ModuleList(
+            nn.EmbeddingBag(n, dim, mode="sum", sparse=True, device=device) for n in cardinalities
+        )
+        with torch.no_grad():
+            for bag, n in zip(self.bags, cardinalities):
+                bag.weight.uniform_(-(n**-0.5), n**-0.5)  # recaccel's initial range
+        self.head = EagerHead(num_dense, len(features), bottom, top).to(device)
+
+    def embed(self, sparse: SparseFeatures) -> Tensor:
+        """Pooled embeddings [B, F, D], one ``nn.EmbeddingBag`` call per field."""
+        sparse = sparse.reorder(self.features)
+        b = sparse.batch_size
+        # Field f's ids are values[bounds[f]:bounds[f+1]]: one host read for all fields.
+        bounds = sparse.offsets[::b].tolist() if b > 0 else [0] * (len(self.features) + 1)
+        pooled = []
+        for f, bag in enumerate(self.bags):
+            values = sparse.values[bounds[f] : bounds[f + 1]]
+            offsets = sparse.offsets[f * b : (f + 1) * b] - bounds[f]
+            pooled.append(bag(values, offsets))
+        return torch.stack(pooled, dim=1)
+
+    def forward(self, batch: Batch) -> Tensor:
+        """Logits [B]."""
+        return self.head(batch.dense, self.embed(batch.sparse))
+
+    def embedding_parameters(self) -> list[nn.Parameter]:
+        return [bag.weight for bag in self.bags]
+
+    @torch.no_grad()
+    def copy_from(self, model: nn.Module) -> None:
+        """Takes a recaccel DLRM's weights (tables by field name, MLP layers in order).
+
+        Raises:
+            RuntimeError: the MLPs' layers differ (a different function).
+        """
+        tables = model.sparse_arch.embedding
+        for name, bag in zip(self.features, self.bags):
+            bag.weight.copy_(tables.table_state(name)["weight"])
+        self.head.bottom.load_state_dict(model.dense_arch.model.state_dict())
+        self.head.top.load_state_dict(model.over_arch.model.state_dict())
+
+
+def sparse_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The torch optimizer of the tables' sparse gradients closest to ``cfg.sparse``
+    (:data:`EAGER_SPARSE_OPTIMIZERS`), at ``cfg.sparse_lr``."""
+    if cfg.sparse == "sgd":
+        return torch.optim.SGD(params, lr=cfg.sparse_lr)
+    if cfg.sparse == "adam":
+        return torch.optim.SparseAdam(params, lr=cfg.sparse_lr, eps=cfg.eps)
+    return torch.optim.Adagrad(params, lr=cfg.sparse_lr, eps=cfg.eps)
+
+
+def logits_mismatch(eager: Tensor, reference: Tensor, rtol: float = 1e-4, atol: float = 1e-5) -> float | None:
+    """The largest excess of ``|eager - reference|`` over ``atol + rtol * |reference|``,
+    or None when every logit is within it (fp32 tolerance)."""
+    diff = (eager.double() - reference.double()).abs()
+    excess = diff - (atol + rtol * reference.double().abs())
+    worst = float(excess.max()) if excess.numel() else 0.0
+    return None if worst <= 0 and bool(torch.isfinite(eager).all()) else float(diff.max())
+
+
+def check_same_function(eager: EagerDLRM, reference: nn.Module, batch: Batch, what: str) -> float:
+    """Copies ``reference``'s weights into ``eager`` and compares their logits on ``batch``.
+
+    Returns:
+        The largest absolute logit difference.
+
+    Raises:
+        RecaccelError: the logits differ beyond fp32 tolerance (the benchmark would time
+            a different model).
+    """
+    eager.copy_from(reference)
+    with torch.no_grad():
+        mine, theirs = eager(batch), reference(batch)
+    worst = logits_mismatch(mine, theirs)
+    if worst is not None:
+        raise RecaccelError(
+            f"train bench {what}: the eager baseline does not compute recaccel's function: logits differ "
+            f"by up to {worst:.3g} on a batch of {batch.batch_size} rows (tolerance 1e-5 + 1e-4 * |logit|)"
+        )
+    return float((mine.double() - theirs.double()).abs().max())
