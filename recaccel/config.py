@@ -107,6 +107,8 @@ Interaction = Literal["dot"]
 EmbeddingBackend = Literal["auto", "reference", "triton", "fbgemm", "per_table"]
 InteractionBackend = Literal["auto", "reference", "triton"]
 Pooling = Literal["sum", "mean"]
+EmbeddingDtype = Literal["fp32", "bf16", "fp16"]  # packed embedding rows (optimizer state stays fp32)
+Precision = Literal["fp32", "bf16"]  # bf16: autocast for the MLPs and the interaction
 DenseOptimizer = Literal["adam", "sgd", "adagrad"]
 SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
 TrainMode = Literal["dlrm", "meta"]
@@ -233,6 +235,8 @@ class ModelConfig(_Section):
     embedding_backend: EmbeddingBackend = "auto"
     interaction_backend: InteractionBackend = "auto"
     pooling: Pooling = "sum"
+    # bf16/fp16: packed rows stored 16-bit, updated in fp32 with stochastic rounding
+    embedding_dtype: EmbeddingDtype = "fp32"
     item_fields: list[Name] = field(default_factory=list)  # melu: the item attribute fields
 
 
@@ -269,6 +273,7 @@ class TrainConfig(_Section):
     device: Annotated[str, Pattern(r"auto|cpu|cuda(:[0-9]+)?", "must be auto, cpu, cuda or cuda:N")] = "auto"
     progress: bool = True
     deterministic: bool = False
+    precision: Precision = "fp32"  # bf16: autocast MLPs and interaction; loss, metrics, optimizer fp32
 
 
 @dataclass

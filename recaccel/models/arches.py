@@ -56,7 +56,12 @@ class SparseArch(nn.Module):
         Raises:
             DataError: the batch lacks a field of the model or has one the model does not know.
         """
-        return self.embedding(sparse.reorder(self.features))
+        device_type = sparse.values.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return self.embedding(sparse.reorder(self.features))
+        # Under mixed precision the lookup and its pooled output stay float32.
+        with torch.autocast(device_type, enabled=False):
+            return self.embedding(sparse.reorder(self.features))
 
 
 def embedding_features(embedding: nn.Module) -> list[str]:
@@ -119,6 +124,11 @@ class InteractionArch(nn.Module):
         """Maps dense [B, D] and pooled [B, F, D] to [B, D + (F+1)F/2]."""
         # Row 0 is the dense vector, rows 1..F the pooled embeddings: [B, F+1, D].
         stacked = torch.cat([dense.unsqueeze(1), pooled], dim=1)
+        device_type = stacked.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Mixed precision: the interaction runs in the autocast dtype on every backend
+            # (a custom kernel is not autocast by itself; cat promotes to float32).
+            stacked = stacked.to(torch.get_autocast_dtype(device_type))
         return dot_interaction(stacked, backend=self.backend)
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from recaccel.config import EmbeddingBackend, Pooling, SparseOptimizer, choices
+from recaccel.config import EmbeddingBackend, EmbeddingDtype, Pooling, SparseOptimizer, choices
 from recaccel.errors import ConfigError
 from recaccel.sparse import SparseFeatures
 
@@ -90,6 +90,7 @@ def field_embedding(
     optim=None,
     device: torch.device | str | None = None,
     seed: int | None = None,
+    dtype: EmbeddingDtype = "fp32",
 ) -> nn.Module:
     """One table per field, looked up per table (``per_table``) or packed.
 
@@ -105,19 +106,28 @@ def field_embedding(
         optim: packed only: a :class:`~recaccel.ops.embedding.SparseOptimConfig`.
         device: where the tables live.
         seed: packed only: seed of the initial rows.
+        dtype: the rows' dtype: ``fp32``, or ``bf16`` / ``fp16`` (packed, fused mode).
 
     Returns:
-        A module mapping SparseFeatures to [B, F, D].
+        A module mapping SparseFeatures to [B, F, D] (float32 whatever ``dtype``).
 
     Raises:
-        ConfigError: unknown backend.
+        ConfigError: unknown backend; a 16-bit dtype with ``per_table`` or on a backend
+            that cannot update it.
     """
     if backend not in EMBEDDING_BACKENDS:
         raise ConfigError(f"embedding backend must be one of {EMBEDDING_BACKENDS}, got {backend!r}")
+    if backend == "per_table" and dtype != "fp32":
+        raise ConfigError(
+            f"model.embedding_backend=per_table does not support model.embedding_dtype={dtype} (its tables are "
+            "dense-optimizer parameters, whose state would be 16-bit too); use a packed backend"
+        )
     if backend == "per_table":
         names, rows = [f.name for f in fields], [f.cardinality for f in fields]
         return PerTableEmbeddingBag(names, rows, dim, pooling).to(device)
     from recaccel.ops.embedding import PackedEmbeddingBag, TableSpec
 
     tables = [TableSpec(f.name, f.cardinality, dim, pooling=pooling, optimizer=optimizer) for f in fields]
-    return PackedEmbeddingBag(tables, backend=backend, mode=mode, optim=optim, device=device, seed=seed)
+    return PackedEmbeddingBag(
+        tables, backend=backend, mode=mode, optim=optim, device=device, seed=seed, dtype=dtype
+    )

@@ -34,6 +34,7 @@ def build_embedding(
         optimizer=optim_cfg.sparse,
         optim=optim,
         device=device,
+        dtype=model_cfg.embedding_dtype,
     )
 
 

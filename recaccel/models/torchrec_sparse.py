@@ -40,6 +40,10 @@ def embedding_tables(embedding: nn.Module) -> list[TableSpec]:
     from recaccel.ops.embedding import PackedEmbeddingBag
 
     if isinstance(embedding, PackedEmbeddingBag):
+        if embedding.dtype != "fp32":
+            raise ConfigError(
+                f"TorchRec tables (parallel.mode=hybrid) run model.embedding_dtype=fp32 only, got {embedding.dtype}"
+            )
         return list(embedding.tables)
     if isinstance(embedding, PerTableEmbeddingBag):
         pooling = embedding.bags[0].mode if len(embedding.bags) else "sum"

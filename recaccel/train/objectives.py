@@ -6,12 +6,14 @@ supplies the readers, the step loss and the evaluation.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
 
-from recaccel.config import Config, Loss
+from recaccel.config import Config, Loss, Precision
 from recaccel.errors import DataError
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.rows import BatchReader
@@ -46,8 +48,25 @@ class Objective(Protocol):
         ...
 
 
+def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
+    """The mixed-precision context of ``train.precision`` on ``device``.
+
+    ``fp32``: none (the float32 path, unchanged). ``bf16``: ``torch.autocast`` to
+    bfloat16, which runs the MLPs and the interaction in bfloat16 (on CUDA, and on CPU);
+    the embedding lookup opts out (:class:`~recaccel.models.arches.SparseArch`), and
+    parameters, gradients and the dense optimizer stay float32.
+    """
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
 class DLRMObjective:
-    """Click (BCE) or rating (MSE) loss of a DLRM on row batches."""
+    """Click (BCE) or rating (MSE) loss of a DLRM on row batches.
+
+    Under ``train.precision = "bf16"`` the forward runs under :func:`autocast`; the
+    logits are cast to float32 and the loss and metrics are computed in float32.
+    """
 
     def __init__(self, cfg: Config, model: nn.Module, loss: Loss) -> None:
         self.cfg = cfg
@@ -58,14 +77,23 @@ class DLRMObjective:
         return BatchReader.from_config(path, self.cfg.data, train=train, rank=rank, world_size=world_size)
 
     def batch_loss(self, batch: Batch) -> Tensor:
-        logits = self.module(batch)
+        with autocast(self.cfg.train.precision, batch.labels.device):
+            logits = self.module(batch)
+        logits = logits.float()
         if self.loss == "bce":
             return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, weight=batch.weights)
         err = (logits - batch.labels).pow(2)
         return err.mean() if batch.weights is None else (err * batch.weights).sum() / batch.weights.sum()
 
     def predictions(self, batches: Iterable[Batch]) -> tuple[Tensor, Tensor]:
-        return predict(self.module, batches)
+        """Float32 logits [N] and labels [N] (the forward under the run's precision)."""
+        precision = self.cfg.train.precision
+
+        def forward(batch: Batch) -> Tensor:
+            with autocast(precision, batch.labels.device):
+                return self.module(batch)
+
+        return predict(forward if precision != "fp32" else self.module, batches)
 
     def metrics(self, logits: Tensor, labels: Tensor) -> dict[str, Any]:
         """Metrics of predictions [N]; a NaN or infinite one raises MetricError (one line)."""

@@ -137,6 +137,11 @@ class Trainer:
         task's support rows, and as is), on the same query rows: the meta baselines.
         """
         cfg = self.cfg
+        if cfg.train.precision != "fp32" and (cfg.train.mode == "meta" or cfg.train.eval_tasks):
+            raise ConfigError(
+                f"train.precision={cfg.train.precision} runs train.mode=dlrm without train.eval_tasks only "
+                "(the meta engines adapt in float32); use train.precision=fp32"
+            )
         model = build_model(cfg.model, cfg.optim, self.schema, self.device)
         loss = resolve_loss(cfg, self.schema.label_kind)
         if cfg.train.mode == "meta":

@@ -16,6 +16,14 @@ ignored (L2 and decoupled modes alike); ADAM and PARTIAL_ROWWISE_ADAM are refuse
 supported in CPU mode"); dims must be multiples of 4. This backend therefore rejects Adam
 and weight decay (use ``backend="triton"`` on CUDA or ``"reference"``).
 
+16-bit rows (tried on CPU): BF16 weights fail in the CPU forward ("not implemented for
+'BFloat16'"); FP16 weights train but the CPU update rounds to nearest (an update below
+half a 16-bit step leaves the row unchanged, ``stochastic_rounding=True`` or not), so
+both are refused on CPU. On CUDA the TBE stores FP16 or BF16 weights
+(``weights_precision``) with float32 optimizer state and FBGEMM's own stochastic
+rounding (its RNG is FBGEMM's, not saved in checkpoints); that path has not run here,
+as no CUDA machine with FBGEMM was available.
+
 Shapes: B batch, S features a pack declares, F_p of them in the batch, D dim, R rows.
 """
 
@@ -33,11 +41,30 @@ from recaccel.sparse import SparseFeatures
 
 # The sparse optimizers this backend runs, by name, with FBGEMM's rule for each.
 _FBGEMM_RULES = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
+# FBGEMM's weights_precision of each row dtype (read off SparseType when the TBE is built).
+_SPARSE_TYPES = {
+    torch.float32: lambda t: t.FP32,
+    torch.bfloat16: lambda t: t.BF16,
+    torch.float16: lambda t: t.FP16,
+}
 FBGEMM_OPTIMIZERS = tuple(name for name in OPTIMIZERS if name in _FBGEMM_RULES)  # a subset, in that order
 
 
-def fbgemm_unsupported(tables: list[TableSpec], mode: str, optim: SparseOptimConfig) -> str | None:
-    """Why the FBGEMM backend cannot run these tables and options, or None when it can."""
+def fbgemm_unsupported(
+    tables: list[TableSpec],
+    mode: str,
+    optim: SparseOptimConfig,
+    dtype: str = "fp32",
+    device: torch.device | None = None,
+) -> str | None:
+    """Why the FBGEMM backend cannot run these tables, options and row dtype on ``device``
+    (CPU when None), or None when it can."""
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if dtype != "fp32" and not on_cuda:
+        return (
+            f"{dtype} rows on CPU (fbgemm-gpu-cpu 1.8.0 has no bf16 CPU kernels and rounds fp16 updates "
+            "to nearest, without stochastic rounding; use backend='reference' or 'triton')"
+        )
     if mode != "fused":
         return f"mode={mode!r} (FBGEMM applies the optimizer inside its backward; use mode='fused')"
     if optim.weight_decay > 0:
@@ -69,9 +96,14 @@ class FbgemmPack:
     """
 
     def __init__(
-        self, layout: PackLayout, optim: SparseOptimConfig, device: torch.device, weights: list[Tensor]
+        self,
+        layout: PackLayout,
+        optim: SparseOptimConfig,
+        device: torch.device,
+        weights: list[Tensor],
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        from fbgemm_gpu.split_embedding_configs import EmbOptimType
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
         from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
             BoundsCheckMode,
             EmbeddingLocation,
@@ -97,6 +129,8 @@ class FbgemmPack:
             device=device,
             # recaccel checks ids itself, once per batch for all packs.
             bounds_check_mode=BoundsCheckMode.NONE,
+            weights_precision=_SPARSE_TYPES[dtype](SparseType),
+            stochastic_rounding=True,
         )
         with torch.no_grad():
             for view, w in zip(self.tbe.split_embedding_weights(), weights):
@@ -114,10 +148,13 @@ class FbgemmPack:
         optim: SparseOptimConfig,
         device: torch.device,
         sparse_grad: bool,
+        dtype: torch.dtype = torch.float32,
+        rounding: object = None,
     ) -> tuple[FbgemmPack, dict[str, Tensor]]:
         """The pack (fused mode: :func:`fbgemm_unsupported` has ruled out the others), and
-        no tensors for the module to hold."""
-        return cls(layout, optim, device, weights), {}
+        no tensors for the module to hold. ``rounding`` is unused: FBGEMM rounds 16-bit
+        rows with its own RNG."""
+        return cls(layout, optim, device, weights, dtype), {}
 
     @property
     def device(self) -> torch.device:

@@ -21,6 +21,7 @@ from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch
 from recaccel.ops.embedding.reference import ReferencePack
+from recaccel.ops.embedding.rounding import EMBEDDING_DTYPES, StochasticRounding, torch_dtype
 from recaccel.ops.embedding.specs import SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.state import load_tables, save_tables
 from recaccel.sparse import SparseFeatures
@@ -30,16 +31,24 @@ logger = logging.getLogger(__name__)
 _OP = "PackedEmbeddingBag"
 _MODES = ("fused", "autograd")
 _MAX_CACHED_ROUTES = 16
+# State-dict key (after the module's prefix) of the stochastic-rounding generator of
+# 16-bit rows; it has no dot, so no table's ``<table>.<name>`` key can take it.
+ROUNDING_KEY = "rounding_generator"
 
 
 def choose_backend(
-    backend: str, device: torch.device, tables: list[TableSpec], mode: str, optim: SparseOptimConfig
+    backend: str,
+    device: torch.device,
+    tables: list[TableSpec],
+    mode: str,
+    optim: SparseOptimConfig,
+    dtype: str = "fp32",
 ) -> str:
     """Resolves ``backend`` for these tables on ``device``.
 
     ``auto`` picks triton on CUDA and reference on CPU (see :mod:`recaccel.ops.backend`
     for why not fbgemm there); ``fbgemm`` runs when ``fbgemm_gpu`` imports and supports
-    the tables, mode and optimizer settings.
+    the tables, mode, optimizer settings and row dtype on ``device``.
 
     Raises:
         ConfigError: ``fbgemm`` asked for explicitly with an option it does not support.
@@ -48,7 +57,7 @@ def choose_backend(
     name = resolve_backend(backend, device, available=BACKENDS, op=_OP)
     if name != "fbgemm":
         return name
-    reason = fbgemm_unsupported(tables, mode, optim)
+    reason = fbgemm_unsupported(tables, mode, optim, dtype, device)
     if reason is None:
         try:
             import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
@@ -57,7 +66,7 @@ def choose_backend(
     if reason is None:
         return name
     if backend == "fbgemm":
-        raise ConfigError(f"{_OP}: backend='fbgemm' does not support {reason}")
+        raise ConfigError(f"{_OP}: backend='fbgemm' with dtype={dtype!r} does not support {reason}")
     logger.info("%s: backend auto -> reference (fbgemm does not support %s)", _OP, reason)
     return "reference"
 
@@ -147,6 +156,16 @@ class PackedEmbeddingBag(nn.Module):
     ``<table>.momentum2`` [R, D] and ``<table>.step`` (Adam). ``torch.load(...,
     weights_only=True)`` reads it, and any backend loads what any backend saved.
 
+    16-bit rows (``dtype="bf16"`` or ``"fp16"``, fused mode): the packed rows are stored
+    in that dtype, the optimizer state stays float32, lookups pool in float32 (float32
+    output), and each update computes in float32 and writes the rows back with
+    stochastic rounding (:mod:`~recaccel.ops.embedding.rounding`), seeded from a CPU
+    generator the module owns (seeded by ``seed``, else drawn from ``generator`` or
+    torch's global generator after the initial rows). Checkpoints hold the rows in their
+    dtype and the generator's state under ``rounding_generator``, so a resumed run
+    repeats the uninterrupted one; loading rows of another dtype is an error (the
+    module does not cast silently: build it with the checkpoint's dtype).
+
     Args:
         tables: The tables.
         backend: ``"auto"``, ``"reference"``, ``"triton"`` or ``"fbgemm"``
@@ -160,9 +179,11 @@ class PackedEmbeddingBag(nn.Module):
             does not move them); build the module on its final device.
         seed: Seed of the initial rows.
         generator: A CPU generator for the initial rows (instead of ``seed``).
+        dtype: The packed rows' dtype: ``"fp32"``, or ``"bf16"`` / ``"fp16"`` (fused mode).
 
     Raises:
-        ConfigError: inconsistent tables or options.
+        ConfigError: inconsistent tables or options; a 16-bit dtype in autograd mode, or
+            on a backend that cannot update it (fbgemm on CPU).
     """
 
     def __init__(
@@ -177,6 +198,7 @@ class PackedEmbeddingBag(nn.Module):
         device: torch.device | str | None = None,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        dtype: str = "fp32",
     ) -> None:
         super().__init__()
         tables = list(tables)
@@ -185,6 +207,13 @@ class PackedEmbeddingBag(nn.Module):
                 raise ConfigError(f"{_OP}: tables must be TableSpec instances, got {type(t).__name__}")
         if mode not in _MODES:
             raise ConfigError(f"{_OP}: mode must be one of {_MODES}, got {mode!r}")
+        if dtype not in EMBEDDING_DTYPES:
+            raise ConfigError(f"{_OP}: dtype must be one of {EMBEDDING_DTYPES}, got {dtype!r}")
+        if dtype != "fp32" and mode != "fused":
+            raise ConfigError(
+                f"{_OP}: dtype={dtype!r} needs mode='fused' (16-bit rows are updated only by the fused "
+                "optimizer, in float32 with stochastic rounding)"
+            )
         device = torch.device(device if device is not None else "cpu")
         self.tables = tuple(tables)
         self.plan = PackingPlan(tables)
@@ -192,16 +221,19 @@ class PackedEmbeddingBag(nn.Module):
         self.optim = optim if optim is not None else SparseOptimConfig()
         self.bounds_check = bounds_check
         self.sparse_grad = sparse_grad
-        self.backend = choose_backend(backend, device, tables, mode, self.optim)
+        self.dtype = dtype
+        self.backend = choose_backend(backend, device, tables, mode, self.optim, dtype)
         pack_class = pack_backend_class(self.backend)
         init = init_table_weights(tables, seed, generator)
+        self.rounding = None if dtype == "fp32" else StochasticRounding(_rounding_seed(seed, generator))
         self._packs: list[PackBackend] = []
         self._held_names: list[tuple[str, ...]] = []  # per pack: what this module holds for it
         for layout in self.plan.packs:
             weights = [init[t.name] for t in layout.tables]
             pack, held = pack_class.create(
-                layout, weights, mode=mode, optim=self.optim, device=device, sparse_grad=sparse_grad
-            )
+                layout, weights, mode=mode, optim=self.optim, device=device, sparse_grad=sparse_grad,
+                dtype=torch_dtype(dtype), rounding=self.rounding,
+            )  # fmt: skip
             for name, tensor in held.items():
                 if isinstance(tensor, nn.Parameter):
                     self.register_parameter(f"{name}_{layout.index}", tensor)
@@ -333,16 +365,35 @@ class PackedEmbeddingBag(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         save_tables(self.table_states(), destination, prefix)
+        if self.rounding is not None:
+            destination[prefix + ROUNDING_KEY] = self.rounding.state()
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
-        load_tables(
-            self.table_states(), state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        key = prefix + ROUNDING_KEY
+        tables = state_dict
+        if key in state_dict:
+            tables = {k: v for k, v in state_dict.items() if k != key}
+            if self.rounding is not None:
+                self.rounding.load_state(state_dict[key])
+            elif strict:
+                unexpected_keys.append(key)
+        elif self.rounding is not None:
+            missing_keys.append(key)
+        load_tables(self.table_states(), tables, prefix, strict, missing_keys, unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
         packs = ", ".join(
             f"(D={p.dim}, {p.optimizer}, {len(p.tables)} tables, {p.num_rows} rows)" for p in self.plan.packs
         )
-        return f"backend={self.backend!r}, mode={self.mode!r}, packs=[{packs}]"
+        dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
+        return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
+
+
+def _rounding_seed(seed: int | None, generator: torch.Generator | None) -> int:
+    """Seed of a module's stochastic rounding: from ``seed``, else one draw from ``generator``
+    (torch's global generator when None), after the initial rows were drawn."""
+    if seed is not None:
+        return seed
+    return int(torch.randint(0, 2**62, (), generator=generator))

@@ -9,11 +9,13 @@ Shapes: R packed rows, D dim, U unique rows touched by a batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from recaccel.ops.embedding.rounding import stochastic_round
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig
 
 
@@ -23,17 +25,20 @@ class PackState:
 
     Attributes:
         optimizer: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``.
-        weight: float32 [R, D] packed rows (updated in place).
+        weight: [R, D] packed rows, float32, bfloat16 or float16 (updated in place).
         states: Optimizer state by name: ``momentum1`` [R] (row-wise Adagrad) or
             ``momentum1``/``momentum2`` [R, D] (Adam).
         step: int64 scalar CPU tensor, the pack's update count (Adam's ``t``); a CPU
             tensor so that reading it never waits for the GPU.
+        rounding_seed: 16-bit rows: draws the 32-bit seed of one update's stochastic
+            rounding (:mod:`~recaccel.ops.embedding.rounding`); None for float32 rows.
     """
 
     optimizer: str
     weight: Tensor
     states: dict[str, Tensor]
     step: Tensor
+    rounding_seed: Callable[[], int] | None = None
 
 
 def init_states(optimizer: str, num_rows: int, dim: int, device: torch.device) -> dict[str, Tensor]:
@@ -62,22 +67,30 @@ def rows_per_piece(dim: int) -> int:
 
 
 @torch.no_grad()
-def update_rows(state: PackState, optim: SparseOptimConfig, rows: Tensor, grad: Tensor) -> None:
+def update_rows(
+    state: PackState, optim: SparseOptimConfig, rows: Tensor, grad: Tensor, seed: int | None = None
+) -> None:
     """Applies one sparse optimizer step to some rows, in place; the caller counts the step.
 
     The caller adds 1 to ``state.step`` once per step, before its first call (Adam reads
     it), then updates the rows the step touched in one call or in pieces
     (:func:`rows_per_piece`): each row is updated independently of the others. Rows are read with ``index_select`` and written back
     with ``index_copy_`` (both faster than ``x[rows]`` on the CPU), hence ``rows`` unique.
+    16-bit rows are upcast, updated in float32 and written back with stochastic rounding
+    (:func:`~recaccel.ops.embedding.rounding.stochastic_round`).
 
     Args:
         state: The pack's weight and optimizer state (updated in place); ``step`` is read.
         optim: Hyper-parameters.
         rows: int64 [U] unique packed rows.
         grad: float32 [U, D] summed gradient of each row (not modified).
+        seed: 16-bit rows: this step's rounding seed (one per step, shared by its pieces).
     """
     weight = state.weight
     w = weight.index_select(0, rows)
+    low = weight.dtype != torch.float32
+    if low:
+        w = w.float()
     lr, wd = optim.lr, optim.weight_decay
     if state.optimizer == "sgd":
         if wd == 0:
@@ -100,4 +113,6 @@ def update_rows(state: PackState, optim: SparseOptimConfig, rows: Tensor, grad: 
         w.sub_(lr * ((m1 / bc1) / ((m2 / bc2).sqrt() + optim.eps) + wd * w))
     else:
         raise ValueError(f"unknown sparse optimizer {state.optimizer!r}")
+    if low:
+        w = stochastic_round(w, weight.dtype, seed, rows)
     weight.index_copy_(0, rows, w)

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from recaccel.ops.embedding.optimizers import PackState, init_states
 from recaccel.ops.embedding.packing import LocalFeatures, PackLayout, PackRoute
+from recaccel.ops.embedding.rounding import StochasticRounding
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig
 from recaccel.sparse import SparseFeatures
 
@@ -55,6 +56,8 @@ class PackBackend(Protocol):
         optim: SparseOptimConfig,
         device: torch.device,
         sparse_grad: bool,
+        dtype: torch.dtype = torch.float32,
+        rounding: StochasticRounding | None = None,
     ) -> tuple[PackBackend, dict[str, Tensor]]:
         """The pack of ``layout``, and the tensors the module is to hold for it.
 
@@ -65,6 +68,9 @@ class PackBackend(Protocol):
             optim: Sparse optimizer hyper-parameters.
             device: Where the rows live.
             sparse_grad: Autograd mode: a sparse gradient for the packed weight.
+            dtype: The rows' dtype (float32; bfloat16 or float16 in fused mode). The
+                optimizer state is float32 whatever it is.
+            rounding: 16-bit rows: the module's stochastic-rounding seeds.
 
         Returns:
             (pack, held): ``held`` by name; the module registers each as ``<name>_<pack>``,
@@ -114,11 +120,20 @@ class HeldPack(ABC):
 
     always_checks_ids: ClassVar[bool] = False
 
-    def __init__(self, layout: PackLayout, *, mode: str, optim: SparseOptimConfig, sparse_grad: bool) -> None:
+    def __init__(
+        self,
+        layout: PackLayout,
+        *,
+        mode: str,
+        optim: SparseOptimConfig,
+        sparse_grad: bool,
+        rounding: StochasticRounding | None = None,
+    ) -> None:
         self.layout = layout
         self.mode = mode
         self.optim = optim
         self.sparse_grad = sparse_grad
+        self.rounding = rounding
         # Adam's t: a CPU tensor, so that reading it never waits for the GPU.
         self.step = torch.zeros((), dtype=torch.int64)
 
@@ -132,12 +147,14 @@ class HeldPack(ABC):
         optim: SparseOptimConfig,
         device: torch.device,
         sparse_grad: bool,
+        dtype: torch.dtype = torch.float32,
+        rounding: StochasticRounding | None = None,
     ) -> tuple[HeldPack, dict[str, Tensor]]:
-        """The pack, and its tensors for the module to hold: ``weight`` [R, D] (a Parameter
-        in autograd mode) from the tables' initial rows ``weights`` (float32 [R_t, D]
-        each), then zero optimizer state."""
-        pack = cls(layout, mode=mode, optim=optim, sparse_grad=sparse_grad)
-        weight = torch.cat(weights).to(device)
+        """The pack, and its tensors for the module to hold: ``weight`` [R, D] in ``dtype``
+        (a Parameter in autograd mode) from the tables' initial rows ``weights`` (float32
+        [R_t, D] each, rounded to nearest), then zero float32 optimizer state."""
+        pack = cls(layout, mode=mode, optim=optim, sparse_grad=sparse_grad, rounding=rounding)
+        weight = torch.cat(weights).to(device=device, dtype=dtype)
         held = {"weight": nn.Parameter(weight) if mode == "autograd" else weight}
         held.update(init_states(layout.optimizer, layout.num_rows, layout.dim, device))
         return pack, held
@@ -179,7 +196,8 @@ class HeldPack(ABC):
 
     def _state(self, held: Mapping[str, Tensor]) -> PackState:
         states = {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}
-        return PackState(self.layout.optimizer, held["weight"], states, self.step)
+        seed = None if self.rounding is None else self.rounding.next_seed
+        return PackState(self.layout.optimizer, held["weight"], states, self.step, seed)
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
         weight = held["weight"].detach()

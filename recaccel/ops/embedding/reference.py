@@ -36,7 +36,8 @@ def reference_lookup(
     """Pools one pack's bags.
 
     Args:
-        weight: float32 [R, D] packed rows (a Parameter in autograd mode).
+        weight: [R, D] packed rows (a float32 Parameter in autograd mode; float32,
+            bfloat16 or float16 buffer in fused mode).
         ids: The pack's ids (:func:`gather_pack_ids`).
         batch_size: B.
         num_local: S.
@@ -47,9 +48,14 @@ def reference_lookup(
     """
     dim = weight.shape[1]
     if batch_size * num_local == 0:
-        return weight.new_zeros(batch_size, num_local, dim)
+        return torch.zeros(batch_size, num_local, dim, device=weight.device)
+    rows = ids.rows
+    if weight.dtype != torch.float32:
+        # 16-bit rows: gather and upcast the ids' rows, then pool them in float32.
+        weight = weight.index_select(0, rows).float()
+        rows = torch.arange(rows.numel(), device=rows.device)
     pooled = F.embedding_bag(
-        ids.rows,
+        rows,
         weight,
         ids.offsets,
         mode="sum",
@@ -131,9 +137,11 @@ class ReferenceFusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        ctx.state.step.add_(1)
+        state = ctx.state
+        state.step.add_(1)
+        seed = None if state.rounding_seed is None else state.rounding_seed()
         for rows, grad in coalesce_row_grads(grad_out, ctx.ids):
-            update_rows(ctx.state, ctx.optim, rows, grad)
+            update_rows(state, ctx.optim, rows, grad, seed)
         return None, None, None, None, None, None
 
 

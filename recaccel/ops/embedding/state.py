@@ -45,7 +45,8 @@ def load_tables(
 
     Follows ``nn.Module._load_from_state_dict``'s contract: absent keys go to
     ``missing_keys``, keys under ``prefix`` that no table owns to ``unexpected_keys``
-    (when ``strict``), shape mismatches to ``error_msgs``. Tables sharing a pack share its
+    (when ``strict``), shape mismatches and rows of another dtype (16-bit vs float32:
+    never cast silently) to ``error_msgs``. Tables sharing a pack share its
     Adam step, which becomes the largest step of its tables in the checkpoint.
     """
     expected: set[str] = set()
@@ -60,6 +61,12 @@ def load_tables(
             value = state_dict[key]
             if not isinstance(value, Tensor):
                 error_msgs.append(f"{key}: expected a tensor, got {type(value).__name__}")
+                continue
+            if name == "weight" and value.dtype != target.dtype:
+                error_msgs.append(
+                    f"{key}: the checkpoint holds {value.dtype} rows but this model's are {target.dtype} "
+                    "(model.embedding_dtype must be the checkpoint's; rows are never cast on load)"
+                )
                 continue
             if value.shape != target.shape:
                 error_msgs.append(

@@ -21,6 +21,7 @@ from torch import Tensor
 from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.pack_backend import HeldPack
 from recaccel.ops.embedding.packing import LocalFeatures, PackLayout
+from recaccel.ops.embedding.rounding import StochasticRounding
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton.autograd import TritonEmbeddingBagFunction, TritonFusedEmbeddingBagFunction
 from recaccel.ops.embedding.triton.kernels import check_kernels_launchable, embedding_bag_forward
@@ -50,6 +51,8 @@ class TritonPack(HeldPack):
         optim: SparseOptimConfig,
         device: torch.device,
         sparse_grad: bool,
+        dtype: torch.dtype = torch.float32,
+        rounding: StochasticRounding | None = None,
     ) -> tuple[TritonPack, dict[str, Tensor]]:
         """See :meth:`HeldPack.create`.
 
@@ -57,7 +60,10 @@ class TritonPack(HeldPack):
             BackendUnavailableError: CPU tensors and compiled (not interpreted) kernels.
         """
         check_kernels_launchable(device)
-        return super().create(layout, weights, mode=mode, optim=optim, device=device, sparse_grad=sparse_grad)
+        return super().create(
+            layout, weights, mode=mode, optim=optim, device=device, sparse_grad=sparse_grad, dtype=dtype,
+            rounding=rounding,
+        )  # fmt: skip
 
     def lookup_autograd(
         self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int

@@ -44,7 +44,7 @@ _BLOCK_L = 16  # ids (or occurrences) loaded per loop iteration
 
 @triton.jit
 def _embedding_bag_fwd_kernel(
-    weight_ptr,  # float32 [R, D]
+    weight_ptr,  # float32, bfloat16 or float16 [R, D] (accumulated in float32)
     values_ptr,  # int64 [N] the batch's ids
     offsets_ptr,  # int64 [F*B+1] the batch's CSR
     id_weights_ptr,  # float32 [N] (read only if HAS_WEIGHTS)
@@ -82,7 +82,7 @@ def _embedding_bag_fwd_kernel(
             weight_ptr + rows[:, None] * stride_w + cols[None, :],
             mask=pos_mask[:, None] & col_mask[None, :],
             other=0.0,
-        )
+        ).to(tl.float32)
         if HAS_WEIGHTS:
             w = tl.load(id_weights_ptr + pos, mask=pos_mask, other=0.0)
             vals = vals * w[:, None]
@@ -109,7 +109,8 @@ def embedding_bag_forward(
     """Pools every local feature of one pack in one launch.
 
     Args:
-        weight: float32 [R, D] packed rows, row-major.
+        weight: [R, D] packed rows, row-major: float32, bfloat16 or float16 (upcast
+            and pooled in float32).
         sf: The batch; ``sf.weights`` float32 or None.
         local: The pack's S features (none absent).
         batch_size: B.
@@ -211,8 +212,37 @@ def _embedding_bag_bwd_kernel(
 
 
 @triton.jit
+def _uniform_noise(seed, index):
+    """Uniform float32 in [0, 1): :func:`recaccel.ops.embedding.rounding.uniform_noise`, bit for bit."""
+    h = (index & 0xFFFFFFFF) ^ seed
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & 0xFFFFFFFF
+    h = h ^ (h >> 15)
+    h = (h * 0x2C1B3C6D) & 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * 5.960464477539063e-08  # 2^-24
+
+
+@triton.jit
+def _stochastic_round(x, noise, dtype: tl.constexpr):
+    """Rounds float32 ``x`` to the 16-bit ``dtype``: to the neighbour further from zero with
+    probability (|x| - lo) / (hi - lo), as :func:`recaccel.ops.embedding.rounding.stochastic_round`."""
+    nearest = x.to(dtype)
+    near = nearest.to(tl.float32)
+    up = tl.abs(x) > tl.abs(near)
+    step = tl.where(up, 1, -1).to(tl.int16)
+    other = (nearest.to(tl.int16, bitcast=True) + step).to(dtype, bitcast=True)
+    far = other.to(tl.float32)
+    lo = tl.where(up, near, far)
+    hi = tl.where(up, far, near)
+    pick_hi = noise < (x - lo) / (hi - lo)
+    rounded = tl.where(pick_hi == up, other, nearest)
+    return tl.where((near == x) | (x != x), nearest, rounded)
+
+
+@triton.jit
 def _embedding_bag_fused_update_kernel(
-    weight_ptr,  # float32 [R, D], updated in place
+    weight_ptr,  # float32, bfloat16 or float16 [R, D], updated in place
     m1_ptr,  # float32 [R] (row-wise Adagrad) or [R, D] (Adam)
     m2_ptr,  # float32 [R, D] (Adam)
     rows_ptr,  # int64 [U] unique packed rows
@@ -233,7 +263,9 @@ def _embedding_bag_fused_update_kernel(
     weight_decay,
     bias_c1,
     bias_c2,
+    seed,  # this update's stochastic-rounding seed (16-bit rows)
     OPTIMIZER: tl.constexpr,  # 0 sgd, 1 row-wise adagrad, 2 adam
+    STOCHASTIC: tl.constexpr,  # 16-bit rows: write back with stochastic rounding
     HAS_SCALE: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -247,7 +279,7 @@ def _embedding_bag_fused_update_kernel(
         batch_size, stride_gb, stride_gf, stride_gd, cols, col_mask, HAS_SCALE, BLOCK_L, BLOCK_D,
     )  # fmt: skip
     w_ptrs = weight_ptr + row * stride_w + cols
-    w = tl.load(w_ptrs, mask=col_mask, other=0.0)
+    w = tl.load(w_ptrs, mask=col_mask, other=0.0).to(tl.float32)
     if OPTIMIZER == 0:
         w = w - lr * (g + weight_decay * w)
     elif OPTIMIZER == 1:
@@ -262,7 +294,11 @@ def _embedding_bag_fused_update_kernel(
         tl.store(m1_ptr + state, m1, mask=col_mask)
         tl.store(m2_ptr + state, m2, mask=col_mask)
         w = w - lr * ((m1 / bias_c1) / (tl.sqrt_rn(m2 / bias_c2) + eps) + weight_decay * w)
-    tl.store(w_ptrs, w, mask=col_mask)
+    if STOCHASTIC:
+        noise = _uniform_noise(seed, row * dim + cols)
+        tl.store(w_ptrs, _stochastic_round(w, noise, weight_ptr.dtype.element_ty), mask=col_mask)
+    else:
+        tl.store(w_ptrs, w, mask=col_mask)
 
 
 def sort_by_row(ids: PackIds) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -319,6 +355,9 @@ def fused_update(
 ) -> None:
     """Deduplicates a pack's rows and applies the sparse optimizer to them in one launch.
 
+    16-bit rows are upcast, updated in float32 and stored back with stochastic rounding
+    (the seed drawn from ``state.rounding_seed``); the optimizer state is float32.
+
     Args:
         state: The pack's weight, optimizer state and step, updated in place.
         optim: Hyper-parameters.
@@ -327,6 +366,7 @@ def fused_update(
         batch_size: B.
     """
     state.step.add_(1)
+    seed = 0 if state.rounding_seed is None else state.rounding_seed()
     rows, segments, bags, scale = sort_by_row(ids)
     if rows.numel() == 0:
         return
@@ -357,7 +397,9 @@ def fused_update(
         optim.weight_decay,
         bc1,
         bc2,
+        seed,
         OPTIMIZER=_OPTIMIZER_CODES[state.optimizer],
+        STOCHASTIC=state.weight.dtype != torch.float32,
         HAS_SCALE=scale is not None,
         BLOCK_L=_BLOCK_L,
         BLOCK_D=triton.next_power_of_2(dim),
