@@ -27,6 +27,7 @@ that they fit one 80 GB GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -155,8 +156,6 @@ def check_preset(preset: Preset, device: torch.device, seed: int, candidates: Se
     Raises:
         RecaccelError: a candidate computes a different function.
     """
-    import dataclasses
-
     synth = preset.cfg.synth
     cards = [
         min(c, CHECK_CARDINALITY) for c in (synth.cardinalities or [synth.cardinality] * synth.num_sparse)
@@ -475,7 +474,7 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
     ok = [r for r in rows if r["status"] == "ok"]
     groups = list(dict.fromkeys((r["preset"], r["mode"]) for r in ok))
     names = list(dict.fromkeys(r["candidate"] for r in ok))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(groups) + 6), 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(groups) + 6), 6.0))
     width = 0.8 / max(len(names), 1)
     for k, name in enumerate(names):
         values = {(r["preset"], r["mode"]): r["samples_per_s"] for r in ok if r["candidate"] == name}
@@ -488,16 +487,17 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
     left.set_xticks(
         [g + 0.4 - width / 2 for g in range(len(groups))], [f"{p}\n{m}" for p, m in groups], fontsize=7
     )
-    left.set_ylabel("samples / s")
+    left.set_yscale("log")  # presets differ by orders of magnitude
+    left.set_ylabel("samples / s (log scale)")
     left.set_title("Training throughput")
     left.legend(fontsize=7)
-    labels = [f"{r['candidate']}\n{r['preset']}\n{r['mode']}" for r in ok]
+    labels = [f"{r['preset']} {r['mode']} {r['candidate']}" for r in ok]
     bottom = [0.0] * len(ok)
     for phase in PHASES:
         values = [v if isinstance(v := r["phases_ms"].get(phase), float) else 0.0 for r in ok]
         right.bar(range(len(ok)), values, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values)]
-    right.set_xticks(range(len(ok)), labels, fontsize=6)
+    right.set_xticks(range(len(ok)), labels, fontsize=6, rotation=90)
     right.set_ylabel("ms per step (instrumented)")
     right.set_title("Phases (device synchronised between phases)")
     right.legend(fontsize=6)

@@ -184,8 +184,10 @@ def eager_candidate(
     tables = sparse_optimizer(model.embedding_parameters(), cfg.optim)
     dense_opt = build_dense_optimizer(model.head, cfg.optim)
 
-    def head_loss(dense: Tensor, pooled: Tensor, batch: Batch) -> Tensor:
-        return _bce(model.head(dense, pooled), batch)
+    def head_loss(dense: Tensor, pooled: Tensor, labels: Tensor, weights: Tensor | None) -> Tensor:
+        # Tensors only (no Batch object): torch.compile guards on what it is given.
+        logits = model.head(dense, pooled)
+        return nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weights)
 
     if compile_backend is not None:
         head_loss = torch.compile(head_loss, backend=compile_backend, dynamic=False)
@@ -196,7 +198,7 @@ def eager_candidate(
 
     def step(batch: Batch) -> Tensor:
         zero_grad()
-        loss = head_loss(batch.dense, model.embed(batch.sparse), batch)
+        loss = head_loss(batch.dense, model.embed(batch.sparse), batch.labels, batch.weights)
         loss.backward()
         tables.step()
         dense_opt.step()
@@ -209,7 +211,7 @@ def eager_candidate(
             pooled = model.embed(batch.sparse)
         if compile_backend is not None:
             with timer("mlps"):
-                loss = head_loss(batch.dense, pooled, batch)
+                loss = head_loss(batch.dense, pooled, batch.labels, batch.weights)
         else:
             with timer("mlps"):
                 dense = model.head.bottom(batch.dense)
