@@ -143,4 +143,11 @@ class OverArch(nn.Module):
 
     def forward(self, features: Tensor) -> Tensor:
         """Returns logits [B]."""
-        return self.model(features).squeeze(-1)
+        device_type = features.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return self.model(features).squeeze(-1)
+        # Mixed precision: the hidden layers in the autocast dtype, the logit layer in
+        # float32 (bfloat16 logits would tie many rows: 8 significant bits).
+        hidden = self.model[:-1](features)
+        with torch.autocast(device_type, enabled=False):
+            return self.model[-1](hidden.float()).squeeze(-1)

@@ -120,3 +120,17 @@ def test_mode_lands_within_auc_tolerance_of_fp32_on_cuda(small_data, tmp_path, m
     metrics = _train(small_data, tmp_path / mode, "train.device=cuda", *MODES[mode])
     assert base["auc"] > 0.7
     assert abs(metrics["auc"] - base["auc"]) < AUC_TOLERANCE, (mode, metrics["auc"], base["auc"])
+
+
+def test_bf16_autocast_keeps_pooled_rows_and_logits_float32():
+    """Under autocast the hidden layers run in bf16 but the logit layer does not: bf16
+    logits (8 significant bits) would tie rows and cost AUC (measured on the debug preset)."""
+    from recaccel.models.arches import OverArch
+
+    arch = OverArch(8, [16, 1])
+    x = torch.randn(4096, 8, generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = arch(x)
+    assert logits.dtype == torch.float32
+    assert logits.unique().numel() == 4096
+    assert arch.model[0].weight.dtype == torch.float32
