@@ -24,7 +24,8 @@ def build_embedding(
     """The module behind SparseArch: packed (fused sparse optimizer) or per-table."""
     from recaccel.ops.embedding import SparseOptimConfig
 
-    check_table_memory(schema, model_cfg.embedding_dim, device)  # refuse before allocating
+    row_bytes = 4 if model_cfg.embedding_dtype == "fp32" else 2  # 16-bit rows: half the bytes
+    check_table_memory(schema, model_cfg.embedding_dim, device, bytes_per_value=row_bytes)  # before allocating
     optim = SparseOptimConfig.from_config(optim_cfg)
     return field_embedding(
         list(schema.sparse),

@@ -88,7 +88,7 @@ def update_rows(
     """
     weight = state.weight
     w = weight.index_select(0, rows)
-    low = weight.dtype != torch.float32
+    low = weight.dtype in (torch.bfloat16, torch.float16)  # float64 rows update in float64
     if low:
         w = w.float()
     lr, wd = optim.lr, optim.weight_decay

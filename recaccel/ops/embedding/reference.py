@@ -47,10 +47,12 @@ def reference_lookup(
         float32 [B, S, D]; an empty bag pools to zeros.
     """
     dim = weight.shape[1]
+    sixteen_bit = weight.dtype in (torch.bfloat16, torch.float16)
+    out_dtype = torch.float32 if sixteen_bit else weight.dtype  # float64 models stay float64
     if batch_size * num_local == 0:
-        return torch.zeros(batch_size, num_local, dim, device=weight.device)
+        return torch.zeros(batch_size, num_local, dim, device=weight.device, dtype=out_dtype)
     rows = ids.rows
-    if weight.dtype != torch.float32:
+    if sixteen_bit:
         # 16-bit rows: gather and upcast the ids' rows, then pool them in float32.
         weight = weight.index_select(0, rows).float()
         rows = torch.arange(rows.numel(), device=rows.device)

@@ -399,7 +399,7 @@ def fused_update(
         bc2,
         seed,
         OPTIMIZER=_OPTIMIZER_CODES[state.optimizer],
-        STOCHASTIC=state.weight.dtype != torch.float32,
+        STOCHASTIC=state.weight.dtype in (torch.bfloat16, torch.float16),
         HAS_SCALE=scale is not None,
         BLOCK_L=_BLOCK_L,
         BLOCK_D=triton.next_power_of_2(dim),
