@@ -24,8 +24,9 @@ def build_embedding(
     """The module behind SparseArch: packed (fused sparse optimizer) or per-table."""
     from recaccel.ops.embedding import SparseOptimConfig
 
-    row_bytes = 4 if model_cfg.embedding_dtype == "fp32" else 2  # 16-bit rows: half the bytes
-    check_table_memory(schema, model_cfg.embedding_dim, device, bytes_per_value=row_bytes)  # before allocating
+    # Refused before anything is allocated; 16-bit rows take half the bytes.
+    row_bytes = 4 if model_cfg.embedding_dtype == "fp32" else 2
+    check_table_memory(schema, model_cfg.embedding_dim, device, bytes_per_value=row_bytes)
     optim = SparseOptimConfig.from_config(optim_cfg)
     return field_embedding(
         list(schema.sparse),
