@@ -24,7 +24,14 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "recaccel"
 
 # Modules everything may import: they sit under the whole graph.
-BOTTOM = ("recaccel.config", "recaccel.errors", "recaccel.metrics", "recaccel.hashing", "recaccel.sparse")
+BOTTOM = (
+    "recaccel.config",
+    "recaccel.errors",
+    "recaccel.metrics",
+    "recaccel.hashing",
+    "recaccel.sparse",
+    "recaccel.lazy",
+)
 # Dotted names in README.md that are not Python names (a Parquet key-value metadata key).
 README_NOT_MODULES = frozenset({"recaccel.schema"})
 

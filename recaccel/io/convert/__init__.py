@@ -15,8 +15,9 @@ Names resolve on first use, so importing one converter does not import the other
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from recaccel.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from recaccel.io.convert.criteo import CriteoReport, convert_criteo, criteo_schema
@@ -60,11 +61,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
