@@ -220,7 +220,18 @@ def run_embedding_bench(
         rows += case_rows
         for name, why in case_skipped.items():
             skipped.setdefault(name, why)
-    result = {
+        if json_path is not None:  # after every case: a run killed at a time budget keeps those done
+            _write_json(json_path, _result(device, copy_gbps, cases, rows, skipped))
+    result = _result(device, copy_gbps, cases, rows, skipped)
+    if json_path is not None:
+        _write_json(json_path, result)
+    if plot_path is not None:
+        plot_speedups(rows, plot_path)
+    return result
+
+
+def _result(device: torch.device, copy_gbps, cases, rows: list[dict], skipped: dict) -> dict:
+    return {
         "env": environment_info(device),
         "copy_GBps": copy_gbps,
         "cases": [asdict(c) for c in cases],
@@ -228,12 +239,11 @@ def run_embedding_bench(
         "skipped": skipped,
         "targets": evaluate_targets(rows, device),
     }
-    if json_path is not None:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
-    if plot_path is not None:
-        plot_speedups(rows, plot_path)
-    return result
+
+
+def _write_json(path: str | Path, result: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
 
 
 def plot_speedups(rows: Sequence[dict], path: str | Path) -> Path:

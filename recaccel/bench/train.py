@@ -414,6 +414,11 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
             )
             rows += found
             notes += said
+            if getattr(args, "json", None):
+                # Each preset's rows as soon as it ends: a run killed at its time budget
+                # (make gpu-check) still leaves the presets it finished.
+                speedups(rows)
+                _write_json(args.json, environment_info(device), rows, notes)
     speedups(rows)
     notes = list(dict.fromkeys(notes))  # a candidate's description repeats per preset
     sparse = {p.cfg.optim.sparse for p in presets}
@@ -505,12 +510,16 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
     return save_figure(fig, path, dpi=120)
 
 
+def _write_json(path: str | Path, env: dict, rows: list[dict], notes: list[str]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"env": env, "results": rows, "notes": notes}, indent=2))
+
+
 def main(args, command_line: str) -> Path:
     """Runs the benchmark; writes markdown, optionally JSON and a plot; returns the markdown path."""
     rows, notes, env = run_train_bench(args)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"env": env, "results": rows, "notes": notes}, indent=2))
+        _write_json(args.json, env, rows, notes)
     plot = plot_file(args)
     if plot is not None:
         plot_results(rows, plot)
