@@ -240,7 +240,7 @@ def _stochastic_round(x, noise, dtype: tl.constexpr):
     return tl.where((near == x) | (x != x), nearest, rounded)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a new seed every update: no recompiles
 def _embedding_bag_fused_update_kernel(
     weight_ptr,  # float32, bfloat16 or float16 [R, D], updated in place
     m1_ptr,  # float32 [R] (row-wise Adagrad) or [R, D] (Adam)
