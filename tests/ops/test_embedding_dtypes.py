@@ -33,7 +33,6 @@ needs_triton = pytest.mark.skipif(
     reason="triton kernels need CUDA or TRITON_INTERPRET=1",
 )
 needs_fbgemm = pytest.mark.skipif(not fbgemm_installed(), reason="fbgemm_gpu is not installed")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # One 16-bit step relative to the value (bf16: 8 significant bits, fp16: 11).
@@ -50,20 +49,32 @@ TABLES = [
 KEYS = ["b2", "c", "a", "d", "b1"]
 
 
-def _batch(weighted: bool) -> SparseFeatures:
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """CPU everywhere; CUDA in the GPU suite (``pytest -m gpu``)."""
+    return request.param
+
+
+def _runnable(backend: str, device: str) -> None:
+    if backend == "triton" and device == "cpu" and not triton_interpret_enabled():
+        pytest.skip("triton on CPU runs only under TRITON_INTERPRET=1")
+
+
+def _batch(weighted: bool, device: str) -> SparseFeatures:
     """B=3: duplicate ids inside a bag and across bags and features, and empty bags."""
     lengths = [2, 0, 3, 1, 1, 0, 3, 2, 0, 0, 4, 1, 2, 2, 0]  # [F*B] feature-major
     ids = [1, 1, 0, 2, 2, 4, 4, 3, 3, 1, 5, 6, 6, 6, 0, 0, 8, 6, 2, 1, 1]
     values = torch.tensor(ids)
     weights = torch.linspace(0.5, 1.5, values.numel()) if weighted else None
     sf = SparseFeatures.from_lengths(KEYS, values, torch.tensor(lengths), weights)
-    return sf.to(DEVICE) if DEVICE != "cpu" else sf
+    return sf.to(device) if device != "cpu" else sf
 
 
-def _pair(backend: str, dtype: str) -> tuple[PackedEmbeddingBag, PackedEmbeddingBag]:
+def _pair(backend: str, dtype: str, device: str) -> tuple[PackedEmbeddingBag, PackedEmbeddingBag]:
     """A 16-bit module and a float32 reference module holding its rows upcast."""
-    low = PackedEmbeddingBag(TABLES, backend=backend, optim=CFG, seed=0, dtype=dtype, device=DEVICE)
-    ref = PackedEmbeddingBag(TABLES, backend="reference", optim=CFG, seed=0, device=DEVICE)
+    _runnable(backend, device)
+    low = PackedEmbeddingBag(TABLES, backend=backend, optim=CFG, seed=0, dtype=dtype, device=device)
+    ref = PackedEmbeddingBag(TABLES, backend="reference", optim=CFG, seed=0, device=device)
     with torch.no_grad():
         for name, state in low.table_states().items():
             ref.table_state(name)["weight"].copy_(state["weight"].float())
@@ -73,10 +84,10 @@ def _pair(backend: str, dtype: str) -> tuple[PackedEmbeddingBag, PackedEmbedding
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("weighted", [False, True])
-def test_forward_is_fp32_lookup_of_upcast_rows(backend, dtype, weighted):
-    low, ref = _pair(backend, dtype)
+def test_forward_is_fp32_lookup_of_upcast_rows(backend, dtype, weighted, device):
+    low, ref = _pair(backend, dtype, device)
     assert low.table_state("a")["weight"].dtype == DTYPES[dtype]
-    sf = _batch(weighted)
+    sf = _batch(weighted, device)
     for train in (False, True):
         low.train(train), ref.train(train)
         with torch.no_grad():
@@ -87,18 +98,18 @@ def test_forward_is_fp32_lookup_of_upcast_rows(backend, dtype, weighted):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fused_update_is_fp32_rule_within_one_16bit_step(backend, dtype):
+def test_fused_update_is_fp32_rule_within_one_16bit_step(backend, dtype, device):
     """Each step, from the same (upcast) rows: every stored value is within one 16-bit step
     of the float32 rule's, untouched rows keep their bits, the state is float32."""
-    low, ref = _pair(backend, dtype)
-    sf = _batch(weighted=True)
+    low, ref = _pair(backend, dtype, device)
+    sf = _batch(True, device)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):  # Adam's and Adagrad's state carry over the steps
         before = {n: s["weight"].clone() for n, s in low.table_states().items()}
         with torch.no_grad():
             for name, state in before.items():
                 ref.table_state(name)["weight"].copy_(state.float())
-        target = torch.randn(3, 28, generator=g).to(DEVICE)
+        target = torch.randn(3, 28, generator=g).to(device)
         for module in (low, ref):
             (module.forward_concat(sf) * target).sum().backward()
         touched = 0
@@ -120,22 +131,23 @@ def test_fused_update_is_fp32_rule_within_one_16bit_step(backend, dtype):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_stochastic_rounding_is_unbiased_where_nearest_stalls(backend, dtype):
+def test_stochastic_rounding_is_unbiased_where_nearest_stalls(backend, dtype, device):
     """All rows start at 1.0; each step subtracts ``delta``, below half a 16-bit step under
     1.0, so round-to-nearest never moves them; the mean of the stochastic rows follows the
     exact float32 result."""
+    _runnable(backend, device)
     rows, dim, steps = 64, 64, 3
     delta = {"bf16": 1e-3, "fp16": 1e-4}[dtype]
     torch_dtype = DTYPES[dtype]
     assert torch.tensor(1.0 - delta).to(torch_dtype).item() == 1.0  # nearest stalls
     table = TableSpec("t", rows, dim, optimizer="sgd")
     module = PackedEmbeddingBag(
-        [table], backend=backend, optim=SparseOptimConfig(lr=delta), seed=0, dtype=dtype, device=DEVICE
+        [table], backend=backend, optim=SparseOptimConfig(lr=delta), seed=0, dtype=dtype, device=device
     )
     weight = module.table_state("t")["weight"]
     weight.fill_(1.0)
     sf = SparseFeatures.from_lengths(["t"], torch.arange(rows), torch.ones(rows, dtype=torch.int64))
-    sf = sf.to(DEVICE) if DEVICE != "cpu" else sf
+    sf = sf.to(device) if device != "cpu" else sf
     for _ in range(steps):
         module(sf).sum().backward()  # gradient 1 for every element
     exact = 1.0 - steps * delta
@@ -154,15 +166,16 @@ def test_rounding_helper_hits_both_neighbours_in_proportion():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_runs_repeat_and_checkpoints_restore_rounding(backend):
-    sf = _batch(weighted=False)
+def test_runs_repeat_and_checkpoints_restore_rounding(backend, device):
+    _runnable(backend, device)
+    sf = _batch(False, device)
 
     def train(module: PackedEmbeddingBag, steps: int) -> None:
         for _ in range(steps):
             module.forward_concat(sf).pow(2).sum().backward()
 
     def make(seed: int) -> PackedEmbeddingBag:
-        return PackedEmbeddingBag(TABLES, backend=backend, optim=CFG, seed=seed, dtype="bf16", device=DEVICE)
+        return PackedEmbeddingBag(TABLES, backend=backend, optim=CFG, seed=seed, dtype="bf16", device=device)
 
     a, b = make(0), make(0)
     train(a, 2), train(b, 2)
@@ -174,7 +187,7 @@ def test_runs_repeat_and_checkpoints_restore_rounding(backend):
     train(a, 2), train(c, 2)
     for key, value in a.state_dict().items():
         assert torch.equal(value, c.state_dict()[key]), key
-    fp32 = PackedEmbeddingBag(TABLES, backend="reference", optim=CFG, seed=0, device=DEVICE)
+    fp32 = PackedEmbeddingBag(TABLES, backend="reference", optim=CFG, seed=0, device=device)
     assert "rounding_generator" not in fp32.state_dict()
     with pytest.raises(RuntimeError, match="a.weight: the checkpoint holds torch.bfloat16 rows but"):
         fp32.load_state_dict(saved)
