@@ -30,7 +30,7 @@ Shapes: B batch, S features a pack declares, F_p of them in the batch, D dim, R 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import Tensor
@@ -38,6 +38,9 @@ from torch import Tensor
 from recaccel.ops.embedding.packing import PackLayout, PackRoute, gather_pack_ids
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, OPTIMIZERS, SparseOptimConfig, TableSpec
 from recaccel.sparse import SparseFeatures
+
+if TYPE_CHECKING:
+    from recaccel.ops.embedding.pack_backend import PackOptions
 
 # The sparse optimizers this backend runs, by name, with FBGEMM's rule for each.
 _FBGEMM_RULES = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
@@ -140,21 +143,12 @@ class FbgemmPack:
 
     @classmethod
     def create(
-        cls,
-        layout: PackLayout,
-        weights: list[Tensor],
-        *,
-        mode: str,
-        optim: SparseOptimConfig,
-        device: torch.device,
-        sparse_grad: bool,
-        dtype: torch.dtype = torch.float32,
-        rounding: object = None,
+        cls, layout: PackLayout, weights: list[Tensor], options: PackOptions, device: torch.device
     ) -> tuple[FbgemmPack, dict[str, Tensor]]:
         """The pack (fused mode: :func:`fbgemm_unsupported` has ruled out the others), and
-        no tensors for the module to hold. ``rounding`` is unused: FBGEMM rounds 16-bit
+        no tensors for the module to hold. ``options.rounding`` is unused: FBGEMM rounds 16-bit
         rows with its own RNG."""
-        return cls(layout, optim, device, weights, dtype), {}
+        return cls(layout, options.optim, device, weights, options.dtype), {}
 
     @property
     def device(self) -> torch.device:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from recaccel.errors import ConfigError, DataError
 from recaccel.ops.backend import BACKENDS, resolve_backend
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
-from recaccel.ops.embedding.pack_backend import PackBackend
+from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
 from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch
 from recaccel.ops.embedding.reference import ReferencePack
 from recaccel.ops.embedding.rounding import EMBEDDING_DTYPES, StochasticRounding, torch_dtype
@@ -228,12 +228,10 @@ class PackedEmbeddingBag(nn.Module):
         self.rounding = None if dtype == "fp32" else StochasticRounding(_rounding_seed(seed, generator))
         self._packs: list[PackBackend] = []
         self._held_names: list[tuple[str, ...]] = []  # per pack: what this module holds for it
+        options = PackOptions(mode, self.optim, sparse_grad, torch_dtype(dtype), self.rounding)
         for layout in self.plan.packs:
             weights = [init[t.name] for t in layout.tables]
-            pack, held = pack_class.create(
-                layout, weights, mode=mode, optim=self.optim, device=device, sparse_grad=sparse_grad,
-                dtype=torch_dtype(dtype), rounding=self.rounding,
-            )  # fmt: skip
+            pack, held = pack_class.create(layout, weights, options, device)
             for name, tensor in held.items():
                 if isinstance(tensor, nn.Parameter):
                     self.register_parameter(f"{name}_{layout.index}", tensor)

@@ -36,6 +36,26 @@ from recaccel.sparse import SparseFeatures
 _OP = "PackedEmbeddingBag"
 
 
+@dataclasses.dataclass(frozen=True)
+class PackOptions:
+    """How every pack of one module is built (the module's settings, shared by its packs).
+
+    Attributes:
+        mode: ``"fused"`` or ``"autograd"``.
+        optim: Sparse optimizer hyper-parameters (fused mode).
+        sparse_grad: Autograd mode: a sparse gradient for the packed weight.
+        dtype: The rows' dtype (float32; bfloat16 or float16 in fused mode). The optimizer
+            state is float32 whatever it is.
+        rounding: 16-bit rows: the module's stochastic-rounding seeds.
+    """
+
+    mode: str
+    optim: SparseOptimConfig
+    sparse_grad: bool = False
+    dtype: torch.dtype = torch.float32
+    rounding: StochasticRounding | None = None
+
+
 class PackBackend(Protocol):
     """What the module asks of one pack.
 
@@ -48,29 +68,15 @@ class PackBackend(Protocol):
 
     @classmethod
     def create(
-        cls,
-        layout: PackLayout,
-        weights: list[Tensor],
-        *,
-        mode: str,
-        optim: SparseOptimConfig,
-        device: torch.device,
-        sparse_grad: bool,
-        dtype: torch.dtype = torch.float32,
-        rounding: StochasticRounding | None = None,
+        cls, layout: PackLayout, weights: list[Tensor], options: PackOptions, device: torch.device
     ) -> tuple[PackBackend, dict[str, Tensor]]:
         """The pack of ``layout``, and the tensors the module is to hold for it.
 
         Args:
             layout: The pack.
             weights: Initial float32 [R_t, D] rows of each table of the pack (CPU).
-            mode: ``"fused"`` or ``"autograd"``.
-            optim: Sparse optimizer hyper-parameters.
+            options: The module's settings.
             device: Where the rows live.
-            sparse_grad: Autograd mode: a sparse gradient for the packed weight.
-            dtype: The rows' dtype (float32; bfloat16 or float16 in fused mode). The
-                optimizer state is float32 whatever it is.
-            rounding: 16-bit rows: the module's stochastic-rounding seeds.
 
         Returns:
             (pack, held): ``held`` by name; the module registers each as ``<name>_<pack>``,
@@ -113,49 +119,31 @@ class HeldPack(ABC):
 
     Args:
         layout: The pack.
-        mode: ``"fused"`` or ``"autograd"``.
-        optim: Sparse optimizer hyper-parameters (fused mode).
-        sparse_grad: Autograd mode: give the packed weight a sparse gradient.
+        options: The module's settings.
     """
 
     always_checks_ids: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        layout: PackLayout,
-        *,
-        mode: str,
-        optim: SparseOptimConfig,
-        sparse_grad: bool,
-        rounding: StochasticRounding | None = None,
-    ) -> None:
+    def __init__(self, layout: PackLayout, options: PackOptions) -> None:
         self.layout = layout
-        self.mode = mode
-        self.optim = optim
-        self.sparse_grad = sparse_grad
-        self.rounding = rounding
+        self.mode = options.mode
+        self.optim = options.optim  # replaced by set_learning_rate
+        self.sparse_grad = options.sparse_grad
+        self.rounding = options.rounding
         # Adam's t: a CPU tensor, so that reading it never waits for the GPU.
         self.step = torch.zeros((), dtype=torch.int64)
 
     @classmethod
     def create(
-        cls,
-        layout: PackLayout,
-        weights: list[Tensor],
-        *,
-        mode: str,
-        optim: SparseOptimConfig,
-        device: torch.device,
-        sparse_grad: bool,
-        dtype: torch.dtype = torch.float32,
-        rounding: StochasticRounding | None = None,
+        cls, layout: PackLayout, weights: list[Tensor], options: PackOptions, device: torch.device
     ) -> tuple[HeldPack, dict[str, Tensor]]:
-        """The pack, and its tensors for the module to hold: ``weight`` [R, D] in ``dtype``
-        (a Parameter in autograd mode) from the tables' initial rows ``weights`` (float32
-        [R_t, D] each, rounded to nearest), then zero float32 optimizer state."""
-        pack = cls(layout, mode=mode, optim=optim, sparse_grad=sparse_grad, rounding=rounding)
-        weight = torch.cat(weights).to(device=device, dtype=dtype)
-        held = {"weight": nn.Parameter(weight) if mode == "autograd" else weight}
+        """The pack, and its tensors for the module to hold: ``weight`` [R, D] in
+        ``options.dtype`` (a Parameter in autograd mode) from the tables' initial rows
+        ``weights`` (float32 [R_t, D] each, rounded to nearest), then zero float32
+        optimizer state."""
+        pack = cls(layout, options)
+        weight = torch.cat(weights).to(device=device, dtype=options.dtype)
+        held = {"weight": nn.Parameter(weight) if options.mode == "autograd" else weight}
         held.update(init_states(layout.optimizer, layout.num_rows, layout.dim, device))
         return pack, held
 
@@ -194,14 +182,16 @@ class HeldPack(ABC):
     ) -> Tensor:
         """Fused mode in training: [B, S, D] whose backward updates ``state`` in place."""
 
+    def _optimizer_states(self, held: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}
+
     def _state(self, held: Mapping[str, Tensor]) -> PackState:
-        states = {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}
         seed = None if self.rounding is None else self.rounding.next_seed
-        return PackState(self.layout.optimizer, held["weight"], states, self.step, seed)
+        return PackState(self.layout.optimizer, held["weight"], self._optimizer_states(held), self.step, seed)
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
         weight = held["weight"].detach()
-        states = {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}
+        states = self._optimizer_states(held)
         out = []
         for table, start in zip(self.layout.tables, self.layout.row_offsets):
             rows = slice(start, start + table.num_rows)

@@ -19,10 +19,8 @@ import torch
 from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
-from recaccel.ops.embedding.pack_backend import HeldPack
+from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions
 from recaccel.ops.embedding.packing import LocalFeatures, PackLayout
-from recaccel.ops.embedding.rounding import StochasticRounding
-from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton.autograd import TritonEmbeddingBagFunction, TritonFusedEmbeddingBagFunction
 from recaccel.ops.embedding.triton.kernels import check_kernels_launchable, embedding_bag_forward
 from recaccel.sparse import SparseFeatures
@@ -43,16 +41,7 @@ class TritonPack(HeldPack):
 
     @classmethod
     def create(
-        cls,
-        layout: PackLayout,
-        weights: list[Tensor],
-        *,
-        mode: str,
-        optim: SparseOptimConfig,
-        device: torch.device,
-        sparse_grad: bool,
-        dtype: torch.dtype = torch.float32,
-        rounding: StochasticRounding | None = None,
+        cls, layout: PackLayout, weights: list[Tensor], options: PackOptions, device: torch.device
     ) -> tuple[TritonPack, dict[str, Tensor]]:
         """See :meth:`HeldPack.create`.
 
@@ -60,10 +49,7 @@ class TritonPack(HeldPack):
             BackendUnavailableError: CPU tensors and compiled (not interpreted) kernels.
         """
         check_kernels_launchable(device)
-        return super().create(
-            layout, weights, mode=mode, optim=optim, device=device, sparse_grad=sparse_grad, dtype=dtype,
-            rounding=rounding,
-        )  # fmt: skip
+        return super().create(layout, weights, options, device)
 
     def lookup_autograd(
         self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
