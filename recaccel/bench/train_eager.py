@@ -148,13 +148,22 @@ def sparse_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.opti
     return torch.optim.Adagrad(params, lr=cfg.sparse_lr, eps=cfg.eps)
 
 
-def logits_mismatch(eager: Tensor, reference: Tensor, rtol: float = 1e-4, atol: float = 1e-5) -> float | None:
-    """The largest excess of ``|eager - reference|`` over ``atol + rtol * |reference|``,
-    or None when every logit is within it (fp32 tolerance)."""
-    diff = (eager.double() - reference.double()).abs()
-    excess = diff - (atol + rtol * reference.double().abs())
-    worst = float(excess.max()) if excess.numel() else 0.0
-    return None if worst <= 0 and bool(torch.isfinite(eager).all()) else float(diff.max())
+def same_logits(mine: Tensor, theirs: Tensor, failure: str, rtol: float = 1e-4, atol: float = 1e-5) -> float:
+    """The largest ``|mine - theirs|``, once every logit is within ``atol + rtol * |theirs|``
+    (fp32 tolerance) and finite.
+
+    Raises:
+        RecaccelError: ``failure``, then how far the logits are apart.
+    """
+    diff = (mine.double() - theirs.double()).abs()
+    worst = float(diff.max()) if diff.numel() else 0.0
+    within = bool((diff <= atol + rtol * theirs.double().abs()).all()) and bool(torch.isfinite(mine).all())
+    if not within:
+        raise RecaccelError(
+            f"{failure}: logits differ by up to {worst:.3g} on a batch of {mine.numel()} rows "
+            f"(tolerance {atol:g} + {rtol:g} * |logit|)"
+        )
+    return worst
 
 
 def check_same_function(eager: EagerDLRM, reference: nn.Module, batch: Batch, what: str) -> float:
@@ -170,10 +179,6 @@ def check_same_function(eager: EagerDLRM, reference: nn.Module, batch: Batch, wh
     eager.copy_from(reference)
     with torch.no_grad():
         mine, theirs = eager(batch), reference(batch)
-    worst = logits_mismatch(mine, theirs)
-    if worst is not None:
-        raise RecaccelError(
-            f"train bench {what}: the eager baseline does not compute recaccel's function: logits differ "
-            f"by up to {worst:.3g} on a batch of {batch.batch_size} rows (tolerance 1e-5 + 1e-4 * |logit|)"
-        )
-    return float((mine.double() - theirs.double()).abs().max())
+    return same_logits(
+        mine, theirs, f"train bench {what}: the eager baseline does not compute recaccel's function"
+    )
