@@ -76,10 +76,13 @@ class DLRMObjective:
     def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1) -> BatchReader:
         return BatchReader.from_config(path, self.cfg.data, train=train, rank=rank, world_size=world_size)
 
-    def batch_loss(self, batch: Batch) -> Tensor:
+    def _forward(self, batch: Batch) -> Tensor:
+        """Logits [B] of the model under the run's precision."""
         with autocast(self.cfg.train.precision, batch.labels.device):
-            logits = self.module(batch)
-        logits = logits.float()
+            return self.module(batch)
+
+    def batch_loss(self, batch: Batch) -> Tensor:
+        logits = self._forward(batch).float()
         if self.loss == "bce":
             return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, weight=batch.weights)
         err = (logits - batch.labels).pow(2)
@@ -87,13 +90,7 @@ class DLRMObjective:
 
     def predictions(self, batches: Iterable[Batch]) -> tuple[Tensor, Tensor]:
         """Float32 logits [N] and labels [N] (the forward under the run's precision)."""
-        precision = self.cfg.train.precision
-
-        def forward(batch: Batch) -> Tensor:
-            with autocast(precision, batch.labels.device):
-                return self.module(batch)
-
-        return predict(forward if precision != "fp32" else self.module, batches)
+        return predict(self._forward, batches)
 
     def metrics(self, logits: Tensor, labels: Tensor) -> dict[str, Any]:
         """Metrics of predictions [N]; a NaN or infinite one raises MetricError (one line)."""
