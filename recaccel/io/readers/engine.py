@@ -25,6 +25,7 @@ reads again). Once an epoch's last batch has been yielded the position says
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -147,7 +148,7 @@ class ShardedReader(IterableDataset, ABC):
             "epoch": p.epoch,
             **dict(zip(self._KEYS, p.fields, strict=True)),
             "epoch_done": p.done,
-            **self._fingerprint(),
+            **self._fingerprint,
             "counters": dict(self._pos_counters),
         }
 
@@ -160,7 +161,7 @@ class ShardedReader(IterableDataset, ABC):
             DataError: if it was taken on a dataset with other row groups.
         """
         keys = ("epoch", *self._KEYS)
-        values, done = restore_position(state, _STATE_VERSION, self._fingerprint(), keys, self._WHAT)
+        values, done = restore_position(state, _STATE_VERSION, self._fingerprint, keys, self._WHAT)
         restore_counters(state, self.counters, self._WHAT)
         self._pos = Position(values[0], tuple(values[1:]), done)
         self._pos_counters = dict(self.counters)
@@ -191,7 +192,10 @@ class ShardedReader(IterableDataset, ABC):
         """The state after an epoch's last batch, from the position after it."""
         return Position(pos.epoch, pos.fields, True)
 
+    @functools.cached_property
     def _fingerprint(self) -> dict[str, Any]:
+        """Settings and dataset sizes: fixed for the reader's life, and put in every state
+        (once per batch), so computed once."""
         return {**self._settings(), **data_fingerprint(self.info, self.policies)}
 
     @abstractmethod
