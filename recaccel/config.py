@@ -109,6 +109,10 @@ InteractionBackend = Literal["auto", "reference", "triton"]
 Pooling = Literal["sum", "mean"]
 EmbeddingDtype = Literal["fp32", "bf16", "fp16"]  # packed embedding rows (optimizer state stays fp32)
 Precision = Literal["fp32", "bf16"]  # bf16: autocast for the MLPs and the interaction
+# off: one batch at a time | sync: the next batch prepared on a side stream while one trains
+# (same results) | semi_sync: also its embedding lookup, before this step's sparse update
+# (one step stale, opt-in)
+PipelineMode = Literal["off", "sync", "semi_sync"]
 DenseOptimizer = Literal["adam", "sgd", "adagrad"]
 SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
 TrainMode = Literal["dlrm", "meta"]
@@ -274,6 +278,27 @@ class TrainConfig(_Section):
     progress: bool = True
     deterministic: bool = False
     precision: Precision = "fp32"  # bf16: autocast MLPs and interaction; loss, metrics, optimizer fp32
+    pipeline: PipelineMode = "off"  # see PipelineMode; sync gives the results of off
+    micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
+    cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
+    compile: bool = False  # torch.compile the dense arches
+
+    def check_consistency(self) -> None:
+        if self.mode == "meta" and self.pipeline == "semi_sync":
+            raise ConfigError(
+                "config key train.pipeline=semi_sync runs train.mode=dlrm (a meta step adapts on the "
+                "lookup it makes); use train.pipeline=sync"
+            )
+        if self.mode == "meta" and self.micro_batches > 1:
+            raise ConfigError(
+                f"config key train.micro_batches={self.micro_batches} runs train.mode=dlrm "
+                "(a meta step's tasks are its unit); use train.micro_batches=1"
+            )
+        if self.pipeline == "semi_sync" and self.micro_batches > 1:
+            raise ConfigError(
+                f"config keys train.pipeline=semi_sync and train.micro_batches={self.micro_batches} do not "
+                "combine; use train.pipeline=sync with micro-batches"
+            )
 
 
 @dataclass
