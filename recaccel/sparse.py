@@ -440,6 +440,9 @@ class TaskBatch:
         support_mask: float32 [T, S], 1 for a real row, 0 for padding.
         query_mask: float32 [T, Q].
         task_ids: int64 [T] task keys.
+        stacked: the support then query rows' sparse ids stacked for one lookup, made
+            ahead (and prepared for the model's embedding) by the train pipeline; None:
+            :meth:`concat_sparse` stacks them when asked.
 
     Example::
 
@@ -459,6 +462,7 @@ class TaskBatch:
     support_mask: Tensor
     query_mask: Tensor
     task_ids: Tensor
+    stacked: SparseFeatures | None = None
 
     @property
     def num_tasks(self) -> int:
@@ -500,6 +504,8 @@ class TaskBatch:
         Raises:
             DataError: support and query do not hold the same fields.
         """
+        if self.stacked is not None:
+            return self.stacked
         return self.support.sparse.concat_rows(self.query.sparse)
 
     def split_rows(self, rows: Tensor) -> tuple[Tensor, Tensor]:

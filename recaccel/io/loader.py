@@ -105,11 +105,19 @@ class DeviceLoader:
         return self._state if self._state is not None else self.reader.state_dict()
 
     def __iter__(self) -> Iterator[Batch | TaskBatch]:
+        for batch, _ in self.iter_with_state():
+            yield batch
+
+    def iter_with_state(self) -> Iterator[tuple[Batch | TaskBatch, dict[str, Any]]]:
+        """Each batch on the device with the reader position just after it.
+
+        The batch is made ready for the stream current when it is taken (``next()``).
+        """
         source = self._produce() if self.prefetch <= 0 else self._threaded()
         for staged in source:
             batch = self._handoff(staged)
             self._state = staged.state
-            yield batch
+            yield batch, staged.state
 
     def _produce(self) -> Iterator[_Staged]:
         for batch, state in self.reader.iter_with_state():

@@ -61,6 +61,11 @@ class DLRM(nn.Module):
         """
         return self.sparse_arch(sparse)
 
+    def prepare_sparse(self, sparse: SparseFeatures) -> SparseFeatures:
+        """``sparse`` ready for :meth:`embed`: in :attr:`features` order, and prepared by
+        the embedding when it prepares its input ahead (see :meth:`SparseArch.prepare`)."""
+        return self.sparse_arch.prepare(sparse)
+
     def head(self, dense: Tensor, pooled: Tensor) -> Tensor:
         """Logits [B] from dense features [B, Dd] and pooled embeddings [B, F, D]."""
         return self.over_arch(self.interaction_arch(self.dense_arch(dense), pooled))

@@ -7,6 +7,7 @@ supplies the readers, the step loss and the evaluation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -33,6 +34,12 @@ class Objective(Protocol):
 
     def reader(self, path: str, *, train: bool, rank: int, world_size: int) -> Reader: ...
 
+    def prepare(self, batch: Any) -> Any:
+        """The batch with its lookup input prepared (fields in the model's order; for a
+        packed embedding its routing, bounds check and the backward's sort), the work
+        the train pipeline runs ahead on a side stream; the step's results are the same."""
+        ...
+
     def batch_loss(self, batch: Any) -> Tensor:
         """The step loss of one batch (a mean over its rows or tasks), a scalar."""
         ...
@@ -46,6 +53,17 @@ class Objective(Protocol):
             source: the data's path, for messages.
         """
         ...
+
+
+def loss_denominator(batch: Batch | TaskBatch, loss: Loss) -> float:
+    """What the step loss of ``batch`` is a mean over: tasks with real query rows (meta),
+    rows (BCE, whose sample weights scale terms of a mean over rows), or the sum of the
+    sample weights (weighted MSE)."""
+    if isinstance(batch, TaskBatch):
+        return float((batch.query_mask.sum(-1) > 0).sum())
+    if loss == "mse" and batch.weights is not None:
+        return float(batch.weights.double().sum())
+    return float(batch.batch_size)
 
 
 def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
@@ -66,27 +84,96 @@ class DLRMObjective:
 
     Under ``train.precision = "bf16"`` the forward runs under :func:`autocast`; the
     logits are cast to float32 and the loss and metrics are computed in float32.
+
+    A step is :meth:`embed` (the sparse lookup; its backward applies the fused sparse
+    update) then :meth:`head_loss` (the dense head and the loss): the pipelined steps
+    (:mod:`recaccel.train.step`) call them apart.
+
+    Args:
+        cfg: the run's config.
+        model: the DLRM.
+        loss: the loss kind.
+        head: the dense head ``(dense [B, Dd], pooled [B, F, D]) -> logits [B]``
+            (default ``model.head``; :func:`recaccel.train.dense_head.build_head` gives a
+            compiled or CUDA-graphed one).
     """
 
-    def __init__(self, cfg: Config, model: nn.Module, loss: Loss) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        model: nn.Module,
+        loss: Loss,
+        head: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.module = model
         self.loss = loss
+        self._head = head
+
+    @property
+    def head(self) -> Callable[[Tensor, Tensor], Tensor]:
+        """The dense head ``(dense [B, Dd], pooled [B, F, D]) -> logits [B]``."""
+        return self._head if self._head is not None else self.module.head
 
     def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1) -> BatchReader:
         return BatchReader.from_config(path, self.cfg.data, train=train, rank=rank, world_size=world_size)
 
+    def prepare(self, batch: Batch) -> Batch:
+        return dataclasses.replace(batch, sparse=self.module.prepare_sparse(batch.sparse))
+
+    @property
+    def embedding(self) -> nn.Module:
+        """The model's embedding module (what the micro-batch step updates once per step)."""
+        return self.module.sparse_arch.embedding
+
+    def embed(self, batch: Batch) -> Tensor:
+        """Pooled embeddings [B, F, D] of the batch (float32; the lookup opts out of autocast)."""
+        return self.module.embed(batch.sparse)
+
     def _forward(self, batch: Batch) -> Tensor:
         """Logits [B] of the model under the run's precision."""
         with autocast(self.cfg.train.precision, batch.labels.device):
-            return self.module(batch)
+            if self._head is None:
+                return self.module(batch)
+            return self._head(batch.dense, self.embed(batch))
+
+    def head_loss(self, batch: Batch, pooled: Tensor) -> Tensor:
+        """The step loss of ``batch`` from its pooled embeddings [B, F, D]."""
+        with autocast(self.cfg.train.precision, batch.labels.device):
+            logits = self.head(batch.dense, pooled)
+        return self._loss(logits.float(), batch.labels, batch.weights)
 
     def batch_loss(self, batch: Batch) -> Tensor:
-        logits = self._forward(batch).float()
+        return self._loss(self._forward(batch).float(), batch.labels, batch.weights)
+
+    def _loss(self, logits: Tensor, labels: Tensor, weights: Tensor | None) -> Tensor:
         if self.loss == "bce":
-            return nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, weight=batch.weights)
-        err = (logits - batch.labels).pow(2)
-        return err.mean() if batch.weights is None else (err * batch.weights).sum() / batch.weights.sum()
+            return nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weights)
+        err = (logits - labels).pow(2)
+        return err.mean() if weights is None else (err * weights).sum() / weights.sum()
+
+    def part_loss(self, batch: Batch, rows: slice, pooled: Tensor, denominator: float) -> Tensor:
+        """Rows ``rows`` of ``batch``'s step loss: their loss terms summed over
+        ``denominator`` (:func:`loss_denominator` of the whole batch), so the parts of a
+        batch sum to its :meth:`batch_loss`.
+
+        Args:
+            batch: the whole batch.
+            rows: the part's rows.
+            pooled: [rows, F, D] the part's pooled embeddings.
+            denominator: the whole batch's loss denominator.
+        """
+        labels = batch.labels[rows]
+        weights = None if batch.weights is None else batch.weights[rows]
+        with autocast(self.cfg.train.precision, labels.device):
+            logits = self.head(batch.dense[rows], pooled).float()
+        if self.loss == "bce":
+            terms = nn.functional.binary_cross_entropy_with_logits(
+                logits, labels, weight=weights, reduction="sum"
+            )
+            return terms / denominator
+        err = (logits - labels).pow(2)
+        return (err.sum() if weights is None else (err * weights).sum()) / denominator
 
     def predictions(self, batches: Iterable[Batch]) -> tuple[Tensor, Tensor]:
         """Float32 logits [N] and labels [N] (the forward under the run's precision)."""
@@ -134,6 +221,12 @@ class MetaObjective:
             world_size=world_size,
             query_count=self.cfg.tasks.query_count or None,
         )
+
+    def prepare(self, batch: TaskBatch) -> TaskBatch:
+        """The task batch with its support and query rows stacked for the one lookup of
+        the step, and prepared for the model's embedding."""
+        stacked = self.module.model.prepare_sparse(batch.concat_sparse())
+        return dataclasses.replace(batch, stacked=stacked)
 
     def batch_loss(self, batch: TaskBatch) -> Tensor:
         return self.module.step_loss(batch)[0]

@@ -9,15 +9,37 @@ The Trainer calls the same methods on either, so its loop has no mode branches;
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from recaccel.config import TrainConfig
 from recaccel.io.readers.protocol import Reader
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from recaccel.train.objectives import Objective
+from recaccel.train.pipeline import BatchPipeline
+from recaccel.train.step import build_step
+
+# (batch, reader position after it): what the device loader hands the training loop.
+BatchWithState = tuple[Any, dict[str, Any]]
+
+
+@dataclass
+class StepDone:
+    """One finished optimizer step.
+
+    Attributes:
+        loss: the step loss (detached scalar; the global mean in hybrid mode).
+        reader_state: the reader position after the step's batch.
+        rows: training rows of the step over all ranks.
+    """
+
+    loss: Tensor
+    reader_state: dict[str, Any]
+    rows: int
 
 
 class Parallelism(Protocol):
@@ -36,6 +58,17 @@ class Parallelism(Protocol):
     def reader(self, make: Callable[[int, int], Reader], *, train: bool) -> Reader: ...
 
     def batches(self, loader: Iterable, objective: Objective) -> Iterator: ...
+
+    def steps(
+        self,
+        source: Iterable[BatchWithState],
+        objective: Objective,
+        optimizer: torch.optim.Optimizer,
+        train: TrainConfig,
+    ) -> Iterator[StepDone]:
+        """Trains on ``source``'s batches, one optimizer step each, as ``train.pipeline``
+        and ``train.micro_batches`` say; yields after each step."""
+        ...
 
     def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor: ...
 
@@ -76,6 +109,24 @@ class SingleProcess:
         for batch in loader:
             self.step_rows = batch.training_rows
             yield batch
+
+    def steps(
+        self,
+        source: Iterable[BatchWithState],
+        objective: Objective,
+        optimizer: torch.optim.Optimizer,
+        train: TrainConfig,
+    ) -> Iterator[StepDone]:
+        """The batches through the :class:`BatchPipeline` of ``train.pipeline``, each
+        stepped by the runner of :func:`recaccel.train.step.build_step`."""
+        pipeline = BatchPipeline(objective.prepare, self.device, train.pipeline)
+        runner = build_step(train, objective, self.device)
+        for item in pipeline(source):
+            self.step_rows = item.batch.training_rows
+            optimizer.zero_grad(set_to_none=True)
+            loss = runner.forward_backward(item)
+            optimizer.step()
+            yield StepDone(loss, item.reader_state, self.step_rows)
 
     def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
         """One optimizer step; a fused embedding applies its sparse update inside backward."""

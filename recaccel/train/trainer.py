@@ -25,7 +25,7 @@ from recaccel.train.checkpoint_paths import all_checkpoints
 from recaccel.train.data_wait import DataWait
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.parallel import Parallelism, SingleProcess
+from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
 from recaccel.train.runlog import RunLog, check_run_dir, clear_run
 
 logger = logging.getLogger(__name__)
@@ -171,10 +171,6 @@ class Trainer:
         if self.log is not None:
             self.log.event(kind, **fields)
 
-    def train_step(self, batch) -> torch.Tensor:
-        """One optimizer step under the process layout (see ``Parallelism.train_step``)."""
-        return self.parallel.train_step(self.objective, self.optimizer, batch)
-
     def _reached_end(self) -> bool:
         t = self.cfg.train
         return self.state.step >= t.steps if t.steps > 0 else self.state.epoch >= t.epochs
@@ -229,11 +225,12 @@ class Trainer:
         finished = self._enter_epoch()
         steps_before = self.state.step
         self._clock = time.perf_counter()
+        source = wait.wrap(() if finished else loader.iter_with_state())
         # Hybrid: every rank agrees before each step that all ranks have a batch.
-        for batch in wait.wrap(self.parallel.batches(() if finished else loader, self.objective)):
-            loss = self._train_step(batch, loader)
+        for done in self.parallel.steps(source, self.objective, self.optimizer, self.cfg.train):
+            self._record_step(done)
             bar.update(1)
-            self._log(loss, bar)
+            self._log(done.loss, bar)
             self._maybe_checkpoint()
             self._maybe_evaluate()
             if self._reached_end():
@@ -259,14 +256,13 @@ class Trainer:
         load_reader_position(self.reader, self.state.reader, self.run_dir)
         return epoch_done(self.state.reader)
 
-    def _train_step(self, batch: Any, loader: DeviceLoader) -> torch.Tensor:
-        """One step, and the state after it (position and counters of the next batch)."""
-        loss = self.train_step(batch)
+    def _record_step(self, done: StepDone) -> None:
+        """The state after a step: its count, rows, and the reader position and counters
+        paired with its batch (the pipeline and the loader may have read further)."""
         self.state.step += 1
-        self.state.samples += self.parallel.step_rows
-        self.state.reader = loader.state_dict()
+        self.state.samples += done.rows
+        self.state.reader = done.reader_state
         self.state.data = self._counters(self.state.reader)
-        return loss
 
     def _log(self, loss: torch.Tensor, bar: tqdm) -> None:
         """Every ``train.log_every`` steps (and the first): the loss to the bar and the log."""

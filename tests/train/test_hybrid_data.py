@@ -19,10 +19,10 @@ from recaccel.io.readers.protocol import Reader
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 from recaccel.train.distributed.dense_sync import DenseGradSync
-from recaccel.train.distributed.hybrid_data import GlobalSlices, loss_denominator, row_bounds
+from recaccel.train.distributed.hybrid_data import GlobalSlices, row_bounds
 from recaccel.train.distributed.launch import check_launch, launch_config, strip_nproc
 from recaccel.train.distributed.sharding import table_kinds
-from recaccel.train.objectives import DLRMObjective, MetaObjective
+from recaccel.train.objectives import DLRMObjective, MetaObjective, loss_denominator
 
 KEYS = ["a", "b", "c"]
 

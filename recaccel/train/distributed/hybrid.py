@@ -43,16 +43,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from recaccel.config import Config, SparseOptimizer
+from recaccel.config import Config, SparseOptimizer, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.readers.protocol import Reader
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.train.checkpoint import TrainState
 from recaccel.train.distributed.collectives import CollectiveError, is_comm_error
 from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
-from recaccel.train.distributed.hybrid_data import GlobalSlices, loss_denominator
+from recaccel.train.distributed.hybrid_data import GlobalSlices
 from recaccel.train.distributed.launch import under_torchrun
-from recaccel.train.objectives import Objective
+from recaccel.train.objectives import Objective, loss_denominator
+from recaccel.train.parallel import BatchWithState, StepDone
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +260,37 @@ class HybridParallel:
         if train and self.cfg.parallel.data == "sharded":
             return make(self.rank, self.world_size)
         return GlobalSlices(make(0, 1), self.rank, self.world_size, train=train, whole_tasks=not train)
+
+    def steps(
+        self,
+        source: Iterable[BatchWithState],
+        objective: Objective,
+        optimizer: torch.optim.Optimizer,
+        train: TrainConfig,
+    ) -> Iterator[StepDone]:
+        """This rank's batches, one hybrid step each (:meth:`batches`, :meth:`train_step`).
+
+        Raises:
+            ConfigError: micro-batches (single-process only).
+        """
+        if train.micro_batches > 1:
+            raise ConfigError(
+                f"train.micro_batches={train.micro_batches} runs parallel.mode=single; use train.micro_batches=1"
+            )
+        if train.pipeline != "off":
+            raise ConfigError(
+                f"train.pipeline={train.pipeline} in parallel.mode=hybrid is not supported yet; use train.pipeline=off"
+            )
+        position: dict[str, Any] = {}
+
+        def batches() -> Iterator[Any]:
+            for batch, state in source:
+                position["state"] = state
+                yield batch
+
+        for batch in self.batches(batches(), objective):
+            loss = self.train_step(objective, optimizer, batch)
+            yield StepDone(loss, position["state"], self.step_rows)
 
     def batches(self, loader: Iterable, objective: Objective) -> Iterator:
         """The loader's batches for as long as every rank has one.

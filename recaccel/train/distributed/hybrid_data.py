@@ -14,7 +14,7 @@ backward all-gathers equal-sized gradient blocks. Evaluation slices may be uneve
 
 The loss of a global batch is a mean over its rows (or tasks); rank r contributes its
 local mean times ``n_r / N`` (its share of the normaliser), so that summing gradients
-over ranks gives the gradient of the global mean: :func:`loss_denominator` is ``n_r``.
+over ranks gives the gradient of the global mean: :func:`recaccel.train.objectives.loss_denominator` is ``n_r``.
 
 Shapes: B rows, F fields, T tasks, S / Q support / query rows per task.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from recaccel.config import Loss
 from recaccel.errors import DataError
 from recaccel.io.readers.protocol import Reader
 from recaccel.sparse import Batch, TaskBatch
@@ -35,17 +34,6 @@ def row_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     base, extra = divmod(n, world_size)
     lo = rank * base + min(rank, extra)
     return lo, lo + base + (1 if rank < extra else 0)
-
-
-def loss_denominator(batch: Batch | TaskBatch, loss: Loss) -> float:
-    """What the step loss of ``batch`` is a mean over: tasks with real query rows (meta),
-    rows (BCE, whose sample weights scale terms of a mean over rows), or the sum of the
-    sample weights (weighted MSE)."""
-    if isinstance(batch, TaskBatch):
-        return float((batch.query_mask.sum(-1) > 0).sum())
-    if loss == "mse" and batch.weights is not None:
-        return float(batch.weights.double().sum())
-    return float(batch.batch_size)
 
 
 class GlobalSlices:
