@@ -23,6 +23,7 @@ from recaccel.models.factory import build_model
 from recaccel.train.checkpoint import TrainState, load_reader_position
 from recaccel.train.checkpoint_paths import all_checkpoints
 from recaccel.train.data_wait import DataWait
+from recaccel.train.dense_head import build_head, check_head_options
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
@@ -144,10 +145,11 @@ class Trainer:
             )
         model = build_model(cfg.model, cfg.optim, self.schema, self.device)
         loss = resolve_loss(cfg, self.schema.label_kind)
+        check_head_options(cfg.train, model, self.device)
         if cfg.train.mode == "meta":
             objective = MetaObjective(cfg, model, loss)
             return objective, objective
-        objective = DLRMObjective(cfg, model, loss)
+        objective = DLRMObjective(cfg, model, loss, head=build_head(model, cfg.train, self.device))
         return objective, (MetaObjective(cfg, model, loss) if cfg.train.eval_tasks else objective)
 
     def _restore(self, fresh_if_no_checkpoint: bool) -> None:

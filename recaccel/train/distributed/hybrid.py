@@ -67,16 +67,36 @@ def _env_int(name: str, default: int | None = None) -> int | None:
 
 
 class _GuardedLookup(nn.Module):
-    """Runs the sharded lookup's forward with communication errors made clear."""
+    """Runs the sharded lookup's forward with communication errors made clear.
+
+    In a step of TorchRec's train pipeline the pooled result is computed by the
+    pipeline's own call of the sharded module and :meth:`feed` s the next lookup;
+    any other lookup (evaluation between steps) first detaches the pipeline, giving
+    the sharded module its own forward back.
+    """
 
     def __init__(self, dmp: nn.Module, parallel: HybridParallel) -> None:
         super().__init__()
         self.dmp = dmp
         object.__setattr__(self, "parallel", parallel)  # not a submodule
+        self._fed = None
+
+    def feed(self, pooled) -> None:
+        """Makes the next lookup return ``pooled`` (a pooled KeyedTensor or its awaitable)."""
+        self._fed = pooled
+
+    def clear_feed(self) -> bool:
+        """Drops a fed result; returns whether one was left unused."""
+        unused, self._fed = self._fed is not None, None
+        return unused
 
     def forward(self, kjt):
         with self.parallel.collectives("the embedding lookup"):
-            pooled = self.dmp(kjt)
+            if self._fed is not None:
+                pooled, self._fed = self._fed, None
+            else:
+                self.parallel.detach_pipeline()
+                pooled = self.dmp(kjt)
             pooled.values()  # waits for the all-to-all inside the guard
         return pooled
 
@@ -137,6 +157,7 @@ class HybridParallel:
         self._sync: DenseGradSync | None = None
         self._step_denominator = 1.0
         self.step_rows = 0
+        self._pipeline = None  # TorchRec's train pipeline while train.pipeline != off trains
 
     @property
     def is_main(self) -> bool:
@@ -268,19 +289,26 @@ class HybridParallel:
         optimizer: torch.optim.Optimizer,
         train: TrainConfig,
     ) -> Iterator[StepDone]:
-        """This rank's batches, one hybrid step each (:meth:`batches`, :meth:`train_step`).
+        """This rank's batches, one hybrid step each: :meth:`batches` and :meth:`train_step`
+        (``train.pipeline = "off"``), or TorchRec's train pipeline over the sharded model
+        (``sync`` / ``semi_sync``, see :mod:`recaccel.train.distributed.hybrid_pipeline`).
 
         Raises:
-            ConfigError: micro-batches (single-process only).
+            ConfigError: micro-batches (single-process only), or a pipeline this setup
+                cannot run.
         """
         if train.micro_batches > 1:
             raise ConfigError(
                 f"train.micro_batches={train.micro_batches} runs parallel.mode=single; use train.micro_batches=1"
             )
+        if train.cuda_graphs or train.compile:
+            key = "train.cuda_graphs" if train.cuda_graphs else "train.compile"
+            raise ConfigError(f"{key}=true runs parallel.mode=single; set it to false in hybrid mode")
         if train.pipeline != "off":
-            raise ConfigError(
-                f"train.pipeline={train.pipeline} in parallel.mode=hybrid is not supported yet; use train.pipeline=off"
-            )
+            from recaccel.train.distributed.hybrid_pipeline import pipelined_steps
+
+            yield from pipelined_steps(self, source, objective, optimizer, train.pipeline)
+            return
         position: dict[str, Any] = {}
 
         def batches() -> Iterator[Any]:
@@ -292,29 +320,54 @@ class HybridParallel:
             loss = self.train_step(objective, optimizer, batch)
             yield StepDone(loss, position["state"], self.step_rows)
 
+    def attach_pipeline(self, pipeline) -> None:
+        """Records TorchRec's train pipeline now driving the sharded module."""
+        self._pipeline = pipeline
+
+    def detach_pipeline(self) -> None:
+        """Gives the sharded module its own forward back (TorchRec's ``detach``; the
+        pipeline's next ``progress`` re-attaches it, batches in flight kept)."""
+        if self._pipeline is not None and self._pipeline._model_attached:
+            self._pipeline.detach()
+
     def batches(self, loader: Iterable, objective: Objective) -> Iterator:
         """The loader's batches for as long as every rank has one.
 
-        Before each step one allreduce of (has a batch, loss normaliser, rows) tells every
-        rank whether all have a batch, the global normaliser (:attr:`step_rows` gets the
-        global row count). A rank that runs dry still joins it, so all stop together.
+        Before each step :meth:`agree` tells every rank whether all have a batch and the
+        global normaliser (:attr:`step_rows` gets the global row count). A rank that runs
+        dry still joins it, so all stop together.
         """
         items = iter(loader)
         while True:
             batch = next(items, None)
-            info = torch.zeros(3, dtype=torch.float64)
-            if batch is not None:
-                info[0], info[1], info[2] = 1.0, loss_denominator(batch, objective.loss), batch.training_rows
-            with self.collectives("agreeing on the next step"):
-                buffer = info.to(self._comm_device())
-                dist.all_reduce(buffer)
-            info = buffer.cpu()
-            if int(info[0]) < self.world_size:
-                if batch is not None:
-                    logger.info("rank %d: another rank ran out of batches; ending the epoch", self.rank)
+            agreed = self.agree(batch, objective)
+            if agreed is None:
                 return
-            self._step_denominator, self.step_rows = float(info[1]), int(info[2])
+            self._step_denominator, self.step_rows = agreed
             yield batch
+
+    def agree(self, batch: Any | None, objective: Objective) -> tuple[float, int] | None:
+        """One 3-float allreduce of (has a batch, loss normaliser, rows) over ranks.
+
+        Args:
+            batch: this rank's next batch, or None when it has run dry.
+            objective: the objective (its loss kind sets the normaliser).
+
+        Returns:
+            The global (loss normaliser, training rows), or None when some rank has no batch.
+        """
+        info = torch.zeros(3, dtype=torch.float64)
+        if batch is not None:
+            info[0], info[1], info[2] = 1.0, loss_denominator(batch, objective.loss), batch.training_rows
+        with self.collectives("agreeing on the next step"):
+            buffer = info.to(self._comm_device())
+            dist.all_reduce(buffer)
+        info = buffer.cpu()
+        if int(info[0]) < self.world_size:
+            if batch is not None:
+                logger.info("rank %d: another rank ran out of batches; ending the epoch", self.rank)
+            return None
+        return float(info[1]), int(info[2])
 
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
@@ -334,17 +387,35 @@ class HybridParallel:
 
         Call inside :meth:`batches` (it sets this step's global normaliser).
         """
-        if self._sync is None:
-            self._sync = DenseGradSync(self.dense_parameters(optimizer))
-        optimizer.zero_grad(set_to_none=True)
-        if self.replicated_optimizer is not None:
-            self.replicated_optimizer.zero_grad(set_to_none=True)
+        self.zero_grad(optimizer)
         with self.collectives("the training step"):
             loss = objective.batch_loss(batch)
             share = loss_denominator(batch, objective.loss) / max(self._step_denominator, 1e-12)
             scaled = loss * share
             scaled.backward()
-            total = self._sync.allreduce(scaled.detach().reshape(1).float())
+        return self.sync_and_step(optimizer, scaled.detach())
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clears the dense and the replicated tables' gradients."""
+        optimizer.zero_grad(set_to_none=True)
+        if self.replicated_optimizer is not None:
+            self.replicated_optimizer.zero_grad(set_to_none=True)
+
+    def sync_and_step(self, optimizer: torch.optim.Optimizer, share: Tensor) -> Tensor:
+        """After backward: one bucketed allreduce of the dense gradients and this rank's
+        loss share, then the dense and replicated-table optimizer steps.
+
+        Args:
+            optimizer: the dense optimizer.
+            share: this rank's share of the global mean loss (a detached scalar or [1]).
+
+        Returns:
+            The global mean loss of the step (a scalar).
+        """
+        if self._sync is None:
+            self._sync = DenseGradSync(self.dense_parameters(optimizer))
+        with self.collectives("the training step"):
+            total = self._sync.allreduce(share.reshape(1).float())
         optimizer.step()
         if self.replicated_optimizer is not None:
             self.replicated_optimizer.step()
