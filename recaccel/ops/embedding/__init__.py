@@ -10,6 +10,8 @@ Layout:
   dispatch (:func:`choose_backend`, :func:`pack_backend_class`).
 - :mod:`~recaccel.ops.embedding.specs`: :class:`TableSpec`, :class:`SparseOptimConfig`.
 - :mod:`~recaccel.ops.embedding.packing`: the packing plan and the routing of a batch.
+- :mod:`~recaccel.ops.embedding.prepared`: :class:`PreparedSparse`, a batch with its
+  lookup's input preparation (made ahead by a pipeline).
 - :mod:`~recaccel.ops.embedding.pack_backend`: the per-pack backend interface.
 - Backends, one pack class each: :mod:`~recaccel.ops.embedding.reference` (PyTorch, the
   specification), :mod:`~recaccel.ops.embedding.triton` (CUDA, or CPU under
@@ -27,6 +29,7 @@ from recaccel.ops.embedding.module import (
 )
 from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, PackLayout
+from recaccel.ops.embedding.prepared import PreparedSparse
 from recaccel.ops.embedding.specs import (
     OPTIMIZER_STATES,
     OPTIMIZERS,
@@ -45,6 +48,7 @@ __all__ = [
     "PackLayout",
     "PackedEmbeddingBag",
     "PackingPlan",
+    "PreparedSparse",
     "SparseOptimConfig",
     "TableSpec",
     "choose_backend",

@@ -41,6 +41,7 @@ from recaccel.sparse import SparseFeatures
 
 if TYPE_CHECKING:
     from recaccel.ops.embedding.pack_backend import PackOptions
+    from recaccel.ops.embedding.prepared import PreparedPack
 
 # The sparse optimizers this backend runs, by name, with FBGEMM's rule for each.
 _FBGEMM_RULES = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
@@ -173,8 +174,20 @@ class FbgemmPack:
     def set_learning_rate(self, lr: float) -> None:
         self.tbe.set_learning_rate(lr)
 
+    def prepare(
+        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+    ) -> PreparedPack | None:
+        """Nothing: :meth:`lookup` builds the TBE's input itself."""
+        return None
+
     def lookup(
-        self, held: Mapping[str, Tensor], sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+        self,
+        held: Mapping[str, Tensor],
+        sf: SparseFeatures,
+        route: PackRoute,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        train: bool,
     ) -> Tensor:
         """Pools the pack's features of a batch.
 
@@ -182,6 +195,7 @@ class FbgemmPack:
             held: Unused (empty).
             sf: The batch.
             route: The pack's route for the batch's keys.
+            prepared: Unused (None).
             batch_size: B.
             train: Let backward update the rows (training); otherwise no graph is built.
 
@@ -200,3 +214,28 @@ class FbgemmPack:
         if route.slots.identity:
             return out
         return out.index_select(1, route.slot_of_local)
+
+    def lookup_rows(
+        self,
+        held: Mapping[str, Tensor],
+        sf: SparseFeatures,
+        route: PackRoute,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        lo: int,
+        hi: int,
+    ) -> Tensor:
+        """Rows ``lo:hi`` of :meth:`lookup`, without a graph: the TBE looks up those rows of
+        the batch (one host synchronization to cut them out)."""
+        return self.lookup(held, sf.slice_rows(lo, hi), route, None, hi - lo, train=False)
+
+    def deferred_update_unsupported(self) -> str | None:
+        return (
+            "backend='fbgemm' (its sparse update runs inside the TBE's backward, which a gradient cannot be "
+            "handed to; use backend='reference' or 'triton')"
+        )
+
+    def apply_gradient(
+        self, held: Mapping[str, Tensor], prepared: PreparedPack | None, grad: Tensor, batch_size: int
+    ) -> None:
+        raise ValueError(f"cannot apply a deferred update: {self.deferred_update_unsupported()}")

@@ -4,6 +4,14 @@ The module routes a batch's features to their packs and holds the packs' tensors
 pack's lookups, updates and state belong to its backend object
 (:mod:`recaccel.ops.embedding.pack_backend`), chosen once at construction.
 
+A lookup is two phases: :meth:`PackedEmbeddingBag.prepare` (validation, routing, the ids'
+bounds check with its host synchronization, the packs' ids and the backward's sort)
+and the kernels. A pipeline prepares the next batch ahead, on a side stream
+(:class:`~recaccel.ops.embedding.prepared.PreparedSparse`, whose docstring states the
+memory that costs); micro-batches look up slices of a prepared batch
+(:meth:`~PackedEmbeddingBag.lookup_rows`) and apply its sparse update once
+(:meth:`~PackedEmbeddingBag.apply_gradient`).
+
 Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
 """
 
@@ -11,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -20,6 +29,7 @@ from recaccel.ops.backend import BACKENDS, resolve_backend
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
 from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch
+from recaccel.ops.embedding.prepared import PreparedSparse
 from recaccel.ops.embedding.reference import ReferencePack
 from recaccel.ops.embedding.rounding import EMBEDDING_DTYPES, StochasticRounding, torch_dtype
 from recaccel.ops.embedding.specs import SparseOptimConfig, TableSpec
@@ -248,7 +258,9 @@ class PackedEmbeddingBag(nn.Module):
         """Pools every feature of a batch.
 
         Args:
-            sf: F features of B rows (any subset of the tables' features, any order).
+            sf: F features of B rows (any subset of the tables' features, any order); a
+                :class:`PreparedSparse` this module prepared is looked up without being
+                prepared again (see :meth:`prepare`).
 
         Returns:
             float32 [B, F, D] in ``sf.keys`` order.
@@ -260,14 +272,8 @@ class PackedEmbeddingBag(nn.Module):
             DataError: an unknown or repeated feature.
         """
         routing, outs = self._lookup(sf)
-        if len(set(routing.dims)) > 1:
-            raise ValueError(
-                f"{_OP}.forward needs one dim for all features, got dims {sorted(set(routing.dims))}; "
-                "use forward_packs() or forward_concat()"
-            )
-        outs = [o for o in outs if o.shape[1] > 0]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return out if routing.restore is None else out.index_select(1, routing.restore)
+        _check_one_dim(routing, "forward")
+        return _to_batch_order(routing, outs)
 
     def forward_packs(self, sf: SparseFeatures) -> list[Tensor]:
         """Pools a batch pack by pack (mixed dims).
@@ -288,20 +294,163 @@ class PackedEmbeddingBag(nn.Module):
         """Feature names of each of :meth:`forward_packs`'s outputs for a batch with ``keys``."""
         return [[keys[i] for i in r.features] for r in self.plan.route(keys, torch.device("cpu")).packs]
 
+    def prepare(self, sf: SparseFeatures) -> PreparedSparse:
+        """Everything a lookup of ``sf`` does before its kernels, done now.
+
+        Validates the batch, routes its features, checks its ids (one host
+        synchronization, when ids are checked), and prepares each pack's input: the ids,
+        and in training mode the sort and unique of the backward. Run on a side stream
+        ahead of the step, the synchronization no longer drains the main stream;
+        :meth:`forward` (and the other lookups) of the result then skip all of it and
+        give bit for bit what they give for ``sf``. The preparation's memory lives as
+        long as the batch and its graph (see :mod:`recaccel.ops.embedding.prepared`).
+
+        The result is tied to this module and its mode at this call: another module, or
+        this one in training mode given a batch prepared in eval mode, prepares it again
+        (correct, just not ahead of time).
+
+        Args:
+            sf: F features of B rows (as for :meth:`forward`).
+
+        Returns:
+            The validated batch (int64 ids and offsets, float32 weights) with its preparation.
+
+        Raises:
+            InvalidIdError, DataError, ValueError: as :meth:`forward` would for ``sf``.
+        """
+        return self._prepare(sf, self.training)
+
+    def lookup_rows(self, sf: SparseFeatures, lo: int, hi: int) -> Tensor:
+        """Pools rows ``lo .. hi-1`` of a prepared batch, without a graph.
+
+        For micro-batches: each micro-batch's lookup can run on a side stream while the
+        previous one's dense work runs; the batch is validated and checked once, by
+        :meth:`prepare`. The sparse update is then :meth:`apply_gradient`'s.
+
+        Args:
+            sf: The batch, prepared by this module (any other batch is prepared here).
+            lo: First row, ``0 <= lo <= hi <= B``.
+            hi: One past the last row.
+
+        Returns:
+            float32 [hi-lo, F, D] in ``sf.keys`` order: rows ``lo:hi`` of ``forward(sf)``.
+
+        Raises:
+            ValueError: rows outside the batch, or features of different dims.
+        """
+        sf = self._prepared(sf, training=False)
+        routing, batch_size = sf.routing, sf.batch_size
+        if not 0 <= lo <= hi <= batch_size:
+            raise ValueError(
+                f"{_OP}.lookup_rows: rows [{lo}, {hi}) are not within the batch's {batch_size} rows"
+            )
+        _check_one_dim(routing, "lookup_rows")
+        outs = []
+        for p, route in enumerate(routing.packs):
+            if route.local.count == 0 or hi == lo:
+                outs.append(
+                    torch.zeros(hi - lo, route.local.count, self.plan.packs[p].dim, device=sf.values.device)
+                )
+                continue
+            held = self._held(p)
+            outs.append(self._packs[p].lookup_rows(held, sf, route, sf.packs[p], batch_size, lo, hi))
+        return _to_batch_order(routing, outs)
+
+    def deferred_update_unsupported(self) -> str | None:
+        """Why :meth:`apply_gradient` cannot run on this module, or None when it can
+        (fused mode on the reference or Triton backend)."""
+        return self._packs[0].deferred_update_unsupported()
+
+    @torch.no_grad()
+    def apply_gradient(self, sf: SparseFeatures, grad: Tensor) -> None:
+        """Applies the sparse update of a batch for a gradient of its pooled output.
+
+        Exactly what the fused backward of ``forward(sf)`` does with ``grad`` as the
+        gradient of its output: the same rows, optimizer state and step, and for 16-bit
+        rows the same draws of the rounding seeds. For micro-batches: the dense work
+        runs per micro-batch on :meth:`lookup_rows`, and the sparse update once per step
+        with the whole batch's math.
+
+        Args:
+            sf: The batch, prepared by this module in training mode (any other batch is
+                prepared here, for training).
+            grad: [B, F, D] gradient of ``forward(sf)``, features in ``sf.keys`` order.
+
+        Raises:
+            ConfigError: the module cannot defer its update (:meth:`deferred_update_unsupported`).
+            ValueError: ``grad`` of the wrong shape, or features of different dims.
+        """
+        reason = self.deferred_update_unsupported()
+        if reason is not None:
+            raise ConfigError(f"{_OP}.apply_gradient: no deferred sparse update with {reason}")
+        sf = self._prepared(sf, training=True)
+        routing, batch_size = sf.routing, sf.batch_size
+        _check_one_dim(routing, "apply_gradient")
+        want = (batch_size, len(routing.keys), routing.dims[0])
+        if tuple(grad.shape) != want:
+            raise ValueError(
+                f"{_OP}.apply_gradient: grad has shape {tuple(grad.shape)}, expected [B, F, D] = {list(want)}"
+            )
+        grad = grad.detach()
+        # The packs' outputs concatenated (the backward of forward's restoring gather).
+        grad = grad if routing.order is None else grad.index_select(1, routing.order)
+        starts = [0]
+        for route in routing.packs:
+            starts.append(starts[-1] + route.local.count)
+        # Last pack first: the order in which autograd runs the packs' backward (its ready
+        # queue takes the newest node first), hence the same rounding-seed draws.
+        for p in reversed(range(len(routing.packs))):
+            count = routing.packs[p].local.count
+            if count == 0 or batch_size == 0:
+                continue  # no lookup, hence no backward
+            pack_grad = grad.narrow(1, starts[p], count)
+            self._packs[p].apply_gradient(self._held(p), sf.packs[p], pack_grad, batch_size)
+
     def _lookup(self, sf: SparseFeatures) -> tuple[Routing, list[Tensor]]:
+        train = self.training and torch.is_grad_enabled()
+        sf = self._prepared(sf, training=train)
+        routing, batch_size = sf.routing, sf.batch_size
+        return routing, [self._lookup_pack(p, sf, r, batch_size, train) for p, r in enumerate(routing.packs)]
+
+    def _lookup_pack(
+        self, p: int, sf: PreparedSparse, route: PackRoute, batch_size: int, train: bool
+    ) -> Tensor:
+        layout = self.plan.packs[p]
+        if route.local.count == 0 or batch_size == 0:
+            return torch.zeros(batch_size, route.local.count, layout.dim, device=sf.values.device)
+        return self._packs[p].lookup(self._held(p), sf, route, sf.packs[p], batch_size, train)
+
+    def _prepared(self, sf: SparseFeatures, training: bool) -> PreparedSparse:
+        """``sf`` itself when this module prepared it (for training if ``training``), else
+        ``sf`` prepared now."""
+        if isinstance(sf, PreparedSparse) and sf.usable_by(self, training):
+            # The one check that is not the batch's own: the module may have moved since.
+            self._packs[0].check_batch_device(self._held(0), sf.values.device)
+            return sf
+        return self._prepare(sf, training)
+
+    def _prepare(self, sf: SparseFeatures, training: bool) -> PreparedSparse:
         sf = self._validate(sf)
         routing = self._route(sf.keys, sf.values.device)
         batch_size = sf.batch_size
         if self.bounds_check or self._always_check_ids:
             check_batch(sf, routing, self.plan)
-        return routing, [self._lookup_pack(p, sf, r, batch_size) for p, r in enumerate(routing.packs)]
-
-    def _lookup_pack(self, p: int, sf: SparseFeatures, route: PackRoute, batch_size: int) -> Tensor:
-        layout = self.plan.packs[p]
-        if route.local.count == 0 or batch_size == 0:
-            return torch.zeros(batch_size, route.local.count, layout.dim, device=sf.values.device)
-        train = self.training and torch.is_grad_enabled()
-        return self._packs[p].lookup(self._held(p), sf, route, batch_size, train)
+        packs = [
+            None
+            if route.local.count == 0 or batch_size == 0
+            else self._packs[p].prepare(sf, route, batch_size, training)
+            for p, route in enumerate(routing.packs)
+        ]
+        return PreparedSparse(
+            sf.keys,
+            sf.values,
+            sf.offsets,
+            sf.weights,
+            routing=routing,
+            packs=packs,
+            owner=weakref.ref(self),
+            training=training,
+        )
 
     def _held(self, p: int) -> dict[str, Tensor]:
         """This module's tensors of pack ``p``, by name (looked up now: ``.to()`` replaces buffers)."""
@@ -387,6 +536,21 @@ class PackedEmbeddingBag(nn.Module):
         )
         dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
         return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
+
+
+def _check_one_dim(routing: Routing, method: str) -> None:
+    if len(set(routing.dims)) > 1:
+        raise ValueError(
+            f"{_OP}.{method} needs one dim for all features, got dims {sorted(set(routing.dims))}; "
+            "use forward_packs() or forward_concat()"
+        )
+
+
+def _to_batch_order(routing: Routing, outs: list[Tensor]) -> Tensor:
+    """The packs' [B, F_p, D] outputs as one [B, F, D] in the batch's feature order."""
+    outs = [o for o in outs if o.shape[1] > 0]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out if routing.restore is None else out.index_select(1, routing.restore)
 
 
 def _rounding_seed(seed: int | None, generator: torch.Generator | None) -> int:

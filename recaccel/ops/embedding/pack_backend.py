@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from recaccel.ops.embedding.optimizers import PackState, init_states
 from recaccel.ops.embedding.packing import LocalFeatures, PackLayout, PackRoute
+from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.ops.embedding.rounding import StochasticRounding
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig
 from recaccel.sparse import SparseFeatures
@@ -59,6 +60,11 @@ class PackOptions:
 class PackBackend(Protocol):
     """What the module asks of one pack.
 
+    A lookup is prepared (:meth:`prepare`: whatever the pack's kernels need before they
+    run, made possibly ahead of time on a side stream) and then run (:meth:`lookup`,
+    :meth:`lookup_rows`); a fused pack's update runs in the lookup's backward or, for a
+    batch whose dense work ran in micro-batches, once from :meth:`apply_gradient`.
+
     Attributes:
         always_checks_ids: Check every batch's ids whatever ``bounds_check`` says (the
             reference: its gathers would fail with an opaque message otherwise).
@@ -86,8 +92,31 @@ class PackBackend(Protocol):
     def check_batch_device(self, held: Mapping[str, Tensor], device: torch.device) -> None:
         """Raises ValueError when a batch on ``device`` cannot be looked up by this pack."""
 
+    def prepare(
+        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+    ) -> PreparedPack | None:
+        """The pack's input preparation for a batch (its features are not all absent, B > 0).
+
+        Args:
+            sf: The batch, validated (int64 ids and offsets, float32 weights or None),
+                its ids checked when the module checks them.
+            route: The pack's route for the batch's keys.
+            batch_size: B.
+            train: For a training step: include what the backward needs.
+
+        Returns:
+            What :meth:`lookup`, :meth:`lookup_rows` and :meth:`apply_gradient` take as
+            ``prepared``, or None when the pack needs nothing.
+        """
+
     def lookup(
-        self, held: Mapping[str, Tensor], sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+        self,
+        held: Mapping[str, Tensor],
+        sf: SparseFeatures,
+        route: PackRoute,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        train: bool,
     ) -> Tensor:
         """Pools the pack's features of a batch (they are not all absent, B > 0).
 
@@ -95,12 +124,45 @@ class PackBackend(Protocol):
             held: The module's tensors of this pack, by name.
             sf: The batch (int64 ids and offsets, float32 weights or None).
             route: The pack's route for the batch's keys.
+            prepared: :meth:`prepare`'s result for this batch, made with ``train`` true
+                when ``train`` is.
             batch_size: B.
             train: The lookup is part of a training step (module in training mode, grad
                 enabled): a fused pack's backward updates its rows.
 
         Returns:
             float32 [B, F_p, D] in the batch's feature order.
+        """
+
+    def lookup_rows(
+        self,
+        held: Mapping[str, Tensor],
+        sf: SparseFeatures,
+        route: PackRoute,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        lo: int,
+        hi: int,
+    ) -> Tensor:
+        """Pools rows ``lo .. hi-1`` of a prepared batch, without a graph (``0 <= lo < hi <= B``).
+
+        Returns:
+            float32 [hi-lo, F_p, D]: rows ``lo:hi`` of :meth:`lookup`'s result.
+        """
+
+    def deferred_update_unsupported(self) -> str | None:
+        """Why :meth:`apply_gradient` cannot run on this pack, or None when it can."""
+
+    def apply_gradient(
+        self, held: Mapping[str, Tensor], prepared: PreparedPack | None, grad: Tensor, batch_size: int
+    ) -> None:
+        """Applies the update a fused lookup's backward would, for this output gradient.
+
+        Args:
+            held: The module's tensors of this pack, by name.
+            prepared: :meth:`prepare`'s result for the batch, made with ``train`` true.
+            grad: [B, F_p, D] gradient of the pack's pooled output.
+            batch_size: B.
         """
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -114,8 +176,9 @@ class PackBackend(Protocol):
 class HeldPack(ABC):
     """Base of the packs whose rows and optimizer state the module holds (reference, Triton).
 
-    Subclasses say how to pool in each mode; this class builds the tensors, picks the
-    mode, and slices the packed tensors into per-table views.
+    Subclasses say how to prepare a batch, how to pool in each mode and how to update;
+    this class builds the tensors, picks the mode, and slices the packed tensors into
+    per-table views.
 
     Args:
         layout: The pack.
@@ -151,36 +214,108 @@ class HeldPack(ABC):
         if device != held["weight"].device:
             raise ValueError(f"{_OP}: the batch is on {device} but the tables are on {held['weight'].device}")
 
+    @abstractmethod
+    def prepare(
+        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+    ) -> PreparedPack | None:
+        """See :meth:`PackBackend.prepare`."""
+
     def lookup(
-        self, held: Mapping[str, Tensor], sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+        self,
+        held: Mapping[str, Tensor],
+        sf: SparseFeatures,
+        route: PackRoute,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        train: bool,
     ) -> Tensor:
         weight = held["weight"]
         if self.mode == "autograd":
-            return self.lookup_autograd(weight, sf, route.local, batch_size)
+            return self.lookup_autograd(weight, sf, route.local, prepared, batch_size)
         if not train:
-            return self.lookup_frozen(weight, sf, route.local, batch_size)
+            return self.lookup_frozen(weight, sf, route.local, prepared, batch_size)
         # The rows are buffers: an empty input that requires grad makes autograd call the
         # fused backward.
         anchor = torch.empty(0, device=weight.device, requires_grad=True)
-        return self.lookup_fused(anchor, self._state(held), sf, route.local, batch_size)
+        return self.lookup_fused(anchor, self._state(held), sf, route.local, prepared, batch_size)
+
+    @torch.no_grad()
+    def lookup_rows(
+        self,
+        held: Mapping[str, Tensor],
+        sf: SparseFeatures,
+        route: PackRoute,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        lo: int,
+        hi: int,
+    ) -> Tensor:
+        return self.pool_rows(held["weight"].detach(), sf, route.local, prepared, batch_size, lo, hi)
+
+    def deferred_update_unsupported(self) -> str | None:
+        if self.mode == "autograd":
+            return (
+                "mode='autograd' (the packed rows are Parameters: the caller accumulates their gradients "
+                "over the micro-batches and applies its own optimizer)"
+            )
+        return None
+
+    def apply_gradient(
+        self, held: Mapping[str, Tensor], prepared: PreparedPack | None, grad: Tensor, batch_size: int
+    ) -> None:
+        self.update(self._state(held), grad, prepared, batch_size)
 
     @abstractmethod
     def lookup_autograd(
-        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
         """Autograd mode: [B, S, D], differentiable w.r.t. the Parameter ``weight``."""
 
     @abstractmethod
     def lookup_frozen(
-        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
         """Fused mode outside training: [B, S, D], no graph."""
 
     @abstractmethod
     def lookup_fused(
-        self, anchor: Tensor, state: PackState, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        anchor: Tensor,
+        state: PackState,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
-        """Fused mode in training: [B, S, D] whose backward updates ``state`` in place."""
+        """Fused mode in training: [B, S, D] whose backward runs :meth:`update`."""
+
+    @abstractmethod
+    def pool_rows(
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        lo: int,
+        hi: int,
+    ) -> Tensor:
+        """Rows ``lo:hi`` of the pooled batch: [hi-lo, S, D], ``weight`` detached, no graph."""
+
+    @abstractmethod
+    def update(self, state: PackState, grad: Tensor, prepared: PreparedPack | None, batch_size: int) -> None:
+        """Fused mode: the sparse update of one batch's output gradient ``grad`` [B, S, D]
+        (the body of the fused backward, which :meth:`apply_gradient` runs too)."""
 
     def _optimizer_states(self, held: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}

@@ -11,6 +11,7 @@ features), N ids, D dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -126,6 +127,9 @@ class Routing:
             concatenated along the feature axis, or None when that is already batch order.
         restore_columns: int64 [sum D] the same for the packs' outputs flattened to
             [B, F_p*D_p] and concatenated, or None.
+        order: int64 [F] the inverse of ``restore``: the batch feature at each position of
+            the packs' concatenated outputs (what a gradient in batch order is gathered
+            by to reach the packs), or None with ``restore``.
     """
 
     keys: tuple[str, ...]
@@ -134,6 +138,7 @@ class Routing:
     dims: list[int]
     restore: Tensor | None
     restore_columns: Tensor | None
+    order: Tensor | None = None
 
 
 @dataclass
@@ -152,6 +157,21 @@ class PackIds:
     offsets: Tensor
     scale: Tensor | None
     bags: Tensor | None
+
+
+class RowGroups(NamedTuple):
+    """A pack's id occurrences grouped by packed row (:func:`group_by_row`).
+
+    Attributes:
+        order: int64 [N_p] occurrences sorted by row, stable.
+        unique_rows: int64 [U] ascending.
+        segments: int64 [U+1]: the occurrences of ``unique_rows[u]`` are
+            ``order[segments[u]:segments[u+1]]``.
+    """
+
+    order: Tensor
+    unique_rows: Tensor
+    segments: Tensor
 
 
 class PackingPlan:
@@ -230,10 +250,11 @@ class PackingPlan:
             routes.append(PackRoute(feats, local, slots, slot_of))
             order.extend(feats)
         dims = [self.slots[k].table.dim for k in keys]
-        restore = restore_cols = None
+        restore = restore_cols = gather = None
         if order != list(range(len(keys))):
             pos = {f: j for j, f in enumerate(order)}
             restore = torch.tensor([pos[f] for f in range(len(keys))], dtype=torch.int64, device=device)
+            gather = torch.tensor(order, dtype=torch.int64, device=device)
             starts, col = {}, 0
             for f in order:
                 starts[f] = col
@@ -243,7 +264,7 @@ class PackingPlan:
         num_rows = torch.tensor(
             [self.slots[k].table.num_rows for k in keys], dtype=torch.int64, device=device
         )
-        return Routing(keys, routes, num_rows, dims, restore, restore_cols)
+        return Routing(keys, routes, num_rows, dims, restore, restore_cols, gather)
 
 
 def gather_pack_ids(
@@ -300,22 +321,54 @@ def gather_pack_ids(
     return PackIds(rows, offsets, scale, bags)
 
 
-def group_by_row(rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def group_by_row(rows: Tensor) -> RowGroups:
     """Groups a pack's id occurrences by packed row (the dedup step of every backward).
 
     Args:
         rows: int64 [N_p] packed row of each occurrence.
 
     Returns:
-        (order int64 [N_p] occurrences sorted by row, stable; unique_rows int64 [U]
-        ascending; segments int64 [U+1], so that the occurrences of ``unique_rows[u]``
-        are ``order[segments[u]:segments[u+1]]``).
+        (order, unique_rows, segments): see :class:`RowGroups`.
     """
     sorted_rows, order = torch.sort(rows, stable=True)
     unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
     segments = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=rows.device)
     torch.cumsum(counts, 0, out=segments[1:])
-    return order, unique_rows, segments
+    return RowGroups(order, unique_rows, segments)
+
+
+def slice_pack_ids(ids: PackIds, batch_size: int, num_local: int, lo: int, hi: int) -> PackIds:
+    """The ids of batch rows ``lo .. hi-1`` of one pack, as the CSR of a batch of ``hi - lo`` rows.
+
+    Rows, offsets' differences and scales are copied unchanged (a mean's ``1/L`` stays that
+    of the whole bag), so pooling the result gives those rows of the whole batch's
+    pooling, bag for bag. One host synchronization (the number of ids).
+
+    Args:
+        ids: The pack's ids over ``S*B`` bags (``bags`` unused).
+        batch_size: B.
+        num_local: S.
+        lo: First row, ``0 <= lo <= hi <= B``.
+        hi: One past the last row.
+
+    Returns:
+        The pack's ids over ``S*(hi-lo)`` bags, feature-major; ``bags`` None.
+    """
+    rows = hi - lo
+    device = ids.rows.device
+    first = torch.arange(num_local, device=device) * batch_size + lo  # [S] first bag of each feature
+    bounds = ids.offsets.index_select(0, (first[:, None] + torch.arange(rows + 1, device=device)).reshape(-1))
+    bounds = bounds.view(num_local, rows + 1)
+    counts = bounds[:, -1] - bounds[:, 0]  # [S] ids of each feature in the rows
+    base = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    torch.cumsum(counts, 0, out=base[1:])
+    n = int(base[-1])
+    offsets = torch.cat([(bounds[:, :-1] - bounds[:, :1] + base[:-1, None]).reshape(-1), base[-1:]])
+    # Each kept id moves from its feature's first kept position to that feature's base.
+    gather = torch.repeat_interleave(bounds[:, 0] - base[:-1], counts, output_size=n)
+    gather += torch.arange(n, device=device)
+    scale = None if ids.scale is None else ids.scale.index_select(0, gather)
+    return PackIds(ids.rows.index_select(0, gather), offsets, scale, None)
 
 
 def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None:

@@ -1,14 +1,16 @@
 """Reference packed embedding bag: plain PyTorch, runs anywhere, defines the semantics.
 
 One ``torch.nn.functional.embedding_bag`` per pack looks up every feature of the pack:
-ids are shifted by their table's row offset (:func:`gather_pack_ids`) and pooled with
-``mode="sum"`` and per-id scales (the id's weight, times ``1/L`` for mean pooling).
+ids are shifted by their table's row offset (:func:`gather_pack_ids`, made when the
+batch is prepared) and pooled with ``mode="sum"`` and per-id scales (the id's weight,
+times ``1/L`` for mean pooling).
 
 :class:`ReferencePack` is the reference backend of one pack of a
 :class:`~recaccel.ops.embedding.PackedEmbeddingBag`. Fused mode wraps the lookup in
-:class:`ReferenceFusedLookup`, whose backward sorts the ids by
-row, sums each unique row's occurrence gradients (one ``embedding_bag`` over the output
-gradient) and applies the sparse optimizer to those rows, a piece of rows at a time
+:class:`ReferenceFusedLookup`, whose backward (:func:`fused_backward`) takes the ids
+grouped by row (sorted when the batch was prepared), sums each unique row's occurrence
+gradients (one ``embedding_bag`` over the output gradient) and applies the sparse
+optimizer to those rows, a piece of rows at a time
 (:func:`~recaccel.ops.embedding.optimizers.rows_per_piece`); no dense [R, D] gradient
 exists.
 
@@ -25,7 +27,16 @@ from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
 from recaccel.ops.embedding.pack_backend import HeldPack
-from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids, group_by_row
+from recaccel.ops.embedding.packing import (
+    LocalFeatures,
+    PackIds,
+    PackRoute,
+    RowGroups,
+    gather_pack_ids,
+    group_by_row,
+    slice_pack_ids,
+)
+from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.sparse import SparseFeatures
 
@@ -69,7 +80,7 @@ def reference_lookup(
 
 
 def coalesce_row_grads(
-    grad_out: Tensor, ids: PackIds, *, max_rows: int | None = None
+    grad_out: Tensor, ids: PackIds, *, max_rows: int | None = None, groups: RowGroups | None = None
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """Sums the gradient of every occurrence of each unique row, in pieces of rows.
 
@@ -82,6 +93,7 @@ def coalesce_row_grads(
         grad_out: [B, S, D] gradient of the pooled output.
         ids: The pack's ids, with ``bags``.
         max_rows: Unique rows per piece (default :func:`rows_per_piece` of D).
+        groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
 
     Yields:
         (rows int64 [U_k] unique packed rows, grad float32 [U_k, D]); the pieces cover the
@@ -94,7 +106,7 @@ def coalesce_row_grads(
     # rather than copying it to feature-major order.
     in_place = grad_out.is_contiguous()
     table = grad_out.view(b * s, dim) if in_place else grad_out.transpose(0, 1).reshape(b * s, dim)
-    order, rows, segments = group_by_row(ids.rows)
+    order, rows, segments = group_by_row(ids.rows) if groups is None else groups
     num_unique = rows.numel()
     starts = list(range(0, num_unique, max_rows))
     # One host read for all the pieces' bounds.
@@ -114,6 +126,26 @@ def coalesce_row_grads(
         yield rows[u0:u1], grad
 
 
+def fused_backward(
+    state: PackState, optim: SparseOptimConfig, grad_out: Tensor, prepared: PreparedPack
+) -> None:
+    """The fused update of one pack for one batch (the backward of :class:`ReferenceFusedLookup`,
+    and :meth:`PackedEmbeddingBag.apply_gradient`'s): counts the step, draws the
+    rounding seed of 16-bit rows, then updates the touched rows piece by piece.
+
+    Args:
+        state: The pack's rows, optimizer state and step, updated in place.
+        optim: Hyper-parameters.
+        grad_out: [B, S, D] gradient of the pack's pooled output.
+        prepared: The batch's preparation (ids with bags; the row grouping when made for
+            training, else it is made here).
+    """
+    state.step.add_(1)
+    seed = None if state.rounding_seed is None else state.rounding_seed()
+    for rows, grad in coalesce_row_grads(grad_out, prepared.ids, groups=prepared.groups):
+        update_rows(state, optim, rows, grad, seed)
+
+
 class ReferenceFusedLookup(torch.autograd.Function):
     """Pooled lookup whose backward updates the packed rows in place.
 
@@ -127,23 +159,18 @@ class ReferenceFusedLookup(torch.autograd.Function):
         anchor: Tensor,
         state: PackState,
         optim: SparseOptimConfig,
-        sf: SparseFeatures,
-        local: LocalFeatures,
+        prepared: PreparedPack,
         batch_size: int,
+        num_local: int,
     ) -> Tensor:
-        ids = gather_pack_ids(sf, local, batch_size, with_bags=True)
         with torch.no_grad():
-            out = reference_lookup(state.weight, ids, batch_size, local.count)
-        ctx.ids, ctx.state, ctx.optim = ids, state, optim
+            out = reference_lookup(state.weight, prepared.ids, batch_size, num_local)
+        ctx.prepared, ctx.state, ctx.optim = prepared, state, optim
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        state = ctx.state
-        state.step.add_(1)
-        seed = None if state.rounding_seed is None else state.rounding_seed()
-        for rows, grad in coalesce_row_grads(grad_out, ctx.ids):
-            update_rows(state, ctx.optim, rows, grad, seed)
+        fused_backward(ctx.state, ctx.optim, grad_out, ctx.prepared)
         return None, None, None, None, None, None
 
 
@@ -151,19 +178,52 @@ class ReferencePack(HeldPack):
     """One pack on the reference backend (see :class:`~recaccel.ops.embedding.pack_backend.HeldPack`).
 
     It checks every batch's ids: ``embedding_bag`` would index out of range otherwise.
+    Its preparation is the pack's ids (with their bags and row grouping for a fused
+    training step), which its forward, backward and :meth:`pool_rows` all read.
     """
 
     always_checks_ids = True
 
+    def prepare(self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool) -> PreparedPack:
+        backward = train and self.mode == "fused"  # autograd mode: embedding_bag's own backward
+        ids = gather_pack_ids(sf, route.local, batch_size, with_bags=backward)
+        return PreparedPack(ids, group_by_row(ids.rows) if backward else None)
+
     def lookup_autograd(
-        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
-        ids = gather_pack_ids(sf, local, batch_size)
-        return reference_lookup(weight, ids, batch_size, local.count, sparse_grad=self.sparse_grad)
+        return reference_lookup(weight, prepared.ids, batch_size, local.count, sparse_grad=self.sparse_grad)
 
     lookup_frozen = lookup_autograd  # a buffer: no gradient, hence no graph
 
     def lookup_fused(
-        self, anchor: Tensor, state: PackState, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        anchor: Tensor,
+        state: PackState,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
-        return ReferenceFusedLookup.apply(anchor, state, self.optim, sf, local, batch_size)
+        return ReferenceFusedLookup.apply(anchor, state, self.optim, prepared, batch_size, local.count)
+
+    def pool_rows(
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        lo: int,
+        hi: int,
+    ) -> Tensor:
+        ids = slice_pack_ids(prepared.ids, batch_size, local.count, lo, hi)
+        return reference_lookup(weight, ids, hi - lo, local.count)
+
+    def update(self, state: PackState, grad: Tensor, prepared: PreparedPack | None, batch_size: int) -> None:
+        fused_backward(state, self.optim, grad, prepared)

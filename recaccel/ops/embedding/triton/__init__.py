@@ -20,9 +20,18 @@ from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions
-from recaccel.ops.embedding.packing import LocalFeatures, PackLayout
-from recaccel.ops.embedding.triton.autograd import TritonEmbeddingBagFunction, TritonFusedEmbeddingBagFunction
-from recaccel.ops.embedding.triton.kernels import check_kernels_launchable, embedding_bag_forward
+from recaccel.ops.embedding.packing import LocalFeatures, PackLayout, PackRoute, gather_pack_ids, group_by_row
+from recaccel.ops.embedding.prepared import PreparedPack
+from recaccel.ops.embedding.triton.autograd import (
+    TritonEmbeddingBagFunction,
+    TritonFusedEmbeddingBagFunction,
+)
+from recaccel.ops.embedding.triton.kernels import (
+    check_kernels_launchable,
+    embedding_bag_forward,
+    embedding_bag_forward_rows,
+    fused_update,
+)
 from recaccel.sparse import SparseFeatures
 
 __all__ = [
@@ -36,7 +45,9 @@ __all__ = [
 class TritonPack(HeldPack):
     """One pack on the Triton backend (see :class:`~recaccel.ops.embedding.pack_backend.HeldPack`).
 
-    Ids are checked only when the module's ``bounds_check`` is on.
+    Ids are checked only when the module's ``bounds_check`` is on. The forward reads the
+    batch's CSR directly, so only a training step is prepared: the ids with their bags
+    and their grouping by row, for the backward.
     """
 
     @classmethod
@@ -51,17 +62,59 @@ class TritonPack(HeldPack):
         check_kernels_launchable(device)
         return super().create(layout, weights, options, device)
 
+    def prepare(
+        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
+    ) -> PreparedPack | None:
+        if not train:
+            return None
+        ids = gather_pack_ids(sf, route.local, batch_size, with_bags=True)
+        return PreparedPack(ids, group_by_row(ids.rows))
+
     def lookup_autograd(
-        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
-        return TritonEmbeddingBagFunction.apply(weight, sf, local, batch_size, self.sparse_grad)
+        return TritonEmbeddingBagFunction.apply(weight, sf, local, prepared, batch_size, self.sparse_grad)
 
     def lookup_frozen(
-        self, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
         return embedding_bag_forward(weight, sf, local, batch_size)
 
     def lookup_fused(
-        self, anchor: Tensor, state: PackState, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+        self,
+        anchor: Tensor,
+        state: PackState,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
     ) -> Tensor:
-        return TritonFusedEmbeddingBagFunction.apply(anchor, state, self.optim, sf, local, batch_size)
+        return TritonFusedEmbeddingBagFunction.apply(
+            anchor, state, self.optim, sf, local, prepared, batch_size
+        )
+
+    def pool_rows(
+        self,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        lo: int,
+        hi: int,
+    ) -> Tensor:
+        return embedding_bag_forward_rows(weight, sf, local, batch_size, lo, hi)
+
+    def update(self, state: PackState, grad: Tensor, prepared: PreparedPack | None, batch_size: int) -> None:
+        # What TritonFusedEmbeddingBagFunction.backward runs, on this gradient.
+        fused_update(state, self.optim, grad, prepared.ids, batch_size, prepared.groups)

@@ -3,10 +3,15 @@
 - :class:`TritonEmbeddingBagFunction` (autograd mode): the packed weight is an input and
   backward returns its gradient, dense [R, D] or sparse COO (U rows).
 - :class:`TritonFusedEmbeddingBagFunction` (fused mode): the packed weight is a buffer;
-  backward deduplicates rows and updates them and their optimizer state in place.
+  backward deduplicates rows and updates them and their optimizer state in place
+  (:func:`~recaccel.ops.embedding.triton.kernels.fused_update`, which
+  ``apply_gradient`` runs too).
 
-The ids' per-occurrence bookkeeping (:func:`gather_pack_ids`) is recomputed in backward
-from the batch's CSR rather than kept alive between the passes.
+The forward reads the batch's CSR directly; the backward takes the ids with their bags
+and row grouping from the batch's preparation (made for training, so kept alive between
+the passes: see :mod:`recaccel.ops.embedding.prepared` for the memory), or makes them
+from the CSR when the lookup was not prepared for training (a backward through an
+autograd-mode lookup in eval mode).
 
 Shapes: B batch, S features of the pack, D dim, R packed rows, U unique rows.
 """
@@ -17,10 +22,22 @@ import torch
 from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
-from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
+from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids, group_by_row
+from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton.kernels import embedding_bag_backward, embedding_bag_forward, fused_update
 from recaccel.sparse import SparseFeatures
+
+
+def backward_ids(
+    prepared: PreparedPack | None, sf: SparseFeatures, local: LocalFeatures, batch_size: int
+) -> PreparedPack:
+    """The ids with bags and row grouping of a pack's backward: the preparation's when it
+    was made for training, else made now from the batch's CSR."""
+    if prepared is not None and prepared.groups is not None:
+        return prepared
+    ids = gather_pack_ids(sf, local, batch_size, with_bags=True)
+    return PreparedPack(ids, group_by_row(ids.rows))
 
 
 class TritonEmbeddingBagFunction(torch.autograd.Function):
@@ -28,23 +45,30 @@ class TritonEmbeddingBagFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int, sparse_grad: bool
+        ctx,
+        weight: Tensor,
+        sf: SparseFeatures,
+        local: LocalFeatures,
+        prepared: PreparedPack | None,
+        batch_size: int,
+        sparse_grad: bool,
     ) -> Tensor:
-        ctx.sf, ctx.local, ctx.batch_size, ctx.sparse_grad = sf, local, batch_size, sparse_grad
+        ctx.sf, ctx.local, ctx.prepared = sf, local, prepared
+        ctx.batch_size, ctx.sparse_grad = batch_size, sparse_grad
         ctx.weight_shape = weight.shape
         return embedding_bag_forward(weight, sf, local, batch_size)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        ids = gather_pack_ids(ctx.sf, ctx.local, ctx.batch_size, with_bags=True)
-        rows, grad_rows = embedding_bag_backward(grad_out, ids, ctx.batch_size)
+        prepared = backward_ids(ctx.prepared, ctx.sf, ctx.local, ctx.batch_size)
+        rows, grad_rows = embedding_bag_backward(grad_out, prepared.ids, ctx.batch_size, prepared.groups)
         if ctx.sparse_grad:
             grad = torch.sparse_coo_tensor(
                 rows[None], grad_rows, ctx.weight_shape, is_coalesced=True, check_invariants=False
             )
         else:
             grad = grad_rows.new_zeros(ctx.weight_shape).index_copy_(0, rows, grad_rows)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
@@ -62,13 +86,15 @@ class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
         optim: SparseOptimConfig,
         sf: SparseFeatures,
         local: LocalFeatures,
+        prepared: PreparedPack | None,
         batch_size: int,
     ) -> Tensor:
-        ctx.state, ctx.optim, ctx.sf, ctx.local, ctx.batch_size = state, optim, sf, local, batch_size
+        ctx.state, ctx.optim, ctx.sf, ctx.local = state, optim, sf, local
+        ctx.prepared, ctx.batch_size = prepared, batch_size
         return embedding_bag_forward(state.weight, sf, local, batch_size)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        ids = gather_pack_ids(ctx.sf, ctx.local, ctx.batch_size, with_bags=True)
-        fused_update(ctx.state, ctx.optim, grad_out, ids, ctx.batch_size)
-        return None, None, None, None, None, None
+        prepared = backward_ids(ctx.prepared, ctx.sf, ctx.local, ctx.batch_size)
+        fused_update(ctx.state, ctx.optim, grad_out, prepared.ids, ctx.batch_size, prepared.groups)
+        return None, None, None, None, None, None, None

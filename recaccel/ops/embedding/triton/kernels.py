@@ -34,7 +34,7 @@ from torch import Tensor
 
 from recaccel.ops.backend import check_triton_launchable
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
-from recaccel.ops.embedding.packing import LocalFeatures, PackIds, group_by_row
+from recaccel.ops.embedding.packing import LocalFeatures, PackIds, RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.sparse import SparseFeatures
 
@@ -144,6 +144,44 @@ def embedding_bag_forward(
         BLOCK_D=block_d,
     )
     return out
+
+
+def embedding_bag_forward_rows(
+    weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int, lo: int, hi: int
+) -> Tensor:
+    """Pools batch rows ``lo .. hi-1`` of every local feature of one pack in one launch.
+
+    The forward kernel runs on a virtual batch of one row whose ``(hi-lo)*S`` features
+    are the bags ``(b, j)`` row-major: virtual feature ``(b - lo)*S + j`` reads bag
+    ``src[j]*B + b`` of the batch's CSR with feature ``j``'s row offset and pooling, and
+    writes ``out[b - lo, j]``. Each bag runs the very program :func:`embedding_bag_forward`
+    runs for it, so the result is those rows of its result, bit for bit.
+
+    Args:
+        weight: [R, D] packed rows, row-major.
+        sf: The batch; ``sf.weights`` float32 or None.
+        local: The pack's S features (none absent).
+        batch_size: B.
+        lo: First row, ``0 <= lo <= hi <= B``.
+        hi: One past the last row.
+
+    Returns:
+        float32 [hi-lo, S, D].
+    """
+    rows = hi - lo
+    device = local.src.device
+    picked = torch.arange(lo, hi, device=device)[:, None]
+    bags = LocalFeatures(
+        src=(local.src[None, :] * batch_size + picked).reshape(-1),
+        row_offset=local.row_offset.repeat(rows),
+        is_mean=local.is_mean.repeat(rows),
+        count=rows * local.count,
+        identity=False,
+        any_mean=local.any_mean,
+        any_shift=local.any_shift,
+        any_missing=False,
+    )
+    return embedding_bag_forward(weight, sf, bags, 1).view(rows, local.count, weight.shape[1])
 
 
 @triton.jit
@@ -301,32 +339,41 @@ def _embedding_bag_fused_update_kernel(
         tl.store(w_ptrs, w, mask=col_mask)
 
 
-def sort_by_row(ids: PackIds) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+def sort_by_row(
+    ids: PackIds, groups: RowGroups | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Groups a pack's occurrences by packed row (the dedup step, on the device).
+
+    Args:
+        ids: The pack's ids, with ``bags``.
+        groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
 
     Returns:
         (unique_rows int64 [U], segments int64 [U+1] so that the occurrences of
         ``unique_rows[u]`` are ``segments[u] .. segments[u+1]-1`` of the sorted order,
         bags int64 [N_p] and scale float32 [N_p] or None, both in sorted order).
     """
-    perm, unique_rows, segments = group_by_row(ids.rows)
+    perm, unique_rows, segments = group_by_row(ids.rows) if groups is None else groups
     scale = None if ids.scale is None else ids.scale[perm]
     return unique_rows, segments, ids.bags[perm], scale
 
 
-def embedding_bag_backward(grad_out: Tensor, ids: PackIds, batch_size: int) -> tuple[Tensor, Tensor]:
+def embedding_bag_backward(
+    grad_out: Tensor, ids: PackIds, batch_size: int, groups: RowGroups | None = None
+) -> tuple[Tensor, Tensor]:
     """Per-unique-row weight gradient of one pack (autograd mode).
 
     Args:
         grad_out: [B, S, D] gradient of the pooled output.
         ids: The pack's ids, with ``bags``.
         batch_size: B.
+        groups: The ids' row grouping when already made (see :func:`sort_by_row`).
 
     Returns:
         (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
     """
     dim = grad_out.shape[2]
-    rows, segments, bags, scale = sort_by_row(ids)
+    rows, segments, bags, scale = sort_by_row(ids, groups)
     grad = torch.empty(rows.numel(), dim, dtype=torch.float32, device=grad_out.device)
     if rows.numel() == 0:
         return rows, grad
@@ -351,7 +398,12 @@ def embedding_bag_backward(grad_out: Tensor, ids: PackIds, batch_size: int) -> t
 
 
 def fused_update(
-    state: PackState, optim: SparseOptimConfig, grad_out: Tensor, ids: PackIds, batch_size: int
+    state: PackState,
+    optim: SparseOptimConfig,
+    grad_out: Tensor,
+    ids: PackIds,
+    batch_size: int,
+    groups: RowGroups | None = None,
 ) -> None:
     """Deduplicates a pack's rows and applies the sparse optimizer to them in one launch.
 
@@ -364,10 +416,11 @@ def fused_update(
         grad_out: [B, S, D] gradient of the pooled output.
         ids: The pack's ids, with ``bags``.
         batch_size: B.
+        groups: The ids' row grouping when already made (see :func:`sort_by_row`).
     """
     state.step.add_(1)
     seed = 0 if state.rounding_seed is None else state.rounding_seed()
-    rows, segments, bags, scale = sort_by_row(ids)
+    rows, segments, bags, scale = sort_by_row(ids, groups)
     if rows.numel() == 0:
         return
     dim = state.weight.shape[1]

@@ -1,0 +1,111 @@
+"""A batch with its embedding-lookup input preparation: what a pipeline makes ahead of time.
+
+:meth:`PackedEmbeddingBag.prepare <recaccel.ops.embedding.PackedEmbeddingBag.prepare>`
+does everything a lookup does before its kernels (validation, routing, the bounds check
+with its one host synchronization, each pack's ids and, for training, the sort and
+unique of the backward) and returns a :class:`PreparedSparse`: the batch itself plus that
+work. Run on a side stream while the previous batch trains, the bounds check's
+synchronization no longer drains the main stream; the lookup, its backward and
+:meth:`~recaccel.ops.embedding.PackedEmbeddingBag.apply_gradient` then reuse it.
+
+Memory: a preparation keeps, per pack p with N_p ids of a batch of B rows and S
+features, up to N_p*(8 + 8 + 4 + 8) bytes (rows, bags, scale, sort order; rows and
+offsets alias the batch's own tensors when a pack takes the batch as is) plus
+(S*B + 1)*8 for its offsets and 16 per unique row, alive from :meth:`prepare` until the
+backward (or ``apply_gradient``) has run and the batch is dropped: at most about 44
+bytes per id for training, 12 (rows and scale) for the reference backend's evaluation,
+nothing for the Triton backend's evaluation (its forward reads the batch's CSR) and for
+FBGEMM. The Triton backward used to recompute the ids from the CSR instead, to spare
+that memory between the passes; a pipeline trades it for a backward with no id work.
+
+Shapes: B batch, S features of a pack, N_p ids of a pack, U unique rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recaccel.ops.embedding.packing import PackIds, Routing, RowGroups
+from recaccel.sparse import SparseFeatures
+
+
+@dataclasses.dataclass
+class PreparedPack:
+    """One pack's part of a batch's preparation.
+
+    Attributes:
+        ids: The pack's ids (:func:`~recaccel.ops.embedding.packing.gather_pack_ids`),
+            with ``bags`` where the backward needs them.
+        groups: The ids grouped by packed row
+            (:func:`~recaccel.ops.embedding.packing.group_by_row`) for the backward;
+            None outside training.
+    """
+
+    ids: PackIds
+    groups: RowGroups | None = None
+
+
+@dataclasses.dataclass(eq=False, repr=False, kw_only=True)
+class PreparedSparse(SparseFeatures):
+    """A :class:`~recaccel.sparse.SparseFeatures` with one module's lookup preparation.
+
+    Its ``keys``, ``values``, ``offsets`` and ``weights`` are the validated batch (int64
+    contiguous ids and offsets, float32 weights without gradient). Any SparseFeatures
+    operation that builds a new batch (``slice_rows``, ``to``, a ``reorder`` that moves
+    fields, ...) returns a plain SparseFeatures, which a module prepares again: a
+    preparation never outlives its tensors. ``reorder`` and ``select`` to the same order
+    return the batch itself, preparation included.
+
+    Attributes:
+        routing: The module's routing of ``keys``.
+        packs: Per pack of the module, its :class:`PreparedPack`, or None when the pack
+            has no feature in the batch, the batch is empty, or its backend needs nothing.
+        owner: A weak reference to the module that prepared it.
+        training: Prepared for a training step (the backward's row grouping is there).
+    """
+
+    routing: Routing
+    packs: list[PreparedPack | None]
+    owner: weakref.ref
+    training: bool
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor the batch and its preparation hold (the routing's included)."""
+        out = [t for t in (self.values, self.offsets, self.weights) if t is not None]
+        routing = self.routing
+        out += [
+            t
+            for t in (routing.num_rows, routing.restore, routing.restore_columns, routing.order)
+            if t is not None
+        ]
+        for route in routing.packs:
+            out += [route.local.src, route.local.row_offset, route.local.is_mean]
+            out += [route.slots.src, route.slots.row_offset, route.slots.is_mean, route.slot_of_local]
+        for pack in self.packs:
+            if pack is not None:
+                ids = pack.ids
+                out += [t for t in (ids.rows, ids.offsets, ids.scale, ids.bags) if t is not None]
+                out += [] if pack.groups is None else list(pack.groups)
+        return out
+
+    def record_stream(self, stream: torch.cuda.Stream) -> None:
+        """Marks every CUDA tensor of the batch and its preparation as used by ``stream``.
+
+        For a batch prepared on a side stream and used on ``stream``: its memory is then
+        not reused before ``stream``'s work on it is done, whenever the batch is dropped
+        (the caller still makes ``stream`` wait for the side stream before using it).
+        CPU tensors are left alone.
+        """
+        for t in self.tensors():
+            if t.is_cuda:
+                t.record_stream(stream)
+
+    def usable_by(self, module: Any, training: bool) -> bool:
+        """Whether ``module`` can use this preparation as is: it made it, and made it for
+        training if ``training`` (a training preparation also serves evaluation)."""
+        return self.owner() is module and (self.training or not training)
