@@ -124,7 +124,8 @@ class BatchPipeline:
         consumer = torch.cuda.current_stream(self.device)
         consumer.wait_event(event)
         for tensor in batch_tensors(batch):
-            tensor.record_stream(consumer)
+            if tensor.is_cuda:
+                tensor.record_stream(consumer)
 
 
 def batch_tensors(batch: Any) -> Iterator[Tensor]:
