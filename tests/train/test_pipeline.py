@@ -70,7 +70,9 @@ def test_part_bounds_cover_the_rows_in_near_equal_parts():
 # ------------------------------------------------------------- a small model
 
 
-def _objective(backend: str = "reference", sparse_optim: str = "sgd", **train) -> DLRMObjective:
+def _objective(
+    backend: str = "reference", sparse_optim: str = "sgd", device: str = "cpu", **train
+) -> DLRMObjective:
     cfg = Config()
     cfg.model.embedding_dim = 4
     cfg.model.bottom_mlp = [8, 4]
@@ -83,7 +85,7 @@ def _objective(backend: str = "reference", sparse_optim: str = "sgd", **train) -
         ("d0", "d1", "d2"), tuple(SparseField(f"sparse_{i}", n) for i, n in enumerate([20, 7, 11]))
     )
     torch.manual_seed(0)
-    model = build_model(cfg.model, cfg.optim, schema, torch.device("cpu"))
+    model = build_model(cfg.model, cfg.optim, schema, torch.device(device))
     return DLRMObjective(cfg, model, "bce")
 
 
