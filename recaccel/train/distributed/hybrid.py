@@ -320,8 +320,8 @@ class HybridParallel:
             loss = self.train_step(objective, optimizer, batch)
             yield StepDone(loss, position["state"], self.step_rows)
 
-    def attach_pipeline(self, pipeline) -> None:
-        """Records TorchRec's train pipeline now driving the sharded module."""
+    def use_pipeline(self, pipeline) -> None:
+        """Records TorchRec's train pipeline now driving the sharded module (None: none)."""
         self._pipeline = pipeline
 
     def detach_pipeline(self) -> None:
