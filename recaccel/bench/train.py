@@ -33,7 +33,8 @@ import json
 import logging
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +43,7 @@ from tqdm.auto import tqdm
 from recaccel.bench.common import (
     add_output_args,
     environment_info,
+    markdown_table,
     plot_file,
     pyplot,
     save_figure,
@@ -66,13 +68,17 @@ from recaccel.bench.train_eager import (
     same_logits,
 )
 from recaccel.bench.train_steps import (
+    BASELINE,
     CANDIDATES,
     PHASES,
     Candidate,
+    Combination,
     PhaseTimer,
-    build_candidate,
+    build_candidates,
     build_recaccel_model,
+    parse_combinations,
 )
+from recaccel.bench.train_timeline import plot_timeline, record_timeline
 from recaccel.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -98,8 +104,31 @@ def add_args(parser) -> None:
         type=int,
         help="instrumented steps for the phase breakdown (default: 5 on CUDA, 2 on CPU)",
     )
+    parser.add_argument(
+        "--block",
+        type=int,
+        help="consecutive steps per timed sample, so a pipeline overlaps its own steps "
+        "(default: 5 on CUDA, 1 on CPU)",
+    )
     parser.add_argument("--mode", choices=[*MODES, "both"], default="both", help="where batches come from")
     parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
+    parser.add_argument(
+        "--pipeline",
+        default="off",
+        help="train.pipeline values the recaccel candidate is timed under, comma-separated (off,sync,semi_sync)",
+    )
+    parser.add_argument(
+        "--micro-batches", default="1", help="train.micro_batches values, comma-separated (e.g. 1,2,4)"
+    )
+    parser.add_argument(
+        "--cuda-graphs", default="off", help="train.cuda_graphs values, comma-separated (off,on)"
+    )
+    parser.add_argument(
+        "--timeline-steps",
+        type=int,
+        default=3,
+        help="profiled steps of the timeline picture of a sync combination (0: none)",
+    )
     parser.add_argument(
         "--batch", type=int, help="batch size of every preset (default: the preset's, scaled on CPU)"
     )
@@ -115,15 +144,53 @@ def add_args(parser) -> None:
     add_output_args(parser, "train", plot="samples/s per candidate and the phase breakdown")
 
 
-def _defaults(args, device: torch.device) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class Timing:
+    """How much each candidate runs.
+
+    Attributes:
+        steps: timed steps (at least; whole blocks).
+        warmup: untimed steps first.
+        phase_steps: instrumented steps of the phase breakdown.
+        block: consecutive steps per timed sample.
+        timeline_steps: profiled steps of the timeline (0: none).
+    """
+
+    steps: int
+    warmup: int
+    phase_steps: int
+    block: int
+    timeline_steps: int
+
+    @property
+    def samples(self) -> int:
+        """Timed samples (blocks) per candidate."""
+        return -(-self.steps // self.block)
+
+    @property
+    def warmup_blocks(self) -> int:
+        return -(-self.warmup // self.block)
+
+    @property
+    def batches_per_run(self) -> int:
+        """Batches one candidate takes through the reader (timed, warm-up, phases, and
+        one more that a semi-sync pipeline takes ahead)."""
+        return (self.samples + self.warmup_blocks) * self.block + self.phase_steps + 1
+
+
+def _defaults(args, device: torch.device) -> Timing:
     cuda = device.type == "cuda"
     steps = args.steps if args.steps is not None else (20 if cuda else 5)
     warmup = args.warmup if args.warmup is not None else (5 if cuda else 2)
     phase_steps = args.phase_steps if args.phase_steps is not None else (5 if cuda else 2)
+    block = args.block if args.block is not None else (5 if cuda else 1)
+    timeline = getattr(args, "timeline_steps", 0)
     for flag, value, least in (
         ("--steps", steps, 1),
         ("--warmup", warmup, 0),
         ("--phase-steps", phase_steps, 1),
+        ("--block", block, 1),
+        ("--timeline-steps", timeline, 0),
     ):
         if value < least:
             raise ConfigError(f"train bench: {flag}={value} must be >= {least}")
@@ -134,7 +201,7 @@ def _defaults(args, device: torch.device) -> tuple[int, int, int]:
     ):
         if value is not None and value < 1:
             raise ConfigError(f"train bench: {flag}={value} must be >= 1")
-    return steps, warmup, phase_steps
+    return Timing(steps, warmup, phase_steps, min(block, steps), timeline)
 
 
 def _free(device: torch.device) -> None:
@@ -206,12 +273,18 @@ def _probe(candidate: Candidate, batch) -> str | None:
     return None
 
 
+NOT_INSTRUMENTED = "not instrumented (a pipelined step's phases overlap: see the timeline)"
+
+
 def phase_breakdown(
     candidate: Candidate, source, device: torch.device, phase_steps: int
-) -> tuple[dict, float]:
+) -> tuple[dict, float | None]:
     """The instrumented pass: each phase's median ms over ``phase_steps`` steps (merged
     phases say where they went; ``data_wait`` is left to the caller), and the median
-    instrumented step (ms)."""
+    instrumented step (ms). A candidate without a phased step (a pipelined combination)
+    says so instead, with no instrumented step."""
+    if candidate.phased_step is None:
+        return {phase: NOT_INSTRUMENTED for phase in PHASES if phase != "data_wait"}, None
     timer = PhaseTimer(device)
     for _ in range(phase_steps):
         batch = source.next()
@@ -226,92 +299,166 @@ def phase_breakdown(
     return phases, statistics.median(sum(s.values()) for s in timer.steps)
 
 
-def _summary(samples: list[float], waits: list[float] | None, phases: dict, instrumented: float) -> dict:
-    phases["data_wait"] = statistics.fmean(waits) if waits is not None else NO_DATA_WAIT
+def _summary(
+    samples: list[float], waits: list[float] | None, phases: dict, instrumented: float | None
+) -> dict:
+    phases["data_wait"] = statistics.fmean(waits) if waits else NO_DATA_WAIT
     return {
         "step_ms": statistics.median(samples),
         "step_ms_mean": statistics.fmean(samples),
         "phases_ms": {phase: phases[phase] for phase in PHASES},
         "instrumented_step_ms": instrumented,
-        "data_wait_fraction": sum(waits) / sum(samples) if waits is not None else None,
+        "data_wait_fraction": sum(waits) / sum(samples) if waits else None,
     }
 
 
+def time_blocks(
+    calls: dict[str, Callable[[], object]], timing: Timing, device: torch.device
+) -> dict[str, list[float]]:
+    """Per-step ms of each candidate: blocks of ``timing.block`` consecutive steps timed
+    interleaved (one block of each per repeat, order rotating), each block's time over
+    its steps."""
+    blocks = {name: (lambda call=call: [call() for _ in range(timing.block)]) for name, call in calls.items()}
+    samples = time_interleaved_samples(blocks, timing.samples, timing.warmup_blocks, device)
+    return {name: [ms / timing.block for ms in values] for name, values in samples.items()}
+
+
+def step_peak_mb(candidate: Candidate, batches: list, device: torch.device, steps: int = 3) -> float | None:
+    """CUDA: the most memory a few consecutive steps of the candidate allocate beyond what
+    was allocated before them (MB); None on other devices."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step = candidate.stepper(RotatingBatches(batches))
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del step
+    return peak / 2**20
+
+
 def measure_on_device(
-    candidates: dict[str, Candidate],
-    batches: list,
-    device: torch.device,
-    steps: int,
-    warmup: int,
-    phase_steps: int,
+    candidates: dict[str, Candidate], batches: list, device: torch.device, timing: Timing
 ) -> dict[str, dict]:
-    """Device mode: the candidates' steps timed interleaved (one step of each per repeat,
-    order rotating), then each one's instrumented pass."""
-    sources = {name: RotatingBatches(batches) for name in candidates}
-    calls = {name: (lambda c=c, src=sources[name]: c.step(src.next())) for name, c in candidates.items()}
-    samples = time_interleaved_samples(calls, steps, warmup, device)
+    """Device mode: the candidates' steps timed interleaved by blocks, then each one's
+    instrumented pass and, on CUDA, its steps' peak memory."""
+    sources = {key: RotatingBatches(batches) for key in candidates}
+    calls = {key: c.stepper(sources[key]) for key, c in candidates.items()}
+    samples = time_blocks(calls, timing, device)
+    del calls  # ends the loops (a pipeline holds a batch ahead)
     out = {}
-    for name, candidate in candidates.items():
-        phases, instrumented = phase_breakdown(candidate, sources[name], device, phase_steps)
-        out[name] = _summary(samples[name], None, phases, instrumented)
+    for key, candidate in candidates.items():
+        phases, instrumented = phase_breakdown(candidate, sources[key], device, timing.phase_steps)
+        out[key] = _summary(samples[key], None, phases, instrumented)
+        out[key]["step_peak_mb"] = step_peak_mb(candidate, batches, device)
     return out
 
 
 def measure_through_reader(
-    candidate: Candidate,
-    data: Path,
-    preset: Preset,
-    device: torch.device,
-    steps: int,
-    warmup: int,
-    phase_steps: int,
+    candidate: Candidate, data: Path, preset: Preset, device: torch.device, timing: Timing
 ) -> dict:
     """Reader mode: the candidate alone, each step's batch from a fresh BatchReader +
-    DeviceLoader over ``data`` (one input pipeline, as in a real run)."""
+    DeviceLoader over ``data`` (one input pipeline, as in a real run; the trainer's loop
+    takes the loader's (batch, position) pairs)."""
     source = ReaderBatches(data, preset, device)
     try:
-        call = {candidate.name: lambda: candidate.step(source.next())}
-        samples = time_interleaved_samples(call, steps, warmup, device)[candidate.name]
-        waits = source.waits_ms[-steps:]
-        phases, instrumented = phase_breakdown(candidate, source, device, phase_steps)
+        call = candidate.stepper(source)
+        samples = time_blocks({candidate.key: call}, timing, device)[candidate.key]
+        del call
+        waits = source.waits_ms[-timing.samples * timing.block :]
+        phases, instrumented = phase_breakdown(candidate, source, device, timing.phase_steps)
     finally:
         source.close()
     return _summary(samples, waits, phases, instrumented)
 
 
-def _row(name: str, preset: Preset, device: torch.device, mode: str) -> dict:
+@dataclass
+class Entry:
+    """One row-to-be of a preset: a candidate (or a combination of it) and what became of it."""
+
+    name: str
+    combination: Combination | None
+    candidate: Candidate | None = None
+    reason: str | None = None
+
+    @property
+    def key(self) -> str:
+        if self.candidate is not None:
+            return self.candidate.key
+        return self.name if self.combination is None else f"{self.name} {self.combination.label}"
+
+
+def _row(entry: Entry, preset: Preset, device: torch.device, mode: str) -> dict:
+    combination = entry.combination
     return {
-        "candidate": name,
+        "candidate": entry.name,
         "preset": preset.name,
         "device": str(device),
         "batch": preset.batch_size,
         "mode": mode,
+        "pipeline": combination.pipeline if combination else None,
+        "micro_batches": combination.micro_batches if combination else None,
+        "cuda_graphs": combination.cuda_graphs if combination else None,
         "status": "ok",
         "reason": None,
         "samples_per_s": None,
         "step_ms": None,
         "phases_ms": {},
         "speedup_vs_eager": None,
+        "speedup_vs_off": None,
     }
 
 
-def build_candidates(
-    preset: Preset, device: torch.device, names: Sequence[str], compile_backend: str, seed: int, batch
-) -> tuple[dict[str, Candidate], dict[str, str]]:
-    """Builds every candidate and runs one step of each on ``batch``; returns those that
-    ran and, by name, the reason of those skipped (``compiled`` where torch.compile fails)."""
-    built, skipped = {}, {}
+def build_entries(
+    preset: Preset,
+    device: torch.device,
+    names: Sequence[str],
+    combinations: Sequence[Combination],
+    compile_backend: str,
+    seed: int,
+    batch,
+) -> list[Entry]:
+    """Builds every candidate (every combination of ``recaccel``) and runs one step of
+    each on ``batch``; an entry without a candidate carries the one-line reason it was
+    skipped (a combination the device cannot run; ``compiled`` where torch.compile fails)."""
+    entries = []
     for name in names:
         torch.manual_seed(seed)
-        candidate = build_candidate(name, preset.cfg, preset.schema, device, compile_backend)
-        reason = _probe(candidate, batch)
-        if reason is None:
-            built[name] = candidate
-        else:
-            skipped[name] = reason
-            del candidate
+        built, refused = build_candidates(
+            name, preset.cfg, preset.schema, device, compile_backend, combinations
+        )
+        entries += [Entry(name, combination, reason=reason) for combination, reason in refused.items()]
+        failed = False
+        for candidate in built:
+            reason = _probe(candidate, batch)
+            entries.append(Entry(name, candidate.combination, None if reason else candidate, reason))
+            failed = failed or reason is not None
+        if failed:
+            del built, candidate
             torch._dynamo.reset()  # drops the failed graphs and the model they hold
-    return built, skipped
+    order = {c: k for k, c in enumerate(combinations)}
+    entries.sort(key=lambda e: (names.index(e.name), order.get(e.combination, -1)))
+    return entries
+
+
+def _timeline_candidate(entries: list[Entry]) -> Candidate | None:
+    """The sync combination the timeline profiles (one micro-batch first, graphs on first)."""
+    synced = [
+        e.candidate
+        for e in entries
+        if e.candidate is not None and e.name == "recaccel" and e.combination.pipeline == "sync"
+    ]
+    synced.sort(key=lambda c: (c.combination.micro_batches != 1, not c.combination.cuda_graphs))
+    return synced[0] if synced else None
+
+
+def timeline_path(out: str | Path, preset: str) -> Path:
+    """The timeline PNG of ``preset``, beside the markdown ``out``."""
+    out = Path(out)
+    return out.with_name(f"{out.stem}_timeline_{preset}.png")
 
 
 def bench_preset(
@@ -320,59 +467,92 @@ def bench_preset(
     *,
     modes: Sequence[str],
     candidates: Sequence[str],
-    steps: int,
-    warmup: int,
-    phase_steps: int,
+    combinations: Sequence[Combination],
+    timing: Timing,
     rotate: int,
     compile_backend: str,
     seed: int,
     work: Path,
+    timeline: Path | None,
     bar: tqdm,
 ) -> tuple[list[dict], list[str]]:
-    """Every candidate on one preset, in every mode; returns result rows and notes."""
-    batches = max(rotate, warmup + steps + phase_steps if "reader" in modes else 0)
+    """Every candidate on one preset, in every mode, and the timeline of a sync step;
+    returns result rows and notes."""
+    batches = max(rotate, timing.batches_per_run if "reader" in modes else 0)
+    batches = max(batches, timing.timeline_steps + 3)
     data = make_dataset(preset, rows_needed(preset.batch_size, batches), work / preset.name)
     notes = [check_preset(preset, device, seed, candidates)]
     on_device = device_batches(data, preset, rotate, device)
     bar.set_description(f"{preset.name}: building")
-    built, skipped = build_candidates(preset, device, candidates, compile_backend, seed, on_device[0])
+    entries = build_entries(preset, device, candidates, combinations, compile_backend, seed, on_device[0])
+    built = {e.key: e.candidate for e in entries if e.candidate is not None}
     results = {}
     if "device" in modes:
         bar.set_description(f"{preset.name}: device data")
-        results["device"] = measure_on_device(built, on_device, device, steps, warmup, phase_steps)
-    del on_device
+        results["device"] = measure_on_device(built, on_device, device, timing)
     rows = []
-    for name in candidates:
-        bar.set_description(f"{preset.name}: {name}")
-        if "reader" in modes and name in built:
-            results.setdefault("reader", {})[name] = measure_through_reader(
-                built[name], data, preset, device, steps, warmup, phase_steps
+    for entry in entries:
+        bar.set_description(f"{preset.name}: {entry.key}")
+        if "reader" in modes and entry.candidate is not None:
+            results.setdefault("reader", {})[entry.key] = measure_through_reader(
+                entry.candidate, data, preset, device, timing
             )
         for mode in modes:
-            row = _row(name, preset, device, mode)
-            if name in skipped:
-                row.update(status="skipped", reason=skipped[name])
+            row = _row(entry, preset, device, mode)
+            if entry.candidate is None:
+                row.update(status="skipped", reason=entry.reason)
             else:
-                row.update(results[mode][name])
+                row.update(results[mode][entry.key])
                 row["samples_per_s"] = preset.batch_size / (row["step_ms"] * 1e-3)
             rows.append(row)
         bar.update(1)
-    notes += [n for c in built.values() for n in c.notes]
-    notes += [f"{preset.name}: {name} skipped: {reason}" for name, reason in skipped.items()]
-    del built
+    chosen = _timeline_candidate(entries)
+    if timeline is not None and timing.timeline_steps and chosen is not None:
+        bar.set_description(f"{preset.name}: timeline")
+        source = ReaderBatches(data, preset, device) if "reader" in modes else RotatingBatches(on_device)
+        try:
+            spans = record_timeline(chosen.trainer, source, device, timing.timeline_steps)
+        finally:
+            source.close()
+        where = "through the reader" if "reader" in modes else "device data"
+        title = f"{preset.name}: recaccel {chosen.combination.label}, {where}, {device}"
+        plot_timeline(spans, timeline, title)
+        notes.append(
+            f"{preset.name}: timeline of {timing.timeline_steps} {chosen.combination.label} steps "
+            f"({where}): {timeline.name}"
+        )
+    notes += list(dict.fromkeys(n for e in entries if e.candidate for n in e.candidate.notes))
+    notes += [f"{preset.name}: {e.key} skipped: {e.reason}" for e in entries if e.candidate is None]
+    del built, entries, chosen, on_device
     torch._dynamo.reset()
     _free(device)
     return rows, notes
 
 
 def speedups(rows: list[dict]) -> None:
-    """Sets ``speedup_vs_eager``: eager's step time over the candidate's, same preset and mode."""
-    eager = {
-        (r["preset"], r["mode"]): r["step_ms"] for r in rows if r["candidate"] == "eager" and r["step_ms"]
-    }
+    """Sets ``speedup_vs_eager`` (eager's step time over the row's, same preset and mode)
+    and, on recaccel's rows, ``speedup_vs_off`` (recaccel ``off/1/off``'s over the row's,
+    same preset and mode: the same run, on the same data)."""
+
+    def base_of(candidate: str, combination: bool) -> dict:
+        return {
+            (r["preset"], r["mode"]): r["step_ms"]
+            for r in rows
+            if r["candidate"] == candidate
+            and r["step_ms"]
+            and (not combination or (r["pipeline"], r["micro_batches"], r["cuda_graphs"]) == BASELINE_KEY)
+        }
+
+    eager, off = base_of("eager", False), base_of("recaccel", True)
     for r in rows:
-        base = eager.get((r["preset"], r["mode"]))
+        group = (r["preset"], r["mode"])
+        base = eager.get(group)
         r["speedup_vs_eager"] = base / r["step_ms"] if base and r["step_ms"] else None
+        base = off.get(group) if r["candidate"] == "recaccel" else None
+        r["speedup_vs_off"] = base / r["step_ms"] if base and r["step_ms"] else None
+
+
+BASELINE_KEY = (BASELINE.pipeline, BASELINE.micro_batches, BASELINE.cuda_graphs)
 
 
 def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
@@ -380,16 +560,18 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train bench: --device {args.device} but no CUDA device is available")
-    steps, warmup, phase_steps = _defaults(args, device)
+    timing = _defaults(args, device)
+    combinations = parse_combinations(args.pipeline, args.micro_batches, args.cuda_graphs)
     modes = MODES if args.mode == "both" else (args.mode,)
     presets = [
         load_preset(name, device, batch=args.batch, cardinality_cap=args.cardinality_cap)
         for name in (args.preset or DEFAULT_PRESETS)
     ]
     rows, notes = [], []
+    per_preset = sum(len(combinations) if name == "recaccel" else 1 for name in args.candidates)
     with (
         tempfile.TemporaryDirectory(prefix="recaccel-bench-train-") as tmp,
-        tqdm(total=len(presets) * len(args.candidates), unit="candidate", disable=None) as bar,
+        tqdm(total=len(presets) * per_preset, unit="candidate", disable=None) as bar,
     ):
         for preset in presets:
             what = f"{preset.name}: {preset.schema.num_sparse} tables, D={preset.cfg.model.embedding_dim}, "
@@ -402,13 +584,13 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
                 device,
                 modes=modes,
                 candidates=args.candidates,
-                steps=steps,
-                warmup=warmup,
-                phase_steps=phase_steps,
+                combinations=combinations,
+                timing=timing,
                 rotate=args.rotate,
                 compile_backend=args.compile_backend,
                 seed=args.seed,
                 work=Path(tmp),
+                timeline=timeline_path(args.out, preset.name) if getattr(args, "plot", None) != "" else None,
                 bar=bar,
             )
             rows += found
@@ -420,24 +602,44 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
                 _write_json(args.json, environment_info(device), rows, notes)
     speedups(rows)
     notes = list(dict.fromkeys(notes))  # a candidate's description repeats per preset
+    notes += _method_notes(presets, timing, device, combinations)
+    env = environment_info(device)
+    return rows, notes, env
+
+
+def _method_notes(
+    presets: Sequence[Preset], timing: Timing, device: torch.device, combinations: Sequence[Combination]
+) -> list[str]:
     sparse = {p.cfg.optim.sparse for p in presets}
-    notes += [
-        f"timing: {warmup} warm-up steps, then the median of {steps} timed steps "
-        + ("(CUDA events)" if device.type == "cuda" else "(perf_counter)")
-        + "; samples_per_s = batch / median step time; device mode times the candidates interleaved "
-        "(one step of each per repeat, order rotating), reader mode one candidate after another.",
-        f"phases: median of {phase_steps} instrumented steps with the device synchronised between phases "
-        "(a separate pass: the sum, instrumented_step_ms, exceeds step_ms by the lost overlap); "
-        "mlps = bottom MLP + top MLP + loss; a phase a candidate does not run on its own says what it is part of.",
+    clock = "(CUDA events)" if device.type == "cuda" else "(perf_counter)"
+    return [
+        f"timing: {timing.warmup_blocks * timing.block} warm-up steps, then {timing.samples} timed samples of "
+        f"{timing.block} consecutive steps each {clock}; step_ms = the median sample's time per step; "
+        "samples_per_s = batch / step_ms; device mode times the candidates interleaved (one block of each "
+        "per repeat, order rotating), reader mode one candidate after another.",
+        f"phases: median of {timing.phase_steps} instrumented steps with the device synchronised between "
+        "phases (a separate pass: the sum, instrumented_step_ms, exceeds step_ms by the lost overlap); "
+        "mlps = bottom MLP + top MLP + loss; a phase a candidate does not run on its own says what it is "
+        "part of; recaccel's pipelined combinations are not instrumented.",
         "device mode: batches of the preset's synthetic data read once and rotated on the device; reader mode: "
-        "BatchReader (Parquet) + DeviceLoader per step, data_wait = mean host time blocked on the next batch "
-        "over the timed steps, data_wait_fraction = total wait / total step time.",
+        "BatchReader (Parquet) + DeviceLoader per candidate, data_wait = mean host time blocked on the next "
+        "batch over the timed steps, data_wait_fraction = total wait / total step time.",
+        "recaccel combinations (pipeline/micro_batches/cuda_graphs): "
+        + ", ".join(c.label for c in combinations)
+        + "; each steps through the trainer's own loop (SingleProcess.steps: BatchPipeline, build_step, "
+        "build_head), all on one shared model; speedup_vs_off = recaccel off/1/off's step_ms over the "
+        "row's, same preset and mode of this run. With device data the batches are already on the "
+        "device, so sync can only hide the input preparation (routing, bounds check, sort), not a copy.",
         "eager's sparse optimizer: "
         + "; ".join(f"optim.sparse={s} -> {EAGER_SPARSE_OPTIMIZERS[s]}" for s in sorted(sparse))
         + "; its dense optimizer is recaccel's (optim.dense).",
-    ]
-    env = environment_info(device)
-    return rows, notes, env
+    ] + (
+        [
+            "step_peak_mb (CUDA): the most a few consecutive steps allocate beyond what was allocated before them."
+        ]
+        if device.type == "cuda"
+        else []
+    )
 
 
 # ------------------------------------------------------------------ reporting
@@ -454,16 +656,32 @@ _SHORT = {
 }
 
 
+def combination_label(row: dict) -> str | None:
+    """``pipeline/micro_batches/graphs`` of a recaccel or reference row, else None."""
+    if row.get("pipeline") is None:
+        return None
+    return f"{row['pipeline']}/{row['micro_batches']}/{'on' if row['cuda_graphs'] else 'off'}"
+
+
+def row_label(row: dict) -> str:
+    """The candidate, with its combination unless it is ``off/1/off``."""
+    label = combination_label(row)
+    return row["candidate"] if label in (None, BASELINE.label) else f"{row['candidate']} {label}"
+
+
 def table_rows(rows: list[dict]) -> list[dict]:
     """Result rows flattened for the markdown table (phases as ``<phase>_ms`` columns)."""
     out = []
     for r in rows:
-        flat = {k: r[k] for k in ("preset", "mode", "candidate", "batch", "samples_per_s", "step_ms")}
+        flat = {k: r[k] for k in ("preset", "mode", "candidate")}
+        flat["combination"] = combination_label(r)
+        flat.update({k: r[k] for k in ("batch", "samples_per_s", "step_ms")})
         flat["speedup_vs_eager"] = r["speedup_vs_eager"]
+        flat["speedup_vs_off"] = r.get("speedup_vs_off")
         for phase in PHASES:
             value = r["phases_ms"].get(phase)
             if isinstance(value, str):
-                value = "merged" if value.startswith("merged") else "-"
+                value = "merged" if value.startswith("merged") else "-"  # not instrumented, or no wait
             flat[f"{_SHORT[phase]}_ms"] = value
         flat["data_wait_frac"] = r.get("data_wait_fraction")
         if r["status"] != "ok":
@@ -477,11 +695,11 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
     plt = pyplot()
     ok = [r for r in rows if r["status"] == "ok"]
     groups = list(dict.fromkeys((r["preset"], r["mode"]) for r in ok))
-    names = list(dict.fromkeys(r["candidate"] for r in ok))
+    names = list(dict.fromkeys(row_label(r) for r in ok))
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(groups) + 6), 6.0))
     width = 0.8 / max(len(names), 1)
     for k, name in enumerate(names):
-        values = {(r["preset"], r["mode"]): r["samples_per_s"] for r in ok if r["candidate"] == name}
+        values = {(r["preset"], r["mode"]): r["samples_per_s"] for r in ok if row_label(r) == name}
         left.bar(
             [g + k * width for g in range(len(groups))],
             [values.get(g, 0.0) for g in groups],
@@ -495,13 +713,14 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
     left.set_ylabel("samples / s (log scale)")
     left.set_title("Training throughput")
     left.legend(fontsize=7)
-    labels = [f"{r['preset']} {r['mode']} {r['candidate']}" for r in ok]
-    bottom = [0.0] * len(ok)
+    phased = [r for r in ok if isinstance(r["phases_ms"].get("backward"), float)]
+    labels = [f"{r['preset']} {r['mode']} {row_label(r)}" for r in phased]
+    bottom = [0.0] * len(phased)
     for phase in PHASES:
-        values = [v if isinstance(v := r["phases_ms"].get(phase), float) else 0.0 for r in ok]
-        right.bar(range(len(ok)), values, bottom=bottom, label=phase)
+        values = [v if isinstance(v := r["phases_ms"].get(phase), float) else 0.0 for r in phased]
+        right.bar(range(len(phased)), values, bottom=bottom, label=phase)
         bottom = [b + v for b, v in zip(bottom, values)]
-    right.set_xticks(range(len(ok)), labels, fontsize=6, rotation=90)
+    right.set_xticks(range(len(phased)), labels, fontsize=6, rotation=90)
     right.set_ylabel("ms per step (instrumented)")
     right.set_title("Phases (device synchronised between phases)")
     right.legend(fontsize=6)
@@ -522,7 +741,7 @@ def main(args, command_line: str) -> Path:
     plot = plot_file(args)
     if plot is not None:
         plot_results(rows, plot)
-    return write_results_markdown(
+    path = write_results_markdown(
         args.out,
         "Training steps: recaccel vs hand-written PyTorch",
         env,
@@ -530,3 +749,42 @@ def main(args, command_line: str) -> Path:
         table_rows(rows),
         notes,
     )
+    with open(path, "a") as f:
+        f.write(combinations_section(rows, Path(args.out)))
+    return path
+
+
+def combination_rows(rows: list[dict]) -> list[dict]:
+    """recaccel's rows, one per preset, mode and combination: step time, samples/s, the
+    speedup over ``off/1/off`` of the same run, or why the combination was skipped."""
+    out = []
+    mine = [r for r in rows if r["candidate"] == "recaccel"]
+    groups = list(dict.fromkeys((r["preset"], r["mode"]) for r in mine))
+    for r in sorted(mine, key=lambda r: groups.index((r["preset"], r["mode"]))):
+        out.append(
+            {
+                "preset": r["preset"],
+                "mode": r["mode"],
+                "pipeline": r["pipeline"],
+                "micro_batches": r["micro_batches"],
+                "cuda_graphs": "on" if r["cuda_graphs"] else "off",
+                "step_ms": r["step_ms"],
+                "samples_per_s": r["samples_per_s"],
+                "speedup_vs_off": r["speedup_vs_off"],
+                "status": r["status"] if r["status"] == "ok" else f"skipped: {r['reason']}",
+            }
+        )
+    return out
+
+
+def combinations_section(rows: list[dict], out: Path) -> str:
+    """The markdown of recaccel's combinations and the timelines written beside ``out``."""
+    table = combination_rows(rows)
+    if not table:
+        return ""
+    parts = ["", "## recaccel: pipeline / micro-batches / CUDA graphs", "", markdown_table(table)]
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        picture = timeline_path(out, preset)
+        if picture.is_file():
+            parts += [f"Timeline ({preset}): ![{picture.name}]({picture.name})", ""]
+    return "\n".join(parts)

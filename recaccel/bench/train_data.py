@@ -200,6 +200,13 @@ class RotatingBatches:
         self._next += 1
         return batch
 
+    def pairs(self) -> Iterator[tuple[Batch, dict]]:
+        """Endless (batch, position) pairs, the form the trainer's step loop takes (the
+        position counts batches handed out: nothing resumes from it)."""
+        while True:
+            batch = self.next()
+            yield batch, {"bench_batches": self._next}
+
     def close(self) -> None:
         pass
 
@@ -217,23 +224,33 @@ class ReaderBatches:
         self._loader = DeviceLoader(
             reader, device, preset.cfg.data.prefetch, backend=preset.cfg.data.loader_backend
         )
-        self._it: Iterator[Batch] = iter(self._loader)
+        self._it: Iterator[tuple[Batch, dict]] = self._loader.iter_with_state()
         self.waits_ms: list[float] = []
         self._data = data
 
-    def next(self) -> Batch:
-        """The next batch.
+    def next_pair(self) -> tuple[Batch, dict]:
+        """The next batch with the reader position after it (the device loader's pair).
 
         Raises:
             ConfigError: the dataset ran out (the benchmark generated too few rows).
         """
         start = time.perf_counter()
         try:
-            batch = next(self._it)
+            pair = next(self._it)
         except StopIteration:
             raise ConfigError(f"train bench: {self._data} ran out of batches") from None
         self.waits_ms.append((time.perf_counter() - start) * 1e3)
-        return batch
+        return pair
+
+    def next(self) -> Batch:
+        """The next batch (see :meth:`next_pair`)."""
+        return self.next_pair()[0]
+
+    def pairs(self) -> Iterator[tuple[Batch, dict]]:
+        """The loader's (batch, reader position) pairs, as the trainer's step loop takes
+        them (:meth:`DeviceLoader.iter_with_state`), each wait recorded."""
+        while True:
+            yield self.next_pair()
 
     def close(self) -> None:
         """Stops the loader's prefetch thread."""

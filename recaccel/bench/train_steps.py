@@ -1,11 +1,15 @@
 """The candidates of ``recaccel-bench train``: one training step each, and the same step
 split into phases for the instrumented pass.
 
-- ``recaccel``: the trainer's own step (:func:`recaccel.models.factory.build_model`, the
-  DLRM objective's loss, :class:`~recaccel.train.parallel.SingleProcess`'s step, the dense
-  optimizer of :func:`~recaccel.train.optim.build_dense_optimizer`) on auto backends,
-  the sparse optimizer fused into the embedding's backward;
-- ``reference``: the same with the reference backends;
+- ``recaccel``: the trainer's own loop (:func:`recaccel.models.factory.build_model`, the
+  DLRM objective with the head of :func:`~recaccel.train.dense_head.build_head`, and
+  :meth:`SingleProcess.steps <recaccel.train.parallel.SingleProcess.steps>`: the
+  :class:`~recaccel.train.pipeline.BatchPipeline` and the step runner of
+  :func:`~recaccel.train.step.build_step`, the dense optimizer of
+  :func:`~recaccel.train.optim.build_dense_optimizer`) on auto backends, the sparse
+  optimizer fused into the embedding's backward; one candidate per :class:`Combination`
+  of ``train.pipeline``, ``train.micro_batches`` and ``train.cuda_graphs``;
+- ``reference``: the same with the reference backends (``off/1/off`` only);
 - ``eager``: :class:`~recaccel.bench.train_eager.EagerDLRM` with a torch optimizer for
   the tables and the dense one for the MLPs;
 - ``compiled``: ``eager`` with its dense part (MLPs, interaction, loss) under
@@ -15,24 +19,29 @@ split into phases for the instrumented pass.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 from torch import Tensor, nn
 
 from recaccel.bench.train_eager import EagerDLRM, sparse_optimizer
-from recaccel.config import Config, InteractionBackend
+from recaccel.config import Config, InteractionBackend, PipelineMode, TrainConfig
+from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema
 from recaccel.models.factory import build_model
 from recaccel.ops.backend import op_backends, resolve_backend
 from recaccel.sparse import Batch
+from recaccel.train.dense_head import build_head
 from recaccel.train.objectives import DLRMObjective
 from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.parallel import SingleProcess
+from recaccel.train.parallel import SingleProcess, StepDone
+from recaccel.train.step import build_step
 
 CANDIDATES = ("recaccel", "eager", "reference", "compiled")
 PHASES = (
@@ -45,6 +54,79 @@ PHASES = (
     "data_wait",
 )
 FUSED_SPARSE_UPDATE = "merged into backward (fused sparse optimizer)"
+PIPELINES: tuple[str, ...] = get_args(PipelineMode)
+GRAPH_SWITCH = {"off": False, "on": True}
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One setting of the trainer's step options the ``recaccel`` candidate is timed under.
+
+    Attributes:
+        pipeline: ``train.pipeline``.
+        micro_batches: ``train.micro_batches``.
+        cuda_graphs: ``train.cuda_graphs``.
+    """
+
+    pipeline: str = "off"
+    micro_batches: int = 1
+    cuda_graphs: bool = False
+
+    @property
+    def label(self) -> str:
+        """``pipeline/micro_batches/graphs``, e.g. ``sync/2/on``."""
+        return f"{self.pipeline}/{self.micro_batches}/{'on' if self.cuda_graphs else 'off'}"
+
+    def train_config(self, train: TrainConfig) -> TrainConfig:
+        """``train`` with this combination's keys.
+
+        Raises:
+            ConfigError: the keys do not combine (``semi_sync`` with micro-batches).
+        """
+        return dataclasses.replace(
+            train, pipeline=self.pipeline, micro_batches=self.micro_batches, cuda_graphs=self.cuda_graphs
+        )
+
+
+BASELINE = Combination()
+"""``off/1/off``: the step without pipeline, micro-batches or graphs, what speedups are against."""
+
+
+def _csv(text: str, flag: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ConfigError(f"train bench: {flag}={text!r} names nothing; give a comma-separated list")
+    return items
+
+
+def parse_combinations(pipelines: str, micro_batches: str, cuda_graphs: str) -> list[Combination]:
+    """Every combination of the comma-separated lists, in the lists' order (the first
+    list varies slowest); ``off/1/off`` always comes first (the speedups' baseline).
+
+    Args:
+        pipelines: of ``off``, ``sync``, ``semi_sync``.
+        micro_batches: integers >= 1.
+        cuda_graphs: of ``off``, ``on``.
+
+    Raises:
+        ConfigError: an unknown value, naming the flag.
+    """
+    modes = _csv(pipelines, "--pipeline")
+    for mode in modes:
+        if mode not in PIPELINES:
+            raise ConfigError(f"train bench: --pipeline {mode!r} is not one of {', '.join(PIPELINES)}")
+    counts = []
+    for text in _csv(micro_batches, "--micro-batches"):
+        if not text.isdigit() or int(text) < 1:
+            raise ConfigError(f"train bench: --micro-batches {text!r} must be an integer >= 1")
+        counts.append(int(text))
+    graphs = []
+    for text in _csv(cuda_graphs, "--cuda-graphs"):
+        if text not in GRAPH_SWITCH:
+            raise ConfigError(f"train bench: --cuda-graphs {text!r} is not one of off, on")
+        graphs.append(GRAPH_SWITCH[text])
+    found = [Combination(p, k, g) for p, k, g in itertools.product(modes, counts, graphs)]
+    return list(dict.fromkeys([BASELINE, *found]))
 
 
 class PhaseTimer:
@@ -90,9 +172,52 @@ class Candidate:
 
     name: str
     step: Callable[[Batch], Tensor]
-    phased_step: Callable[[Batch, PhaseTimer], None]
+    phased_step: Callable[[Batch, PhaseTimer], None] | None
     merged: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    steps: Callable[[Iterable[tuple[Batch, dict]]], Iterator[StepDone]] | None = None
+    combination: Combination | None = None
+    trainer: TrainerParts | None = None
+
+    @property
+    def key(self) -> str:
+        """Unique among a preset's candidates: the name, and the combination unless it is ``off/1/off``."""
+        if self.combination is None or self.combination == BASELINE:
+            return self.name
+        return f"{self.name} {self.combination.label}"
+
+    def stepper(self, source) -> Callable[[], Tensor]:
+        """One training step per call on ``source``'s batches (``RotatingBatches`` or
+        ``ReaderBatches``): through the trainer's loop when the candidate has one (a fresh
+        pipeline, pulling ``source.pairs()`` ahead as the trainer pulls its loader), else
+        :attr:`step` on ``source.next()``."""
+        if self.steps is None:
+            return lambda: self.step(source.next())
+        loop = self.steps(source.pairs())
+        return lambda: next(loop).loss
+
+
+@dataclass
+class TrainerParts:
+    """What the trainer's loop of a ``recaccel`` candidate runs (the timeline annotates them).
+
+    Attributes:
+        model: the DLRM (shared by the candidate's combinations).
+        objective: the DLRM objective with this combination's head.
+        optimizer: the dense optimizer.
+        train: the ``[train]`` section of the combination.
+        layout: the single-process layout whose ``steps`` is the trainer's loop.
+    """
+
+    model: nn.Module
+    objective: DLRMObjective
+    optimizer: torch.optim.Optimizer
+    train: TrainConfig
+    layout: SingleProcess
+
+    def steps(self, source: Iterable[tuple[Batch, dict]]) -> Iterator[StepDone]:
+        """The trainer's loop over (batch, reader position) pairs."""
+        return self.layout.steps(source, self.objective, self.optimizer, self.train)
 
 
 def _bce(logits: Tensor, batch: Batch) -> Tensor:
@@ -112,17 +237,92 @@ def build_recaccel_model(cfg: Config, schema: FeatureSchema, device: torch.devic
     return build_model(cfg.model, cfg.optim, schema, device)
 
 
-def recaccel_candidate(cfg: Config, schema: FeatureSchema, device: torch.device, name: str) -> Candidate:
-    """The trainer's step on recaccel's model (``name``: ``recaccel`` or ``reference``)."""
+def trainer_parts(
+    cfg: Config, model: nn.Module, device: torch.device, combination: Combination
+) -> TrainerParts:
+    """The objective, dense optimizer and loop the trainer builds for ``combination`` on ``model``.
+
+    Raises:
+        ConfigError: the combination cannot run here (the one line the trainer gives:
+            CUDA graphs on a CPU, semi-sync with micro-batches, micro-batches on an
+            embedding that cannot defer its update).
+    """
+    train = combination.train_config(cfg.train)
+    cfg = dataclasses.replace(cfg, train=train)
+    objective = DLRMObjective(cfg, model, "bce", head=build_head(model, train, device))
+    build_step(train, objective, device)  # the runner's own refusals, before any step
+    optimizer = build_dense_optimizer(model, cfg.optim)
+    return TrainerParts(model, objective, optimizer, train, SingleProcess(device))
+
+
+def recaccel_candidates(
+    cfg: Config,
+    schema: FeatureSchema,
+    device: torch.device,
+    name: str,
+    combinations: Sequence[Combination] = (BASELINE,),
+) -> tuple[list[Candidate], dict[Combination, str]]:
+    """The trainer's loop on recaccel's model, one candidate per combination
+    (``name``: ``recaccel`` or ``reference``).
+
+    The combinations share one model (tables and dense weights; each has its own head,
+    dense optimizer and pipeline): a step's work does not depend on the weights' values,
+    and 14 copies of a preset's tables would not fit one GPU.
+
+    Returns:
+        The candidates, and by combination the one-line reason of those that cannot run
+        here.
+    """
     cfg = recaccel_config(cfg, name)
     model = build_model(cfg.model, cfg.optim, schema, device)
     model.train()
-    objective = DLRMObjective(cfg, model, "bce")
-    optimizer = build_dense_optimizer(model, cfg.optim)
-    layout = SingleProcess(device)
+    backends = _backends(model, device)
+    built, skipped = [], {}
+    for combination in combinations:
+        try:
+            parts = trainer_parts(cfg, model, device, combination)
+        except ConfigError as e:
+            skipped[combination] = str(e).splitlines()[0]
+            continue
+        built.append(_trainer_candidate(name, parts, combination, backends))
+    return built, skipped
+
+
+def _backends(model: nn.Module, device: torch.device) -> str:
+    embedding = model.sparse_arch.embedding
+    interaction = resolve_backend(
+        model.interaction_arch.backend,
+        device,
+        available=op_backends(InteractionBackend),
+        op="dot_interaction",
+    )
+    return f"embedding {getattr(embedding, 'backend', type(embedding).__name__)}, interaction {interaction}"
+
+
+def _trainer_candidate(name: str, parts: TrainerParts, combination: Combination, backends: str) -> Candidate:
+    """A candidate stepping through ``parts``' loop; the phase breakdown is of ``off/1/off``
+    only (a pipelined step's phases overlap: the timeline shows them)."""
 
     def step(batch: Batch) -> Tensor:
-        return layout.train_step(objective, optimizer, batch)
+        return next(parts.steps([(batch, {})])).loss
+
+    return Candidate(
+        name,
+        step,
+        _phased_step(parts.model, parts.optimizer) if combination == BASELINE else None,
+        merged={"sparse_update": FUSED_SPARSE_UPDATE},
+        notes=[
+            f"{name}: the trainer's loop, SingleProcess.steps (BatchPipeline + build_step + build_head; "
+            f"{backends}; sparse {parts.objective.cfg.optim.sparse} fused into backward)"
+        ],
+        steps=parts.steps,
+        combination=combination,
+        trainer=parts,
+    )
+
+
+def _phased_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Batch, PhaseTimer], None]:
+    """The ``off/1/off`` step on ``model`` with each phase under the timer."""
 
     def phased_step(batch: Batch, timer: PhaseTimer) -> None:
         with timer("dense_optimizer"):
@@ -140,23 +340,7 @@ def recaccel_candidate(cfg: Config, schema: FeatureSchema, device: torch.device,
         with timer("dense_optimizer"):
             optimizer.step()
 
-    embedding = model.sparse_arch.embedding
-    interaction = resolve_backend(
-        model.interaction_arch.backend,
-        device,
-        available=op_backends(InteractionBackend),
-        op="dot_interaction",
-    )
-    backends = (
-        f"embedding {getattr(embedding, 'backend', type(embedding).__name__)}, interaction {interaction}"
-    )
-    return Candidate(
-        name,
-        step,
-        phased_step,
-        merged={"sparse_update": FUSED_SPARSE_UPDATE},
-        notes=[f"{name}: the trainer's step ({backends}; sparse {cfg.optim.sparse} fused into backward)"],
-    )
+    return phased_step
 
 
 def eager_candidate(
@@ -241,12 +425,22 @@ def eager_candidate(
     return Candidate(name, step, phased_step, merged=merged, notes=[f"{name}: {what}"])
 
 
-def build_candidate(
-    name: str, cfg: Config, schema: FeatureSchema, device: torch.device, compile_backend: str
-) -> Candidate:
-    """The candidate ``name`` (one of :data:`CANDIDATES`) for the preset's model."""
-    if name in ("recaccel", "reference"):
-        return recaccel_candidate(cfg, schema, device, name)
-    return eager_candidate(
+def build_candidates(
+    name: str,
+    cfg: Config,
+    schema: FeatureSchema,
+    device: torch.device,
+    compile_backend: str,
+    combinations: Sequence[Combination] = (BASELINE,),
+) -> tuple[list[Candidate], dict[Combination, str]]:
+    """The candidate ``name`` (one of :data:`CANDIDATES`) for the preset's model: one per
+    combination for ``recaccel`` (``reference`` runs ``off/1/off``), one for the others;
+    and the reasons of combinations that cannot run here."""
+    if name == "recaccel":
+        return recaccel_candidates(cfg, schema, device, name, combinations)
+    if name == "reference":
+        return recaccel_candidates(cfg, schema, device, name)
+    candidate = eager_candidate(
         cfg, schema, device, compile_backend=compile_backend if name == "compiled" else None
     )
+    return [candidate], {}
