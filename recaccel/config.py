@@ -93,6 +93,8 @@ NonNegativeFloat = Annotated[float, Range(ge=0)]
 PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]
 NamedPath = Annotated[str, Pattern(r"[^=]+=.+", "must look like name=path")]
 Name = Annotated[str, Pattern(r".+", "must be a non-empty name")]
+Fraction = Annotated[float, Range(gt=0, le=1)]
+TablePlacementText = Annotated[str, Pattern(r"[^=]+=(device|host)", "must look like table=device or table=host")]
 
 # The vocabulary of every choice, named once. Config fields use these aliases; components
 # that take one of these values check it against ``choices(alias)`` rather than a tuple
@@ -107,6 +109,10 @@ Interaction = Literal["dot"]
 EmbeddingBackend = Literal["auto", "reference", "triton", "fbgemm", "per_table"]
 InteractionBackend = Literal["auto", "reference", "triton"]
 Pooling = Literal["sum", "mean"]
+# device: rows and optimizer state on the training device | host: in pinned host memory,
+# a device cache of the rows the next batches need
+EmbeddingPlacement = Literal["device", "host"]
+CachePolicy = Literal["lru", "lfu"]  # victims beyond the lookahead window
 EmbeddingDtype = Literal["fp32", "bf16", "fp16"]  # packed embedding rows (optimizer state stays fp32)
 Precision = Literal["fp32", "bf16"]  # bf16: autocast for the MLPs and the interaction
 # off: one batch at a time | sync: the next batch prepared on a side stream while one trains
@@ -242,6 +248,12 @@ class ModelConfig(_Section):
     # bf16/fp16: packed rows stored 16-bit, updated in fp32 with stochastic rounding
     embedding_dtype: EmbeddingDtype = "fp32"
     item_fields: list[Name] = field(default_factory=list)  # melu: the item attribute fields
+    embedding_placement: EmbeddingPlacement = "device"  # of every table, unless table_placement says
+    table_placement: list[TablePlacementText] = field(default_factory=list)  # "table=host" overrides
+    cache_fraction: Fraction = 0.1  # host tables: the device cache's share of a pack's rows
+    cache_rows: NonNegative = 0  # > 0: the cache's rows per pack (instead of cache_fraction)
+    cache_lookahead: Count = 1  # k: batches whose rows are resident before the first's lookup
+    cache_policy: CachePolicy = "lru"  # victims among rows no batch of the window needs
 
 
 @dataclass
