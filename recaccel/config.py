@@ -105,7 +105,7 @@ InvalidDensePolicy = Literal["error", "skip", "zero"]
 InvalidLabelsPolicy = Literal["error", "skip"]
 LoaderBackend = Literal["torch", "dali"]
 Arch = Literal["dlrm", "melu"]
-Interaction = Literal["dot"]
+Interaction = Literal["dot", "dcnv2"]
 EmbeddingBackend = Literal["auto", "reference", "triton", "fbgemm", "per_table"]
 InteractionBackend = Literal["auto", "reference", "triton"]
 Pooling = Literal["sum", "mean"]
@@ -241,6 +241,8 @@ class ModelConfig(_Section):
     bottom_mlp: list[Count] = field(default_factory=lambda: [64, 16])
     top_mlp: list[Count] = field(default_factory=lambda: [64, 32, 1])
     interaction: Interaction = "dot"
+    dcn_layers: Count = 3  # dcnv2: cross layers
+    dcn_rank: Count = 512  # dcnv2: rank r of each layer's U [K, r] V [r, K]
     # triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1)
     embedding_backend: EmbeddingBackend = "auto"
     interaction_backend: InteractionBackend = "auto"
