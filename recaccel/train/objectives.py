@@ -31,6 +31,7 @@ class Objective(Protocol):
 
     module: nn.Module  # what is optimized and checkpointed
     loss: Loss
+    batches_ahead: int  # batches the model wants prepared ahead (its embedding cache's lookahead)
 
     def reader(self, path: str, *, train: bool, rank: int, world_size: int) -> Reader: ...
 
@@ -64,6 +65,14 @@ def loss_denominator(batch: Batch | TaskBatch, loss: Loss) -> float:
     if loss == "mse" and batch.weights is not None:
         return float(batch.weights.double().sum())
     return float(batch.batch_size)
+
+
+def cache_batches_ahead(cfg: Config) -> int:
+    """Batches to prepare ahead of the one training so that host-placed tables have the
+    rows of ``model.cache_lookahead`` batches resident (0 without host tables)."""
+    m = cfg.model
+    host = m.embedding_placement == "host" or any(s.endswith("=host") for s in m.table_placement)
+    return m.cache_lookahead - 1 if host else 0
 
 
 def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
@@ -109,6 +118,7 @@ class DLRMObjective:
         self.module = model
         self.loss = loss
         self._head = head
+        self.batches_ahead = cache_batches_ahead(cfg)
 
     @property
     def head(self) -> Callable[[Tensor, Tensor], Tensor]:
@@ -207,6 +217,7 @@ class MetaObjective:
 
         self.cfg = cfg
         self.loss = loss
+        self.batches_ahead = cache_batches_ahead(cfg)
         self.module = MetaLearner(model, cfg.meta, loss=loss, engine=cfg.meta.engine)
 
     def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1) -> Reader:

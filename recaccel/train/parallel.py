@@ -119,7 +119,7 @@ class SingleProcess:
     ) -> Iterator[StepDone]:
         """The batches through the :class:`BatchPipeline` of ``train.pipeline``, each
         stepped by the runner of :func:`recaccel.train.step.build_step`."""
-        pipeline = BatchPipeline(objective.prepare, self.device, train.pipeline)
+        pipeline = BatchPipeline(objective.prepare, self.device, train.pipeline, objective.batches_ahead)
         runner = build_step(train, objective, self.device)
         for item in pipeline(source):
             self.step_rows = item.batch.training_rows

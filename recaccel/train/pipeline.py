@@ -21,10 +21,12 @@ there, and an event is recorded; before the step, the step's stream waits on tha
 and every tensor of the prepared batch is marked used by it (``record_stream``), so the
 caching allocator does not hand their memory out while the step may still read it.
 
-Memory in flight beyond ``off``: one prepared batch (``sync``) or two (``semi_sync``):
-their inputs plus, per pack of a packed embedding, about 28 bytes per id (ids, bags,
-scale, sort order; see :mod:`recaccel.ops.embedding.prepared`). The loader's own
-prefetch (``data.prefetch``) is counted apart.
+Memory in flight beyond ``off``: one prepared batch (``sync``) or two (``semi_sync``),
+and ``model.cache_lookahead - 1`` more when tables are placed on the host (their rows are
+made resident when a batch is prepared): their inputs plus, per pack of a packed
+embedding, up to about 44 bytes per id (ids, bags, scale, sort order; see
+:mod:`recaccel.ops.embedding.prepared`). The loader's own prefetch (``data.prefetch``) is
+counted apart.
 
 Exact resume: every item carries the reader position paired with its own batch, not the
 loader's latest (the pipeline has taken later batches from the loader), so a checkpoint
@@ -67,15 +69,20 @@ class BatchPipeline:
         prepare: the objective's ``prepare``.
         device: where the batches are.
         mode: ``train.pipeline``.
+        ahead: batches prepared ahead of the one handed out, at least (the model's
+            embedding cache asks for its lookahead: a batch's rows are made resident
+            when it is prepared); ``semi_sync`` needs one.
     """
 
-    def __init__(self, prepare: Callable[[Any], Any], device: torch.device, mode: PipelineMode) -> None:
+    def __init__(
+        self, prepare: Callable[[Any], Any], device: torch.device, mode: PipelineMode, ahead: int = 0
+    ) -> None:
         self.prepare = prepare
         self.mode = mode
         self.device = device
         side = mode != "off" and device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if side else None
-        self._lookahead = 1 if mode == "semi_sync" else 0
+        self._lookahead = max(ahead, 1 if mode == "semi_sync" else 0)
 
     def __call__(self, source: Iterable[tuple[Any, dict[str, Any]]]) -> Iterator[StepInput]:
         """Yields the items of ``source`` prepared, in order.
@@ -96,7 +103,7 @@ class BatchPipeline:
             batch, state, event = ready.pop(0)
             self._hand_over(batch, event)
             following = None
-            if self._lookahead and ready:
+            if self.mode == "semi_sync" and ready:
                 following, _, next_event = ready[0]
                 self._hand_over(following, next_event)
                 ready[0] = (following, ready[0][1], None)

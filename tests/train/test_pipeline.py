@@ -36,9 +36,10 @@ from tests.train.test_resume_matrix import (  # noqa: F401  (fixtures)
 # ----------------------------------------------------------------- the pipeline
 
 
+@pytest.mark.parametrize("ahead", [0, 2])
 @pytest.mark.parametrize("mode", ["off", "sync", "semi_sync"])
-def test_each_item_carries_its_own_reader_position(mode):
-    source = [(f"b{i}", {"pos": i}) for i in range(4)]
+def test_each_item_carries_its_own_reader_position(mode, ahead):
+    source = [(f"b{i}", {"pos": i}) for i in range(5)]
     taken = []
 
     def pairs():
@@ -46,14 +47,15 @@ def test_each_item_carries_its_own_reader_position(mode):
             taken.append(pair[0])
             yield pair
 
+    lookahead = max(ahead, 1 if mode == "semi_sync" else 0)
     items = []
-    for item in BatchPipeline(lambda b: b + "'", torch.device("cpu"), mode)(pairs()):
-        # semi_sync has taken one batch more than it has handed out; the others none.
-        assert len(taken) == len(items) + 1 + (mode == "semi_sync" and len(items) < 3)
+    for item in BatchPipeline(lambda b: b + "'", torch.device("cpu"), mode, ahead)(pairs()):
+        # The pipeline has taken `lookahead` batches more than it has handed out.
+        assert len(taken) == min(len(source), len(items) + 1 + lookahead)
         items.append(item)
-    assert [(i.batch, i.reader_state["pos"]) for i in items] == [(f"b{i}'", i) for i in range(4)]
+    assert [(i.batch, i.reader_state["pos"]) for i in items] == [(f"b{i}'", i) for i in range(5)]
     following = [i.following for i in items]
-    assert following == (["b1'", "b2'", "b3'", None] if mode == "semi_sync" else [None] * 4)
+    assert following == (["b1'", "b2'", "b3'", "b4'", None] if mode == "semi_sync" else [None] * 5)
 
 
 def test_part_bounds_cover_the_rows_in_near_equal_parts():
