@@ -45,16 +45,19 @@ TOTAL_BUDGET_S = {"cuda": 540, "cpu": 300}
 
 # Per step: (budget seconds on cuda, on cpu).
 BUDGETS = {
-    # train is the headline figure (two presets, four candidates, two data modes): the
-    # largest share after the test suite.
+    # train is the headline figure (two presets; recaccel in four pipeline combinations,
+    # eager and compiled; two data modes): the largest share after the test suite.
     "pytest": (160, 90),
     "embedding": (70, 60),
     "interaction": (25, 60),
-    "train": (170, 60),
+    "train": (190, 60),
     "io": (45, 60),
     "meta": (30, 60),
 }
 STEPS = tuple(BUDGETS)
+
+# recaccel's step combinations (pipeline/micro_batches/cuda_graphs) the train benchmark times.
+TRAIN_COMBINATIONS = "off/1/off,sync/1/on,sync/2/on,semi_sync/1/on"
 
 # The benchmarks' sizes (besides --device and the output flags), by device type.
 BENCH_ARGS = {
@@ -76,6 +79,8 @@ BENCH_ARGS = {
             # The targets read recaccel, eager and compiled; `reference` (another 13 M x 128
             # rows drawn on the host) does not fit the budget: run it standalone.
             "--candidates", "recaccel", "eager", "compiled",
+            # The interleaving targets: sync with CUDA graphs against off, same run and data.
+            "--combinations", TRAIN_COMBINATIONS, "--timeline-steps", "2",
         ],
         "io": ["--rows", "300000", "--repeats", "2", "--no-memory", "--train-steps", "300"],
         "meta": [
@@ -92,6 +97,7 @@ BENCH_ARGS = {
         "train": [
             "--preset", "bench_criteo_1hot", "--steps", "2", "--warmup", "1", "--phase-steps", "1",
             "--batch", "64", "--cardinality-cap", "2000", "--candidates", "recaccel", "eager",
+            "--combinations", TRAIN_COMBINATIONS,  # the CUDA-graph ones are reported skipped on CPU
         ],
         "io": [
             "--rows", "4000", "--rows-per-row-group", "1000", "--batch-size", "256",

@@ -124,6 +124,10 @@ def add_args(parser) -> None:
         "--cuda-graphs", default="off", help="train.cuda_graphs values, comma-separated (off,on)"
     )
     parser.add_argument(
+        "--combinations",
+        help="pipeline/micro_batches/graphs labels, comma-separated (sync/2/on,...), instead of the three lists",
+    )
+    parser.add_argument(
         "--timeline-steps",
         type=int,
         default=3,
@@ -561,7 +565,9 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"train bench: --device {args.device} but no CUDA device is available")
     timing = _defaults(args, device)
-    combinations = parse_combinations(args.pipeline, args.micro_batches, args.cuda_graphs)
+    combinations = parse_combinations(
+        args.pipeline, args.micro_batches, args.cuda_graphs, getattr(args, "combinations", None)
+    )
     modes = MODES if args.mode == "both" else (args.mode,)
     presets = [
         load_preset(name, device, batch=args.batch, cardinality_cap=args.cardinality_cap)

@@ -99,33 +99,59 @@ def _csv(text: str, flag: str) -> list[str]:
     return items
 
 
-def parse_combinations(pipelines: str, micro_batches: str, cuda_graphs: str) -> list[Combination]:
+def _pipeline(text: str) -> str:
+    if text not in PIPELINES:
+        raise ConfigError(f"train bench: --pipeline {text!r} is not one of {', '.join(PIPELINES)}")
+    return text
+
+
+def _micro_batches(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"train bench: --micro-batches {text!r} must be an integer >= 1")
+    return int(text)
+
+
+def _graphs(text: str) -> bool:
+    if text not in GRAPH_SWITCH:
+        raise ConfigError(f"train bench: --cuda-graphs {text!r} is not one of off, on")
+    return GRAPH_SWITCH[text]
+
+
+def parse_combinations(
+    pipelines: str, micro_batches: str, cuda_graphs: str, labels: str | None = None
+) -> list[Combination]:
     """Every combination of the comma-separated lists, in the lists' order (the first
-    list varies slowest); ``off/1/off`` always comes first (the speedups' baseline).
+    list varies slowest), or the ``labels`` given; ``off/1/off`` always comes first (the
+    speedups' baseline).
 
     Args:
         pipelines: of ``off``, ``sync``, ``semi_sync``.
         micro_batches: integers >= 1.
         cuda_graphs: of ``off``, ``on``.
+        labels: comma-separated ``pipeline/micro_batches/graphs`` (``sync/2/on``); when
+            given, the three lists are ignored.
 
     Raises:
         ConfigError: an unknown value, naming the flag.
     """
-    modes = _csv(pipelines, "--pipeline")
-    for mode in modes:
-        if mode not in PIPELINES:
-            raise ConfigError(f"train bench: --pipeline {mode!r} is not one of {', '.join(PIPELINES)}")
-    counts = []
-    for text in _csv(micro_batches, "--micro-batches"):
-        if not text.isdigit() or int(text) < 1:
-            raise ConfigError(f"train bench: --micro-batches {text!r} must be an integer >= 1")
-        counts.append(int(text))
-    graphs = []
-    for text in _csv(cuda_graphs, "--cuda-graphs"):
-        if text not in GRAPH_SWITCH:
-            raise ConfigError(f"train bench: --cuda-graphs {text!r} is not one of off, on")
-        graphs.append(GRAPH_SWITCH[text])
-    found = [Combination(p, k, g) for p, k, g in itertools.product(modes, counts, graphs)]
+    if labels is not None:
+        found = []
+        for label in _csv(labels, "--combinations"):
+            parts = label.split("/")
+            if len(parts) != 3:
+                raise ConfigError(
+                    f"train bench: --combinations {label!r} is not pipeline/micro_batches/graphs (sync/2/on)"
+                )
+            found.append(Combination(_pipeline(parts[0]), _micro_batches(parts[1]), _graphs(parts[2])))
+    else:
+        found = [
+            Combination(p, k, g)
+            for p, k, g in itertools.product(
+                [_pipeline(t) for t in _csv(pipelines, "--pipeline")],
+                [_micro_batches(t) for t in _csv(micro_batches, "--micro-batches")],
+                [_graphs(t) for t in _csv(cuda_graphs, "--cuda-graphs")],
+            )
+        ]
     return list(dict.fromkeys([BASELINE, *found]))
 
 

@@ -68,6 +68,18 @@ def test_the_cli_parses_comma_lists_into_every_combination_baseline_first():
     assert parse_combinations(defaults.pipeline, defaults.micro_batches, defaults.cuda_graphs) == [BASELINE]
 
 
+def test_explicit_combination_labels_replace_the_lists():
+    found = parse_combinations("sync", "4", "on", "sync/1/on,sync/2/on,semi_sync/1/on,off/1/off")
+    assert [c.label for c in found] == ["off/1/off", "sync/1/on", "sync/2/on", "semi_sync/1/on"]
+    for bad, flag in (
+        ("sync/1", "--combinations"),
+        ("fast/1/on", "--pipeline"),
+        ("sync/x/on", "--micro-batches"),
+    ):
+        with pytest.raises(ConfigError, match=flag):
+            parse_combinations("off", "1", "off", bad)
+
+
 @pytest.mark.parametrize(
     "lists, flag",
     [
