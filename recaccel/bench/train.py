@@ -80,6 +80,7 @@ from recaccel.bench.train_steps import (
 )
 from recaccel.bench.train_timeline import plot_timeline, record_timeline
 from recaccel.errors import ConfigError
+from recaccel.train.pipeline import batch_tensors
 
 log = logging.getLogger(__name__)
 
@@ -488,6 +489,7 @@ def bench_preset(
     notes = [check_preset(preset, device, seed, candidates)]
     on_device = device_batches(data, preset, rotate, device)
     bar.set_description(f"{preset.name}: building")
+    input_mb = sum(t.numel() * t.element_size() for t in batch_tensors(on_device[0])) / 2**20
     entries = build_entries(preset, device, candidates, combinations, compile_backend, seed, on_device[0])
     built = {e.key: e.candidate for e in entries if e.candidate is not None}
     results = {}
@@ -503,6 +505,7 @@ def bench_preset(
             )
         for mode in modes:
             row = _row(entry, preset, device, mode)
+            row["batch_input_mb"] = input_mb
             if entry.candidate is None:
                 row.update(status="skipped", reason=entry.reason)
             else:
@@ -513,17 +516,8 @@ def bench_preset(
     chosen = _timeline_candidate(entries)
     if timeline is not None and timing.timeline_steps and chosen is not None:
         bar.set_description(f"{preset.name}: timeline")
-        source = ReaderBatches(data, preset, device) if "reader" in modes else RotatingBatches(on_device)
-        try:
-            spans = record_timeline(chosen.trainer, source, device, timing.timeline_steps)
-        finally:
-            source.close()
-        where = "through the reader" if "reader" in modes else "device data"
-        title = f"{preset.name}: recaccel {chosen.combination.label}, {where}, {device}"
-        plot_timeline(spans, timeline, title)
         notes.append(
-            f"{preset.name}: timeline of {timing.timeline_steps} {chosen.combination.label} steps "
-            f"({where}): {timeline.name}"
+            draw_timeline(chosen, preset, data if "reader" in modes else on_device, timing, timeline)
         )
     notes += list(dict.fromkeys(n for e in entries if e.candidate for n in e.candidate.notes))
     notes += [f"{preset.name}: {e.key} skipped: {e.reason}" for e in entries if e.candidate is None]
@@ -531,6 +525,28 @@ def bench_preset(
     torch._dynamo.reset()
     _free(device)
     return rows, notes
+
+
+def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, timing: Timing, path: Path) -> str:
+    """Profiles a few steps of ``candidate`` (through the reader when ``data`` is the
+    dataset's folder, else on the device batches) and draws them at ``path``; returns the
+    note naming the picture, or why there is none (a profiler failure does not end the
+    benchmark)."""
+    reader = isinstance(data, Path)
+    where = "through the reader" if reader else "device data"
+    label = candidate.combination.label
+    try:
+        dev = next(candidate.trainer.model.parameters()).device
+        source = ReaderBatches(data, preset, dev) if reader else RotatingBatches(data)
+        try:
+            spans = record_timeline(candidate.trainer, source, dev, timing.timeline_steps)
+        finally:
+            source.close()
+        plot_timeline(spans, path, f"{preset.name}: recaccel {label}, {where}, {dev}")
+    except Exception as e:  # the profiler (CUPTI) or matplotlib: the timed results stand without it
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{preset.name}: no timeline ({type(e).__name__}: {first})"[:300]
+    return f"{preset.name}: timeline of {timing.timeline_steps} {label} steps ({where}): {path.name}"
 
 
 def speedups(rows: list[dict]) -> None:

@@ -204,9 +204,10 @@ def spans_from_trace(trace: dict) -> Timeline:
     the host (a host-to-device copy is ``data / copy``).
     """
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "ts" in e]
-    steps = sorted(float(e["ts"]) for e in events if e.get("name") == STEP)
+    host = [e for e in events if not str(e.get("cat", "")).startswith("gpu_")]  # labels' GPU projections out
+    steps = sorted(float(e["ts"]) for e in host if e.get("name") == STEP)
     origin = steps[0] if steps else min((float(e["ts"]) for e in events), default=0.0)
-    main = {e.get("tid") for e in events if e.get("name") == STEP}
+    main = {e.get("tid") for e in host if e.get("name") == STEP}
     phases, launches, spans = _Phases(), {}, []
 
     def ms(us: float) -> float:
@@ -216,7 +217,7 @@ def spans_from_trace(trace: dict) -> Timeline:
         role = " (main)" if tid in main else " (autograd)" if backward else ""
         return f"CPU thread {tid}{role}"
 
-    for e in events:
+    for e in host:
         name, tid, cat = e.get("name", ""), e.get("tid"), e.get("cat", "")
         start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
         kind = _kind_of_label(name)

@@ -259,6 +259,9 @@ def _trace():
             x("fused_update", 0, 1620.0, 40.0, "kernel", stream=7, correlation=11),
             x("Memcpy HtoD (Pinned -> Device)", 0, 990.0, 20.0, "gpu_memcpy", stream=30, correlation=99),
             x("stray", 0, 1960.0, 10.0, "kernel", stream=7, correlation=12),
+            # kineto projects record_function ranges onto the streams: not host phases, not steps.
+            x("recaccel-bench/step", 7, 1005.0, 900.0, "gpu_user_annotation"),
+            x("recaccel-bench/prepare", 7, 1080.0, 40.0, "gpu_user_annotation"),
         ]
     }
 
@@ -278,6 +281,13 @@ def test_trace_spans_put_kernels_on_their_streams_coloured_by_the_phase_that_lau
     }
     host = {(s.row, s.kind) for s in timeline.spans if s.row.startswith("CPU")}
     assert ("CPU thread 1 (main)", PREPARE) in host and ("CPU thread 2 (autograd)", SPARSE) in host
+    assert {s.row for s in timeline.spans} == {
+        "CPU thread 1 (main)",
+        "CPU thread 2 (autograd)",
+        "CUDA stream 7",
+        "CUDA stream 20",
+        "CUDA stream 30",
+    }
     lookup = next(s for s in timeline.spans if s.name == "lookup_kernel")
     assert (lookup.start_ms, lookup.end_ms) == (0.25, 0.29)
 
