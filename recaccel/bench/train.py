@@ -549,6 +549,26 @@ def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, timin
     return f"{preset.name}: timeline of {timing.timeline_steps} {label} steps ({where}): {path.name}"
 
 
+CPU_SLOWDOWN_LIMIT = 0.95
+"""The CPU target: no combination slower than ``off/1/off`` by more than 5%."""
+
+
+def cpu_target_note(rows: list[dict]) -> str:
+    """The CPU target judged on this run: recaccel's slowest combination against its
+    ``off/1/off`` (same preset and mode)."""
+    timed = [r for r in rows if r["candidate"] == "recaccel" and r.get("speedup_vs_off") is not None]
+    others = [r for r in timed if (r["pipeline"], r["micro_batches"], r["cuda_graphs"]) != BASELINE_KEY]
+    if not others:
+        return "CPU target (no mode slower than off by more than 5%): not measured (no other combination ran)"
+    worst = min(others, key=lambda r: r["speedup_vs_off"])
+    verdict = "met" if worst["speedup_vs_off"] >= CPU_SLOWDOWN_LIMIT else "not met"
+    return (
+        f"CPU target (no mode slower than off by more than 5%, i.e. speedup_vs_off >= {CPU_SLOWDOWN_LIMIT}): "
+        f"{verdict}; the slowest is {combination_label(worst)} on {worst['preset']} ({worst['mode']}) at "
+        f"{worst['speedup_vs_off']:.3f}x off/1/off"
+    )
+
+
 def speedups(rows: list[dict]) -> None:
     """Sets ``speedup_vs_eager`` (eager's step time over the row's, same preset and mode)
     and, on recaccel's rows, ``speedup_vs_off`` (recaccel ``off/1/off``'s over the row's,
@@ -624,6 +644,8 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
                 _write_json(args.json, environment_info(device), rows, notes)
     speedups(rows)
     notes = list(dict.fromkeys(notes))  # a candidate's description repeats per preset
+    if device.type == "cpu":
+        notes.append(cpu_target_note(rows))
     notes += _method_notes(presets, timing, device, combinations)
     env = environment_info(device)
     return rows, notes, env

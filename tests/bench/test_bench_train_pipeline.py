@@ -222,6 +222,10 @@ def test_speedups_are_against_the_baseline_of_the_same_preset_and_mode():
     train_bench.speedups(rows)
     assert [r["speedup_vs_off"] for r in rows] == [1.0, 2.0, 1.0, 2.0, None, None]
     assert rows[1]["speedup_vs_eager"] == 6.0 and rows[2]["speedup_vs_eager"] is None
+    note = train_bench.cpu_target_note(rows)
+    assert note.startswith("CPU target") and ": met;" in note and "sync/1/off on a (device) at 2.000x" in note
+    rows[1]["speedup_vs_off"] = 0.9
+    assert ": not met;" in train_bench.cpu_target_note(rows)
 
 
 def _trace():
