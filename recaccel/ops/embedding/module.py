@@ -26,6 +26,9 @@ from torch import Tensor, nn
 
 from recaccel.errors import ConfigError, DataError
 from recaccel.ops.backend import BACKENDS, resolve_backend
+from recaccel.ops.embedding.cache import CacheOptions
+from recaccel.ops.embedding.cache.host_store import check_host_memory
+from recaccel.ops.embedding.cache.pack import CachedPack, merge_stats
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
 from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch
@@ -190,10 +193,19 @@ class PackedEmbeddingBag(nn.Module):
         seed: Seed of the initial rows.
         generator: A CPU generator for the initial rows (instead of ``seed``).
         dtype: The packed rows' dtype: ``"fp32"``, or ``"bf16"`` / ``"fp16"`` (fused mode).
+        cache: The device cache of the packs of host-placed tables
+            (``TableSpec.placement == "host"``; default :class:`CacheOptions`()).
+
+    Host placement: a pack of host-placed tables keeps its rows and optimizer state in
+    host memory (pinned on CUDA) behind a device cache (see
+    :mod:`recaccel.ops.embedding.cache`); it trains to the same parameters as on the
+    device, and checkpoints hold the same whole tables. It needs fused mode, float32 rows
+    and the reference or Triton backend; :meth:`cache_stats` reports the cache's traffic.
 
     Raises:
         ConfigError: inconsistent tables or options; a 16-bit dtype in autograd mode, or
-            on a backend that cannot update it (fbgemm on CPU).
+            on a backend that cannot update it (fbgemm on CPU); host-placed tables with
+            autograd mode, 16-bit rows or fbgemm, or more host memory than is available.
     """
 
     def __init__(
@@ -209,6 +221,7 @@ class PackedEmbeddingBag(nn.Module):
         seed: int | None = None,
         generator: torch.Generator | None = None,
         dtype: str = "fp32",
+        cache: CacheOptions | None = None,
     ) -> None:
         super().__init__()
         tables = list(tables)
@@ -233,6 +246,11 @@ class PackedEmbeddingBag(nn.Module):
         self.sparse_grad = sparse_grad
         self.dtype = dtype
         self.backend = choose_backend(backend, device, tables, mode, self.optim, dtype)
+        host_packs = [layout for layout in self.plan.packs if layout.placement == "host"]
+        if host_packs:
+            _check_host_placement(host_packs, self.backend, mode, dtype)
+            check_host_memory(host_packs)
+        self.cache_options = cache if cache is not None else CacheOptions()
         pack_class = pack_backend_class(self.backend)
         init = init_table_weights(tables, seed, generator)
         self.rounding = None if dtype == "fp32" else StochasticRounding(_rounding_seed(seed, generator))
@@ -241,7 +259,12 @@ class PackedEmbeddingBag(nn.Module):
         options = PackOptions(mode, self.optim, sparse_grad, torch_dtype(dtype), self.rounding)
         for layout in self.plan.packs:
             weights = [init[t.name] for t in layout.tables]
-            pack, held = pack_class.create(layout, weights, options, device)
+            if layout.placement == "host":
+                pack, held = CachedPack.create(
+                    layout, weights, options, device, inner_class=pack_class, cache=self.cache_options
+                )
+            else:
+                pack, held = pack_class.create(layout, weights, options, device)
             for name, tensor in held.items():
                 if isinstance(tensor, nn.Parameter):
                     self.register_parameter(f"{name}_{layout.index}", tensor)
@@ -249,7 +272,7 @@ class PackedEmbeddingBag(nn.Module):
                     self.register_buffer(f"{name}_{layout.index}", tensor, persistent=False)
             self._packs.append(pack)
             self._held_names.append(tuple(held))
-        self._always_check_ids = pack_class.always_checks_ids
+        self._always_check_ids = pack_class.always_checks_ids or bool(host_packs)
         self._routes: dict[tuple, Routing] = {}
 
     # ----------------------------------------------------------------- lookups
@@ -530,9 +553,25 @@ class PackedEmbeddingBag(nn.Module):
             missing_keys.append(key)
         load_tables(self.table_states(), tables, prefix, strict, missing_keys, unexpected_keys, error_msgs)
 
+    def cache_stats(self) -> dict[str, float]:
+        """The device caches of the host-placed packs, summed: cumulative counters and sizes.
+
+        Returns:
+            ``cache_hit_rate`` (requested unique rows already resident when their batch was
+            prepared, over all requested; a row counts once per batch), ``cache_requests``,
+            ``cache_hits``, ``cache_rows_fetched`` (host to device), ``cache_rows_evicted``
+            (occupied slots reused), ``cache_bytes_h2d``, ``cache_bytes_d2h`` (rows and
+            optimizer state), ``cache_staging_bytes`` (staging buffers now allocated) and
+            ``cache_rows`` (the caches' capacity); an empty dict without host-placed tables.
+        """
+        packs = [pack for pack in self._packs if isinstance(pack, CachedPack)]
+        return merge_stats(packs) if packs else {}
+
     def extra_repr(self) -> str:
         packs = ", ".join(
-            f"(D={p.dim}, {p.optimizer}, {len(p.tables)} tables, {p.num_rows} rows)" for p in self.plan.packs
+            f"(D={p.dim}, {p.optimizer}, {len(p.tables)} tables, {p.num_rows} rows"
+            + (")" if p.placement == "device" else f", host, {self._packs[p.index].capacity} cached)")
+            for p in self.plan.packs
         )
         dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
         return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
@@ -551,6 +590,24 @@ def _to_batch_order(routing: Routing, outs: list[Tensor]) -> Tensor:
     outs = [o for o in outs if o.shape[1] > 0]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out if routing.restore is None else out.index_select(1, routing.restore)
+
+
+def _check_host_placement(layouts: list, backend: str, mode: str, dtype: str) -> None:
+    """Raises ConfigError when host-placed tables cannot run with these options."""
+    names = [t.name for layout in layouts for t in layout.tables]
+    where = f"{_OP}: tables {names} are placed on the host (model.embedding_placement / table_placement)"
+    if mode != "fused":
+        raise ConfigError(
+            f"{where}, which needs mode='fused' (the cache updates rows in the fused backward), got {mode!r}"
+        )
+    if backend == "fbgemm":
+        raise ConfigError(
+            f"{where}, which the fbgemm backend does not support; use model.embedding_backend = 'auto'"
+        )
+    if dtype != "fp32":
+        raise ConfigError(
+            f"{where}, which needs float32 rows (model.embedding_dtype = 'fp32'), got {dtype!r}"
+        )
 
 
 def _rounding_seed(seed: int | None, generator: torch.Generator | None) -> int:

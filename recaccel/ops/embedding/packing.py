@@ -1,6 +1,6 @@
 """Packing: many tables become a few packed buffers, and a batch's ids are routed to them.
 
-Tables with the same dim and optimizer share one packed buffer [sum R, D]; table ``t``
+Tables with the same dim, optimizer and placement share one packed buffer [sum R, D]; table ``t``
 of a pack owns rows ``row_offset[t] .. row_offset[t] + R_t - 1``. A feature's id ``i``
 therefore reads packed row ``row_offset[table(feature)] + i``.
 
@@ -23,7 +23,7 @@ from recaccel.sparse import SparseFeatures
 
 @dataclass(frozen=True)
 class PackLayout:
-    """One packed buffer: tables of one dim and optimizer, stacked by rows.
+    """One packed buffer: tables of one dim, optimizer and placement, stacked by rows.
 
     Attributes:
         index: Position of the pack in the module.
@@ -32,6 +32,7 @@ class PackLayout:
         tables: The tables, in the order of their rows.
         row_offsets: First packed row of each table.
         num_rows: Total rows (sum of the tables' R).
+        placement: The tables' placement (``"device"`` or ``"host"``).
     """
 
     index: int
@@ -40,6 +41,7 @@ class PackLayout:
     tables: tuple[TableSpec, ...]
     row_offsets: tuple[int, ...]
     num_rows: int
+    placement: str = "device"
 
 
 @dataclass(frozen=True)
@@ -178,8 +180,8 @@ class PackingPlan:
     """Groups tables into packs and maps feature names to their pack and row offset.
 
     Args:
-        tables: The tables; packs follow the order in which each (dim, optimizer) first
-            appears, and tables keep their order inside a pack.
+        tables: The tables; packs follow the order in which each (dim, optimizer,
+            placement) first appears, and tables keep their order inside a pack.
 
     Raises:
         ConfigError: duplicate table names, or a feature claimed by two tables.
@@ -192,12 +194,12 @@ class PackingPlan:
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ConfigError(f"duplicate table names: {dup}")
-        groups: dict[tuple[int, str], list[TableSpec]] = {}
+        groups: dict[tuple[int, str, str], list[TableSpec]] = {}
         for t in tables:
-            groups.setdefault((t.dim, t.optimizer), []).append(t)
+            groups.setdefault((t.dim, t.optimizer, t.placement), []).append(t)
         self.packs: list[PackLayout] = []
         self.slots: dict[str, FeatureSlot] = {}
-        for p, ((dim, optimizer), members) in enumerate(groups.items()):
+        for p, ((dim, optimizer, placement), members) in enumerate(groups.items()):
             offsets, total = [], 0
             for t in members:
                 offsets.append(total)
@@ -208,7 +210,7 @@ class PackingPlan:
                         )
                     self.slots[f] = FeatureSlot(f, t, p, total)
                 total += t.num_rows
-            self.packs.append(PackLayout(p, dim, optimizer, tuple(members), tuple(offsets), total))
+            self.packs.append(PackLayout(p, dim, optimizer, tuple(members), tuple(offsets), total, placement))
 
     def route(self, keys: list[str] | tuple[str, ...], device: torch.device) -> Routing:
         """Routes a batch's features to the packs.

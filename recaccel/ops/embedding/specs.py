@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from recaccel.config import OptimConfig, Pooling, SparseOptimizer, choices
+from recaccel.config import EmbeddingPlacement, OptimConfig, Pooling, SparseOptimizer, choices
 from recaccel.errors import ConfigError, DataError
 
 POOLINGS = choices(Pooling)  # sum, mean
 OPTIMIZERS = choices(SparseOptimizer)  # sgd, rowwise_adagrad, adam
+PLACEMENTS = choices(EmbeddingPlacement)  # device, host
 
 # Optimizer state of one table, by optimizer: (name, per-row?) where per-row state is
 # [R] and per-element state is [R, D]. Names follow FBGEMM's (momentum1, momentum2).
@@ -44,9 +45,14 @@ class TableSpec:
             :class:`~recaccel.ops.embedding.PackedEmbeddingBag` for the exact rule).
         optimizer: ``"sgd"``, ``"rowwise_adagrad"`` or ``"adam"``, applied in the
             backward pass in fused mode.
+        placement: ``"device"`` (rows and optimizer state on the module's device) or
+            ``"host"`` (in host memory, pinned on CUDA, behind a device cache: see
+            :mod:`recaccel.ops.embedding.cache`). Tables of different placements never
+            share a pack.
 
     Raises:
-        ConfigError: on an empty name, non-positive sizes or an unknown pooling or optimizer.
+        ConfigError: on an empty name, non-positive sizes or an unknown pooling,
+            optimizer or placement.
     """
 
     name: str
@@ -55,6 +61,7 @@ class TableSpec:
     features: list[str] = field(default_factory=list)
     pooling: Pooling = "sum"
     optimizer: SparseOptimizer = "rowwise_adagrad"
+    placement: EmbeddingPlacement = "device"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -72,6 +79,10 @@ class TableSpec:
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"table {self.name!r}: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"
+            )
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(
+                f"table {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}"
             )
 
 
