@@ -21,6 +21,7 @@ _MODULES = {
     "meta": ("vmapped MAML step vs per-task loop", "recaccel.bench.meta"),
     "io": ("Parquet plain and task batches vs raw pyarrow", "recaccel.bench.io"),
     "comm": ("hybrid step bytes: measured vs analytic", "recaccel.bench.comm"),
+    "cache": ("embedding cache hit rate: lookahead vs LRU, LFU, Belady", "recaccel.bench.cache"),
     "train": (
         "whole training steps: recaccel vs hand-written eager, reference and torch.compile",
         "recaccel.bench.train",
