@@ -5,13 +5,14 @@ A meta-learnable model (recaccel's DLRM and MeLU) exposes ``embed(sparse)`` and
 
     head(dense, pooled) = over_arch(interaction_arch(dense_arch(dense), pooled))
 
-``interaction_arch`` has no parameters and records the field count and dim
-(``num_sparse``, ``dim``). The adapt modes (``MetaConfig.adapt``):
+``interaction_arch`` records the field count and dim (``num_sparse``, ``dim``); its
+parameters, if any (DCN-v2's cross layers), are meta-parameters every task shares: the
+outer loop trains them, no mode adapts them. The adapt modes (``MetaConfig.adapt``):
 
 - ``top_mlp``: the over-arch parameters; the dense arch and the interaction run once
   per meta step, outside the inner loop.
 - ``head``: dense-arch and over-arch parameters; only the interaction is shared
-  work (it has no parameters, so it runs on all T*N rows at once).
+  work (no task adapts it, so it runs on all T*N rows at once).
 - ``head_and_embedding_shift``: ``head`` plus a per-task additive correction of the
   pooled embeddings, an [F, D] tensor starting at zero in every task.
 
@@ -83,8 +84,6 @@ def adapt_plan(model: nn.Module, mode: AdaptMode) -> AdaptPlan:
             f"{type(model).__name__} cannot be meta-learned: it needs embed() and the modules {_ARCHES}, "
             f"missing {missing or ['embed']}"
         )
-    if any(True for _ in model.interaction_arch.parameters()):
-        raise ConfigError(f"{type(model).__name__}.interaction_arch must have no parameters")
     over = tuple(f"over_arch.{n}" for n, _ in model.over_arch.named_parameters())
     dense = (
         () if mode == "top_mlp" else tuple(f"dense_arch.{n}" for n, _ in model.dense_arch.named_parameters())

@@ -34,8 +34,8 @@ class MetaLearner(nn.Module):
 
     Args:
         model: DLRM, MeLU or any module with ``embed(sparse) -> [B, F, D]``,
-            ``sparse_arch``, ``dense_arch``, ``interaction_arch`` (no parameters) and
-            ``over_arch`` (see :mod:`recaccel.meta.heads`).
+            ``sparse_arch``, ``dense_arch``, ``interaction_arch`` (its parameters, if
+            any, shared and never adapted) and ``over_arch`` (see :mod:`recaccel.meta.heads`).
         cfg: inner steps, inner lr, first/second order, Meta-SGD, adapt mode.
         loss: ``"bce"`` (binary labels, logits) or ``"mse"`` (ratings).
         engine: ``"batched"`` (stacked batched matmuls; needs Linear/ReLU MLP arches),

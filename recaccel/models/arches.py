@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.ops.interaction import dot_interaction
+from recaccel.ops.interaction import dcnv2_cross, dot_interaction, init_cross_weights
 from recaccel.sparse import SparseFeatures
 
 
@@ -157,6 +157,58 @@ class InteractionArch(nn.Module):
             # (a custom kernel is not autocast by itself; cat promotes to float32).
             stacked = stacked.to(torch.get_autocast_dtype(device_type))
         return dot_interaction(stacked, backend=self.backend)
+
+
+class DCNv2InteractionArch(nn.Module):
+    """DCN-v2 interaction (TorchRec's DLRM_DCN): L low-rank cross layers over the
+    concatenation ``x0`` = [dense vector, flattened pooled embeddings], [B, K = D + F*D]::
+
+        x_{l+1} = x0 * (U_l (V_l x_l) + b_l) + x_l
+
+    Its output x_L [B, K] feeds the over arch. U and V start Glorot-normal, b at zero.
+
+    Args:
+        num_sparse: F.
+        dim: D.
+        num_layers: L (``model.dcn_layers``).
+        rank: r (``model.dcn_rank``).
+        backend: ``auto`` | ``reference`` | ``triton`` (see :func:`recaccel.ops.interaction.dcnv2_cross`).
+
+    Attributes:
+        u: [L, K, r]. v: [L, r, K]. b: [L, K].
+    """
+
+    def __init__(self, num_sparse: int, dim: int, num_layers: int, rank: int, backend: str = "auto") -> None:
+        super().__init__()
+        self.num_sparse = num_sparse
+        self.dim = dim
+        self.backend = backend
+        u, v, b = init_cross_weights(self.output_dim, num_layers, rank)
+        self.u = nn.Parameter(u)
+        self.v = nn.Parameter(v)
+        self.b = nn.Parameter(b)
+
+    @property
+    def output_dim(self) -> int:
+        """K = D + F*D."""
+        return self.dim * (self.num_sparse + 1)
+
+    def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
+        """Maps dense [B, D] and pooled [B, F, D] to x_L [B, D + F*D]."""
+        x0 = torch.cat([dense, pooled.flatten(1)], dim=1)
+        u, v, b = self.u, self.v, self.b
+        device_type = x0.device.type
+        if torch.is_autocast_enabled(device_type):
+            # Mixed precision: the cross layers run in the autocast dtype on every backend.
+            dtype = torch.get_autocast_dtype(device_type)
+            x0, u, v, b = x0.to(dtype), u.to(dtype), v.to(dtype), b.to(dtype)
+        else:
+            u, v, b = u.to(x0.dtype), v.to(x0.dtype), b.to(x0.dtype)
+        return dcnv2_cross(x0, u, v, b, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        layers, k, rank = self.u.shape
+        return f"in_features={k}, layers={layers}, rank={rank}, backend={self.backend!r}"
 
 
 class OverArch(nn.Module):

@@ -9,7 +9,7 @@ from torch import nn
 
 from recaccel.config import ModelConfig, OptimConfig
 from recaccel.errors import ConfigError
-from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
+from recaccel.models.arches import DCNv2InteractionArch, DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding
 from recaccel.models.table_memory import check_table_memory
@@ -54,20 +54,34 @@ def build_model(
         )
     if model_cfg.arch == "melu":
         return build_melu(model_cfg, optim_cfg, schema, device)
-    if model_cfg.interaction != "dot":
-        raise ConfigError(f"model.interaction must be 'dot', got {model_cfg.interaction!r}")
     dim = model_cfg.embedding_dim
     if not model_cfg.bottom_mlp or model_cfg.bottom_mlp[-1] != dim:
         raise ConfigError(
             f"model.bottom_mlp must end in model.embedding_dim={dim} units, got {model_cfg.bottom_mlp}"
         )
-    interaction = InteractionArch(schema.num_sparse, dim, backend=model_cfg.interaction_backend)
+    interaction = build_interaction(model_cfg, schema.num_sparse)
     return DLRM(
         sparse_arch=SparseArch(build_embedding(model_cfg, optim_cfg, schema, device)),
         dense_arch=DenseArch(schema.num_dense, model_cfg.bottom_mlp),
         interaction_arch=interaction,
         over_arch=OverArch(interaction.output_dim, model_cfg.top_mlp),
     ).to(device)
+
+
+def build_interaction(model_cfg: ModelConfig, num_sparse: int) -> InteractionArch | DCNv2InteractionArch:
+    """The interaction arch ``model.interaction`` names, for F = ``num_sparse`` fields.
+
+    Raises:
+        ConfigError: an unknown interaction.
+    """
+    dim, backend = model_cfg.embedding_dim, model_cfg.interaction_backend
+    if model_cfg.interaction == "dot":
+        return InteractionArch(num_sparse, dim, backend=backend)
+    if model_cfg.interaction == "dcnv2":
+        return DCNv2InteractionArch(
+            num_sparse, dim, model_cfg.dcn_layers, model_cfg.dcn_rank, backend=backend
+        )
+    raise ConfigError(f"model.interaction must be 'dot' or 'dcnv2', got {model_cfg.interaction!r}")
 
 
 def build_melu(
