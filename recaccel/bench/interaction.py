@@ -1,10 +1,15 @@
-"""Benchmark: fused Triton dot interaction vs the PyTorch eager reference (bmm + gather + cat).
+"""Benchmark: a fused Triton interaction vs its PyTorch eager reference.
+
+``--kind dot``: the DLRM dot interaction (eager: bmm + gather + cat). ``--kind dcnv2``:
+the DCN-v2 cross network over K = D*(F+1) features, ``--layers`` low-rank layers of
+``--rank`` (eager: per layer a matmul, an addmm, a multiply and an add).
 
 For every (batch, fields, dim) the four candidates (eager and Triton, forward alone and
 forward+backward) are timed interleaved in one run; each row reports median ms, the
 speedup over eager and, on CUDA, the fraction of the copy bandwidth measured in the
 same run that the Triton kernels reach on their minimum traffic (each input read
-once, each output written once).
+once, each output written once; for dcnv2 the weights too, which is far from its
+bound: DCN-v2 is matmul work, so its rows also give TFLOP/s).
 """
 
 from __future__ import annotations
@@ -28,11 +33,17 @@ from recaccel.bench.common import (
     write_results_markdown,
 )
 from recaccel.ops.backend import resolve_backend
-from recaccel.ops.interaction import dot_interaction_reference, interaction_output_dim
+from recaccel.ops.interaction import (
+    dcnv2_cross_reference,
+    dot_interaction_reference,
+    init_cross_weights,
+    interaction_output_dim,
+)
 
 log = logging.getLogger(__name__)
 
 CANDIDATES = ("eager_fwd", "triton_fwd", "eager_fwd_bwd", "triton_fwd_bwd")
+KINDS = ("dot", "dcnv2")
 
 
 def _as_list(value: int | Sequence[int]) -> list[int]:
@@ -48,35 +59,71 @@ def _min_bytes(b: int, f: int, d: int, elem: int) -> tuple[int, int]:
     return fwd, fwd + bwd
 
 
-def _triton_fn(device: torch.device):
-    """The Triton entry point, or None (with a warning) where it cannot run."""
+def _triton_fn(device: torch.device, kind: str = "dot"):
+    """The Triton entry point of ``kind``, or None (with a warning) where it cannot run."""
+    op = "dot_interaction" if kind == "dot" else "dcnv2_cross"
     try:
-        resolve_backend("triton", device, op="dot_interaction")
+        resolve_backend("triton", device, op=op)
     except (RuntimeError, ValueError) as err:
         log.warning("skipping the triton candidates: %s", err)
         return None
+    if kind == "dcnv2":
+        from recaccel.ops.interaction.dcnv2_triton import dcnv2_cross_triton
+
+        return dcnv2_cross_triton
     from recaccel.ops.interaction.triton import dot_interaction_triton
 
     return dot_interaction_triton
 
 
-def _bench_one(b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps) -> dict:
-    gen = torch.Generator(device=device).manual_seed(b * 1_000_003 + f * 1009 + d)
+def _dot_case(b, f, d, dtype, device, gen) -> tuple[list, int, int, int]:
+    """(inputs, output width, fewest forward bytes, fewest forward+backward bytes) of a dot shape."""
     # Scaled so dot products are O(1) in every dtype; never zeros (see METHOD notes).
     x = (torch.randn(b, f + 1, d, generator=gen, device=device) / d**0.25).to(dtype)
-    grad = torch.randn(b, interaction_output_dim(f, d), generator=gen, device=device).to(dtype)
-    x_req = x.detach().requires_grad_()
+    fwd, fwd_bwd = _min_bytes(b, f, d, x.element_size())
+    return [x], interaction_output_dim(f, d), fwd, fwd_bwd
+
+
+def _dcnv2_case(b, f, d, layers, rank, dtype, device, gen) -> tuple[list, int, int, int]:
+    """As :func:`_dot_case` for the cross network over K = D*(F+1) features."""
+    k = d * (f + 1)
+    x0 = torch.randn(b, k, generator=gen, device=device).to(dtype)
+    weights = [w.to(device=device, dtype=dtype) for w in init_cross_weights(k, layers, rank)]
+    elem = x0.element_size()
+    io = 2 * b * k * elem  # x0 read, x_L written
+    w_bytes = sum(w.numel() for w in weights) * elem
+    # backward: grad_out and x0 read, grad_x0 written; weights read, their gradients written
+    return [x0, *weights], k, io + w_bytes, io + w_bytes + 3 * b * k * elem + 2 * w_bytes
+
+
+def _dcnv2_flops(b: int, k: int, layers: int, rank: int) -> float:
+    """Multiply-adds x 2 of the forward: two [B, K] x [K, r]-sized matmuls per layer."""
+    return 2.0 * 2 * b * k * rank * layers
+
+
+def _bench_one(
+    b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps, kind="dot", layers=3, rank=512
+) -> dict:
+    gen = torch.Generator(device=device).manual_seed(b * 1_000_003 + f * 1009 + d)
+    if kind == "dcnv2":
+        inputs, width, fwd_bytes, fwd_bwd_bytes = _dcnv2_case(b, f, d, layers, rank, dtype, device, gen)
+        reference = dcnv2_cross_reference
+    else:
+        inputs, width, fwd_bytes, fwd_bwd_bytes = _dot_case(b, f, d, dtype, device, gen)
+        reference = dot_interaction_reference
+    grad = torch.randn(b, width, generator=gen, device=device).to(dtype)
+    leaves = [t.detach().requires_grad_() for t in inputs]
 
     def fwd(fn):
         with torch.no_grad():
-            return fn(x)
+            return fn(*inputs)
 
     def fwd_bwd(fn):
-        return torch.autograd.grad(fn(x_req), x_req, grad)
+        return torch.autograd.grad(fn(*leaves), leaves, grad)
 
     candidates = {
-        "eager_fwd": lambda: fwd(dot_interaction_reference),
-        "eager_fwd_bwd": lambda: fwd_bwd(dot_interaction_reference),
+        "eager_fwd": lambda: fwd(reference),
+        "eager_fwd_bwd": lambda: fwd_bwd(reference),
     }
     row = {
         "batch": b,
@@ -84,11 +131,14 @@ def _bench_one(b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps) ->
         "dim": d,
         "dtype": str(dtype).removeprefix("torch."),
         "device": str(device),
+        "kind": kind,
     }
+    if kind == "dcnv2":
+        row.update(layers=layers, rank=rank)
     if triton_fn is not None:
         candidates["triton_fwd"] = lambda: fwd(triton_fn)
         candidates["triton_fwd_bwd"] = lambda: fwd_bwd(triton_fn)
-        ref = fwd(dot_interaction_reference).double()
+        ref = fwd(reference).double()
         row["max_rel_err"] = float((fwd(triton_fn).double() - ref).norm() / ref.norm().clamp_min(1e-30))
     ms = time_interleaved(candidates, repeats, warmup, device)
     for name in CANDIDATES:
@@ -96,8 +146,12 @@ def _bench_one(b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps) ->
     if triton_fn is not None:
         row["fwd_speedup"] = ms["eager_fwd"] / ms["triton_fwd"]
         row["fwd_bwd_speedup"] = ms["eager_fwd_bwd"] / ms["triton_fwd_bwd"]
+    if kind == "dcnv2":
+        flops = _dcnv2_flops(b, width, layers, rank)
+        for name in ("eager_fwd", "triton_fwd"):
+            if ms.get(name):
+                row[f"{name}_TFLOPs"] = flops / (ms[name] * 1e-3) / 1e12
     if copy_gbps is not None and triton_fn is not None:
-        fwd_bytes, fwd_bwd_bytes = _min_bytes(b, f, d, x.element_size())
         row["triton_fwd_GBps"] = fwd_bytes / (ms["triton_fwd"] * 1e-3) / 1e9
         row["triton_fwd_bw_frac"] = row["triton_fwd_GBps"] / copy_gbps
         row["triton_fwd_bwd_bw_frac"] = fwd_bwd_bytes / (ms["triton_fwd_bwd"] * 1e-3) / 1e9 / copy_gbps
@@ -116,8 +170,11 @@ def run_interaction_bench(
     *,
     dtype: torch.dtype = torch.float32,
     warmup: int = 5,
+    kind: str = "dot",
+    layers: int = 3,
+    rank: int = 512,
 ) -> list[dict]:
-    """Times eager vs Triton dot interaction over a grid of shapes.
+    """Times eager vs Triton interaction (``kind``: dot or dcnv2) over a grid of shapes.
 
     Args:
         batch_sizes: B values.
@@ -130,20 +187,31 @@ def run_interaction_bench(
         plot_path: If given, writes a PNG of the speedups there.
         dtype: Input dtype (float32, bfloat16 or float16).
         warmup: Untimed calls per candidate first.
+        kind: ``"dot"`` or ``"dcnv2"`` (the cross network over K = D*(F+1) features).
+        layers: dcnv2 cross layers L.
+        rank: dcnv2 rank r.
 
     Returns:
-        One dict per shape: batch, fields, dim, dtype, device, ``<candidate>_ms``, speedups,
-        the Triton path's relative error, and on CUDA bandwidth fractions.
+        One dict per shape: kind, batch, fields, dim, dtype, device, ``<candidate>_ms``,
+        speedups, the Triton path's relative error, on CUDA bandwidth fractions; for dcnv2
+        also layers, rank and forward TFLOP/s.
+
+    Raises:
+        ValueError: an unknown kind.
     """
+    if kind not in KINDS:
+        raise ValueError(f"interaction bench: kind must be one of {KINDS}, got {kind!r}")
     device = torch.device(device)
-    triton_fn = _triton_fn(device)
+    triton_fn = _triton_fn(device, kind)
     if triton_fn is not None and device.type != "cuda":
         log.warning("triton runs interpreted on %s: its timings are not performance numbers", device)
     copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
     results = []
     for b, f, d in product(_as_list(batch_sizes), _as_list(num_fields), _as_list(dims)):
-        results.append(_bench_one(b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps))
-        log.info("dot interaction %s", results[-1])
+        results.append(
+            _bench_one(b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps, kind, layers, rank)
+        )
+        log.info("%s interaction %s", kind, results[-1])
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(
@@ -169,7 +237,8 @@ def plot_speedups(results: Sequence[dict], path: str | Path) -> Path:
     ax.set_xticks(list(pos), labels, fontsize=7)
     ax.set_ylabel("speedup over PyTorch eager (x)")
     dtype = results[0]["dtype"] if results else ""
-    ax.set_title(f"Dot interaction, Triton fused vs eager ({dtype})")
+    kind = "DCN-v2 cross network" if results and results[0].get("kind") == "dcnv2" else "Dot interaction"
+    ax.set_title(f"{kind}, Triton fused vs eager ({dtype})")
     ax.legend()
     fig.tight_layout()
     return save_figure(fig, path, dpi=120)
@@ -186,13 +255,24 @@ def write_markdown_summary(results: Sequence[dict], path: str | Path, command: s
             "whose times are not speed); '-' = not timed, so this run shows the eager baseline alone."
         ]
     )
-    notes += [
-        "Candidates are timed interleaved within each repeat (order rotating); median ms reported.",
+    dcn = bool(results) and results[0].get("kind") == "dcnv2"
+    eager = (
         (
+            "eager = per layer matmul, addmm, multiply, add over K = D*(F+1) features "
+            "(recaccel.ops.interaction.dcnv2_cross_reference); triton = all layers in one launch "
+            "forward, the backward chain in one launch plus batched matmuls for the weight "
+            "gradients (recaccel.ops.interaction.dcnv2_triton)."
+        )
+        if dcn
+        else (
             "eager = bmm + triu gather + cat (recaccel.ops.interaction.dot_interaction_reference); "
             "triton = fused kernels (recaccel.ops.interaction.triton)."
-        ),
-        "fwd_bwd = forward then autograd backward w.r.t. the input.",
+        )
+    )
+    notes += [
+        "Candidates are timed interleaved within each repeat (order rotating); median ms reported.",
+        eager,
+        "fwd_bwd = forward then autograd backward w.r.t. every input (dcnv2: x0 and the weights).",
         (
             "bw_frac = minimum bytes (inputs read once, outputs written once) / time, over the "
             "device-to-device copy bandwidth (read + write) measured in the same run."
@@ -200,7 +280,7 @@ def write_markdown_summary(results: Sequence[dict], path: str | Path, command: s
     ]
     return write_results_markdown(
         path,
-        "Dot interaction: Triton fused vs PyTorch eager",
+        f"{'DCN-v2 cross network' if dcn else 'Dot interaction'}: Triton fused vs PyTorch eager",
         environment_info(device),
         command,
         results,
@@ -210,11 +290,16 @@ def write_markdown_summary(results: Sequence[dict], path: str | Path, command: s
 
 def add_args(parser) -> None:
     """``recaccel-bench interaction`` options."""
+    parser.add_argument(
+        "--kind", choices=KINDS, default="dot", help="dot interaction or the DCN-v2 cross network"
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[2048, 16384], help="batch sizes B")
     parser.add_argument(
         "--fields", type=int, nargs="+", default=[26], help="sparse fields F (input has F+1 rows)"
     )
     parser.add_argument("--dim", type=int, nargs="+", default=[128], help="embedding dims D")
+    parser.add_argument("--layers", type=int, default=3, help="dcnv2: cross layers L")
+    parser.add_argument("--rank", type=int, default=512, help="dcnv2: rank r of each layer")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -233,5 +318,8 @@ def main(args, command_line: str) -> Path:
         args.json,
         plot_file(args),
         dtype=getattr(torch, args.dtype),
+        kind=args.kind,
+        layers=args.layers,
+        rank=args.rank,
     )
     return write_markdown_summary(results, args.out, command_line)
