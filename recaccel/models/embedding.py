@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from recaccel.config import EmbeddingBackend, EmbeddingDtype, Pooling, SparseOptimizer, choices
+from recaccel.config import (
+    EmbeddingBackend,
+    EmbeddingDtype,
+    EmbeddingPlacement,
+    Pooling,
+    SparseOptimizer,
+    choices,
+)
 from recaccel.errors import ConfigError
 from recaccel.sparse import SparseFeatures
 
@@ -91,6 +98,8 @@ def field_embedding(
     device: torch.device | str | None = None,
     seed: int | None = None,
     dtype: EmbeddingDtype = "fp32",
+    placement: dict[str, EmbeddingPlacement] | None = None,
+    cache=None,
 ) -> nn.Module:
     """One table per field, looked up per table (``per_table``) or packed.
 
@@ -107,6 +116,10 @@ def field_embedding(
         device: where the tables live.
         seed: packed only: seed of the initial rows.
         dtype: the rows' dtype: ``fp32``, or ``bf16`` / ``fp16`` (packed, fused mode).
+        placement: packed only: ``host`` for the fields whose tables live in host memory
+            behind a device cache (default: every table on ``device``).
+        cache: packed only: the device cache of the host tables, a
+            :class:`~recaccel.ops.embedding.cache.CacheOptions`.
 
     Returns:
         A module mapping SparseFeatures to [B, F, D] (float32 whatever ``dtype``).
@@ -122,12 +135,28 @@ def field_embedding(
             f"model.embedding_backend=per_table does not support model.embedding_dtype={dtype} (its tables are "
             "dense-optimizer parameters, whose state would be 16-bit too); use a packed backend"
         )
+    placement = placement or {}
+    if backend == "per_table" and "host" in placement.values():
+        raise ConfigError(
+            "model.embedding_backend=per_table keeps every table on the device; host placement needs a "
+            "packed backend (auto, reference or triton)"
+        )
     if backend == "per_table":
         names, rows = [f.name for f in fields], [f.cardinality for f in fields]
         return PerTableEmbeddingBag(names, rows, dim, pooling).to(device)
     from recaccel.ops.embedding import PackedEmbeddingBag, TableSpec
 
-    tables = [TableSpec(f.name, f.cardinality, dim, pooling=pooling, optimizer=optimizer) for f in fields]
+    tables = [
+        TableSpec(
+            f.name,
+            f.cardinality,
+            dim,
+            pooling=pooling,
+            optimizer=optimizer,
+            placement=placement.get(f.name, "device"),
+        )
+        for f in fields
+    ]
     return PackedEmbeddingBag(
-        tables, backend=backend, mode=mode, optim=optim, device=device, seed=seed, dtype=dtype
+        tables, backend=backend, mode=mode, optim=optim, device=device, seed=seed, dtype=dtype, cache=cache
     )

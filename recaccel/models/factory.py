@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from recaccel.config import ModelConfig, OptimConfig
+from recaccel.config import EmbeddingPlacement, ModelConfig, OptimConfig
 from recaccel.errors import ConfigError
 from recaccel.models.arches import DCNv2InteractionArch, DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
@@ -24,9 +25,14 @@ def build_embedding(
     """The module behind SparseArch: packed (fused sparse optimizer) or per-table."""
     from recaccel.ops.embedding import SparseOptimConfig
 
-    # Refused before anything is allocated; 16-bit rows take half the bytes.
+    placement = table_placement(model_cfg, schema)
+    # Refused before anything is allocated; 16-bit rows take half the bytes. Host tables
+    # are checked against host memory by the module, their device caches are small.
     row_bytes = 4 if model_cfg.embedding_dtype == "fp32" else 2
-    check_table_memory(schema, model_cfg.embedding_dim, device, bytes_per_value=row_bytes)
+    device_fields = tuple(f for f in schema.sparse if placement[f.name] == "device")
+    if device_fields:
+        on_device = dataclasses.replace(schema, sparse=device_fields)
+        check_table_memory(on_device, model_cfg.embedding_dim, device, bytes_per_value=row_bytes)
     optim = SparseOptimConfig.from_config(optim_cfg)
     return field_embedding(
         list(schema.sparse),
@@ -37,6 +43,46 @@ def build_embedding(
         optim=optim,
         device=device,
         dtype=model_cfg.embedding_dtype,
+        placement=placement,
+        cache=cache_options(model_cfg),
+    )
+
+
+def table_placement(model_cfg: ModelConfig, schema: FeatureSchema) -> dict[str, EmbeddingPlacement]:
+    """Where each field's table lives: ``model.embedding_placement``, overridden per table
+    by ``model.table_placement`` entries ``table=host|device``.
+
+    Raises:
+        ConfigError: an override names no field of the schema.
+    """
+    placement = {f.name: model_cfg.embedding_placement for f in schema.sparse}
+    for entry in model_cfg.table_placement:
+        name, _, where = entry.partition("=")
+        if name not in placement:
+            raise ConfigError(
+                f"config key model.table_placement names table {name!r}, which the data does not have; "
+                f"its tables: {sorted(placement)}"
+            )
+        placement[name] = where
+    return placement
+
+
+def cache_options(model_cfg: ModelConfig):
+    """The device cache of host tables from ``model.cache_*``.
+
+    The window (batches whose rows stay locked) is ``cache_lookahead`` plus one: the
+    pipeline prepares ``cache_lookahead - 1`` batches ahead of the one handed out (at least
+    one under ``semi_sync``), so the batches prepared and not yet trained are at most that
+    many plus the one being prepared. The cache's copies wait for every queued use of
+    the cache, so a slot the running step still reads is never overwritten early.
+    """
+    from recaccel.ops.embedding.cache import CacheOptions
+
+    return CacheOptions(
+        fraction=model_cfg.cache_fraction,
+        rows=model_cfg.cache_rows,
+        policy=model_cfg.cache_policy,
+        window=model_cfg.cache_lookahead + 1,
     )
 
 

@@ -20,6 +20,7 @@ from recaccel.io.loader import DeviceLoader
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
 from recaccel.models.factory import build_model
+from recaccel.train.cache_meter import CacheMeter
 from recaccel.train.checkpoint import TrainState, load_reader_position
 from recaccel.train.checkpoint_paths import all_checkpoints
 from recaccel.train.data_wait import DataWait
@@ -113,6 +114,7 @@ class Trainer:
         self.objective, self.evaluator = self._objectives()
         self.module = self.parallel.wrap(self.objective.module)
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
+        self.cache_meter = CacheMeter(self.objective.module)
         self.reader = self._reader(self.objective, cfg.data.train, train=True)
         self.state = TrainState()
         if resume:
@@ -142,6 +144,14 @@ class Trainer:
             raise ConfigError(
                 f"train.precision={cfg.train.precision} runs train.mode=dlrm without train.eval_tasks only "
                 "(the meta engines adapt in float32); use train.precision=fp32"
+            )
+        host = cfg.model.embedding_placement == "host" or any(
+            e.endswith("=host") for e in cfg.model.table_placement
+        )
+        if host and cfg.parallel.mode == "hybrid":
+            raise ConfigError(
+                "model.embedding_placement=host (or a table_placement of host) runs parallel.mode=single: hybrid "
+                "mode shards the tables through TorchRec, which places them itself"
             )
         model = build_model(cfg.model, cfg.optim, self.schema, self.device)
         loss = resolve_loss(cfg, self.schema.label_kind)
@@ -273,7 +283,8 @@ class Trainer:
             return
         self.state.last_loss = float(loss)
         bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
-        self._event("train", step=step, epoch=self.state.epoch, loss=self.state.last_loss)
+        cache = self.cache_meter.since_last(step)
+        self._event("train", step=step, epoch=self.state.epoch, loss=self.state.last_loss, **cache)
 
     def _maybe_checkpoint(self) -> None:
         every = self.cfg.train.checkpoint_every
@@ -307,6 +318,7 @@ class Trainer:
             data_startup_s=wait.startup_seconds,
             data_wait_fraction=wait.fraction(self.state.train_seconds - seconds_before),
             data=dict(self.state.data) if self.state.data is not None else dict(self.reader.counters),
+            **self.cache_meter.totals(),
         )
         self._event("final", **metrics)
         if self.log is not None:
