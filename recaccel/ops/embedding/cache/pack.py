@@ -430,13 +430,17 @@ class CachedPack:
 
     def _wait(self, prepared: CachedPrepared) -> None:
         """Makes the current stream wait for the preparation (and any refresh) and own its tensors."""
-        if self._stale:
+        refreshed = self._stale
+        if refreshed:
             with torch.no_grad(), self._on_copy_stream(None):
                 self._refresh_if_stale()
         if self._stream is None:
             return
         current = torch.cuda.current_stream(self.device)
-        current.wait_stream(self._stream)
+        # Its own event, not the whole copy stream: later batches' copies may be queued there.
+        current.wait_event(prepared.ready)
+        if refreshed:
+            current.wait_stream(self._stream)
         for tensor in prepared.own_tensors():
             tensor.record_stream(current)
 
