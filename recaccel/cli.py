@@ -184,6 +184,26 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     )
     melu.add_argument("out_dir", help="output folder (one folder per state)")
     melu.add_argument("--binarize", action="store_true", help="label = rating >= 4 (clicks)")
+    melu.add_argument(
+        "--protocol",
+        choices=("all", "melu"),
+        default="all",
+        help="all: every user, reader splits; melu: 13..100 ratings, 10 fixed random query ratings",
+    )
+    melu.add_argument(
+        "--min-ratings", type=int, help="drop users with fewer ratings (default: the protocol's)"
+    )
+    melu.add_argument(
+        "--max-ratings", type=int, help="drop users with more ratings (default: the protocol's)"
+    )
+    melu.add_argument("--query-count", type=int, help="fixed random query ratings per user; 0 = none")
+    melu.add_argument("--seed", type=int, default=0, help="seeds the query choice and the validation users")
+    melu.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.0,
+        help="share of warm_state users also written as warm_state_valid (rest: warm_state_train)",
+    )
     melu.add_argument("--overwrite", action="store_true")
     _compression_arg(melu)
 
@@ -253,7 +273,17 @@ def _melu(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.melu import convert_melu
 
     return convert_melu(
-        args.src, args.out_dir, binarize=args.binarize, overwrite=args.overwrite, compression=args.compression
+        args.src,
+        args.out_dir,
+        protocol=args.protocol,
+        binarize=args.binarize,
+        min_ratings=args.min_ratings,
+        max_ratings=args.max_ratings,
+        query_count=args.query_count,
+        seed=args.seed,
+        valid_fraction=args.valid_fraction,
+        overwrite=args.overwrite,
+        compression=args.compression,
     ).to_dict()
 
 

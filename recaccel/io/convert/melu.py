@@ -11,6 +11,25 @@ Output: ``<out>/<state>/part-*.parquet`` per state, one user = one task (rows so
 by user id, a user's ratings in the order of the state file), and ``<out>/melu.json``.
 Every state shares one schema, so a model trained on ``warm_state`` reads the others.
 
+Protocols. ``protocol="all"`` (the default) keeps every user and leaves the
+support/query split to the task reader (``[tasks]``). ``protocol="melu"`` reproduces
+MeLU's own data generation (``data_generation.py`` of hoyeoplee/MeLU): a user with
+fewer than 13 or more than 100 ratings is dropped, and 10 of a user's ratings, drawn at
+random, are its query set, the other 3..90 its support set, fixed once. MeLU shuffles
+with Python's unseeded ``random``; here user ``u``'s order is
+``numpy.random.default_rng([seed, u]).permutation(n)``, so it depends only on the seed
+and the user. The order is the int64 column ``melu_rank`` (0..n-1), recorded as the
+schema's timestamp: rows are stored in that order (support rows first, then the query
+rows, as MeLU lays them out), and ``tasks.split = "time"`` with ``tasks.query_count =
+10`` reads exactly MeLU's split (the latest 10 "times" are the query). ``min_ratings``,
+``max_ratings`` and ``query_count`` override the protocol's values one by one.
+
+Validation users. ``valid_fraction > 0`` also writes ``warm_state_train`` and
+``warm_state_valid``: ``round(valid_fraction * users)`` of warm_state's kept users,
+chosen with ``default_rng([seed, 1])``, go to the validation set, the rest to the
+training set (rows as in ``warm_state``), for choosing hyperparameters without the
+four evaluation states.
+
 Columns: label = the rating (``label_kind="rating"``; ``binarize=True``: rating >= 4,
 ``"binary"``); single-hot ``rate``, ``gender``, ``age``, ``occupation``, ``zipcode``;
 multi-hot ``genre``, ``director``, ``actor`` (a movie's comma-separated list, each
@@ -43,6 +62,10 @@ from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
 
 STATES = ("warm_state", "user_cold_state", "item_cold_state", "user_and_item_cold_state")
+VALID_STATES = ("warm_state_train", "warm_state_valid")
+# protocol -> (min_ratings, max_ratings, query_count); "melu": data_generation.py's rules.
+PROTOCOLS: dict[str, tuple[int, int | None, int]] = {"all": (1, None, 0), "melu": (13, 100, 10)}
+RANK_COLUMN = "melu_rank"
 MOVIE_ATTRS = ("rate", "genre", "director", "actor")
 USER_ATTRS = ("gender", "age", "occupation", "zipcode")
 MULTI_HOT = ("genre", "director", "actor")
@@ -56,8 +79,13 @@ class MeluReport:
     Attributes:
         src, out_dir: input and output folders.
         schema: the shared schema.
+        protocol, min_ratings, max_ratings, query_count, seed, valid_fraction: the rules
+            applied (after overrides).
         rows, users: per state, rows and users written.
+        query_rows: per state, rows of the fixed query sets (0 without a fixed split).
         users_filtered: per state, users dropped by ``min_ratings`` / ``max_ratings``.
+        users_below, users_above: per state, the users dropped for fewer than
+            ``min_ratings`` or more than ``max_ratings`` ratings.
         unknown_values: per attribute, values mapped to the reserved id 0.
         paths: per state, the files written.
     """
@@ -65,9 +93,18 @@ class MeluReport:
     src: str
     out_dir: str
     schema: FeatureSchema
+    protocol: str = "all"
+    min_ratings: int = 1
+    max_ratings: int | None = None
+    query_count: int = 0
+    seed: int = 0
+    valid_fraction: float = 0.0
     rows: dict[str, int] = field(default_factory=dict)
     users: dict[str, int] = field(default_factory=dict)
+    query_rows: dict[str, int] = field(default_factory=dict)
     users_filtered: dict[str, int] = field(default_factory=dict)
+    users_below: dict[str, int] = field(default_factory=dict)
+    users_above: dict[str, int] = field(default_factory=dict)
     unknown_values: dict[str, int] = field(default_factory=dict)
     paths: dict[str, list[str]] = field(default_factory=dict)
 
@@ -106,14 +143,19 @@ def load_vocab(path: Path) -> dict[str, int]:
 
 
 def melu_schema(
-    vocabs: dict[str, dict[str, int]], num_users: int, num_items: int, include_ids: bool, binarize: bool
+    vocabs: dict[str, dict[str, int]],
+    num_users: int,
+    num_items: int,
+    include_ids: bool,
+    binarize: bool,
+    ranked: bool = False,
 ) -> FeatureSchema:
-    """The schema shared by every converted state."""
+    """The schema shared by every converted state (``ranked``: with the ``melu_rank`` order)."""
     sparse = [SparseField(a, len(vocabs[a]) + 1, multi_hot=a in MULTI_HOT) for a in MOVIE_ATTRS + USER_ATTRS]
     if include_ids:
         sparse += [SparseField("user_id", num_users), SparseField("item_id", num_items)]
     base = FeatureSchema(dense=(), sparse=tuple(sparse), label_kind="binary" if binarize else "rating")
-    return grouped_schema(base, "user", None)
+    return grouped_schema(base, "user", RANK_COLUMN if ranked else None)
 
 
 def convert_melu(
@@ -121,11 +163,15 @@ def convert_melu(
     out_dir: str | Path,
     *,
     states: tuple[str, ...] | list[str] = STATES,
+    protocol: str = "all",
     binarize: bool = False,
     include_ids: bool = False,
     unknown: str = "reserved",
-    min_ratings: int = 1,
+    min_ratings: int | None = None,
     max_ratings: int | None = None,
+    query_count: int | None = None,
+    seed: int = 0,
+    valid_fraction: float = 0.0,
     rows_per_row_group: int = 8192,
     overwrite: bool = False,
     compression: str = "snappy",
@@ -136,12 +182,19 @@ def convert_melu(
         src: the MeLU ``movielens/ml-1m`` folder.
         out_dir: output folder.
         states: which states to convert.
+        protocol: ``"all"`` (every user, split left to the reader) or ``"melu"`` (MeLU's
+            13..100 ratings filter and fixed 10 random query ratings).
         binarize: label = rating >= 4 (binary) instead of the rating.
         include_ids: add ``user_id`` and ``item_id`` fields.
         unknown: ``"reserved"`` (id 0, counted) or ``"error"`` for a value missing
             from its vocabulary.
-        min_ratings, max_ratings: keep only users with that many ratings (MeLU's
-            protocol uses 13..100: 10 query + 3..90 support); others are counted.
+        min_ratings, max_ratings: keep only users with that many ratings (None: the
+            protocol's; MeLU: 13..100); others are counted.
+        query_count: > 0 fixes that many random query ratings per user (the
+            ``melu_rank`` column); 0 writes no split; None: the protocol's (MeLU: 10).
+        seed: seeds each user's query choice and the validation users.
+        valid_fraction: share of warm_state's users written to ``warm_state_valid``
+            (the rest to ``warm_state_train``); 0 writes neither.
         rows_per_row_group: Parquet row group size.
         overwrite: replace existing part files.
         compression: Parquet codec of the written files (``snappy``, ``lz4``, ``zstd``,
@@ -156,31 +209,86 @@ def convert_melu(
         raise ConfigError(f"states must be a non-empty subset of {STATES}, got {list(states)}")
     if unknown not in ("reserved", "error"):
         raise ConfigError(f"unknown must be 'reserved' or 'error', got {unknown!r}")
-    if min_ratings < 1 or (max_ratings is not None and max_ratings < min_ratings):
-        raise ConfigError(f"need 1 <= min_ratings <= max_ratings, got {min_ratings}, {max_ratings}")
+    if protocol not in PROTOCOLS:
+        raise ConfigError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    lo, hi, nq = PROTOCOLS[protocol]
+    lo = lo if min_ratings is None else min_ratings
+    hi = hi if max_ratings is None else max_ratings
+    nq = nq if query_count is None else query_count
+    _check_rules(lo, hi, nq, seed, valid_fraction, states)
     src, out = Path(src), Path(out_dir)
     vocabs = {a: load_vocab(src / f"m_{a}.txt") for a in MOVIE_ATTRS + USER_ATTRS}
     counts = dict.fromkeys(MOVIE_ATTRS + USER_ATTRS, 0)
     movies = _movies(src / "movies_extrainfos.dat", vocabs, unknown, counts)
     users = _users(src / "users.dat", vocabs, unknown, counts)
-    schema = melu_schema(vocabs, users.known.shape[0], movies.known.shape[0], include_ids, binarize)
-    report = MeluReport(str(src), str(out), schema, unknown_values=counts)
+    schema = melu_schema(vocabs, users.known.shape[0], movies.known.shape[0], include_ids, binarize, nq > 0)
+    report = MeluReport(
+        str(src), str(out), schema, protocol, lo, hi, nq, seed, valid_fraction, unknown_values=counts
+    )
     for state in states:
-        user, item, rating, filtered = _state(src, state, min_ratings, max_ratings, users, movies)
-        order = task_order(user, None)
+        user, item, rating, below, above = _state(src, state, lo, hi, users, movies)
+        rank = _ranks(user, seed) if nq > 0 else None
+        order = task_order(user, rank)
         user, item, rating = user[order], item[order], rating[order]
-        cols = _columns(user, item, rating, users, movies, include_ids, binarize)
-        with DatasetWriter(
-            out / state, schema, rows_per_row_group, overwrite=overwrite, compression=compression
-        ) as writer:
-            writer.write(cols)
-        report.rows[state] = int(user.shape[0])
-        report.users[state] = int(np.unique(user).size)
-        report.users_filtered[state] = filtered
-        report.paths[state] = [str(p) for p in writer.paths]
+        rank = None if rank is None else rank[order]
+        parts = {state: np.ones(user.shape[0], dtype=bool)}
+        if state == "warm_state" and valid_fraction > 0:
+            valid = np.isin(user, _valid_users(user, valid_fraction, seed))
+            parts.update({"warm_state_train": ~valid, "warm_state_valid": valid})
+        for name, keep in parts.items():
+            cols = _columns(user[keep], item[keep], rating[keep], users, movies, include_ids, binarize)
+            if rank is not None:
+                cols[RANK_COLUMN] = rank[keep]
+            with DatasetWriter(
+                out / name, schema, rows_per_row_group, overwrite=overwrite, compression=compression
+            ) as writer:
+                writer.write(cols)
+            report.rows[name] = int(keep.sum())
+            report.users[name] = int(np.unique(user[keep]).size)
+            report.query_rows[name] = nq * report.users[name]  # every kept user has > nq rows
+            report.paths[name] = [str(p) for p in writer.paths]
+        report.users_filtered[state] = below + above
+        report.users_below[state], report.users_above[state] = below, above
     out.mkdir(parents=True, exist_ok=True)
     (out / "melu.json").write_text(json.dumps(report.to_dict(), indent=2))
     return report
+
+
+def _check_rules(lo: int, hi: int | None, nq: int, seed: int, valid_fraction: float, states) -> None:
+    if lo < 1 or (hi is not None and hi < lo):
+        raise ConfigError(f"need 1 <= min_ratings <= max_ratings, got {lo}, {hi}")
+    if nq < 0:
+        raise ConfigError(f"query_count must be >= 0, got {nq}")
+    if nq > 0 and lo <= nq:
+        raise ConfigError(f"min_ratings must exceed query_count (a support set is needed), got {lo} <= {nq}")
+    if seed < 0:
+        raise ConfigError(f"seed must be >= 0, got {seed}")
+    if not 0.0 <= valid_fraction < 1.0:
+        raise ConfigError(f"valid_fraction must be in [0, 1), got {valid_fraction}")
+    if valid_fraction > 0 and "warm_state" not in states:
+        raise ConfigError("valid_fraction needs warm_state among the states (validation users come from it)")
+
+
+def _ranks(user: np.ndarray, seed: int) -> np.ndarray:
+    """int64 [n] each row's place in its user's seeded random order (rows grouped by user).
+
+    ``default_rng([seed, u]).permutation(n)`` lists row positions in MeLU's shuffled
+    order (its ``indices``); a row's rank is its place in that list, so the last 10
+    ranks are MeLU's ``indices[-10:]``, the query set.
+    """
+    rank = np.empty(user.shape[0], dtype=np.int64)
+    starts = np.concatenate([[0], np.flatnonzero(user[1:] != user[:-1]) + 1, [user.shape[0]]])
+    for s, e in zip(starts[:-1].tolist(), starts[1:].tolist()):
+        perm = np.random.default_rng([seed, int(user[s])]).permutation(e - s)
+        rank[s + perm] = np.arange(e - s)
+    return rank
+
+
+def _valid_users(user: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """The seeded ``round(fraction * users)`` validation users (int64, unordered)."""
+    ids = np.unique(user)
+    k = int(round(fraction * ids.size))
+    return np.random.default_rng([seed, 1]).permutation(ids)[:k]
 
 
 def _columns(user, item, rating, users: _Attrs, movies: _Attrs, include_ids: bool, binarize: bool) -> dict:
@@ -197,21 +305,23 @@ def _columns(user, item, rating, users: _Attrs, movies: _Attrs, include_ids: boo
 
 def _state(
     src: Path, state: str, lo: int, hi: int | None, users: _Attrs, movies: _Attrs
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """(user, item, rating) int64 arrays of a state in file order, and users filtered."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """(user, item, rating) int64 arrays of a state in file order, and the users dropped
+    for fewer than ``lo`` and for more than ``hi`` ratings."""
     x_path, y_path = src / f"{state}.json", src / f"{state}_y.json"
     x, y = _json(x_path), _json(y_path)
     if x.keys() != y.keys():
         extra = sorted(set(x) ^ set(y))[:3]
         raise DataError(f"users {extra} are in only one of {x_path.name} and {y_path.name}", path=str(y_path))
     user, item, rating = [], [], []
-    filtered = 0
+    below = above = 0
     for uid, movie_ids in x.items():
         ratings = y[uid]
         if not isinstance(movie_ids, list) or not isinstance(ratings, list) or len(movie_ids) != len(ratings):
             raise DataError(f"user {uid}: movie and rating lists differ in length or type", path=str(y_path))
-        if not lo <= len(movie_ids) <= (hi if hi is not None else len(movie_ids)):
-            filtered += 1
+        if len(movie_ids) < lo or (hi is not None and len(movie_ids) > hi):
+            below += len(movie_ids) < lo
+            above += len(movie_ids) >= lo
             continue
         u = _id(uid, users.known, x_path, f"user {uid!r}")
         user.append(np.full(len(movie_ids), u, dtype=np.int64))
@@ -228,7 +338,7 @@ def _state(
         rating.append(r.astype(np.int64))
     if not user:
         raise DataError("no users left in this state", path=str(x_path))
-    return np.concatenate(user), np.concatenate(item), np.concatenate(rating), filtered
+    return np.concatenate(user), np.concatenate(item), np.concatenate(rating), below, above
 
 
 def _id(text, known: np.ndarray, path: Path, what: str) -> int:
