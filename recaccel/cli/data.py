@@ -1,143 +1,17 @@
-"""Console entry points: recaccel-train, recaccel-data, recaccel-bench.
-
-Thin: parse arguments, call the API, print a summary. Any RecaccelError (or a missing
-file) becomes one line on stderr and exit status 2, never a traceback.
-"""
+"""recaccel-data: generate and convert datasets."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import shlex
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from recaccel.cli.common import add_config_args, run_command, setup_logging
 from recaccel.config import BadRowsPolicy, MovieLensScenario, ParquetCodec, choices
-from recaccel.errors import DataError, RecaccelError
-
-
-def _run(prog: str, body: Callable[[], int]) -> int:
-    try:
-        return body()
-    except (RecaccelError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        if not _handed_to_launcher(e):
-            print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-
-
-def _handed_to_launcher(error: BaseException) -> bool:
-    """A rank under torchrun's agent hands its error line to the launcher, which shows it once."""
-    from recaccel.train.distributed.launch import report_rank_error
-
-    return report_rank_error(error)
-
-
-def _setup_logging(verbose: bool) -> None:
-    logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
-def _config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
-    parser.add_argument(
-        "--config", required=required, help="TOML config file (see configs/); without it, built-in defaults"
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set train.steps=100",
-    )
-
-
-# ---------------------------------------------------------------- recaccel-train
-
-
-def train_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="recaccel-train", description="Train and evaluate a model.")
-    _config_args(parser, required=False)
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace the run already in train.out_dir (its checkpoints, log and metrics are deleted)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    parser.add_argument(
-        "--nproc",
-        type=int,
-        metavar="N",
-        help="run as N processes on this host through torchrun (with parallel.mode=hybrid)",
-    )
-    args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
-
-    def body() -> int:
-        import os
-
-        from recaccel import api
-        from recaccel.config import load_config
-
-        overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
-        if args.resume and args.overwrite:
-            raise RecaccelError(
-                "--resume continues the run in RUN_DIR; --overwrite would delete it: pass one"
-            )
-        if args.nproc is not None:
-            from recaccel.preflight import preflight
-            from recaccel.train.distributed.launch import check_launch, relaunch, strip_nproc
-            from recaccel.train.runlog import check_run_dir
-
-            resolved = Path(args.resume) / "config.toml" if args.resume else args.config
-            cfg = load_config(resolved, overrides)
-            # Refused here in one line, before any rank starts.
-            check_launch(cfg, args.nproc)
-            preflight(cfg)
-            if not args.resume:
-                check_run_dir(Path(cfg.train.out_dir), overwrite=args.overwrite)
-            return relaunch(args.nproc, strip_nproc(sys.argv[1:] if argv is None else argv))
-        if args.resume:
-            metrics = api.resume(args.resume, overrides)
-            cfg = load_config(Path(args.resume) / "config.toml")
-        else:
-            cfg = load_config(args.config, overrides)
-            metrics = api.train(cfg, overwrite=args.overwrite)
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
-            _print_metrics(metrics, Path(cfg.train.out_dir), Path(cfg.data.test).parent)
-        return 0
-
-    return _run("recaccel-train", body)
-
-
-def _print_metrics(metrics: dict[str, Any], out_dir: Path, data_dir: Path | None = None) -> None:
-    shown = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}
-    planted = data_dir / "synth.json" if data_dir is not None else None
-    if planted is not None and planted.is_file():
-        # Synthetic data: show how far the model is from the planted (Bayes-optimal) one.
-        shown["bayes_auc (planted model)"] = json.loads(planted.read_text())["report"]["bayes_auc"]
-    for state, values in metrics.get("states", {}).items():
-        for key in ("mae", "rmse", "auc", "gauc", "ndcg@1", "ndcg@3", "mae_no_adapt", "ndcg@3_no_adapt"):
-            if key in values:
-                shown[f"{state}.{key}"] = values[key]
-    width = max(len(k) for k in shown)
-    for key in sorted(shown):
-        value = shown[key]
-        text = f"{value:.5f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {text}")
-    print(f"metrics written to {out_dir / 'metrics.json'}")
-
-
-# ---------------------------------------------------------------- recaccel-data
+from recaccel.errors import DataError
 
 
 def data_main(argv: Sequence[str] | None = None) -> int:
@@ -146,7 +20,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     synth = sub.add_parser("synth", help="Criteo-like synthetic data with a planted model ([synth] config)")
-    _config_args(synth, required=False)
+    add_config_args(synth, required=False)
     synth.add_argument(
         "--overwrite", action="store_true", help="replace a dataset generated with another config"
     )
@@ -218,7 +92,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     _compression_arg(tasks)
 
     args = parser.parse_args(argv)
-    _setup_logging(args.verbose)
+    setup_logging(args.verbose)
 
     def body() -> int:
         report = _DATA_COMMANDS[args.command](args)
@@ -226,7 +100,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=2, default=str))
         return 0
 
-    return _run("recaccel-data", body)
+    return run_command("recaccel-data", body)
 
 
 def _compression_arg(parser: argparse.ArgumentParser) -> None:
@@ -347,40 +221,3 @@ _DATA_COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "melu": _melu,
     "tasks": _tasks,
 }
-
-
-# ---------------------------------------------------------------- recaccel-bench
-
-
-def bench_main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="recaccel-bench", description="Kernel and pipeline benchmarks.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    registry = _bench_registry()
-    for name, (help_text, add_args, _) in registry.items():
-        add_args(sub.add_parser(name, help=help_text))
-    args = parser.parse_args(argv)
-    _setup_logging(False)
-    command_line = shlex.join(["recaccel-bench", *(sys.argv[1:] if argv is None else argv)])
-
-    def body() -> int:
-        summary = Path(registry[args.command][2](args, command_line))
-        print(summary.read_text())
-        print(f"results written to {summary}")
-        return 0
-
-    return _run("recaccel-bench", body)
-
-
-def _bench_registry() -> dict[str, tuple[str, Callable, Callable]]:
-    from recaccel.bench import registry
-
-    return registry.BENCHMARKS
-
-
-if __name__ == "__main__":  # pragma: no cover  (torchrun runs each rank as `python -m recaccel.cli`)
-    from recaccel.train.distributed.launch import exit_rank, under_torchrun
-
-    status = train_main()
-    if under_torchrun():
-        exit_rank(status)
-    sys.exit(status)
