@@ -119,6 +119,8 @@ Precision = Literal["fp32", "bf16"]  # bf16: autocast for the MLPs and the inter
 # (same results) | semi_sync: also its embedding lookup, before this step's sparse update
 # (one step stale, opt-in)
 PipelineMode = Literal["off", "sync", "semi_sync"]
+LRSchedule = Literal["constant", "linear", "cosine", "polynomial"]
+Logger = Literal["jsonl", "tensorboard"]
 DenseOptimizer = Literal["adam", "sgd", "adagrad"]
 SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
 TrainMode = Literal["dlrm", "meta"]
@@ -270,6 +272,16 @@ class OptimConfig(_Section):
     sparse: SparseOptimizer = "rowwise_adagrad"
     sparse_lr: Rate = 0.05
     eps: NonNegativeFloat = 1e-8
+    # Learning-rate schedule of both optimizers (dense and sparse): linear warmup from 0
+    # over warmup_steps, constant, then decay from decay_start over decay_steps to
+    # final_lr_ratio * lr (linear, cosine, or polynomial of power poly_power as MLPerf's DLRM)
+    schedule: LRSchedule = "constant"
+    warmup_steps: NonNegative = 0
+    decay_start: NonNegative = 0  # the step decay begins (0 = right after warmup)
+    decay_steps: NonNegative = 0  # 0 = until the run's last step
+    final_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
+    poly_power: Rate = 2.0
+    grad_clip_norm: NonNegativeFloat = 0.0  # > 0: clip the dense gradients' global L2 norm; 0 = off
 
 
 @dataclass
@@ -296,6 +308,7 @@ class TrainConfig(_Section):
     micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
     cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
     compile: bool = False  # torch.compile the dense arches
+    loggers: list[Logger] = field(default_factory=lambda: ["jsonl"])  # jsonl (log.jsonl) always written
 
     def check_consistency(self) -> None:
         if self.mode == "meta" and self.pipeline == "semi_sync":
