@@ -22,6 +22,10 @@ _MODULES = {
     "io": ("Parquet plain and task batches vs raw pyarrow", "recaccel.bench.io"),
     "comm": ("hybrid step bytes: measured vs analytic", "recaccel.bench.comm"),
     "cache": ("embedding cache hit rate: lookahead vs LRU, LFU, Belady", "recaccel.bench.cache"),
+    "cache_train": (
+        "training samples/s with host-placed tables: cached vs all on the device vs a minimal cache",
+        "recaccel.bench.cache_train",
+    ),
     "train": (
         "whole training steps: recaccel vs hand-written eager, reference and torch.compile",
         "recaccel.bench.train",
