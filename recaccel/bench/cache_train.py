@@ -51,11 +51,11 @@ TARGET = 0.6  # host at 10% cached: this share of the device placement's samples
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--tables", type=int, help="T tables (default: 26 on CUDA, 4 on CPU)")
+    parser.add_argument("--tables", type=int, help="T tables (default: 8 on CUDA, 4 on CPU)")
     parser.add_argument(
-        "--rows", type=int, help="R rows per table (default: 2,000,000 on CUDA, 20,000 on CPU)"
+        "--rows", type=int, help="R rows per table (default: 1,000,000 on CUDA, 20,000 on CPU)"
     )
-    parser.add_argument("--dim", type=int, help="D (default: 128 on CUDA, 16 on CPU)")
+    parser.add_argument("--dim", type=int, help="D (default: 64 on CUDA, 16 on CPU)")
     parser.add_argument("--batch", type=int, help="B (default: 16,384 on CUDA, 256 on CPU)")
     parser.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of the ids")
     parser.add_argument("--cache-fraction", type=float, default=0.1, help="the host candidate's cache share")
