@@ -163,3 +163,22 @@ def test_hung_rank_times_out_with_a_clear_message(tmp_path):
     assert got["error"].startswith("CollectiveError: rank 0 of 2")
     assert f"parallel.timeout_s={HANG_TIMEOUT_S:g}s" in got["error"]
     assert HANG_TIMEOUT_S * 0.9 <= got["seconds"] < HANG_TIMEOUT_S + 10
+
+
+def test_cli_trains_dcnv2_on_two_processes_as_one_process_does(tmp_path):
+    # DCN-v2's cross layers are dense: replicated and summed over ranks like the MLPs.
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    from recaccel.cli import train_main
+    from recaccel.train.trainer import Trainer
+
+    data = tmp_path / "data"
+    generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{data}"']).synth)
+    dcn = ("model.interaction=dcnv2", "model.dcn_layers=2", "model.dcn_rank=4", "train.steps=6")
+    out = tmp_path / "hybrid"
+    argv = _argv(data, out, *dcn, "parallel.mode=hybrid", "parallel.sharding=table_wise")
+    assert train_main([*argv, "--nproc", "2"]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    sets = [a for a in argv if a != "--set"] + ["model.embedding_backend=reference", "parallel.mode=single"]
+    single = Trainer(load_config(None, [*sets, f'train.out_dir="{tmp_path / "single"}"'])).fit()
+    for key in ("auc", "logloss", "train_loss"):
+        assert abs(metrics[key] - single[key]) <= 1e-5, key
