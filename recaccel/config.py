@@ -23,10 +23,12 @@ import difflib
 import functools
 import json
 import math
+import os
 import re
 import sys
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -94,7 +96,9 @@ PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]
 NamedPath = Annotated[str, Pattern(r"[^=]+=.+", "must look like name=path")]
 Name = Annotated[str, Pattern(r".+", "must be a non-empty name")]
 Fraction = Annotated[float, Range(gt=0, le=1)]
-TablePlacementText = Annotated[str, Pattern(r"[^=]+=(device|host)", "must look like table=device or table=host")]
+TablePlacementText = Annotated[
+    str, Pattern(r"[^=]+=(device|host)", "must look like table=device or table=host")
+]
 
 # The vocabulary of every choice, named once. Config fields use these aliases; components
 # that take one of these values check it against ``choices(alias)`` rather than a tuple
@@ -206,6 +210,59 @@ class SynthConfig(_Section):
 
 
 @dataclass
+class SparseColumn(_Section):
+    """One sparse field of a ``[data.schema]`` mapping: a column holding one id per row,
+    or a list of ids per row (a multi-hot bag; read from the column's Arrow type).
+
+    Exactly one of ``cardinality`` (integer ids ``0 .. cardinality-1``; others follow
+    ``data.invalid_ids``) and ``hash`` (integer or string ids hashed into that many
+    buckets) is set.
+    """
+
+    SECTION: ClassVar[str] = "data.schema.sparse.COLUMN"
+
+    cardinality: NonNegative = 0
+    hash: NonNegative = 0
+
+
+@dataclass
+class SchemaMapping(_Section):
+    """``[data.schema]``: which columns of any Parquet file are the label, the features and
+    the task key, for data written without recaccel's schema metadata (see docs/data.md).
+
+    Columns are named as in the files; ``sparse`` maps each sparse column, in order, to a
+    :class:`SparseColumn` (``sparse.item = {hash = 100000}``).
+    """
+
+    SECTION: ClassVar[str] = "data.schema"
+
+    label: Name = "label"
+    label_kind: LabelKind = "binary"
+    dense: list[Name] = field(default_factory=list)
+    sparse: dict[str, SparseColumn] = field(default_factory=dict)
+    task_key: Name | None = None  # meta data: integer column grouping rows into tasks
+    timestamp: Name | None = None  # meta data: integer or timestamp column ordering rows in time
+
+    def check_consistency(self) -> None:
+        for name, col in self.sparse.items():
+            key = f"config key data.schema.sparse.{name}"
+            if (col.cardinality > 0) == (col.hash > 0):
+                raise ConfigError(
+                    f"{key}={show_value(dataclasses.asdict(col))} needs exactly one of cardinality = N "
+                    "(integer ids 0..N-1) and hash = N (ids hashed into N buckets)"
+                )
+        if not self.dense and not self.sparse:
+            raise ConfigError(
+                "config key data.schema maps no feature: give data.schema.dense or data.schema.sparse"
+            )
+        roles = [self.label, *self.dense, *self.sparse, self.task_key, self.timestamp]
+        names = [n for n in roles if n is not None]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"config key data.schema names column(s) {twice} in more than one role")
+
+
+@dataclass
 class DataConfig(_Section):
     """Where training data lives and how it is read.
 
@@ -230,6 +287,8 @@ class DataConfig(_Section):
     read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
     prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline
     loader_backend: LoaderBackend = "torch"  # host-to-device stage
+    # columns of files without recaccel schema metadata (see SchemaMapping); None = the metadata's
+    schema: SchemaMapping | None = None
 
 
 @dataclass
@@ -419,18 +478,122 @@ def field_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls, include_extras=True)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Loads a TOML config and applies ``section.key=value`` overrides.
+def load_config(
+    path: str | Path | Sequence[str | Path] | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    paths_relative_to_file: bool = True,
+) -> Config:
+    """Loads TOML config files, merged left to right, and applies ``section.key=value`` overrides.
+
+    Files merge table by table and key by key (nested tables such as ``[data.schema]``
+    too): a later file's value replaces an earlier one's, a list is replaced whole, keys
+    it does not give are kept. Overrides apply after every file.
+
+    Paths: a path-valued key (:func:`path_fields`: ``data.train``, ``data.test``,
+    ``train.out_dir``, ``synth.out_dir``, the paths of ``meta.eval_states``...) written
+    relative in a file is relative to that file's folder, and comes back absolute;
+    override values and defaults are left as given (relative to the working directory).
+
+    Args:
+        path: a config file, several (merged left to right), or None (the defaults).
+        overrides: ``section.key=value`` items, the value in TOML (a bare word is a string).
+        paths_relative_to_file: False reads a file's paths as written, relative to the
+            working directory: how a run directory's own config.toml is read (see
+            :func:`recaccel.api.run_config`), since runs before this rule wrote them so.
 
     Raises:
         ConfigError: on a missing, unreadable or non-UTF-8 file, a TOML syntax error, a
             section that is not a table, an unknown key or a bad value.
     """
-    raw: dict[str, Any] = _read_toml(Path(path)) if path is not None else {}
+    if path is None:
+        files: list[Path] = []
+    elif isinstance(path, (str, Path)):
+        files = [Path(path)]
+    else:
+        files = [Path(p) for p in path]
+    raw: dict[str, Any] = {}
+    for file in files:
+        values = _read_toml(file)
+        if paths_relative_to_file:
+            values = resolve_paths(values, file.parent.resolve())
+        _merge(raw, values)
     for item in overrides:
         section, key, value = _parse_override(item)
         raw.setdefault(section, {})[key] = value
     return config_from_dict(raw)
+
+
+def path_fields(cls: type) -> dict[str, bool]:
+    """The path-valued fields of a config section: each field annotated :data:`PathText` or
+    :data:`NamedPath` (also as a list's items, or optional), mapped to whether it is a
+    ``name=path`` entry."""
+    found = {}
+    for name, hint in field_hints(cls).items():
+        kind = _path_kind(hint)
+        if kind is not None:
+            found[name] = kind
+    return found
+
+
+def _path_kind(hint: Any) -> bool | None:
+    """True for a ``name=path`` annotation, False for a plain path, None for neither."""
+    if hint == PathText:
+        return False
+    if hint == NamedPath:
+        return True
+    if typing.get_origin(hint) in (list, typing.Union, types.UnionType):
+        kinds = [k for k in map(_path_kind, typing.get_args(hint)) if k is not None]
+        return kinds[0] if kinds else None
+    return None
+
+
+def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
+    """``raw`` (a config as nested dicts) with every relative path value made absolute
+    against ``base``; values of the wrong type are left for the field checks to report.
+
+    Args:
+        raw: ``{section: {key: value}}`` as read from a file.
+        base: the folder relative paths are relative to (absolute).
+    """
+    sections = section_types()
+    resolved = {}
+    for section, values in raw.items():
+        fields = path_fields(sections[section]) if section in sections and isinstance(values, dict) else {}
+        if fields:
+            values = {
+                key: _resolve_value(value, base, fields[key]) if key in fields else value
+                for key, value in values.items()
+            }
+        resolved[section] = values
+    return resolved
+
+
+def _resolve_value(value: Any, base: Path, named: bool) -> Any:
+    if isinstance(value, list):
+        return [_resolve_value(v, base, named) for v in value]
+    if not isinstance(value, str) or not value:
+        return value
+    if named:
+        name, sep, path = value.partition("=")
+        return f"{name}={_absolute(path, base)}" if sep and path else value
+    return _absolute(value, base)
+
+
+def _absolute(path: str, base: Path) -> str:
+    """``path`` if absolute, else ``base / path`` with ``.`` and ``..`` folded away."""
+    if Path(path).is_absolute():
+        return path
+    return os.path.normpath(base / path)
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    """Merges ``new`` into ``into`` key by key, tables recursively; ``new`` wins."""
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
@@ -507,12 +670,35 @@ def check_value(key: str, value: Any, hint: Any) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
+    if origin is dict:
+        _, item = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise _bad(key, value, "must be a table")
+        return {k: check_value(f"{key}.{k}", v, item) for k, v in value.items()}
+    if isinstance(hint, type) and issubclass(hint, _Section):
+        return _check_table(key, value, hint)
     if origin is list:
         (item,) = typing.get_args(hint)
         if not isinstance(value, list):
             raise _bad(key, value, "must be a list")
         return [check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     return _check_scalar(key, value, hint)
+
+
+def _check_table(key: str, value: Any, cls: type[_Section]) -> _Section:
+    """A nested table (``[data.schema]``): a ``cls`` as it is, or built from a dict whose
+    keys and values are checked under ``key``."""
+    if isinstance(value, cls):
+        value.__post_init__()
+        return value
+    if not isinstance(value, dict):
+        raise _bad(key, value, "must be a table")
+    names = [f.name for f in dataclasses.fields(cls)]
+    for k in value:
+        if k not in names:
+            raise ConfigError(f"unknown config key {key}.{k}{_suggest(k, names, key + '.')}")
+    hints = field_hints(cls)
+    return cls(**{k: check_value(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
 
 
 def _check_scalar(key: str, value: Any, hint: Any) -> Any:
@@ -597,7 +783,14 @@ def _toml_value(value: Any) -> str:
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; TOML has no null, so None keys are left out
+        items = (f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None)
+        return "{" + ", ".join(items) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
 
 
 def _parse_override(item: str) -> tuple[str, str, Any]:

@@ -31,10 +31,17 @@ from recaccel.errors import ConfigError
 from recaccel.io.convert.synth import generate_synthetic
 from recaccel.preflight import preflight
 
+
+def _is_table(hint: Any) -> bool:
+    """A nested table field ([data.schema]): its rules are tested in tests/io/test_schema_mapping.py."""
+    return any(isinstance(a, type) and dataclasses.is_dataclass(a) for a in (hint, *typing.get_args(hint)))
+
+
 FIELDS = [
     (f"{section}.{f.name}", field_hints(cls)[f.name])
     for section, cls in section_types().items()
     for f in dataclasses.fields(cls)
+    if not _is_table(field_hints(cls)[f.name])
 ]
 
 
