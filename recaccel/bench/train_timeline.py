@@ -27,7 +27,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from recaccel.bench.common import pyplot, save_figure
-from recaccel.bench.train_steps import TrainerParts
+from recaccel.bench.train_data import Preset, ReaderBatches, RotatingBatches
+from recaccel.bench.train_steps import Candidate, TrainerParts
 
 PREFIX = "recaccel-bench/"
 STEP = PREFIX + "step"
@@ -272,3 +273,25 @@ def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
     fig.legend(handles, used, fontsize=7, loc="lower center", ncol=max(len(used), 1))
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return save_figure(fig, path, dpi=130)
+
+
+def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps: int, path: Path) -> str:
+    """Profiles ``steps`` steps of ``candidate`` (through the reader when ``data`` is the
+    dataset's folder, else on the device batches) and draws them at ``path``; returns the
+    note naming the picture, or why there is none (a profiler failure does not end the
+    benchmark)."""
+    reader = isinstance(data, Path)
+    where = "through the reader" if reader else "device data"
+    label = candidate.combination.label
+    try:
+        dev = next(candidate.trainer.model.parameters()).device
+        source = ReaderBatches(data, preset, dev) if reader else RotatingBatches(data)
+        try:
+            spans = record_timeline(candidate.trainer, source, dev, steps)
+        finally:
+            source.close()
+        plot_timeline(spans, path, f"{preset.name}: recaccel {label}, {where}, {dev}")
+    except Exception as e:  # the profiler (CUPTI) or matplotlib: the timed results stand without it
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{preset.name}: no timeline ({type(e).__name__}: {first})"[:300]
+    return f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}"

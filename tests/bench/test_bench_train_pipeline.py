@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from recaccel.bench import train as train_bench
+from recaccel.bench import train_report
 from recaccel.bench.train_data import RotatingBatches, device_batches, load_preset, make_dataset, rows_needed
 from recaccel.bench.train_steps import BASELINE, Combination, parse_combinations, recaccel_candidates
 from recaccel.bench.train_timeline import (
@@ -219,13 +220,13 @@ def test_speedups_are_against_the_baseline_of_the_same_preset_and_mode():
         row("b", "device", "recaccel", "sync", 3.0),  # no baseline in this group
         row("a", "device", "eager", None, 30.0),
     ]
-    train_bench.speedups(rows)
+    train_report.speedups(rows)
     assert [r["speedup_vs_off"] for r in rows] == [1.0, 2.0, 1.0, 2.0, None, None]
     assert rows[1]["speedup_vs_eager"] == 6.0 and rows[2]["speedup_vs_eager"] is None
-    note = train_bench.cpu_target_note(rows)
+    note = train_report.cpu_target_note(rows)
     assert note.startswith("CPU target") and ": met;" in note and "sync/1/off on a (device) at 2.000x" in note
     rows[1]["speedup_vs_off"] = 0.9
-    assert ": not met;" in train_bench.cpu_target_note(rows)
+    assert ": not met;" in train_report.cpu_target_note(rows)
 
 
 def _trace():
