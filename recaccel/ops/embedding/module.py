@@ -28,6 +28,7 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.ops.backend import BACKENDS, resolve_backend
 from recaccel.ops.embedding.cache import CacheOptions
 from recaccel.ops.embedding.cache.host_store import check_host_memory
+from recaccel.ops.embedding.cache.options import check_host_placement
 from recaccel.ops.embedding.cache.pack import CachedPack, merge_stats
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
@@ -248,7 +249,7 @@ class PackedEmbeddingBag(nn.Module):
         self.backend = choose_backend(backend, device, tables, mode, self.optim, dtype)
         host_packs = [layout for layout in self.plan.packs if layout.placement == "host"]
         if host_packs:
-            _check_host_placement(host_packs, self.backend, mode, dtype)
+            check_host_placement(host_packs, self.backend, mode, dtype)
             check_host_memory(host_packs)
         self.cache_options = cache if cache is not None else CacheOptions()
         pack_class = pack_backend_class(self.backend)
@@ -590,24 +591,6 @@ def _to_batch_order(routing: Routing, outs: list[Tensor]) -> Tensor:
     outs = [o for o in outs if o.shape[1] > 0]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out if routing.restore is None else out.index_select(1, routing.restore)
-
-
-def _check_host_placement(layouts: list, backend: str, mode: str, dtype: str) -> None:
-    """Raises ConfigError when host-placed tables cannot run with these options."""
-    names = [t.name for layout in layouts for t in layout.tables]
-    where = f"{_OP}: tables {names} are placed on the host (model.embedding_placement / table_placement)"
-    if mode != "fused":
-        raise ConfigError(
-            f"{where}, which needs mode='fused' (the cache updates rows in the fused backward), got {mode!r}"
-        )
-    if backend == "fbgemm":
-        raise ConfigError(
-            f"{where}, which the fbgemm backend does not support; use model.embedding_backend = 'auto'"
-        )
-    if dtype != "fp32":
-        raise ConfigError(
-            f"{where}, which needs float32 rows (model.embedding_dtype = 'fp32'), got {dtype!r}"
-        )
 
 
 def _rounding_seed(seed: int | None, generator: torch.Generator | None) -> int:

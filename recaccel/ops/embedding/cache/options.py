@@ -52,3 +52,31 @@ class CacheOptions:
         at least 1 and at most ``num_rows``."""
         want = int(self.rows) if self.rows > 0 else math.ceil(self.fraction * num_rows)
         return max(1, min(want, num_rows))
+
+
+def check_host_placement(layouts: list, backend: str, mode: str, dtype: str) -> None:
+    """Refuses host-placed packs under options the cache cannot serve.
+
+    Args:
+        layouts: The host-placed packs' layouts.
+        backend: The module's resolved backend.
+        mode: ``"fused"`` or ``"autograd"``.
+        dtype: The rows' dtype name.
+
+    Raises:
+        ConfigError: autograd mode, the fbgemm backend, or 16-bit rows (one line).
+    """
+    names = [t.name for layout in layouts for t in layout.tables]
+    where = f"PackedEmbeddingBag: tables {names} are placed on the host (model.embedding_placement / table_placement)"
+    if mode != "fused":
+        raise ConfigError(
+            f"{where}, which needs mode='fused' (the cache updates rows in the fused backward), got {mode!r}"
+        )
+    if backend == "fbgemm":
+        raise ConfigError(
+            f"{where}, which the fbgemm backend does not support; use model.embedding_backend = 'auto'"
+        )
+    if dtype != "fp32":
+        raise ConfigError(
+            f"{where}, which needs float32 rows (model.embedding_dtype = 'fp32'), got {dtype!r}"
+        )
