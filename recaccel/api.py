@@ -39,22 +39,38 @@ def resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> 
     return train(cfg, resume=True)
 
 
-def evaluate(cfg: Config, path: str | None = None) -> dict[str, Any]:
-    """Evaluates the newest checkpoint of ``cfg.train.out_dir`` on ``path`` (default
-    data.test); the run directory is only read.
+def evaluate(
+    cfg: Config,
+    path: str | None = None,
+    *,
+    checkpoint: int | None = None,
+    predictions: str | Path | None = None,
+) -> dict[str, Any]:
+    """Evaluates a checkpoint of ``cfg.train.out_dir`` (default: the newest) on ``path``
+    (default data.test), in this process; the run directory is only read.
+
+    A hybrid run's checkpoint (a ``step-*.dcp`` folder) is read whole, its tables
+    assembled from their shards, and scored without launching its ranks again.
+
+    Args:
+        cfg: the run's config.
+        path: the data to score (default ``data.test``).
+        checkpoint: the step of the checkpoint to score (default: the newest).
+        predictions: a Parquet file to write one prediction per evaluation row to, beside
+            its label, weight and (meta runs) task key (:mod:`recaccel.train.predictions`).
+
+    Returns:
+        The metrics, with ``checkpoint_step`` (and ``predictions``, the file written).
 
     Raises:
-        RecaccelError: if the run has no checkpoint or it cannot be read.
+        RecaccelError: no checkpoint (or none at ``checkpoint``: the message lists the
+            steps there are), or one that cannot be read.
     """
     from recaccel.preflight import preflight
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.eval_checkpoint import evaluate_run
 
     preflight(cfg, training=False, test_path=path)
-    trainer = Trainer(cfg, resume=True)  # loads the newest checkpoint, as the parallel layout saved it
-    try:
-        return trainer.evaluate(path)
-    finally:
-        trainer.parallel.close()
+    return evaluate_run(cfg, path, checkpoint=checkpoint, predictions=predictions)
 
 
 def _toml_str(value: str | Path) -> str:

@@ -18,7 +18,7 @@ Shapes: T tasks, Q query rows per task.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -105,6 +105,7 @@ def evaluate_meta(
     ks: Sequence[int] = (1, 3),
     gain: str = "exponential",
     device: torch.device | str | None = None,
+    record: Callable[[TaskBatch, Tensor, Tensor], None] | None = None,
 ) -> dict[str, float]:
     """Adapts on support and scores the query of every task of ``batches``.
 
@@ -114,6 +115,8 @@ def evaluate_meta(
         ks: nDCG cut-offs.
         gain: nDCG gain (see :mod:`recaccel.meta.ranking`).
         device: moves each batch there first when given.
+        record: called with each batch and its ``(adapted, unadapted)`` query predictions
+            [T, Q] (e.g. to write them out).
 
     Returns:
         Metrics after adaptation, and the same with the suffix ``_no_adapt``.
@@ -137,6 +140,8 @@ def evaluate_meta(
             labels = tb.query.labels.view(tb.num_tasks, tb.query_size)
             adapted.update(pred, labels, tb.query_mask)
             base.update(pred0, labels, tb.query_mask)
+            if record is not None:
+                record(tb, pred, pred0)
     finally:
         learner.train(was_training)
     out = adapted.compute()

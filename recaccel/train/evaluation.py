@@ -11,16 +11,27 @@ from recaccel.metrics import binary_auc, binary_logloss
 from recaccel.sparse import Batch
 
 
-@torch.no_grad()
 def predict(model: Callable[[Batch], Tensor], batches: Iterable[Batch]) -> tuple[Tensor, Tensor]:
     """Logits [N] and labels [N] over all batches, on the CPU."""
-    logits, labels = [], []
+    logits, labels, _ = predict_rows(model, batches)
+    return logits, labels
+
+
+@torch.no_grad()
+def predict_rows(
+    model: Callable[[Batch], Tensor], batches: Iterable[Batch]
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Logits [N], labels [N] and sample weights [N] (None when a batch has none) over all
+    batches, in their order, on the CPU."""
+    logits, labels, weights = [], [], []
     for batch in batches:
         logits.append(model(batch).float().cpu())
         labels.append(batch.labels.float().cpu())
+        weights.append(None if batch.weights is None else batch.weights.float().cpu())
     if not logits:
-        return torch.empty(0), torch.empty(0)
-    return torch.cat(logits), torch.cat(labels)
+        return torch.empty(0), torch.empty(0), None
+    weight = None if any(w is None for w in weights) else torch.cat(weights)
+    return torch.cat(logits), torch.cat(labels), weight
 
 
 def binary_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:

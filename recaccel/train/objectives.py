@@ -20,7 +20,8 @@ from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.rows import BatchReader
 from recaccel.metrics import check_finite
 from recaccel.sparse import Batch, TaskBatch
-from recaccel.train.evaluation import binary_metrics, predict, rating_metrics
+from recaccel.train.evaluation import binary_metrics, predict, predict_rows, rating_metrics
+from recaccel.train.predictions import PredictionSink, concat_columns, row_columns, task_columns
 
 # Concatenates a per-rank [N_r, ...] tensor over ranks (the process layout's ``gather``).
 Gather = Callable[[Tensor], Tensor]
@@ -45,13 +46,22 @@ class Objective(Protocol):
         """The step loss of one batch (a mean over its rows or tasks), a scalar."""
         ...
 
-    def evaluate(self, batches: Iterable[Any], *, gather: Gather, source: str) -> dict[str, Any]:
+    def evaluate(
+        self,
+        batches: Iterable[Any],
+        *,
+        gather: Gather,
+        source: str,
+        predictions: PredictionSink | None = None,
+    ) -> dict[str, Any]:
         """Metrics over ``batches``, this rank's part of the data at ``source``.
 
         Args:
             batches: this rank's evaluation batches.
             gather: concatenates a per-rank tensor over ranks, for metrics over all rows.
             source: the data's path, for messages.
+            predictions: when given, called once with the per-row columns of
+                :mod:`recaccel.train.predictions`.
         """
         ...
 
@@ -196,17 +206,28 @@ class DLRMObjective:
         )
         return binary_metrics(logits, labels) if self.loss == "bce" else rating_metrics(logits, labels)
 
-    def evaluate(self, batches: Iterable[Batch], *, gather: Gather, source: str) -> dict[str, Any]:
-        """Metrics over the predictions of all ranks (gathered: AUC is not a mean of parts).
+    def evaluate(
+        self,
+        batches: Iterable[Batch],
+        *,
+        gather: Gather,
+        source: str,
+        predictions: PredictionSink | None = None,
+    ) -> dict[str, Any]:
+        """Metrics over the predictions of all ranks (gathered: AUC is not a mean of parts);
+        ``predictions`` gets every rank's rows, in rank order.
 
         Raises:
             DataError: no rank had an evaluation row.
         """
-        logits, labels = self.predictions(batches)
+        logits, labels, weights = predict_rows(self._forward, batches)
         logits, labels = gather(logits), gather(labels)
         if labels.numel() == 0:
             raise DataError(f"evaluation data {source} has no rows")
-        return self.metrics(logits, labels)
+        metrics = self.metrics(logits, labels)
+        if predictions is not None:
+            predictions(row_columns(logits, labels, None if weights is None else gather(weights), self.loss))
+        return metrics
 
 
 class MetaObjective:
@@ -242,8 +263,25 @@ class MetaObjective:
     def batch_loss(self, batch: TaskBatch) -> Tensor:
         return self.module.step_loss(batch)[0]
 
-    def evaluate(self, batches: Iterable[TaskBatch], *, gather: Gather, source: str) -> dict[str, Any]:
-        """Per-task metrics; every rank evaluates whole tasks, so nothing is gathered."""
+    def evaluate(
+        self,
+        batches: Iterable[TaskBatch],
+        *,
+        gather: Gather,
+        source: str,
+        predictions: PredictionSink | None = None,
+    ) -> dict[str, Any]:
+        """Per-task metrics; every rank evaluates whole tasks, so nothing is gathered
+        (``predictions`` gets this rank's tasks)."""
         from recaccel.meta.evaluation import evaluate_meta
 
-        return evaluate_meta(self.module, batches)
+        if predictions is None:
+            return evaluate_meta(self.module, batches)
+        parts: list[dict[str, Tensor]] = []
+
+        def record(tb: TaskBatch, pred: Tensor, pred0: Tensor) -> None:
+            parts.append(task_columns(tb, pred, pred0, self.loss))
+
+        metrics = evaluate_meta(self.module, batches, record=record)
+        predictions(concat_columns(parts))
+        return metrics
