@@ -1,18 +1,26 @@
-"""The Python API: train and evaluate from a config."""
+"""The Python API: train and evaluate from a config, with recaccel's model or one's own."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from recaccel.config import Config, load_config
+from recaccel.config import Config, load_config, path_fields, section_types
 from recaccel.train.runlog import CONFIG_FILE
 
+if TYPE_CHECKING:  # torch is imported when a run starts, not with recaccel
+    from recaccel.train.user_model import ModelSource
 
-def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+
+def train(
+    cfg: Config, *, resume: bool = False, overwrite: bool = False, model: ModelSource | None = None
+) -> dict[str, Any]:
     """Trains and evaluates the model ``cfg`` describes; returns the final metrics.
 
-    Writes ``cfg.train.out_dir``: config.toml, log.jsonl, checkpoints/, metrics.json.
+    Writes ``cfg.train.out_dir``: config.toml (its paths absolute, so the run resumes
+    from any working directory), log.jsonl, checkpoints/, metrics.json.
 
     Args:
         cfg: the run's config.
@@ -20,29 +28,62 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False) -> dict
             (from step 0 when it stopped before its first checkpoint).
         overwrite: replace a run already in ``cfg.train.out_dir`` (its checkpoints, log
             and metrics are deleted first); without it such a run directory is refused.
+        model: one's own model instead of the one ``[model]`` describes: an ``nn.Module``
+            with ``embed(sparse) -> [B, F, D]``, ``head(dense, pooled) -> logits [B]`` and
+            ``prepare_sparse(sparse)``, or a callable ``(schema, device) -> such a module``
+            (see docs/own_model.md and :mod:`recaccel.train.user_model`). Pass the same
+            model again to :func:`resume` and :func:`evaluate`.
 
     Raises:
         RecaccelError: a run directory that already holds a run (neither ``resume`` nor
-            ``overwrite``), bad config or input, a checkpoint that cannot be resumed.
+            ``overwrite``), bad config or input, a model without the methods a run calls,
+            a checkpoint that cannot be resumed.
     """
     from recaccel.preflight import preflight
     from recaccel.train.trainer import Trainer
 
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
-    return Trainer(cfg, resume=resume, overwrite=overwrite, fresh_if_no_checkpoint=resume).fit()
+    trainer = Trainer(
+        absolute_paths(cfg), resume=resume, overwrite=overwrite, fresh_if_no_checkpoint=resume, model=model
+    )
+    return trainer.fit()
 
 
-def resume(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+def resume(
+    run_dir: str | Path, overrides: list[str] | tuple[str, ...] = (), *, model: ModelSource | None = None
+) -> dict[str, Any]:
     """Continues a run from its newest checkpoint (config from ``run_dir/config.toml``);
-    a run stopped before its first checkpoint starts again from step 0."""
-    cfg = load_config(Path(run_dir) / CONFIG_FILE, [*overrides, f"train.out_dir={_toml_str(run_dir)}"])
-    return train(cfg, resume=True)
+    a run stopped before its first checkpoint starts again from step 0.
+
+    Args:
+        run_dir: the run directory.
+        overrides: ``section.key=value`` items applied to the run's config.
+        model: the run's own model, as given to :func:`train` (None: recaccel's model).
+    """
+    return train(run_config(run_dir, overrides), resume=True, model=model)
+
+
+def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """The config of the run in ``run_dir``: its config.toml with ``overrides`` applied and
+    ``train.out_dir`` set to ``run_dir``.
+
+    The run wrote its paths resolved (absolute since path resolution was added); a
+    relative one, from an older run or a config built in Python, is read as it was meant
+    then: relative to the working directory, not to the run directory.
+
+    Raises:
+        ConfigError: no readable config.toml in ``run_dir``, or a bad override.
+    """
+    path = Path(run_dir) / CONFIG_FILE
+    sets = [*overrides, f"train.out_dir={_toml_str(run_dir)}"]
+    return load_config(path, sets, paths_relative_to_file=False)
 
 
 def evaluate(
     cfg: Config,
     path: str | None = None,
     *,
+    model: ModelSource | None = None,
     checkpoint: int | None = None,
     predictions: str | Path | None = None,
 ) -> dict[str, Any]:
@@ -53,8 +94,9 @@ def evaluate(
     assembled from their shards, and scored without launching its ranks again.
 
     Args:
-        cfg: the run's config.
+        cfg: the run's config (:func:`run_config` reads it from the run directory).
         path: the data to score (default ``data.test``).
+        model: the run's own model, as given to :func:`train` (None: recaccel's model).
         checkpoint: the step of the checkpoint to score (default: the newest).
         predictions: a Parquet file to write one prediction per evaluation row to, beside
             its label, weight and (meta runs) task key (:mod:`recaccel.train.predictions`).
@@ -70,7 +112,31 @@ def evaluate(
     from recaccel.train.eval_checkpoint import evaluate_run
 
     preflight(cfg, training=False, test_path=path)
-    return evaluate_run(cfg, path, checkpoint=checkpoint, predictions=predictions)
+    return evaluate_run(cfg, path, checkpoint=checkpoint, predictions=predictions, model=model)
+
+
+def absolute_paths(cfg: Config) -> Config:
+    """``cfg`` with every relative path value (:func:`~recaccel.config.path_fields`)
+    made absolute against the working directory (what it meant)."""
+    changed = {}
+    for name, cls in section_types().items():
+        section = getattr(cfg, name)
+        updates = {key: _absolute(getattr(section, key), named) for key, named in path_fields(cls).items()}
+        updates = {k: v for k, v in updates.items() if v != getattr(section, k)}
+        if updates:
+            changed[name] = dataclasses.replace(section, **updates)
+    return dataclasses.replace(cfg, **changed) if changed else cfg
+
+
+def _absolute(value: Any, named: bool) -> Any:
+    if isinstance(value, list):
+        return [_absolute(v, named) for v in value]
+    if not isinstance(value, str):
+        return value
+    if named:
+        name, _, path = value.partition("=")
+        return f"{name}={os.path.abspath(path)}"
+    return os.path.abspath(value)
 
 
 def _toml_str(value: str | Path) -> str:

@@ -8,6 +8,8 @@ mistake is one line naming the key instead of a failure after training.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -18,7 +20,13 @@ from recaccel.io.format.dataset import list_files
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
 
 
-def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | None = None) -> None:
+def preflight(
+    cfg: Config,
+    *,
+    training: bool = True,
+    test_path: str | Path | None = None,
+    config_files: Sequence[str | Path] = (),
+) -> None:
     """Checks, before a run starts, what the config alone cannot say.
 
     Every field is checked again (a Config may have been changed after it was built);
@@ -27,11 +35,14 @@ def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | Non
     ``meta.eval_states`` path must be a Parquet file or a folder holding some;
     ``train.out_dir`` must not be (or lie inside) a file; a ``triton`` backend needs a
     CUDA device or ``TRITON_INTERPRET=1``, and ``fbgemm`` the ``fbgemm_gpu`` package.
+    A missing dataset's message names the ``recaccel-data`` command that makes it
+    (:func:`make_data_hint`).
 
     Args:
         cfg: the run's config.
         training: a training run (checks the meta.eval_states paths too).
         test_path: the data an evaluation reads instead of ``data.test``.
+        config_files: the config files ``cfg`` was read from, for the hint's command line.
 
     Raises:
         ConfigError: naming the key (``section.key=value``) and what is wrong.
@@ -39,27 +50,60 @@ def preflight(cfg: Config, *, training: bool = True, test_path: str | Path | Non
     cfg.__post_init__()
     for name in section_types():
         getattr(cfg, name).__post_init__()
-    _check_dataset(f"config key data.train={show_value(cfg.data.train)}", cfg.data.train)
+
+    def check(what: str, path: str | Path) -> None:
+        _check_dataset(what, path, lambda: make_data_hint(cfg, path, config_files))
+
+    check(f"config key data.train={show_value(cfg.data.train)}", cfg.data.train)
     if test_path is None:
-        _check_dataset(f"config key data.test={show_value(cfg.data.test)}", cfg.data.test)
+        check(f"config key data.test={show_value(cfg.data.test)}", cfg.data.test)
     else:
-        _check_dataset(f"evaluation data {show_value(str(test_path))}", test_path)
+        check(f"evaluation data {show_value(str(test_path))}", test_path)
     if training:
         for i, entry in enumerate(cfg.meta.eval_states):
-            _check_dataset(f"config key meta.eval_states[{i}]={show_value(entry)}", entry.partition("=")[2])
+            check(f"config key meta.eval_states[{i}]={show_value(entry)}", entry.partition("=")[2])
     _check_run_dir(cfg.train.out_dir)
     _check_backends(cfg.model, cfg.train.device)
 
 
-def _check_dataset(what: str, path: str | Path) -> None:
+def _check_dataset(what: str, path: str | Path, hint: Callable[[], str | None] = lambda: None) -> None:
     """A dataset path must be what the readers open (:func:`~recaccel.io.format.dataset.list_files`):
-    a file, or a folder with ``*.parquet`` files in it."""
+    a file, or a folder with ``*.parquet`` files in it; ``hint()`` says how to make a missing one."""
     if not Path(path).exists():
-        raise ConfigError(f"{what} does not exist")
+        command = hint()
+        raise ConfigError(f"{what} does not exist" + (f"; make it with: {command}" if command else ""))
     try:
         list_files(path)
     except DataError:
         raise ConfigError(f"{what} is a folder without *.parquet files") from None
+
+
+def make_data_hint(cfg: Config, path: str | Path, config_files: Sequence[str | Path] = ()) -> str | None:
+    """The ``recaccel-data`` command that makes the dataset ``path`` by the conventions of
+    ``configs/`` (None when no convention matches, or for data read through ``[data.schema]``,
+    which is one's own).
+
+    - ``synth.out_dir`` or its ``train``/``test``: ``recaccel-data synth`` with the config files;
+    - a MeLU state folder (``warm_state``, ``user_cold_state``, ...): ``recaccel-data melu``;
+    - ``OUT/train`` or ``OUT/test``: ``recaccel-data movielens`` in meta mode (users are
+      tasks), ``recaccel-data criteo`` otherwise.
+    """
+    from recaccel.io.convert.melu import STATES, VALID_STATES
+
+    if getattr(cfg.data, "schema", None) is not None:
+        return None
+    target = Path(os.path.abspath(path))
+    synth = Path(os.path.abspath(cfg.synth.out_dir))
+    if target in (synth, synth / "train", synth / "test"):
+        return " ".join(["recaccel-data synth", *(f"--config {f}" for f in config_files)])
+    out = target.parent
+    if target.name in STATES + VALID_STATES:
+        return f"recaccel-data melu MELU_STATES_DIR {out}"
+    if target.name in ("train", "test"):
+        if cfg.train.mode == "meta" or cfg.train.eval_tasks:
+            return f"recaccel-data movielens ML_100K_DIR {out}"
+        return f"recaccel-data criteo CRITEO_TSV {out}"
+    return None
 
 
 def _check_run_dir(out_dir: str) -> None:

@@ -205,12 +205,13 @@ def _synth(args: argparse.Namespace) -> dict[str, Any]:
 
 def _synth_config_diff(saved: dict[str, Any], cfg: Any) -> list[str]:
     """Keys where a saved [synth] config differs from ``cfg``; a key the saved one lacks
-    (added to SynthConfig since) counts at its default."""
+    (added to SynthConfig since) counts at its default. ``out_dir`` is this folder however
+    it was written (relative to a config file or to the working directory)."""
     import dataclasses
 
     current = json.loads(json.dumps(dataclasses.asdict(cfg)))
     defaults = json.loads(json.dumps(dataclasses.asdict(type(cfg)())))
-    keys = sorted(set(saved) | set(current))
+    keys = sorted((set(saved) | set(current)) - {"out_dir"})
     return [k for k in keys if k not in current or saved.get(k, defaults[k]) != current[k]]
 
 

@@ -29,6 +29,7 @@ from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
 from recaccel.train.runlog import RunLog, check_run_dir, clear_run
+from recaccel.train.user_model import ModelSource, build_user_model
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class Trainer:
             directory: ``fit`` deletes its checkpoints, log and metrics first.
         fresh_if_no_checkpoint: with ``resume``, a run directory without any checkpoint
             (a run stopped before its first one) trains from step 0 instead of failing.
+        model: one's own model instead of ``[model]``'s (:mod:`recaccel.train.user_model`).
 
     Raises:
         RecaccelError: a new run into a run directory that holds another run, without
@@ -97,8 +99,10 @@ class Trainer:
         parallel: Parallelism | None = None,
         overwrite: bool = False,
         fresh_if_no_checkpoint: bool = False,
+        model: ModelSource | None = None,
     ) -> None:
         self.cfg = cfg
+        self._model_source = model
         self.run_dir = Path(cfg.train.out_dir)
         if resume and overwrite:
             raise ConfigError("--resume continues the run in the run directory; --overwrite would delete it")
@@ -153,7 +157,10 @@ class Trainer:
                 "model.embedding_placement=host (or a table_placement of host) runs parallel.mode=single: hybrid "
                 "mode shards the tables through TorchRec, which places them itself"
             )
-        model = build_model(cfg.model, cfg.optim, self.schema, self.device)
+        if self._model_source is not None:
+            model = build_user_model(self._model_source, cfg, self.schema, self.device)
+        else:
+            model = build_model(cfg.model, cfg.optim, self.schema, self.device)
         loss = resolve_loss(cfg, self.schema.label_kind)
         check_head_options(cfg.train, model, self.device)
         if cfg.train.mode == "meta":

@@ -1,0 +1,104 @@
+"""One's own model in a run (``recaccel.train(cfg, model=...)``): what it must provide.
+
+A DLRM step looks the sparse features up, then runs the dense head on them
+(:class:`~recaccel.train.objectives.DLRMObjective`), so a model is trained by recaccel
+when it splits the same way. The contract, shapes B batch, Dd dense features, F sparse
+fields, D embedding dim:
+
+- ``prepare_sparse(sparse) -> sparse``: the batch's :class:`~recaccel.sparse.SparseFeatures`
+  ready for ``embed`` (fields in the model's order; the train pipeline calls it ahead);
+- ``embed(sparse) -> [B, F, D]``: pooled embeddings;
+- ``head(dense [B, Dd], pooled [B, F, D]) -> logits [B]``.
+
+A :class:`~recaccel.models.SparseArch` provides the first two (``prepare``, ``forward``)
+over recaccel's embeddings with their fused sparse optimizer. Some settings read more:
+``train.micro_batches > 1`` updates ``sparse_arch.embedding`` once per step; the meta
+objectives (``train.mode = "meta"``, ``train.eval_tasks``) adapt ``dense_arch``,
+``interaction_arch`` and ``over_arch``; ``train.compile`` / ``train.cuda_graphs`` need
+a :class:`~recaccel.models.DLRM`; ``parallel.mode = "hybrid"`` shards the model's one
+SparseArch. Everything the model holds is checkpointed (``state_dict``); a resumed or
+evaluated run is given the same model again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from recaccel.config import Config
+from recaccel.errors import ConfigError
+
+if TYPE_CHECKING:
+    from recaccel.io.format.schema import FeatureSchema
+
+# An nn.Module, or a callable building one for the data's schema on the run's device.
+ModelSource = nn.Module | Callable[["FeatureSchema", torch.device], nn.Module]
+
+CONTRACT = "embed(sparse) -> [B, F, D], head(dense, pooled) -> logits [B], prepare_sparse(sparse)"
+META_ARCHES = ("sparse_arch", "dense_arch", "interaction_arch", "over_arch")
+
+
+def build_user_model(
+    source: ModelSource, cfg: Config, schema: FeatureSchema, device: torch.device
+) -> nn.Module:
+    """The run's model from ``source``, checked against what ``cfg`` will call, on ``device``.
+
+    Args:
+        source: an ``nn.Module``, or a callable ``(schema, device) -> nn.Module``.
+        cfg: the run's config (which settings read more than the contract).
+        schema: the training data's feature schema (for a callable).
+        device: the run's device.
+
+    Raises:
+        ConfigError: one line naming what the model lacks.
+    """
+    module = source if isinstance(source, nn.Module) else _call(source, schema, device)
+    check_user_model(module, cfg)
+    return module.to(device)
+
+
+def _call(source: object, schema: FeatureSchema, device: torch.device) -> nn.Module:
+    if not callable(source):
+        raise ConfigError(
+            f"model= must be an nn.Module or a callable (schema, device) -> nn.Module, got a {type(source).__name__}"
+        )
+    module = source(schema, device)
+    if not isinstance(module, nn.Module):
+        raise ConfigError(f"model= callable returned a {type(module).__name__}, not an nn.Module")
+    return module
+
+
+def check_user_model(module: nn.Module, cfg: Config) -> None:
+    """Refuses a model without the methods and submodules ``cfg``'s run calls.
+
+    Raises:
+        ConfigError: one line naming the missing attributes and the setting that needs them.
+    """
+    name = type(module).__name__
+    missing = [m for m in ("embed", "head", "prepare_sparse") if not callable(getattr(module, m, None))]
+    if missing:
+        raise ConfigError(f"model {name} has no {', '.join(missing)}: a model needs {CONTRACT}")
+    if cfg.train.micro_batches > 1 and _get(module, "sparse_arch.embedding") is None:
+        raise ConfigError(
+            f"config key train.micro_batches={cfg.train.micro_batches} updates the model's sparse_arch.embedding "
+            f"once per step; model {name} has none (use train.micro_batches=1)"
+        )
+    if cfg.train.mode == "meta" or cfg.train.eval_tasks:
+        lacking = [a for a in META_ARCHES if not isinstance(getattr(module, a, None), nn.Module)]
+        key = "train.mode=meta" if cfg.train.mode == "meta" else "train.eval_tasks=true"
+        if lacking:
+            raise ConfigError(
+                f"config key {key} adapts a DLRM-shaped head ({', '.join(META_ARCHES)}); model {name} "
+                f"has no {', '.join(lacking)}"
+            )
+
+
+def _get(module: nn.Module, dotted: str) -> object | None:
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
