@@ -29,6 +29,7 @@ from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
 from recaccel.train.runlog import RunLog, check_run_dir, clear_run
+from recaccel.train.schedule import LRSchedule, sparse_rate_setters
 from recaccel.train.user_model import ModelSource, build_user_model
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class Trainer:
         self.parallel = parallel or build_parallel(cfg, self.device)
         self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
         self._seed()
-        self.schema = open_dataset(cfg.data.train).schema
+        self.schema = open_dataset(cfg.data.train, cfg.data.schema).schema
         self.objective, self.evaluator = self._objectives()
         self.module = self.parallel.wrap(self.objective.module)
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
@@ -126,6 +127,8 @@ class Trainer:
         # Opened by fit(): evaluating a run's checkpoint must not rewrite its record.
         self.log: RunLog | None = None
         self._clock = 0.0  # perf_counter() when the current stretch of training began
+        self.schedule: LRSchedule | None = None  # made by fit(): it needs the run's length
+        self._logged = (0, 0.0)  # (samples, training seconds) at the previous train event
 
     def _seed(self) -> None:
         """Seeds every generator a checkpoint saves, so runs (and their checkpoints) repeat
@@ -199,6 +202,16 @@ class Trainer:
         per_epoch = self.reader.num_batches
         return t.steps if t.steps > 0 else (per_epoch * t.epochs if per_epoch else None)
 
+    def _schedule(self) -> LRSchedule:
+        """The learning-rate schedule over this run's steps (on every rank the same: the
+        shortest rank's length when the epochs set it)."""
+        total = self._total_steps()
+        if self.parallel.world_size > 1 and self.cfg.train.steps == 0:
+            totals = self.parallel.gather(torch.tensor([-1 if total is None else total], device=self.device))
+            total = None if int(totals.min()) < 0 else int(totals.min())
+        setters = sparse_rate_setters(self.objective.module, self.parallel)
+        return LRSchedule(self.cfg.optim, total, self.optimizer, setters)
+
     def _checkpoint(self) -> None:
         self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
 
@@ -207,6 +220,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Trains until ``train.steps`` (or ``train.epochs``), evaluates, writes metrics.json
         (and the resolved config.toml and log.jsonl in the run directory)."""
+        self.schedule = self._schedule()
         self._open_run()
         bar = tqdm(
             total=self._total_steps(),
@@ -219,6 +233,7 @@ class Trainer:
         seconds_before = self.state.train_seconds
         if self.state.data is not None:  # resumed: counting goes on
             set_counters(self.reader.counters, self.state.data)
+        self._logged = (self.state.samples, self.state.train_seconds)
         self.module.train()
         while not self._reached_end():
             self._run_epoch(loader, wait, bar)
@@ -232,7 +247,7 @@ class Trainer:
             return
         if self.overwrite:  # before any rank writes: they meet at a collective first
             clear_run(self.run_dir)
-        self.log = RunLog(self.run_dir)
+        self.log = RunLog(self.run_dir, loggers=self.cfg.train.loggers, resumed_at=self.state.step)
         self.log.write_config(self.cfg)
 
     def _run_epoch(self, loader: DeviceLoader, wait: DataWait, bar: tqdm) -> None:
@@ -245,11 +260,14 @@ class Trainer:
         steps_before = self.state.step
         self._clock = time.perf_counter()
         source = wait.wrap(() if finished else loader.iter_with_state())
+        self.schedule.apply(self.state.step)  # the rates of the next step, before its forward
         # Hybrid: every rank agrees before each step that all ranks have a batch.
         for done in self.parallel.steps(source, self.objective, self.optimizer, self.cfg.train):
             self._record_step(done)
             bar.update(1)
-            self._log(done.loss, bar)
+            self._log(done.loss, bar, wait)
+            if not self._reached_end():
+                self.schedule.apply(self.state.step)
             self._maybe_checkpoint()
             self._maybe_evaluate()
             if self._reached_end():
@@ -283,15 +301,30 @@ class Trainer:
         self.state.reader = done.reader_state
         self.state.data = self._counters(self.state.reader)
 
-    def _log(self, loss: torch.Tensor, bar: tqdm) -> None:
-        """Every ``train.log_every`` steps (and the first): the loss to the bar and the log."""
+    def _log(self, loss: torch.Tensor, bar: tqdm, wait: DataWait) -> None:
+        """Every ``train.log_every`` steps (and the first): the loss to the bar and the log,
+        with the step's rates and the throughput and data wait since the previous event."""
         step = self.state.step
         if step % self.cfg.train.log_every and step != 1:
             return
         self.state.last_loss = float(loss)
         bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
         cache = self.cache_meter.since_last(step)
-        self._event("train", step=step, epoch=self.state.epoch, loss=self.state.last_loss, **cache)
+        seconds = self.state.train_seconds + time.perf_counter() - self._clock
+        samples, since = self._logged
+        self._logged = (self.state.samples, seconds)
+        elapsed = max(seconds - since, 1e-9)
+        self._event(
+            "train",
+            step=step,
+            epoch=self.state.epoch,
+            loss=self.state.last_loss,
+            lr=self.optimizer.param_groups[0]["lr"],  # what this step used (set before it)
+            sparse_lr=self.schedule.rates(step - 1)[1],
+            samples_per_s=(self.state.samples - samples) / elapsed,
+            data_wait_s=wait.seconds,
+            **cache,
+        )
 
     def _maybe_checkpoint(self) -> None:
         every = self.cfg.train.checkpoint_every
