@@ -9,7 +9,8 @@ in one process: evaluation neither shuffles nor drops rows):
   (bool: True for a query row, False for a support row the model adapted on). Rows are
   task by task, support rows first. ``prediction`` is after adaptation and
   ``prediction_no_adapt`` from the meta-parameters as they are; both are null on support
-  rows (their labels were the model's input, not scored).
+  rows (their labels were the model's input, not scored). No ``weight`` column: a task
+  batch's ``Batch.weights`` are its row masks, not sample weights.
 
 Columns are built as tensors (:func:`row_columns`, :func:`task_columns`) where evaluation
 runs, and written by :func:`write_predictions`.
@@ -83,8 +84,6 @@ def task_columns(tb: TaskBatch, pred: Tensor, pred0: Tensor, loss: Loss) -> dict
         "prediction": rows(nan, _scale(pred, loss)),
         "prediction_no_adapt": rows(nan, _scale(pred0, loss)),
     }
-    if tb.support.weights is not None and tb.query.weights is not None:
-        out["weight"] = rows(tb.support.weights.float().view(t, s), tb.query.weights.float().view(t, q))
     return out
 
 
