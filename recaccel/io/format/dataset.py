@@ -17,9 +17,11 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recaccel.config import SchemaMapping
 from recaccel.errors import DataError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.decode import Policies, Projection, row_group_to_columns
+from recaccel.io.format.mapping import resolve_mapping
 from recaccel.io.format.schema import FeatureSchema
 
 logger = logging.getLogger(__name__)
@@ -80,14 +82,16 @@ def list_files(path: str | Path) -> list[Path]:
     return [p]
 
 
-def open_dataset(path: str | Path, schema: FeatureSchema | None = None) -> DatasetInfo:
+def open_dataset(path: str | Path, schema: FeatureSchema | SchemaMapping | None = None) -> DatasetInfo:
     """Reads and checks the footers of a dataset.
 
     Args:
         path: a ``.parquet`` file or a directory of them.
         schema: the expected schema; None = the one stored in the first file's metadata,
             which every other file must then carry too. A given schema lets files
-            written by other tools (without recaccel metadata) be read.
+            written by other tools (without recaccel metadata) be read; so does a
+            ``[data.schema]`` mapping, resolved against the first file's columns (see
+            :mod:`recaccel.io.format.mapping`).
 
     Returns:
         The schema, the files and their non-empty row groups. A file without rows is
@@ -111,6 +115,8 @@ def open_dataset(path: str | Path, schema: FeatureSchema | None = None) -> Datas
             raise DataError(
                 f"cannot read Parquet footer (corrupt or truncated file?): {read_error_text(e)}", path=str(f)
             ) from None
+        if isinstance(expected, SchemaMapping):
+            expected = resolve_mapping(expected, arrow_schema, str(f))
         if schema is None:
             stored = FeatureSchema.from_arrow(arrow_schema, str(f))
             if expected is None:

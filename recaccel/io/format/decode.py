@@ -166,6 +166,8 @@ def row_group_to_columns(
     """
     proj = projection if projection is not None else Projection.select(schema)
     stats = stats if stats is not None else new_decode_stats()
+    if schema.source is not None:  # a [data.schema] mapping: the user's types to recaccel's
+        table = schema.source.canonical(table, path, row_group)
     n = table.num_rows
     _count(stats, "rows_read", n)
     drop = np.zeros(n, dtype=bool)

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 
 from recaccel.config import LabelKind, choices
 from recaccel.errors import DataError
+
+if TYPE_CHECKING:
+    from recaccel.io.format.mapping import MappedColumns
 
 SCHEMA_METADATA_KEY = b"recaccel.schema"
 MAX_CARDINALITY = 2**63 - 1  # ids are int64
@@ -74,6 +78,9 @@ class FeatureSchema:
         extra: Free-form JSON-able annotations (e.g. the task grouping claim).
         origin: The file this schema was read from, for error messages (not stored,
             not compared).
+        source: For files without recaccel metadata, the ``[data.schema]`` mapping's
+            column conversions (see :mod:`recaccel.io.format.mapping`); None = the files
+            hold recaccel's own column types (not stored, not compared).
 
     Raises:
         DataError: on a value of the wrong type, an unknown label kind or duplicate
@@ -88,6 +95,7 @@ class FeatureSchema:
     timestamp: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     origin: str | None = field(default=None, compare=False, hash=False, repr=False)
+    source: MappedColumns | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dense, (tuple, list)) or not all(_is_name(d) for d in self.dense):
@@ -145,8 +153,8 @@ class FeatureSchema:
         return pa.schema(fields, metadata={SCHEMA_METADATA_KEY: self.to_json().encode()})
 
     def to_json(self) -> str:
-        raw = asdict(self)
-        del raw["origin"]
+        raw = asdict(replace(self, source=None))
+        del raw["origin"], raw["source"]
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -202,6 +210,9 @@ class FeatureSchema:
         Raises:
             DataError: naming the file and the first missing or mistyped column.
         """
+        if self.source is not None:  # a mapped dataset: the user's own column types
+            self.source.check(schema, path)
+            return
         expected = self.arrow_schema()
         for want in expected:
             idx = schema.get_field_index(want.name)
@@ -225,7 +236,7 @@ def _compatible(got: pa.DataType, want: pa.DataType) -> bool:
     return False
 
 
-_SCHEMA_KEYS = tuple(f.name for f in fields(FeatureSchema) if f.name != "origin")
+_SCHEMA_KEYS = tuple(f.name for f in fields(FeatureSchema) if f.name not in ("origin", "source"))
 _FIELD_KEYS = tuple(f.name for f in fields(SparseField))
 
 

@@ -142,13 +142,14 @@ class BatchReader(ShardedReader):
         columns: list[str] | tuple[str, ...] | None = None,
     ) -> BatchReader:
         """A reader configured by ``data_cfg``; for eval (not ``train``): no shuffle, no
-        drop_last, ``eval_batch_size``."""
+        drop_last, ``eval_batch_size``. ``schema`` None = ``data_cfg.schema`` (a
+        ``[data.schema]`` mapping), else the files' metadata."""
         return cls(
             path,
             data_cfg.batch_size if train else data_cfg.eval_batch_size,
             ReadOptions.from_config(data_cfg, train=train, shard=Shard(rank, world_size)),
             shuffle_buffer_rows=data_cfg.shuffle_buffer_rows,
-            schema=schema,
+            schema=schema if schema is not None else data_cfg.schema,  # None: the files' metadata
             columns=columns,
         )
 

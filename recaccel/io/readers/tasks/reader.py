@@ -222,6 +222,7 @@ class TaskReader(ShardedReader):
             tasks_cfg = cfg
         shard = Shard(rank, world_size)
         options = ReadOptions.from_config(data_cfg, train=train, shard=shard, read_ahead=tasks_cfg.read_ahead)
+        schema = schema if schema is not None else data_cfg.schema  # a [data.schema] mapping, or None
         return cls(
             path, tasks_cfg, options, train=train, query_count=query_count, schema=schema, columns=columns
         )
