@@ -91,16 +91,48 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     tasks.add_argument("--overwrite", action="store_true")
     _compression_arg(tasks)
 
+    inspect = sub.add_parser(
+        "inspect", help="any Parquet's columns (type, nulls, distinct) and a suggested [data.schema]"
+    )
+    inspect.add_argument("path", help="a .parquet file or a folder of them")
+    inspect.add_argument("--label", help="the label column (default: a column named like one)")
+    inspect.add_argument("--write-schema", metavar="FILE", help="write the suggested [data.schema] TOML here")
+    inspect.add_argument(
+        "--exact-limit",
+        type=int,
+        default=100_000,
+        help="distinct values counted exactly per column; beyond, an estimate (shown with ~)",
+    )
+
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
 
     def body() -> int:
+        if args.command == "inspect":
+            return _inspect(args)
         report = _DATA_COMMANDS[args.command](args)
         hidden = ("schema", "train_paths", "test_paths", "skipped_lines", "paths")
         print(json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=2, default=str))
         return 0
 
     return run_command("recaccel-data", body)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    """Prints each column's statistics and the suggested mapping (written to --write-schema)."""
+    from recaccel.io.format.inspect import format_table, inspect_dataset, suggest_mapping
+
+    stats = inspect_dataset(args.path, exact_limit=max(1, args.exact_limit))
+    fragment = suggest_mapping(stats, args.label)
+    print(format_table(stats))
+    print()
+    print(fragment, end="")
+    if args.write_schema:
+        Path(args.write_schema).write_text(fragment)
+        print(
+            f"\n# written to {args.write_schema}: review it, then train with --config YOUR.toml --config {args.write_schema}"
+        )
+    return 0
 
 
 def _compression_arg(parser: argparse.ArgumentParser) -> None:
