@@ -103,11 +103,11 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
 
 
 def run_schema(cfg: Config):
-    """The feature schema the run trained on (read from its training data's footers, as
-    the trainer does)."""
+    """The feature schema the run trained on, as the trainer reads it: the training data's
+    footers, or its ``[data.schema]`` mapping."""
     from recaccel.io.format.dataset import open_dataset
 
-    return open_dataset(cfg.data.train).schema
+    return open_dataset(cfg.data.train, cfg.data.schema).schema
 
 
 def build_cpu_model(cfg: Config, schema) -> DLRM:
