@@ -156,9 +156,13 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    run_dir: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    path: Path | None = None,
 ) -> TrainState:
-    """Restores the newest checkpoint of ``run_dir`` into model and optimizer.
+    """Restores the newest checkpoint of ``run_dir`` (or the file ``path``) into model and optimizer.
 
     The file is untrusted input: it is unpickled restricted to tensors, numbers, strings
     and containers, and every entry is checked against the run before any is applied.
@@ -168,7 +172,7 @@ def load_checkpoint(
             its first problem (unreadable, unsafe, a missing or malformed entry, a state
             dict that does not fit the model or optimizer).
     """
-    found = list_checkpoints(run_dir)
+    found = list_checkpoints(run_dir) if path is None else [Path(path)]
     if not found:
         raise RecaccelError(f"no checkpoint in {Path(run_dir) / CHECKPOINT_DIR}; cannot resume")
     path = found[-1]

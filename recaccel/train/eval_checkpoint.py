@@ -21,16 +21,13 @@ from torch import Tensor, nn
 
 from recaccel.config import Config
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import TrainState
+from recaccel.train.checkpoint import TrainState, load_checkpoint
 from recaccel.train.checkpoint_io import (
-    STATE_KEYS,
     CheckpointError,
     apply_state,
-    check_entries,
     check_module_state,
     dcp_failure,
     first_line,
-    read_payload,
     safe_dcp_planner,
     safe_dcp_reader,
 )
@@ -147,24 +144,12 @@ class CheckpointProcess(SingleProcess):
         self.path = Path(path)
 
     def load_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: Any) -> TrainState:
-        """Loads the model state of ``self.path`` (``run_dir`` and ``optimizer`` are unused)."""
-        if self.path.suffix == ".dcp":
-            load_sharded_model(self.path, model)
-        else:
-            load_model(self.path, model, self.device)
+        """Loads ``self.path``: a ``.pt`` file whole (model and optimizer), of a ``.dcp``
+        folder the model only."""
+        if self.path.suffix == ".pt":  # checked entirely, as a resume checks it
+            return load_checkpoint(run_dir, model, optimizer, self.device, path=self.path)
+        load_sharded_model(self.path, model)
         return TrainState(step=checkpoint_step(self.path))
-
-
-def load_model(path: Path, model: nn.Module, device: torch.device) -> None:
-    """The ``model`` entry of a ``step-*.pt`` checkpoint into ``model``, checked first.
-
-    Raises:
-        CheckpointError: one line naming the checkpoint and its first problem.
-    """
-    payload = read_payload(path, path, device)
-    check_entries(path, payload, ("model", *STATE_KEYS))
-    check_module_state(path, "model", model, payload["model"])
-    apply_state(path, "model", model.load_state_dict, payload["model"])
 
 
 def load_sharded_model(path: Path, model: nn.Module) -> None:
