@@ -1,0 +1,124 @@
+"""train.loggers: TensorBoard event files hold each event's numbers as scalars (read back
+with TensorBoard's EventAccumulator); log.jsonl is written as before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recaccel.cli import train_main
+from recaccel.errors import ConfigError
+from recaccel.train.runlog import TENSORBOARD_DIR, RunLog, read_events, scalars
+from tests.train.test_resume_matrix import (
+    _sets,
+    tiny_data,  # noqa: F401  (fixture)
+)
+
+pytest.importorskip("tensorboard", exc_type=ImportError)
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+
+def _scalars(run: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run / TENSORBOARD_DIR), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_loss_metrics_rates_throughput(tiny_data, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    sets = [
+        'train.loggers=["jsonl", "tensorboard"]',
+        "train.steps=8",
+        "train.log_every=2",
+        "train.eval_every=4",
+        "optim.schedule=linear",
+        "optim.warmup_steps=2",
+        "optim.final_lr_ratio=0.5",
+    ]
+    assert train_main(_sets(tiny_data, run, *sets)) == 0
+    events = read_events(run)
+    got = _scalars(run)
+    train = [e for e in events if e["event"] == "train"]
+    for key in ("loss", "lr", "sparse_lr", "samples_per_s", "data_wait_s"):
+        want = [(e["step"], e[key]) for e in train]
+        assert [s for s, _ in got[f"train/{key}"]] == [s for s, _ in want]
+        assert [v for _, v in got[f"train/{key}"]] == pytest.approx([v for _, v in want], rel=1e-6)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [s for s, _ in got["eval/auc"]] == [4, 8] and [s for s, _ in got["eval/logloss"]] == [4, 8]
+    assert [v for _, v in got["eval/auc"]] == pytest.approx([e["auc"] for e in evals], rel=1e-6)
+    final = events[-1]
+    assert got["final/auc"] == [(8, pytest.approx(final["auc"], rel=1e-6))]
+    assert got["final/data/rows_read"][0][1] == final["data"]["rows_read"]  # nested: a/b
+    assert "train/step" not in got and "train/epoch" not in got
+
+
+def test_cache_hit_rate_reaches_tensorboard(tiny_data, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    sets = [
+        'train.loggers=["jsonl", "tensorboard"]',
+        "train.steps=4",
+        "train.log_every=2",
+        "model.embedding_placement=host",
+        "model.embedding_backend=reference",
+        "model.cache_rows=90",  # the whole pack: ids miss on first use, hit after
+        "model.cache_lookahead=1",
+        "optim.sparse=sgd",
+    ]
+    assert train_main(_sets(tiny_data, run, *sets)) == 0
+    train = [e for e in read_events(run) if e["event"] == "train"]
+    got = _scalars(run)
+    assert [v for _, v in got["train/cache_hit_rate"]] == pytest.approx([e["cache_hit_rate"] for e in train])
+
+
+def test_jsonl_only_by_default_and_log_unchanged(tiny_data, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    assert train_main(_sets(tiny_data, run, "train.steps=3", "train.log_every=1")) == 0
+    assert not (run / TENSORBOARD_DIR).exists()
+    lines = (run / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line)["event"] for line in lines] == ["train"] * 3 + ["final"]
+    assert read_events(run) == [json.loads(line) for line in lines]
+
+
+def test_resumed_run_purges_what_came_after_its_checkpoint(tmp_path):
+    log = RunLog(tmp_path, loggers=["jsonl", "tensorboard"])
+    for step in (1, 2, 3, 4):
+        log.event("train", step=step, loss=float(step))
+    log.close()
+    log = RunLog(tmp_path, loggers=["jsonl", "tensorboard"], resumed_at=2)  # stretch 3, 4 trained again
+    for step in (3, 4):
+        log.event("train", step=step, loss=10.0 * step)
+    log.close()
+    assert _scalars(tmp_path)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
+
+
+def test_scalars_flatten_numbers_only():
+    record = {
+        "event": "final",
+        "time": 1.0,
+        "step": 3,
+        "auc": 0.7,
+        "ok": True,
+        "name": "x",
+        "nan": float("nan"),
+    }
+    record["states"] = {"warm": {"mae": 0.9, "rows": 4}}
+    assert dict(scalars(record)) == {"auc": 0.7, "states/warm/mae": 0.9, "states/warm/rows": 4.0}
+
+
+def test_read_events_skips_a_torn_line_and_names_a_missing_log(tmp_path):
+    (tmp_path / "log.jsonl").write_text('{"event": "train", "step": 1}\n{"event": "tr')
+    assert read_events(tmp_path) == [{"event": "train", "step": 1}]
+    with pytest.raises(FileNotFoundError, match="no run log"):
+        read_events(tmp_path / "nothing")
+
+
+def test_missing_tensorboard_is_a_config_error(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ConfigError, match="train.loggers=tensorboard needs the tensorboard package"):
+        RunLog(tmp_path, loggers=["jsonl", "tensorboard"])
+    assert not (tmp_path / "log.jsonl").exists()
