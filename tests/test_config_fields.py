@@ -171,11 +171,17 @@ def test_out_of_range_is_one_line_naming_the_key(key, hint):
 @pytest.mark.parametrize("key, hint", CHOICES, ids=_ids(CHOICES))
 def test_wrong_choice_is_one_line_naming_the_key(key, hint):
     allowed = typing.get_args(_scalar(hint))
-    assert "one of" in _refused(key, "no_such_choice")
-    assert "did you mean" in _refused(key, allowed[0] + "x")
+
+    def given(value):  # a list field takes its choices as items
+        return [value] if _is_list(hint) else value
+
+    assert "one of" in _refused(key, given("no_such_choice"))
+    assert "did you mean" in _refused(key, given(allowed[0] + "x"))
     section, name = key.split(".")
     for choice in allowed:
-        assert getattr(getattr(config_from_dict({section: {name: choice}}), section), name) == choice
+        assert getattr(getattr(config_from_dict({section: {name: given(choice)}}), section), name) == given(
+            choice
+        )
 
 
 @pytest.mark.parametrize("key, hint", PATTERNS, ids=_ids(PATTERNS))
