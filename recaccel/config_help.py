@@ -21,10 +21,26 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from recaccel.config import NamedPath, PathText, Pattern, Range, field_hints, section_types
+from recaccel.config import NamedPath, PathText, Pattern, Range, field_hints, path_fields, section_types
 
 WIDTH = 100  # characters per help line
 DOC_INDENT = " " * 6
+
+
+def config_rules() -> str:
+    """How ``--config`` files, ``--set`` overrides and relative paths combine."""
+    keys = [
+        f"the paths of {name}.{key}" if named else f"{name}.{key}"
+        for name, cls in section_types().items()
+        for key, named in path_fields(cls).items()
+    ]
+    text = (
+        "--config files merge left to right (tables key by key, the later file wins), then --set "
+        f"overrides apply. A relative path in a config file ({', '.join(keys)}) is relative to that "
+        "file's folder; --set values and the defaults are relative to the working directory. A run's "
+        "config.toml holds its paths absolute, so --resume works from any folder."
+    )
+    return textwrap.fill(text, WIDTH)
 
 
 def config_reference() -> str:

@@ -40,15 +40,6 @@ def setup_logging(verbose: bool) -> None:
     )
 
 
-# How config files, overrides and paths combine (the --help epilog; README says the same).
-CONFIG_RULES = """\
-config: --config files merge left to right (tables key by key, the later file wins), then
---set overrides apply. A relative path in a config file (data.train, data.test,
-train.out_dir, synth.out_dir, the paths of meta.eval_states) is relative to that file's
-folder; --set values and the defaults are relative to the working directory. A run's
-config.toml holds its paths absolute, so --resume works from any folder."""
-
-
 def add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
     parser.add_argument(
         "--config",

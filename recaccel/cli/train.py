@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from recaccel.cli.common import CONFIG_RULES, add_config_args, print_metrics, run_command, setup_logging
+from recaccel.cli.common import add_config_args, print_metrics, run_command, setup_logging
 from recaccel.errors import RecaccelError
 
 
@@ -15,13 +15,14 @@ def train_parser() -> argparse.ArgumentParser:
     """The arguments of recaccel-train; ``--help`` ends with every config key
     (:mod:`recaccel.config_help`)."""
     from recaccel import __version__
-    from recaccel.config_help import config_reference
+    from recaccel.config_help import config_reference, config_rules
 
     parser = argparse.ArgumentParser(
         prog="recaccel-train",
         description="Train and evaluate a model.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=f"{CONFIG_RULES}\n\nconfig keys (section.key = default  (type)):\n\n{config_reference()}",
+        epilog=f"{config_rules()}\n\nconfig keys, by [section]: key = default  (type), what it does\n\n"
+        + config_reference(),
     )
     add_config_args(parser, required=False)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest checkpoint")
