@@ -20,7 +20,14 @@ from recaccel.config import Config, load_config
 from recaccel.errors import ConfigError, RecaccelError
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import PerTableEmbeddingBag
-from recaccel.train.eval_checkpoint import checkpoint_step, load_model, load_sharded_model, pick_checkpoint
+from recaccel.train.checkpoint_io import (
+    STATE_KEYS,
+    apply_state,
+    check_entries,
+    check_module_state,
+    read_payload,
+)
+from recaccel.train.eval_checkpoint import checkpoint_step, load_sharded_model, pick_checkpoint
 from recaccel.train.runlog import CONFIG_FILE
 
 
@@ -89,7 +96,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
     if path.suffix == ".dcp":
         load_sharded_model(path, module)  # a hybrid run's shards, each table read whole
     else:
-        load_model(path, module, torch.device("cpu"))
+        _load_model_file(path, module)
     model.eval()
     return LoadedRun(
         cfg=cfg,
@@ -140,6 +147,19 @@ def _checkpointed_module(cfg: Config, model: DLRM, label_kind: str) -> nn.Module
 
     loss = resolve_loss(cfg, label_kind)
     return MetaLearner(model, cfg.meta, loss=loss, engine=cfg.meta.engine)
+
+
+def _load_model_file(path: Path, module: nn.Module) -> None:
+    """The ``model`` entry of a ``step-*.pt`` checkpoint into ``module``, checked first
+    (the file is untrusted: read restricted to tensors, numbers, strings and containers).
+
+    Raises:
+        CheckpointError: one line naming the checkpoint and its first problem.
+    """
+    payload = read_payload(path, path, "cpu")
+    check_entries(path, payload, ("model", *STATE_KEYS))
+    check_module_state(path, "model", module, payload["model"])
+    apply_state(path, "model", module.load_state_dict, payload["model"])
 
 
 def check_arch(loaded: LoadedRun, supported: tuple[str, ...], fmt: str) -> None:
