@@ -52,7 +52,7 @@ def test_curves_pick_each_panel_and_replace_a_retrained_stretch():
     events = [
         {"event": "train", "step": 1, "loss": 0.9, "lr": 0.1, "sparse_lr": 1.0, "samples_per_s": 10.0},
         {"event": "train", "step": 2, "loss": 0.8, "lr": 0.2, "sparse_lr": 2.0, "samples_per_s": 20.0},
-        {"event": "eval", "step": 2, "auc": 0.6, "logloss": 0.7, "ctr": 0.25, "eval_rows": 400},
+        {"event": "eval", "time": 1795487084.5, "step": 2, "auc": 0.6, "logloss": 0.7, "ctr": 0.25, "eval_rows": 400},
         {"event": "train", "step": 3, "loss": 0.7, "lr": 0.3, "sparse_lr": 3.0, "samples_per_s": 30.0},
         # resumed from the checkpoint at step 2: step 3 trained again
         {"event": "train", "step": 3, "loss": 0.65, "lr": 0.3, "sparse_lr": 3.0, "samples_per_s": 31.0},

@@ -13,7 +13,7 @@ from recaccel.errors import ConfigError
 
 DEFAULT_PNG = "curves.png"
 # Evaluation fields that are sizes or constants of the data, not a quality to follow.
-_NOT_CURVES = frozenset({"eval_rows", "ctr", "steps", "epochs", "train_samples"})
+_NOT_CURVES = frozenset({"time", "eval_rows", "ctr", "steps", "epochs", "train_samples"})
 
 
 def plot_main(argv: Sequence[str] | None = None) -> int:
