@@ -73,13 +73,16 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         if args.print_config:
             print(config_to_toml(cfg), end="")
             return 0
+        if args.nproc is not None:
+            from recaccel.train.distributed.launch import check_launch
+
+            check_launch(cfg, args.nproc)  # before any rank starts
         # Refused here in one line, naming the recaccel-data command of missing data.
         preflight(cfg, config_files=files)
         if args.nproc is not None:
-            from recaccel.train.distributed.launch import check_launch, relaunch, strip_nproc
+            from recaccel.train.distributed.launch import relaunch, strip_nproc
             from recaccel.train.runlog import check_run_dir
 
-            check_launch(cfg, args.nproc)  # before any rank starts
             if not args.resume:
                 check_run_dir(Path(cfg.train.out_dir), overwrite=args.overwrite)
             return relaunch(args.nproc, strip_nproc(sys.argv[1:] if argv is None else argv))
