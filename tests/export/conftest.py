@@ -61,7 +61,12 @@ def dot_run(tiny_data, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="package")
 def dcn_run(tiny_data, tmp_path_factory) -> Path:
-    return train_run(tiny_data, tmp_path_factory.mktemp("dcn") / "run", *DCN, "optim.sparse=rowwise_adagrad")
+    extra = (
+        "optim.sparse=rowwise_adagrad",
+        "model.embedding_backend=reference",
+        "model.embedding_dtype=bf16",
+    )
+    return train_run(tiny_data, tmp_path_factory.mktemp("dcn") / "run", *DCN, *extra)
 
 
 @pytest.fixture(scope="package")

@@ -122,7 +122,9 @@ def test_torchrec_export_holds_the_checkpoint_tensors_under_torchrec_names(dcn_r
     ] == "MEAN"
     for name in ("C1", "C2", "C3"):
         exported = state[f"sparse_arch.embedding_bag_collection.embedding_bags.{name}.weight"]
-        assert torch.equal(exported, saved[f"sparse_arch.embedding.{name}.weight"])
+        rows = saved[f"sparse_arch.embedding.{name}.weight"]
+        assert rows.dtype == torch.bfloat16 and exported.dtype == torch.float32  # widened exactly
+        assert torch.equal(exported, rows.float())
     assert torch.equal(state["inter_arch.crossnet.W_kernels.1"], saved["interaction_arch.u"][1])
     assert torch.equal(state["inter_arch.crossnet.V_kernels.0"], saved["interaction_arch.v"][0])
     assert torch.equal(state["over_arch.model.1.weight"], saved["over_arch.model.2.weight"])
