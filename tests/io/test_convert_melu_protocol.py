@@ -211,6 +211,10 @@ def test_default_protocol_keeps_every_user_and_writes_no_split(fixture, tmp_path
         ({"valid_fraction": 0.2, "states": ["user_cold_state"]}, "valid_fraction needs warm_state"),
         ({"min_ratings": 20, "max_ratings": 13}, "need 1 <= min_ratings <= max_ratings"),
         ({"seed": -1}, "seed must be >= 0"),
+        (
+            {"protocol": "melu", "valid_fraction": 0.1},
+            "valid_fraction 0.1 of 4 warm_state users leaves an empty side",
+        ),
     ],
 )
 def test_bad_rules_are_one_line_config_errors(fixture, tmp_path, kwargs, match):

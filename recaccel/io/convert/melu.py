@@ -288,6 +288,8 @@ def _valid_users(user: np.ndarray, fraction: float, seed: int) -> np.ndarray:
     """The seeded ``round(fraction * users)`` validation users (int64, unordered)."""
     ids = np.unique(user)
     k = int(round(fraction * ids.size))
+    if not 0 < k < ids.size:
+        raise ConfigError(f"valid_fraction {fraction} of {ids.size} warm_state users leaves an empty side")
     return np.random.default_rng([seed, 1]).permutation(ids)[:k]
 
 
