@@ -192,3 +192,49 @@ def test_model_without_dense_features_is_refused_for_torchrec(dot_run):
     no_dense = dataclasses.replace(load_run(dot_run), num_dense=0)
     with pytest.raises(ConfigError, match="no dense features"):
         torchrec_state_dict(no_dense)
+
+
+@pytest.mark.slow
+def test_hybrid_run_exports_from_its_sharded_checkpoint(tmp_path):
+    """A 2-rank gloo run (row-wise shards + a data-parallel table): its step-*.dcp read
+    whole; TorchRec's DLRM with the export scores the test rows as the ranks did."""
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    from sklearn.metrics import roc_auc_score
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recaccel.cli import train_main
+    from recaccel.io.convert.synth import generate_synthetic
+    from tests.train.test_hybrid_cli import TINY as HYBRID_TINY
+    from tests.train.test_hybrid_cli import _argv as hybrid_argv
+
+    data, run = tmp_path / "data", tmp_path / "hybrid"
+    generate_synthetic(load_config(None, [*HYBRID_TINY, f'synth.out_dir="{data}"']).synth)
+    extra = [
+        "train.steps=8",
+        "train.checkpoint_every=8",
+        "parallel.mode=hybrid",
+        "parallel.sharding=row_wise",
+    ]
+    assert (
+        train_main(
+            [*hybrid_argv(data, run, *extra, 'parallel.table_sharding=["C2=data_parallel"]'), "--nproc", "2"]
+        )
+        == 0
+    )
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["step-000000008.dcp"]
+    spec = export(run, "torchrec", tmp_path / "dlrm.pt")
+    theirs = torchrec_model_from_json(spec)
+    theirs.load_state_dict(torch.load(tmp_path / "dlrm.pt", weights_only=True), strict=True)
+    theirs.eval()
+    names = [t["name"] for t in spec["tables"]]
+    scores, labels = [], []
+    with torch.no_grad():
+        for batch in data_batches(run, 256):
+            sparse = batch.sparse.reorder(names)
+            kjt = KeyedJaggedTensor.from_offsets_sync(
+                keys=names, values=sparse.values, offsets=sparse.offsets
+            )
+            scores.append(theirs(dense_features=batch.dense, sparse_features=kjt).squeeze(1))
+            labels.append(batch.labels)
+    auc = roc_auc_score(torch.cat(labels).numpy(), torch.cat(scores).numpy())
+    assert auc == pytest.approx(json.loads((run / "metrics.json").read_text())["auc"], abs=1e-6)
