@@ -5,14 +5,15 @@ A run keeps ``step-<step>.pt`` files (single-process runs) or ``step-<step>.dcp`
 Evaluation always runs in one process: a DCP folder is read whole, DCP assembling every
 table's shards into one full tensor, so a hybrid run is scored without launching its ranks
 again (its tables must fit this host's memory). Only the model is restored: the optimizer,
-reader position and random state of a checkpoint play no part in scoring.
+reader position and random state of a checkpoint play no part in scoring, but a checkpoint is
+checked as a resume checks it first, so a corrupted or crafted one is refused in the same line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +27,16 @@ from recaccel.train.checkpoint_io import (
     CheckpointError,
     apply_state,
     check_module_state,
-    dcp_failure,
     first_line,
-    safe_dcp_planner,
     safe_dcp_reader,
+    show,
 )
-from recaccel.train.checkpoint_paths import all_checkpoints
+from recaccel.train.checkpoint_paths import INFO_FILE, all_checkpoints
 from recaccel.train.parallel import SingleProcess
 from recaccel.train.predictions import write_predictions
 from recaccel.train.runlog import CHECKPOINT_DIR
+
+logger = logging.getLogger(__name__)
 
 _STEP = re.compile(r"step-(\d+)\.(pt|dcp)$")
 
@@ -70,7 +72,7 @@ def evaluate_run(
 
     chosen = pick_checkpoint(cfg.train.out_dir, checkpoint)
     single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mode="single"))
-    process = CheckpointProcess(resolve_device(cfg.train.device), chosen)
+    process = CheckpointProcess(resolve_device(cfg.train.device), chosen, cfg)
     extra = {} if model is None else {"model": model}
     trainer = Trainer(single, resume=True, parallel=process, **extra)
     source = str(path or cfg.data.test)
@@ -137,73 +139,121 @@ class CheckpointProcess(SingleProcess):
     Args:
         device: where the model runs.
         path: a ``step-*.pt`` file or a complete ``step-*.dcp`` folder.
+        cfg: the run's config (a hybrid run's table sharding names its data-parallel tables).
     """
 
-    def __init__(self, device: torch.device, path: Path) -> None:
+    def __init__(self, device: torch.device, path: Path, cfg: Config) -> None:
         super().__init__(device)
         self.path = Path(path)
+        self.cfg = cfg
 
     def load_checkpoint(self, run_dir: Path, model: nn.Module, optimizer: Any) -> TrainState:
-        """Loads ``self.path``: a ``.pt`` file whole (model and optimizer), of a ``.dcp``
-        folder the model only."""
-        if self.path.suffix == ".pt":  # checked entirely, as a resume checks it
+        """Loads ``self.path``, checked entirely as a resume checks it: a ``.pt`` file whole
+        (model and optimizer), of a ``.dcp`` folder the model only."""
+        if self.path.suffix == ".pt":
             return load_checkpoint(run_dir, model, optimizer, self.device, path=self.path)
-        load_sharded_model(self.path, model)
+        load_sharded_model(self.path, model, self.cfg, optimizer)
         return TrainState(step=checkpoint_step(self.path))
 
 
-def load_sharded_model(path: Path, model: nn.Module) -> None:
+def load_sharded_model(
+    path: Path, model: nn.Module, cfg: Config | None = None, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """The model of a hybrid run's ``step-*.dcp`` folder into a single-process ``model``.
 
     The dense entries are the folder's ``model.*``; each table's rows [R, D] are read whole
     from its shards (``embedding.*``, sharded by TorchRec) or from the data-parallel copy
-    (``replicated.*``) into ``<embedding prefix><table>.weight``. Optimizer state is not read.
+    (``replicated.*``) into ``<embedding prefix><table>.weight``. The folder is checked as
+    a resume checks it before the model is touched: ``recaccel.json``, every rank's
+    ``ranks.<r>`` entry, and with ``cfg`` the optimizer entries (not applied):
+    ``dense_optim`` against ``optimizer`` and ``replicated_optim`` against the optimizer
+    the run's data-parallel tables had.
+
+    Args:
+        path: the ``step-*.dcp`` folder.
+        model: the single-process model.
+        cfg: the run's config (None: the optimizer entries are not checked).
+        optimizer: the single-process dense optimizer; it covers the parameters hybrid
+            mode's does, since hybrid mode only moves the embedding (whose rows are
+            buffers, updated in backward) into TorchRec (None: one built from ``cfg``).
 
     Raises:
-        CheckpointError: the folder is unreadable, or lacks (or has extra) model entries.
+        CheckpointError: the folder is unreadable, malformed, or does not fit ``model``.
     """
+    from recaccel.train.distributed.dist_checkpoint import check_sharded_entries, dcp_load, read_info
+    from recaccel.train.optim import build_dense_optimizer
+
+    info = read_info(path)
     reader = safe_dcp_reader(path)
     metadata = reader.read_metadata().state_dict_metadata
-    targets: dict[str, Tensor] = {}
-    for key, meta in metadata.items():
-        if not hasattr(meta, "size"):  # bytes: optimizer blobs and the per-rank state
-            continue
-        section, _, rest = key.partition(".")
-        if section == "model" or (section in ("embedding", "replicated") and rest.endswith(".weight")):
-            targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    _read_dcp(path, reader, targets)
-    state = _single_layout(path, targets, _embedding_prefix(model))
+    prefix = _embedding_prefix(model)
     expected = model.state_dict()
+    if cfg is not None and optimizer is None:
+        optimizer = build_dense_optimizer(model, cfg.optim)
+    replicated = _replicated_optimizer(path, cfg, model) if cfg is not None else None
+    ranks = _ranks(path, info, metadata)
+    targets = _tensor_targets(metadata, expected, prefix)
+    blobs = {"dense_optim": optimizer, "replicated_optim": replicated}
+    targets.update({name: b"" for name, checked in blobs.items() if checked is not None})
+    targets.update({f"ranks.{r}": b"" for r in ranks})
+    dcp_load(path, targets, reader=reader, no_dist=True)
+    check_sharded_entries(path, targets, optimizer, replicated, ranks)
+    tensors = {k: v for k, v in targets.items() if isinstance(v, Tensor)}
+    state = _single_layout(path, tensors, prefix)
     # The optimizer state the single-process embedding keeps beside its rows is not scored.
     missing = [k for k in expected if k not in state and not _is_table_state(k, expected)]
     if missing:
-        raise CheckpointError(path, f"has no entry for {missing[0]!r} of this model")
+        raise CheckpointError(path, f"does not fit this run (no entry for {missing[0]!r} of this model)")
     for key, value in expected.items():
         state.setdefault(key, value)
     check_module_state(path, "model", model, state)
     apply_state(path, "model", model.load_state_dict, state)
 
 
-def _read_dcp(path: Path, reader: Any, targets: dict[str, Tensor]) -> None:
-    """``dcp.load`` of the flat ``targets`` in this process alone (no process group)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
+def _tensor_targets(metadata: dict[str, Any], expected: dict[str, Any], prefix: str) -> dict[str, Tensor]:
+    """What to read of the folder's tensors: every dense entry of the model as a resume
+    reads it (``model.<k>``, in the model's order: a missing one is named as a resume
+    names it), any other ``model.*`` entry, and every table's rows."""
+    targets = {
+        f"model.{k}": torch.empty(v.shape, dtype=v.dtype)
+        for k, v in expected.items()
+        if isinstance(v, Tensor) and not k.startswith(prefix)
+    }
+    for key, meta in metadata.items():
+        if key in targets or not hasattr(meta, "size"):  # bytes: blobs, read when checked
+            continue
+        section, _, rest = key.partition(".")
+        if section == "model" or (section in ("embedding", "replicated") and rest.endswith(".weight")):
+            targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    return targets
 
+
+def _ranks(path: Path, info: dict[str, Any], metadata: dict[str, Any]) -> list[int]:
+    """The ranks that wrote the folder, from ``recaccel.json``'s ``world_size``."""
+    size = info.get("world_size")
+    # Each rank wrote an entry: a count beyond the folder's entries is no world size.
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= len(metadata):
+        raise CheckpointError(path / INFO_FILE, f"'world_size' must be a number of ranks, got {show(size)}")
+    return list(range(size))
+
+
+def _replicated_optimizer(path: Path, cfg: Config, model: nn.Module) -> torch.optim.Optimizer | None:
+    """The optimizer the run's data-parallel tables had (None: it had none), over fresh
+    tables of the same shapes: what the folder's ``replicated_optim`` must fit."""
+    from recaccel.models.torchrec_sparse import embedding_tables
+    from recaccel.train.distributed.hybrid import replicated_tables
+    from recaccel.train.distributed.sharding import table_kinds
+
+    tables = embedding_tables(_sparse_embedding(model))
+    kinds = table_kinds(cfg.parallel, [t.name for t in tables])
+    local = [t for t in tables if kinds[t.name] == "data_parallel"]
+    if not local:
+        return None
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(
-                targets,
-                checkpoint_id=str(path),
-                storage_reader=reader,
-                planner=safe_dcp_planner(path),
-                no_dist=True,
-            )
-    except CheckpointException as e:
-        raise dcp_failure(path, e) from None
-    except (ValueError, KeyError, TypeError, AssertionError, OSError, RuntimeError) as e:
-        raise CheckpointError(path, f"cannot be read ({type(e).__name__}: {first_line(e)})") from None
+        return replicated_tables(local, cfg.optim, torch.device("cpu"))[1]
+    except ImportError as e:  # its rule is TorchRec's; scoring itself needs no TorchRec
+        logger.warning("%s: entry 'replicated_optim' not checked (%s)", path, first_line(e))
+        return None
 
 
 def _single_layout(path: Path, flat: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
@@ -223,8 +273,8 @@ def _single_layout(path: Path, flat: dict[str, Tensor], prefix: str) -> dict[str
     return out
 
 
-def _embedding_prefix(model: nn.Module) -> str:
-    """The state-dict prefix of the model's one SparseArch embedding (as hybrid mode names it)."""
+def _sparse_arch_name(model: nn.Module) -> str:
+    """The module name of the model's one SparseArch (hybrid mode needs exactly one)."""
     from recaccel.models.arches import SparseArch
 
     names = [name for name, m in model.named_modules() if isinstance(m, SparseArch)]
@@ -232,7 +282,18 @@ def _embedding_prefix(model: nn.Module) -> str:
         raise RecaccelError(
             f"a hybrid checkpoint needs a model with one SparseArch, this one has {len(names)}"
         )
-    return f"{names[0]}.embedding." if names[0] else "embedding."
+    return names[0]
+
+
+def _embedding_prefix(model: nn.Module) -> str:
+    """The state-dict prefix of the model's one SparseArch embedding (as hybrid mode names it)."""
+    name = _sparse_arch_name(model)
+    return f"{name}.embedding." if name else "embedding."
+
+
+def _sparse_embedding(model: nn.Module) -> nn.Module:
+    """The embedding module of the model's one SparseArch."""
+    return model.get_submodule(_sparse_arch_name(model)).embedding
 
 
 def _is_table_state(key: str, expected: dict[str, Any]) -> bool:

@@ -163,26 +163,18 @@ def load_sharded(
             f"no sharded checkpoint (step-*.dcp) in {Path(run_dir) / CHECKPOINT_DIR}; cannot resume"
         )
     path = found[-1]
-    info = _read_info(path)
+    info = read_info(path)
     if info.get("world_size") != parallel.world_size:
         raise RecaccelError(
             f"checkpoint {path} was written by {info.get('world_size')} ranks; resume it with "
             f"--nproc {info.get('world_size')} (this run has {parallel.world_size})"
         )
     sd = _state_dict(parallel, model, optimizer)
-    _dcp_load(path, sd)
+    dcp_load(path, sd)
     model.load_state_dict(sd["model"])
-    dense_optim = _unblob(path, "dense_optim", sd["dense_optim"])
-    check_optimizer_state(path, "dense_optim", optimizer, dense_optim)
-    replicated_optim = None
-    if parallel.replicated is not None:
-        replicated_optim = _unblob(path, "replicated_optim", sd["replicated_optim"])
-        check_optimizer_state(
-            path, "replicated_optim", parallel.replicated_optimizer, replicated_optim, rowwise=True
-        )
-    entry = f"ranks.{parallel.rank}"
-    entries = _unblob(path, entry, sd[entry])
-    check_entries(path, entries, entry=entry)
+    dense_optim, replicated_optim, entries = check_sharded_entries(
+        path, sd, optimizer, parallel.replicated_optimizer, [parallel.rank]
+    )
     apply_state(path, "dense_optim", optimizer.load_state_dict, dense_optim)
     if parallel.dmp is not None:
         apply_state(path, "embedding", parallel.dmp.load_state_dict, sd["embedding"])
@@ -190,10 +182,50 @@ def load_sharded(
     if parallel.replicated is not None:
         apply_state(path, "replicated", parallel.replicated.load_state_dict, sd["replicated"])
         apply_state(path, "replicated_optim", parallel.replicated_optimizer.load_state_dict, replicated_optim)
-    return restore_checked(path, entries)
+    return restore_checked(path, entries[parallel.rank])
 
 
-def _read_info(path: Path) -> dict[str, Any]:
+def check_sharded_entries(
+    path: Path,
+    sd: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    replicated_optimizer: torch.optim.Optimizer | None,
+    ranks: list[int],
+) -> tuple[Any, Any, dict[int, dict[str, Any]]]:
+    """Unpickles (restricted) and checks the blob entries of a loaded sharded checkpoint,
+    before any is applied: ``dense_optim`` against ``optimizer``, ``replicated_optim``
+    against ``replicated_optimizer`` (row-wise), and each ``ranks.<r>``'s training state.
+
+    Args:
+        path: the checkpoint folder (named by every error).
+        sd: what :func:`dcp_load` filled: the byte entries of the checks asked for.
+        optimizer: the dense optimizer (None: ``dense_optim`` not checked).
+        replicated_optimizer: the data-parallel tables' (None: none, not checked).
+        ranks: the ranks whose ``ranks.<r>`` entry to check.
+
+    Returns:
+        The dense and replicated optimizer states (None where not checked) and each
+        rank's training-state entries.
+
+    Raises:
+        CheckpointError: one line naming the first bad entry.
+    """
+    dense_optim = replicated_optim = None
+    if optimizer is not None:
+        dense_optim = _unblob(path, "dense_optim", sd["dense_optim"])
+        check_optimizer_state(path, "dense_optim", optimizer, dense_optim)
+    if replicated_optimizer is not None:
+        replicated_optim = _unblob(path, "replicated_optim", sd["replicated_optim"])
+        check_optimizer_state(path, "replicated_optim", replicated_optimizer, replicated_optim, rowwise=True)
+    entries = {}
+    for rank in ranks:
+        entry = f"ranks.{rank}"
+        entries[rank] = _unblob(path, entry, sd[entry])
+        check_entries(path, entries[rank], entry=entry)
+    return dense_optim, replicated_optim, entries
+
+
+def read_info(path: Path) -> dict[str, Any]:
     """``recaccel.json`` of a sharded checkpoint (one line naming it when unreadable)."""
     try:
         info = json.loads((path / INFO_FILE).read_text())
@@ -204,22 +236,44 @@ def _read_info(path: Path) -> dict[str, Any]:
     return info
 
 
-def _dcp_load(path: Path, sd: dict[str, Any]) -> None:
-    """``dcp.load`` into ``sd`` in place, with metadata and byte entries read restricted."""
+def dcp_load(path: Path, sd: dict[str, Any], *, reader: Any = None, no_dist: bool = False) -> None:
+    """``dcp.load`` into ``sd`` in place, with metadata and byte entries read restricted.
+
+    Args:
+        path: the checkpoint folder.
+        sd: the entries to read, in place (bytes: a blob, read into ``sd``).
+        reader: a :func:`~recaccel.train.checkpoint_io.safe_dcp_reader` of ``path``
+            already made (None: one is made).
+        no_dist: read in this process alone, whatever the process group.
+
+    Raises:
+        RecaccelError: one line naming the checkpoint and its first problem.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    reader = safe_dcp_reader(path)
+    reader = reader if reader is not None else safe_dcp_reader(path)
+    # A RuntimeError outside DCP's wrapping may be a peer rank's failure, unless there are none.
+    failures = (ValueError, KeyError, TypeError, AssertionError, OSError) + (
+        (RuntimeError,) if no_dist else ()
+    )
     try:
         with warnings.catch_warnings():
             # TorchRec's sharded state is ShardedTensors, which DCP calls deprecated at every load.
             warnings.filterwarnings("ignore", message=".*ShardedTensor", category=FutureWarning)
-            dcp.load(sd, checkpoint_id=str(path), storage_reader=reader, planner=safe_dcp_planner(path))
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(
+                sd,
+                checkpoint_id=str(path),
+                storage_reader=reader,
+                planner=safe_dcp_planner(path),
+                no_dist=no_dist,
+            )
     except CheckpointException as e:  # every rank's failure, wrapped: e.g. another model or plan
         raise dcp_failure(path, e) from None
     except RecaccelError:
         raise
-    except (ValueError, KeyError, TypeError, AssertionError, OSError) as e:  # RuntimeError: maybe a peer
+    except failures as e:
         raise dcp_failure(path, e) from None
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from recaccel.config import Config, SparseOptimizer, TrainConfig
+from recaccel.config import Config, OptimConfig, SparseOptimizer, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.readers.protocol import Reader
 from recaccel.ops.embedding.specs import SparseOptimConfig
@@ -64,6 +64,42 @@ _REPLICATED_OPTIMIZERS: tuple[SparseOptimizer, ...] = ("sgd", "rowwise_adagrad")
 def _env_int(name: str, default: int | None = None) -> int | None:
     value = os.environ.get(name)
     return default if value is None else int(value)
+
+
+def replicated_tables(
+    tables: list, optim: OptimConfig, device: torch.device, weights: dict[str, Tensor] | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Data-parallel tables: a replicated recaccel embedding (autograd mode) and the torch
+    optimizer running their sparse rule; also what a checkpoint's ``replicated_optim`` is
+    checked against.
+
+    Args:
+        tables: the data-parallel tables' TableSpecs.
+        optim: ``[optim]``.
+        device: where the rows live.
+        weights: each table's rows [R, D] to start from (None: the module's own init).
+
+    Raises:
+        ConfigError: ``optim.sparse`` has no torch-optimizer form.
+    """
+    from recaccel.ops.embedding import PackedEmbeddingBag
+
+    if optim.sparse not in _REPLICATED_OPTIMIZERS:
+        raise ConfigError(
+            f"data_parallel tables support optim.sparse = sgd or rowwise_adagrad, got {optim.sparse!r}"
+        )
+    module = PackedEmbeddingBag(tables, backend="reference", mode="autograd", device=device)
+    if weights is not None:
+        with torch.no_grad():
+            for t in tables:
+                module.table_state(t.name)["weight"].copy_(weights[t.name])
+    params = list(module.parameters())
+    rule = SparseOptimConfig.from_config(optim)
+    if optim.sparse == "sgd":
+        return module, torch.optim.SGD(params, lr=rule.lr)
+    from torchrec.optim import RowWiseAdagrad  # the FBGEMM rule on dense gradients
+
+    return module, RowWiseAdagrad(params, lr=rule.lr, eps=rule.eps)
 
 
 class _GuardedLookup(nn.Module):
@@ -226,7 +262,9 @@ class HybridParallel:
                 )
                 load_table_weights(self.dmp.state_dict(), {t.name: weights[t.name] for t in sharded})
             if local:
-                self.replicated, self.replicated_optimizer = self._replicated(local, weights)
+                self.replicated, self.replicated_optimizer = replicated_tables(
+                    local, self.cfg.optim, self.device, weights
+                )
             arch.embedding = TorchRecEmbedding(
                 _GuardedLookup(self.dmp, self) if self.dmp is not None else None,
                 [f for t in tables for f in t.features],
@@ -240,27 +278,6 @@ class HybridParallel:
         if self.plan is not None and self.is_main:
             logger.info("embedding sharding plan:\n%s", self.plan)
         return module
-
-    def _replicated(self, tables: list, weights: dict[str, Tensor]):
-        """Data-parallel tables: a replicated recaccel embedding and its sparse-rule optimizer."""
-        from recaccel.ops.embedding import PackedEmbeddingBag
-
-        optim = self.cfg.optim
-        if optim.sparse not in _REPLICATED_OPTIMIZERS:
-            raise ConfigError(
-                f"data_parallel tables support optim.sparse = sgd or rowwise_adagrad, got {optim.sparse!r}"
-            )
-        module = PackedEmbeddingBag(tables, backend="reference", mode="autograd", device=self.device)
-        with torch.no_grad():
-            for t in tables:
-                module.table_state(t.name)["weight"].copy_(weights[t.name])
-        params = list(module.parameters())
-        rule = SparseOptimConfig.from_config(optim)
-        if optim.sparse == "sgd":
-            return module, torch.optim.SGD(params, lr=rule.lr)
-        from torchrec.optim import RowWiseAdagrad  # the FBGEMM rule on dense gradients
-
-        return module, RowWiseAdagrad(params, lr=rule.lr, eps=rule.eps)
 
     def _broadcast(self, module: nn.Module) -> None:
         """Makes every rank's dense parameters and buffers rank 0's (one broadcast per dtype)."""
