@@ -94,9 +94,8 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
     model = build_cpu_model(cfg, schema)
     module = _checkpointed_module(cfg, model, schema.label_kind)
     if path.suffix == ".dcp":
-        load_sharded_model(
-            path, module, cfg
-        )  # a hybrid run's shards, each table read whole; checked as a resume checks them
+        # A hybrid run's shards, each table read whole, checked as a resume checks them.
+        load_sharded_model(path, module, cfg)
     else:
         _load_model_file(path, module)
     model.eval()
