@@ -447,6 +447,40 @@ class ParallelConfig(_Section):
 
 
 @dataclass
+class MonitorConfig(_Section):
+    """The communication monitor of hybrid runs (as C4): each rank times its steps' compute,
+    its collectives and the bytes they move; every ``every`` steps rank 0 gathers them and
+    flags a rank whose compute (or own collective time) exceeds ``slow_factor`` times the
+    median of the other ranks' in ``slow_steps`` gathers in a row (a ``monitor`` event in
+    log.jsonl, ``monitor`` in metrics.json). While it runs, a collective that fails names the
+    ranks that never arrived at it.
+    """
+
+    SECTION: ClassVar[str] = "monitor"
+
+    every: NonNegative = 0  # steps between gathers on rank 0; 0 = off
+    slow_factor: Annotated[float, Range(gt=1)] = 2.0  # slow: above this times the other ranks' median
+    slow_steps: Count = 3  # consecutive gathers a rank must be slow in to be flagged
+
+
+@dataclass
+class FaultConfig(_Section):
+    """Fault injection, for tests and demos only (stragglers, a rank failure and its resume).
+
+    ``slow_rank`` makes that rank's step compute ``slow_factor`` times as long (it sleeps
+    after backward); ``kill_rank`` exits abruptly (``os._exit``, no clean-up, no checkpoint)
+    right after training step ``kill_rank_at_step``.
+    """
+
+    SECTION: ClassVar[str] = "fault"
+
+    slow_rank: Annotated[int, Range(ge=-1)] = -1  # -1 = none
+    slow_factor: Annotated[float, Range(ge=1)] = 2.0  # the slow rank's compute time, times this
+    kill_rank: NonNegative = 0  # the rank kill_rank_at_step ends
+    kill_rank_at_step: NonNegative = 0  # 0 = never
+
+
+@dataclass
 class Config:
     """The whole run; each field is a section (checked when it is built)."""
 
@@ -458,6 +492,8 @@ class Config:
     tasks: TasksConfig = field(default_factory=TasksConfig)
     meta: MetaConfig = field(default_factory=MetaConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
     def __post_init__(self) -> None:
         for name, cls in section_types().items():

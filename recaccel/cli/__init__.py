@@ -9,7 +9,8 @@ from recaccel.cli.bench import bench_main
 from recaccel.cli.data import data_main
 from recaccel.cli.eval import eval_main
 from recaccel.cli.export import export_main
+from recaccel.cli.monitor import monitor_main
 from recaccel.cli.plot import plot_main
 from recaccel.cli.train import train_main
 
-__all__ = ["bench_main", "data_main", "eval_main", "export_main", "plot_main", "train_main"]
+__all__ = ["bench_main", "data_main", "eval_main", "export_main", "monitor_main", "plot_main", "train_main"]

@@ -25,6 +25,7 @@ from recaccel.train.checkpoint import TrainState, load_reader_position
 from recaccel.train.checkpoint_paths import all_checkpoints
 from recaccel.train.data_wait import DataWait
 from recaccel.train.dense_head import build_head, check_head_options
+from recaccel.train.distributed.monitor import check_faults, kill_if_due
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
@@ -71,6 +72,7 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
         raise ConfigError(
             f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid"
         )
+    check_faults(cfg, 1)
     return SingleProcess(device)
 
 
@@ -264,6 +266,8 @@ class Trainer:
         # Hybrid: every rank agrees before each step that all ranks have a batch.
         for done in self.parallel.steps(source, self.objective, self.optimizer, self.cfg.train):
             self._record_step(done)
+            self._monitor_event()
+            kill_if_due(self.cfg.fault, self.parallel.rank, self.state.step)  # fault injection
             bar.update(1)
             self._log(done.loss, bar, wait)
             if not self._reached_end():
@@ -300,6 +304,23 @@ class Trainer:
         self.state.samples += done.rows
         self.state.reader = done.reader_state
         self.state.data = self._counters(self.state.reader)
+
+    def _monitor_event(self) -> None:
+        """Hybrid with ``monitor.every > 0``: rank 0 logs the gather this step made (a
+        ``monitor`` event with per-rank medians and flags; a warning for each new flag)."""
+        monitor = getattr(self.parallel, "monitor", None)
+        event = monitor.take_event() if monitor is not None else None
+        if event is None:
+            return
+        for flag in monitor.note_flags(event["flags"], self.state.step):
+            logger.warning(
+                "monitor: rank %d is slow (%s %.2fx the other ranks' median) at step %d",
+                flag["rank"],
+                flag["kind"],
+                flag["ratio"],
+                self.state.step,
+            )
+        self._event("monitor", step=self.state.step, **event)
 
     def _log(self, loss: torch.Tensor, bar: tqdm, wait: DataWait) -> None:
         """Every ``train.log_every`` steps (and the first): the loss to the bar and the log,
@@ -360,6 +381,9 @@ class Trainer:
             data=dict(self.state.data) if self.state.data is not None else dict(self.reader.counters),
             **self.cache_meter.totals(),
         )
+        monitor = getattr(self.parallel, "monitor", None)
+        if monitor is not None and monitor.enabled and self.parallel.is_main:
+            metrics["monitor"] = monitor.summary()
         self._event("final", **metrics)
         if self.log is not None:
             self.log.write_metrics(metrics)

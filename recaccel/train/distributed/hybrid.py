@@ -25,8 +25,10 @@ the :class:`~recaccel.train.parallel.Parallelism` protocol plus the hooks the
 
 Failure. Collectives time out after ``parallel.timeout_s``; a peer that dies breaks
 its connections at once. Either way the surviving ranks raise :class:`CollectiveError`
-(a :class:`~recaccel.errors.RecaccelError`: the CLI prints it on one line and exits 2).
-With NCCL, PyTorch's watchdog aborts a rank whose collective times out.
+(a :class:`~recaccel.errors.RecaccelError`: the CLI prints it on one line and exits 2);
+with ``monitor.every > 0`` it names the ranks that never arrived at the collective
+(:mod:`recaccel.train.distributed.monitor`, which also times every step's compute and
+collectives). With NCCL, PyTorch's watchdog aborts a rank whose collective times out.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from recaccel.train.distributed.collectives import CollectiveError, is_comm_erro
 from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
 from recaccel.train.distributed.hybrid_data import GlobalSlices
 from recaccel.train.distributed.launch import under_torchrun
+from recaccel.train.distributed.monitor import Monitor, check_faults
 from recaccel.train.objectives import Objective, loss_denominator
 from recaccel.train.parallel import BatchWithState, StepDone
 
@@ -127,7 +130,11 @@ class _GuardedLookup(nn.Module):
         return unused
 
     def forward(self, kjt):
-        with self.parallel.collectives("the embedding lookup"):
+        ids = kjt.values().nbytes + kjt.lengths().nbytes
+        with (
+            self.parallel.collectives("the embedding lookup"),
+            self.parallel.monitor.collective("lookup", ids),
+        ):
             if self._fed is not None:
                 pooled, self._fed = self._fed, None
             else:
@@ -181,6 +188,9 @@ class HybridParallel:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
+        check_faults(cfg, self.world_size)
+        # Step and collective timings (monitor.every > 0), and fault.slow_rank's sleep.
+        self.monitor = Monitor(cfg.monitor, cfg.fault, self.rank, self.world_size, self._comm_device())
         if backend == "gloo":
             with self.collectives("start-up (waiting for every rank)"):
                 dist.monitored_barrier(timeout=datetime.timedelta(seconds=p.timeout_s), wait_all_ranks=True)
@@ -213,9 +223,10 @@ class HybridParallel:
                 if self.timeout_s is None
                 else f"parallel.timeout_s={self.timeout_s:g}s"
             )
+            absent = self.monitor.absent() if hasattr(self, "monitor") else None
+            who = "a peer rank exited or did not answer" if absent is None else absent
             raise CollectiveError(
-                f"rank {self.rank} of {self.world_size}: {what} failed: a peer rank exited or did not answer "
-                f"within {limit} ({first})"
+                f"rank {self.rank} of {self.world_size}: {what} failed: {who} within {limit} ({first})"
             ) from e
 
     # ------------------------------------------------------------------ model
@@ -376,11 +387,13 @@ class HybridParallel:
         info = torch.zeros(3, dtype=torch.float64)
         if batch is not None:
             info[0], info[1], info[2] = 1.0, loss_denominator(batch, objective.loss), batch.training_rows
-        with self.collectives("agreeing on the next step"):
+        self.monitor.start_step()
+        with self.collectives("agreeing on the next step"), self.monitor.collective("agree", info.nbytes):
             buffer = info.to(self._comm_device())
             dist.all_reduce(buffer)
         info = buffer.cpu()
         if int(info[0]) < self.world_size:
+            self.monitor.drop_step()  # no step follows this agreement
             if batch is not None:
                 logger.info("rank %d: another rank ran out of batches; ending the epoch", self.rank)
             return None
@@ -431,11 +444,16 @@ class HybridParallel:
         """
         if self._sync is None:
             self._sync = DenseGradSync(self.dense_parameters(optimizer))
-        with self.collectives("the training step"):
+        self.monitor.after_compute()
+        nbytes = sum(p.grad.nbytes for p in self._sync.params if p.grad is not None) + 4
+        with self.collectives("the training step"), self.monitor.collective("dense_sync", nbytes):
             total = self._sync.allreduce(share.reshape(1).float())
         optimizer.step()
         if self.replicated_optimizer is not None:
             self.replicated_optimizer.step()
+        if self.monitor.end_step():
+            with self.collectives("the monitor's gather"):
+                self.monitor.gather()
         return total[0]
 
     # ------------------------------------------------------------- evaluation

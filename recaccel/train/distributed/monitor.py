@@ -1,0 +1,281 @@
+"""The communication monitor of hybrid runs (as C4), and fault injection for tests and demos.
+
+Synchronous collectives are periodic and the same on every rank, so a rank that differs
+from its peers points at the faulty component. Each rank times every step (from its first
+agreement to the end of its dense allreduce): the time inside each collective (``agree``:
+the 3-float allreduce, ``lookup``: the sharded lookup's forward all-to-alls, ``dense_sync``:
+the dense gradient allreduce) with the bytes it sends (the lookup: its ids and lengths),
+and the rest as compute (forward, backward with its gradient all-to-all, the optimizer's
+work up to the allreduce). Every
+``monitor.every`` steps one all_gather of a few floats per rank brings each rank's window
+medians to rank 0, which flags:
+
+- a slow rank: its compute median above ``monitor.slow_factor`` times the median of the
+  other ranks' (a straggler: its peers wait for it inside the next collective);
+- a slow collective: its collective time above ``slow_factor`` times the others', after
+  taking off the time it waited for slower peers (the compute they spent beyond its own);
+
+each in ``monitor.slow_steps`` gathers in a row and by more than a noise floor. The slow
+pair of a link is not told apart (every collective here spans all ranks).
+
+While the monitor runs, each rank writes the number of the collective it is entering to
+the process group's store; when a collective fails, :meth:`Monitor.absent` reads them and
+names the ranks that never arrived. The store is kept by torchrun's agent (or rank 0 in a
+plain ``env://`` group), so a hung rank can be named; a dead store leaves the message
+without the names.
+
+Fault injection (``[fault]``, for tests and demos only): ``fault.slow_rank`` sleeps after
+its backward for ``slow_factor - 1`` times its compute; ``fault.kill_rank`` ends its
+process with ``os._exit`` right after step ``fault.kill_rank_at_step``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from recaccel.config import Config, FaultConfig, MonitorConfig
+from recaccel.errors import ConfigError
+
+KINDS = ("agree", "lookup", "dense_sync")  # the timed collectives of a step
+# One row per rank in the gather: window medians of these, then the window's step count.
+FIELDS = ("step_s", "compute_s", "comm_s", *(f"{k}_s" for k in KINDS), "bytes")
+NOISE_S = 0.002  # a rank is slow only by more than this many seconds over its peers
+_ARRIVED = "recaccel/monitor/"  # store keys: + generation/rank -> "seq kind"
+_STORE_TIMEOUT = datetime.timedelta(seconds=2)  # reading the arrivals after a failure
+
+
+def check_faults(cfg: Config, world_size: int) -> None:
+    """Refuses monitor and fault settings this run cannot act on.
+
+    Raises:
+        ConfigError: a slow rank or a monitor outside hybrid mode, or a rank out of range.
+    """
+    hybrid = cfg.parallel.mode == "hybrid"
+    if not hybrid and cfg.monitor.every > 0:
+        raise ConfigError(f"monitor.every={cfg.monitor.every} runs parallel.mode=hybrid; set it to 0")
+    if not hybrid and cfg.fault.slow_rank >= 0:
+        raise ConfigError(f"fault.slow_rank={cfg.fault.slow_rank} runs parallel.mode=hybrid; set it to -1")
+    if cfg.fault.slow_rank >= world_size:
+        raise ConfigError(
+            f"fault.slow_rank={cfg.fault.slow_rank} is not a rank of this {world_size}-rank run"
+        )
+    if cfg.fault.kill_rank_at_step > 0 and cfg.fault.kill_rank >= world_size:
+        raise ConfigError(
+            f"fault.kill_rank={cfg.fault.kill_rank} is not a rank of this {world_size}-rank run"
+        )
+
+
+def kill_if_due(fault: FaultConfig, rank: int, step: int) -> None:
+    """Fault injection: ends this process abruptly after step ``fault.kill_rank_at_step``."""
+    if fault.kill_rank_at_step > 0 and rank == fault.kill_rank and step == fault.kill_rank_at_step:
+        os._exit(17)  # abrupt by design: no clean-up, no checkpoint, peers see a dead rank
+
+
+class Monitor:
+    """One rank's step and collective timings, gathered on rank 0 every ``monitor.every`` steps.
+
+    Args:
+        monitor: ``[monitor]`` (``every = 0``: nothing is recorded or gathered).
+        fault: ``[fault]`` (the slow rank's sleep).
+        rank: this rank.
+        world_size: the number of ranks.
+        device: where the gather's tensor lives (CUDA under NCCL).
+    """
+
+    def __init__(
+        self, monitor: MonitorConfig, fault: FaultConfig, rank: int, world_size: int, device: torch.device
+    ) -> None:
+        self.cfg = monitor
+        self.enabled = monitor.every > 0
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._slow = fault.slow_factor - 1.0 if fault.slow_rank == rank else 0.0
+        self._window: list[list[float]] = []  # this window's steps: FIELDS each
+        self._start: float | None = None  # perf_counter() at the open step's start
+        self._comm = dict.fromkeys(KINDS, 0.0)
+        self._bytes = 0.0
+        self._seq = 0  # collectives entered (the same sequence on every rank)
+        self._kind = "start-up"  # the last one's kind
+        self._store, self._keys = self._arrivals() if self.enabled else (None, "")
+        self._streaks = [dict.fromkeys(("compute", "collective"), 0) for _ in range(world_size)]
+        self._history: list[list[list[float]]] = []  # rank 0: each gather's [rank][FIELDS]
+        self.flags: list[dict[str, Any]] = []  # rank 0: each (rank, kind) flagged, first time
+        self._pending: dict[str, Any] | None = None  # rank 0: the last gather, not yet logged
+
+    # -------------------------------------------------------------- recording
+
+    def start_step(self) -> None:
+        """Opens a step (at its first agreement; a step already open goes on)."""
+        if self._start is None:
+            self._start = time.perf_counter()
+
+    def drop_step(self) -> None:
+        """Forgets the open step (its agreement ended the epoch)."""
+        self._start, self._comm, self._bytes = None, dict.fromkeys(KINDS, 0.0), 0.0
+
+    @contextmanager
+    def collective(self, kind: str, nbytes: int) -> Iterator[None]:
+        """Times one collective of an open step (with the monitor on, its arrival is written
+        to the store first)."""
+        if self.enabled:
+            self._arrive(kind)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._start is not None:
+                self._comm[kind] += time.perf_counter() - start
+                self._bytes += nbytes
+
+    def after_compute(self) -> None:
+        """Fault injection: the slow rank sleeps ``slow_factor - 1`` times its compute so far."""
+        if self._slow > 0 and self._start is not None:
+            compute = time.perf_counter() - self._start - sum(self._comm.values())
+            time.sleep(self._slow * max(compute, 0.0))
+
+    def end_step(self) -> bool:
+        """Closes the open step; returns whether a gather is due (every rank the same)."""
+        if self._start is None:
+            return False
+        step = time.perf_counter() - self._start
+        comm = sum(self._comm.values())
+        if self.enabled:
+            self._window.append([step, step - comm, comm, *self._comm.values(), self._bytes])
+        self.drop_step()
+        return self.enabled and len(self._window) >= self.cfg.every
+
+    # ---------------------------------------------------------------- gathers
+
+    def gather(self) -> None:
+        """All ranks: one all_gather of the window medians; rank 0 keeps and judges them."""
+        local = torch.tensor([statistics.median(col) for col in zip(*self._window)], dtype=torch.float64)
+        self._window = []
+        parts = [torch.empty_like(local, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(parts, local.to(self.device))
+        if self.rank != 0:
+            return
+        rows = [p.cpu().tolist() for p in parts]
+        self._history.append(rows)
+        flags = [*self._judge(rows)]
+        self._pending = {
+            "ranks": {str(r): dict(zip(FIELDS, row)) for r, row in enumerate(rows)},
+            "flags": flags,
+        }
+
+    def _judge(self, rows: list[list[float]]) -> Iterator[dict[str, Any]]:
+        """This gather's slow ranks (flagged after ``slow_steps`` in a row)."""
+        for rank, slow in enumerate(slow_ranks(rows, self.cfg.slow_factor)):
+            streak = self._streaks[rank]
+            for name in streak:
+                streak[name] = streak[name] + 1 if name in slow else 0
+                if streak[name] >= self.cfg.slow_steps:
+                    yield {"rank": rank, "kind": name, "ratio": round(slow[name], 3), "gathers": streak[name]}
+
+    def take_event(self) -> dict[str, Any] | None:
+        """Rank 0: the last gather's ``monitor`` event fields (once), else None."""
+        event, self._pending = self._pending, None
+        return event
+
+    def note_flags(self, flags: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
+        """Rank 0: records the first step each (rank, kind) was flagged at; returns those new."""
+        seen = {(f["rank"], f["kind"]) for f in self.flags}
+        new = [
+            {"rank": f["rank"], "kind": f["kind"], "step": step, "ratio": f["ratio"]}
+            for f in flags
+            if (f["rank"], f["kind"]) not in seen
+        ]
+        self.flags += new
+        return new
+
+    def summary(self) -> dict[str, Any]:
+        """Rank 0: per-rank medians over the run's gathers and the flags (for metrics.json)."""
+        ranks = {
+            str(r): {name: statistics.median(g[r][i] for g in self._history) for i, name in enumerate(FIELDS)}
+            for r in range(self.world_size)
+            if self._history
+        }
+        return {"every": self.cfg.every, "gathers": len(self._history), "ranks": ranks, "flags": self.flags}
+
+    # ------------------------------------------------------ hung collectives
+
+    def _arrivals(self) -> tuple[Any, str]:
+        """The store and this monitor's key prefix: every rank makes its monitors in the
+        same order, so counting them in the store numbers each generation alike on all."""
+        store = _default_store()
+        if store is None:
+            return None, ""
+        generation = (store.add(f"{_ARRIVED}monitors", 1) - 1) // self.world_size
+        return store, f"{_ARRIVED}{generation}/"
+
+    def _arrive(self, kind: str) -> None:
+        self._seq, self._kind = self._seq + 1, kind
+        if self._store is not None:
+            self._store.set(f"{self._keys}{self.rank}", f"{self._seq} {kind}")
+
+    def absent(self) -> str | None:
+        """After a failed collective: which ranks never arrived at it (None: cannot tell).
+
+        Returns:
+            ``"rank 1 never arrived at collective #7 (agree; its last: #5 dense_sync)"``.
+        """
+        if not self.enabled or self._store is None:
+            return None
+        try:
+            self._store.set_timeout(_STORE_TIMEOUT)
+            missing = []
+            for rank in range(self.world_size):
+                key = f"{self._keys}{rank}"
+                seq, kind = (
+                    self._store.get(key).decode().split() if self._store.check([key]) else ("0", "start-up")
+                )
+                if int(seq) < self._seq:
+                    missing.append((rank, f"#{seq} {kind}"))
+        except (RuntimeError, ValueError):
+            return None
+        if not missing:
+            return None
+        ranks = ", ".join(str(r) for r, _ in missing)
+        lasts = ", ".join(last for _, last in missing)
+        noun = "rank" if len(missing) == 1 else "ranks"
+        return f"{noun} {ranks} never arrived at collective #{self._seq} ({self._kind}; last: {lasts})"
+
+
+def slow_ranks(rows: list[list[float]], factor: float) -> list[dict[str, float]]:
+    """Each rank's slowness in one gather: ``{"compute": ratio}`` and/or ``{"collective": ratio}``.
+
+    Args:
+        rows: per rank, the window medians of :data:`FIELDS`.
+        factor: ``monitor.slow_factor``.
+
+    Returns:
+        Per rank, the kinds it is slow in and its ratio to the other ranks' median.
+    """
+    c, m = FIELDS.index("compute_s"), FIELDS.index("comm_s")
+    compute = [row[c] for row in rows]
+    # A rank's collective time less what it waited for the slowest peer's extra compute.
+    own_comm = [max(row[m] - (max(compute) - row[c]), 0.0) for row in rows]
+    out = []
+    for rank in range(len(rows)):
+        kinds: dict[str, float] = {}
+        for name, values in (("compute", compute), ("collective", own_comm)):
+            others = statistics.median(v for r, v in enumerate(values) if r != rank) if len(rows) > 1 else 0.0
+            if values[rank] > factor * others and values[rank] - others > NOISE_S:
+                kinds[name] = values[rank] / max(others, 1e-9)
+        out.append(kinds)
+    return out
+
+
+def _default_store():
+    """The default process group's store (None where this PyTorch does not expose it)."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
