@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recaccel.bench.common import pyplot, save_figure
 from recaccel.cli.common import run_command, setup_logging
 from recaccel.errors import ConfigError
 
@@ -93,12 +94,9 @@ def plot_ranks(events: list[dict[str, Any]], out: Path, *, title: str = "") -> P
         ConfigError: matplotlib is missing.
     """
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # plots go to files, often on machines without a display
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError as e:
-        raise ConfigError(f"recaccel-monitor needs matplotlib (pip install 'recaccel[plot]'): {e}") from None
+        raise ConfigError(f"recaccel-monitor needs matplotlib (pip install matplotlib): {e}") from None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     ranks = sorted({r for e in events for r in e["ranks"]}, key=int)
     for ax, (key, label) in zip(axes, (("compute_s", "step compute ms"), ("comm_s", "collectives ms"))):
@@ -114,8 +112,4 @@ def plot_ranks(events: list[dict[str, Any]], out: Path, *, title: str = "") -> P
             axes[0].axvline(e["step"], color="tab:red", alpha=0.15)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=100)

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from recaccel.bench.common import pyplot, save_figure
 from recaccel.cli.common import run_command, setup_logging
 from recaccel.errors import ConfigError
 
@@ -92,12 +93,9 @@ def plot_run(panels: dict[str, dict[str, list[tuple[int, float]]]], out: Path, *
     if not any(panels.values()):
         raise ConfigError(f"{title}: log.jsonl has no train or eval event to plot")
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # plots go to files, often on machines without a display
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError as e:
-        raise ConfigError(f"recaccel-plot needs matplotlib (pip install 'recaccel[plot]'): {e}") from None
+        raise ConfigError(f"recaccel-plot needs matplotlib (pip install matplotlib): {e}") from None
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     labels = {
         "loss": "train loss",
@@ -120,11 +118,7 @@ def plot_run(panels: dict[str, dict[str, list[tuple[int, float]]]], out: Path, *
         ax.set_xlabel("step")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=100)
 
 
 def _rates(ax, series: dict[str, list[tuple[int, float]]]) -> None:
