@@ -19,10 +19,6 @@ directory, the backends) before a run starts.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
-import json
-import math
 import os
 import re
 import sys
@@ -33,57 +29,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
+from recaccel.config_checks import (  # noqa: F401  (check_value, show_value: recaccel.config's API too)
+    Pattern,
+    Range,
+    Section,
+    check_value,
+    field_hints,
+    show_value,
+    suggest,
+)
 from recaccel.errors import ConfigError
+
+_Section = Section  # the sections' base, checked field by field (recaccel.config_checks)
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
-
-
-@dataclass(frozen=True)
-class Range:
-    """The allowed interval of a numeric field (unset bounds are open-ended).
-
-    Attributes:
-        ge, gt: the value must be >= ``ge`` / > ``gt``.
-        le, lt: the value must be <= ``le`` / < ``lt``.
-    """
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-
-    def __contains__(self, value: float) -> bool:
-        return not (
-            (self.ge is not None and value < self.ge)
-            or (self.gt is not None and value <= self.gt)
-            or (self.le is not None and value > self.le)
-            or (self.lt is not None and value >= self.lt)
-        )
-
-    @property
-    def requirement(self) -> str:
-        """What a value must be, for messages: ``must be >= 0 and < 1``."""
-        bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-        return "must be " + " and ".join(f"{op} {bound:g}" for op, bound in bounds if bound is not None)
-
-
-@dataclass(frozen=True)
-class Pattern:
-    """The form of a string field: ``regex`` must match the whole value.
-
-    Attributes:
-        regex: a regular expression (``re.fullmatch``).
-        requirement: what a value must be, for messages: ``must look like name=path``.
-    """
-
-    regex: str
-    requirement: str
-
-    def __contains__(self, value: str) -> bool:
-        return re.fullmatch(self.regex, value) is not None
 
 
 # Shorthands for the annotations below.
@@ -148,27 +110,6 @@ def choices(alias: Any) -> tuple[str, ...]:
 
 
 PARQUET_CODECS: tuple[str, ...] = choices(ParquetCodec)
-
-
-class _Section:
-    """Base of the config sections: ``__post_init__`` checks every field against its
-    annotation (type, choices, range, form) and converts ints given for floats.
-
-    Attributes:
-        SECTION: the section's name in a config file (``[data]``).
-    """
-
-    SECTION: ClassVar[str] = ""
-
-    def __post_init__(self) -> None:
-        hints = field_hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            key = f"{self.SECTION}.{f.name}"
-            setattr(self, f.name, check_value(key, getattr(self, f.name), hints[f.name]))
-        self.check_consistency()
-
-    def check_consistency(self) -> None:
-        """Checks that span several fields of the section (after each field's own)."""
 
 
 @dataclass
@@ -508,12 +449,6 @@ def section_types() -> dict[str, type[_Section]]:
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
-@functools.cache
-def field_hints(cls: type) -> dict[str, Any]:
-    """The resolved annotations of a config dataclass, with their ``Annotated`` extras."""
-    return typing.get_type_hints(cls, include_extras=True)
-
-
 def load_config(
     path: str | Path | Sequence[str | Path] | None = None,
     overrides: list[str] | tuple[str, ...] = (),
@@ -645,7 +580,7 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in values:
             if key not in names:
-                raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, names, section + '.')}")
+                raise ConfigError(f"unknown config key {section}.{key}{suggest(key, names, section + '.')}")
         built[section] = cls(**values)
     return Config(**built)
 
@@ -665,117 +600,6 @@ def config_to_toml(cfg: Config) -> str:
             lines.append(f"{key} = {_toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
-
-
-def check_value(key: str, value: Any, hint: Any) -> Any:
-    """Checks ``value`` against a field's annotation (type, choices, range, form).
-
-    Args:
-        key: the field's ``section.key`` (``[i]`` appended for list items), for messages.
-        value: the value given.
-        hint: the field's resolved annotation.
-
-    Returns:
-        The value; an int given for a float field becomes a float.
-
-    Raises:
-        ConfigError: one line naming ``key=value`` and what it must be.
-    """
-    origin = typing.get_origin(hint)
-    if origin is Annotated:
-        base, *rules = typing.get_args(hint)
-        checked = check_value(key, value, base)
-        for rule in rules:
-            if checked not in rule:
-                raise _bad(key, value, rule.requirement)
-        return checked
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        if value not in allowed or not isinstance(value, str):
-            hint_text = _suggest(value, allowed) if isinstance(value, str) else ""
-            raise _bad(key, value, f"must be one of {', '.join(allowed)}{hint_text}")
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        if value is None and len(args) < len(typing.get_args(hint)):
-            return None
-        errors = []
-        for arg in args:
-            try:
-                return check_value(key, value, arg)
-            except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
-    if origin is dict:
-        _, item = typing.get_args(hint)
-        if not isinstance(value, dict):
-            raise _bad(key, value, "must be a table")
-        return {k: check_value(f"{key}.{k}", v, item) for k, v in value.items()}
-    if isinstance(hint, type) and issubclass(hint, _Section):
-        return _check_table(key, value, hint)
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise _bad(key, value, "must be a list")
-        return [check_value(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    return _check_scalar(key, value, hint)
-
-
-def _check_table(key: str, value: Any, cls: type[_Section]) -> _Section:
-    """A nested table (``[data.schema]``): a ``cls`` as it is, or built from a dict whose
-    keys and values are checked under ``key``."""
-    if isinstance(value, cls):
-        value.__post_init__()
-        return value
-    if not isinstance(value, dict):
-        raise _bad(key, value, "must be a table")
-    names = [f.name for f in dataclasses.fields(cls)]
-    for k in value:
-        if k not in names:
-            raise ConfigError(f"unknown config key {key}.{k}{_suggest(k, names, key + '.')}")
-    hints = field_hints(cls)
-    return cls(**{k: check_value(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
-
-
-def _check_scalar(key: str, value: Any, hint: Any) -> Any:
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise _bad(key, value, "must be true or false")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _bad(key, value, "must be an integer")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _bad(key, value, "must be a number")
-        if not math.isfinite(value):
-            raise _bad(key, value, "must be a finite number")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise _bad(key, value, "must be a string")
-        return value
-    raise ConfigError(f"config key {key} has unsupported type {hint}")
-
-
-def _bad(key: str, value: Any, requirement: str) -> ConfigError:
-    return ConfigError(f"config key {key}={show_value(value)} {requirement}")
-
-
-def show_value(value: Any) -> str:
-    """A value as one short line: TOML-like, strings bare when they are plain words."""
-    if isinstance(value, bool):
-        text = "true" if value else "false"
-    elif isinstance(value, str):
-        text = value if re.fullmatch(r"[\w.:/+@=-]+", value) else json.dumps(value)
-    elif isinstance(value, list):
-        text = "[" + ", ".join(show_value(v) for v in value) + "]"
-    elif isinstance(value, dict):
-        text = "{" + ", ".join(f"{k} = {show_value(v)}" for k, v in value.items()) + "}"
-    else:
-        text = " ".join(repr(value).split())
-    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _read_toml(p: Path) -> dict[str, Any]:
@@ -802,7 +626,7 @@ def _check_tables(raw: dict[str, Any], where: str = "") -> None:
     sections = section_types()
     for section, values in raw.items():
         if section not in sections:
-            raise ConfigError(f"{where}unknown config section [{section}]{_suggest(section, sections)}")
+            raise ConfigError(f"{where}unknown config section [{section}]{suggest(section, sections)}")
         if not isinstance(values, dict):
             raise ConfigError(
                 f"{where}config section [{section}] must be a table of keys ([{section}] and the keys "
@@ -841,8 +665,3 @@ def _parse_override(item: str) -> tuple[str, str, Any]:
     except tomllib.TOMLDecodeError:
         value = text  # a bare word is a string: model.embedding_backend=triton
     return parts[0], parts[1], value
-
-
-def _suggest(name: str, valid: Any, prefix: str = "") -> str:
-    close = difflib.get_close_matches(name, list(valid), n=1)
-    return f" (did you mean {prefix}{close[0]}?)" if close else f" (valid: {', '.join(sorted(valid))})"

@@ -26,6 +26,7 @@ PACKAGE = REPO / "recaccel"
 # Modules everything may import: they sit under the whole graph.
 BOTTOM = (
     "recaccel.config",
+    "recaccel.config_checks",
     "recaccel.errors",
     "recaccel.metrics",
     "recaccel.hashing",
