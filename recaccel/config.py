@@ -19,25 +19,34 @@ directory, the backends) before a run starts.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import sys
-import types
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from recaccel.config_checks import (  # noqa: F401  (check_value, show_value: recaccel.config's API too)
+from recaccel.config_checks import (  # noqa: F401  (re-exported: recaccel.config's API)
+    Count,
+    Fraction,
+    Name,
+    NamedPath,
+    NonNegative,
+    NonNegativeFloat,
+    PathText,
     Pattern,
     Range,
+    Rate,
     Section,
+    Seed,
+    TablePlacementText,
     check_value,
     field_hints,
     show_value,
     suggest,
 )
+from recaccel.config_files import merge_tables, path_fields, resolve_paths  # noqa: F401  (path_fields: API)
 from recaccel.errors import ConfigError
 
 _Section = Section  # the sections' base, checked field by field (recaccel.config_checks)
@@ -47,20 +56,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-
-# Shorthands for the annotations below.
-Count = Annotated[int, Range(ge=1)]  # a size or count that must be at least 1
-NonNegative = Annotated[int, Range(ge=0)]  # 0 has a documented meaning at each use
-Seed = Annotated[int, Range(ge=0)]
-Rate = Annotated[float, Range(gt=0)]  # a learning rate, a timeout
-NonNegativeFloat = Annotated[float, Range(ge=0)]
-PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]
-NamedPath = Annotated[str, Pattern(r"[^=]+=.+", "must look like name=path")]
-Name = Annotated[str, Pattern(r".+", "must be a non-empty name")]
-Fraction = Annotated[float, Range(gt=0, le=1)]
-TablePlacementText = Annotated[
-    str, Pattern(r"[^=]+=(device|host)", "must look like table=device or table=host")
-]
 
 # The vocabulary of every choice, named once. Config fields use these aliases; components
 # that take one of these values check it against ``choices(alias)`` rather than a tuple
@@ -487,84 +482,12 @@ def load_config(
     for file in files:
         values = _read_toml(file)
         if paths_relative_to_file:
-            values = resolve_paths(values, file.parent.resolve())
-        _merge(raw, values)
+            values = resolve_paths(values, file.parent.resolve(), section_types())
+        merge_tables(raw, values)
     for item in overrides:
         section, key, value = _parse_override(item)
         raw.setdefault(section, {})[key] = value
     return config_from_dict(raw)
-
-
-def path_fields(cls: type) -> dict[str, bool]:
-    """The path-valued fields of a config section: each field annotated :data:`PathText` or
-    :data:`NamedPath` (also as a list's items, or optional), mapped to whether it is a
-    ``name=path`` entry."""
-    found = {}
-    for name, hint in field_hints(cls).items():
-        kind = _path_kind(hint)
-        if kind is not None:
-            found[name] = kind
-    return found
-
-
-def _path_kind(hint: Any) -> bool | None:
-    """True for a ``name=path`` annotation, False for a plain path, None for neither."""
-    if hint == PathText:
-        return False
-    if hint == NamedPath:
-        return True
-    if typing.get_origin(hint) in (list, typing.Union, types.UnionType):
-        kinds = [k for k in map(_path_kind, typing.get_args(hint)) if k is not None]
-        return kinds[0] if kinds else None
-    return None
-
-
-def resolve_paths(raw: dict[str, Any], base: Path) -> dict[str, Any]:
-    """``raw`` (a config as nested dicts) with every relative path value made absolute
-    against ``base``; values of the wrong type are left for the field checks to report.
-
-    Args:
-        raw: ``{section: {key: value}}`` as read from a file.
-        base: the folder relative paths are relative to (absolute).
-    """
-    sections = section_types()
-    resolved = {}
-    for section, values in raw.items():
-        fields = path_fields(sections[section]) if section in sections and isinstance(values, dict) else {}
-        if fields:
-            values = {
-                key: _resolve_value(value, base, fields[key]) if key in fields else value
-                for key, value in values.items()
-            }
-        resolved[section] = values
-    return resolved
-
-
-def _resolve_value(value: Any, base: Path, named: bool) -> Any:
-    if isinstance(value, list):
-        return [_resolve_value(v, base, named) for v in value]
-    if not isinstance(value, str) or not value:
-        return value
-    if named:
-        name, sep, path = value.partition("=")
-        return f"{name}={_absolute(path, base)}" if sep and path else value
-    return _absolute(value, base)
-
-
-def _absolute(path: str, base: Path) -> str:
-    """``path`` if absolute, else ``base / path`` with ``.`` and ``..`` folded away."""
-    if Path(path).is_absolute():
-        return path
-    return os.path.normpath(base / path)
-
-
-def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
-    """Merges ``new`` into ``into`` key by key, tables recursively; ``new`` wins."""
-    for key, value in new.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:

@@ -207,3 +207,18 @@ def show_value(value: Any) -> str:
 def suggest(name: str, valid: Any, prefix: str = "") -> str:
     close = difflib.get_close_matches(name, list(valid), n=1)
     return f" (did you mean {prefix}{close[0]}?)" if close else f" (valid: {', '.join(sorted(valid))})"
+
+
+# Shorthands for the config fields' annotations.
+Count = Annotated[int, Range(ge=1)]  # a size or count that must be at least 1
+NonNegative = Annotated[int, Range(ge=0)]  # 0 has a documented meaning at each use
+Seed = Annotated[int, Range(ge=0)]
+Rate = Annotated[float, Range(gt=0)]  # a learning rate, a timeout
+NonNegativeFloat = Annotated[float, Range(ge=0)]
+PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]
+NamedPath = Annotated[str, Pattern(r"[^=]+=.+", "must look like name=path")]
+Name = Annotated[str, Pattern(r".+", "must be a non-empty name")]
+Fraction = Annotated[float, Range(gt=0, le=1)]
+TablePlacementText = Annotated[
+    str, Pattern(r"[^=]+=(device|host)", "must look like table=device or table=host")
+]

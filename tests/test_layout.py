@@ -27,6 +27,7 @@ PACKAGE = REPO / "recaccel"
 BOTTOM = (
     "recaccel.config",
     "recaccel.config_checks",
+    "recaccel.config_files",
     "recaccel.errors",
     "recaccel.metrics",
     "recaccel.hashing",

@@ -1,0 +1,85 @@
+"""Config files: which fields hold paths, relative paths made absolute against their
+file's folder, and files merged table by table (used by :func:`recaccel.config.load_config`).
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from recaccel.config_checks import NamedPath, PathText, field_hints
+
+
+def path_fields(cls: type) -> dict[str, bool]:
+    """The path-valued fields of a config section: each field annotated :data:`PathText` or
+    :data:`NamedPath` (also as a list's items, or optional), mapped to whether it is a
+    ``name=path`` entry."""
+    found = {}
+    for name, hint in field_hints(cls).items():
+        kind = _path_kind(hint)
+        if kind is not None:
+            found[name] = kind
+    return found
+
+
+def _path_kind(hint: Any) -> bool | None:
+    """True for a ``name=path`` annotation, False for a plain path, None for neither."""
+    if hint == PathText:
+        return False
+    if hint == NamedPath:
+        return True
+    if typing.get_origin(hint) in (list, typing.Union, types.UnionType):
+        kinds = [k for k in map(_path_kind, typing.get_args(hint)) if k is not None]
+        return kinds[0] if kinds else None
+    return None
+
+
+def resolve_paths(raw: dict[str, Any], base: Path, sections: dict[str, type]) -> dict[str, Any]:
+    """``raw`` (a config as nested dicts) with every relative path value made absolute
+    against ``base``; values of the wrong type are left for the field checks to report.
+
+    Args:
+        raw: ``{section: {key: value}}`` as read from a file.
+        base: the folder relative paths are relative to (absolute).
+        sections: each section's name and dataclass (:func:`recaccel.config.section_types`).
+    """
+    resolved = {}
+    for section, values in raw.items():
+        fields = path_fields(sections[section]) if section in sections and isinstance(values, dict) else {}
+        if fields:
+            values = {
+                key: _resolve_value(value, base, fields[key]) if key in fields else value
+                for key, value in values.items()
+            }
+        resolved[section] = values
+    return resolved
+
+
+def _resolve_value(value: Any, base: Path, named: bool) -> Any:
+    if isinstance(value, list):
+        return [_resolve_value(v, base, named) for v in value]
+    if not isinstance(value, str) or not value:
+        return value
+    if named:
+        name, sep, path = value.partition("=")
+        return f"{name}={_absolute(path, base)}" if sep and path else value
+    return _absolute(value, base)
+
+
+def _absolute(path: str, base: Path) -> str:
+    """``path`` if absolute, else ``base / path`` with ``.`` and ``..`` folded away."""
+    if Path(path).is_absolute():
+        return path
+    return os.path.normpath(base / path)
+
+
+def merge_tables(into: dict[str, Any], new: dict[str, Any]) -> None:
+    """Merges ``new`` into ``into`` key by key, tables recursively; ``new`` wins."""
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge_tables(into[key], value)
+        else:
+            into[key] = value
