@@ -92,7 +92,7 @@ AdaptMode = Literal["top_mlp", "head", "head_and_embedding_shift"]
 MetaEngine = Literal["batched", "vmap", "loop"]  # stacked bmm | torch.func | per-task baseline
 ParallelMode = Literal["single", "hybrid"]
 ShardingKind = Literal["table_wise", "row_wise", "column_wise", "data_parallel"]
-DataSharding = Literal["global", "sharded"]
+DataSharding = Literal["global", "sharded", "dynamic"]
 DistBackend = Literal["auto", "nccl", "gloo"]
 # Converter options (recaccel-data), not config fields.
 BadRowsPolicy = Literal["error", "skip"]  # criteo: a bad line raises, or is dropped and counted
@@ -223,6 +223,7 @@ class DataConfig(_Section):
     read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
     prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline
     loader_backend: LoaderBackend = "torch"  # host-to-device stage
+    shard_row_groups: Count = 1  # parallel.data=dynamic: row groups per shard handed out
     # columns of files without recaccel schema metadata (see SchemaMapping); None = the metadata's
     schema: SchemaMapping | None = None
 
@@ -369,7 +370,10 @@ class ParallelConfig(_Section):
     ``global`` = every rank reads the global batch of ``data.batch_size`` rows (or
     ``tasks.tasks_per_batch`` tasks) and trains on its contiguous slice (same result as one
     process); ``sharded`` = each rank reads its own row groups in batches of
-    ``data.batch_size`` (per rank) and all ranks stop an epoch when the first runs dry.
+    ``data.batch_size`` (per rank) and all ranks stop an epoch when the first runs dry;
+    ``dynamic`` = rank 0's shard service hands shards of ``data.shard_row_groups`` row
+    groups to whichever rank asks, their states in the checkpoint
+    (:mod:`recaccel.train.distributed.shard_service`).
     """
 
     SECTION: ClassVar[str] = "parallel"

@@ -72,6 +72,8 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
         raise ConfigError(
             f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid"
         )
+    if cfg.parallel.data == "dynamic":
+        raise ConfigError("config key parallel.data=dynamic needs parallel.mode=hybrid")
     check_faults(cfg, 1)
     return SingleProcess(device)
 

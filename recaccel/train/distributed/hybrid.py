@@ -33,6 +33,7 @@ collectives). With NCCL, PyTorch's watchdog aborts a rank whose collective times
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -302,12 +303,19 @@ class HybridParallel:
     def reader(self, make: Callable[[int, int], Reader], *, train: bool) -> Reader:
         """This rank's reader, from ``make(rank, world_size)`` building a plain one.
 
-        Training with ``parallel.data = "sharded"`` reads this rank's row groups; otherwise
-        every rank reads the global batches and keeps its slice (evaluation always: all
-        ranks must run the same number of lookups).
+        Training with ``parallel.data = "sharded"`` reads this rank's row groups, with
+        ``dynamic`` the shards rank 0's shard service hands it; otherwise every rank reads
+        the global batches and keeps its slice (evaluation always: all ranks must run the
+        same number of lookups).
         """
         if train and self.cfg.parallel.data == "sharded":
             return make(self.rank, self.world_size)
+        if train and self.cfg.parallel.data == "dynamic":
+            from recaccel.train.distributed.shard_service import DynamicShardReader, ShardService
+
+            store = dist.distributed_c10d._get_default_store()  # hosted by rank 0
+            service = ShardService(store, self.rank, self.world_size, self.cfg.parallel.timeout_s)
+            return DynamicShardReader(make(0, 1), service, self.cfg.data.shard_row_groups)
         return GlobalSlices(make(0, 1), self.rank, self.world_size, train=train, whole_tasks=not train)
 
     def steps(
@@ -481,7 +489,18 @@ class HybridParallel:
         from recaccel.train.distributed.dist_checkpoint import save_sharded
 
         with self.collectives("writing a checkpoint"):
+            if self.cfg.parallel.data == "dynamic" and state.reader is not None:
+                state = self._merged_ledger(state)
             return save_sharded(run_dir, self, model, optimizer, state)
+
+    def _merged_ledger(self, state: TrainState) -> TrainState:
+        """``state`` with every rank's dynamic shard ledger merged into its reader position
+        (each rank's checkpoint entry then holds the epoch's whole ledger)."""
+        from recaccel.train.distributed.shard_service import merge_ledgers
+
+        states: list[Any] = [None] * self.world_size
+        dist.all_gather_object(states, state.reader)
+        return dataclasses.replace(state, reader=merge_ledgers(states))
 
     def load_checkpoint(
         self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
