@@ -122,6 +122,8 @@ class SynthConfig(_Section):
     cardinalities: list[Count] = field(default_factory=list)  # per field; [] = `cardinality` for all
     multi_hot_fields: NonNegative = 0  # the last k fields are multi-hot bags
     max_bag: Count = 5
+    # per multi-hot field, a fixed bag size (as MLPerf's multi-hot Criteo); [] = uniform in 1..max_bag
+    bag_sizes: list[Count] = field(default_factory=list)
     zipf_a: NonNegativeFloat = 1.2
     signal_dim: Count = 4
     signal_scale: NonNegativeFloat = 1.0  # scale of the planted logit; larger = easier task
@@ -142,6 +144,11 @@ class SynthConfig(_Section):
             raise ConfigError(
                 f"config key synth.multi_hot_fields={self.multi_hot_fields} must be <= "
                 f"synth.num_sparse={self.num_sparse}"
+            )
+        if self.bag_sizes and len(self.bag_sizes) != self.multi_hot_fields:
+            raise ConfigError(
+                f"config key synth.bag_sizes={show_value(self.bag_sizes)} has {len(self.bag_sizes)} entries, "
+                f"expected synth.multi_hot_fields={self.multi_hot_fields}"
             )
 
 

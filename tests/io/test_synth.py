@@ -217,9 +217,20 @@ def test_per_field_cardinalities(tmp_path):
     assert rows.single[:, 1].max() == 0
 
 
+def test_fixed_bag_sizes_per_multi_hot_field(tmp_path):
+    # MLPerf's multi-hot Criteo: every bag of a field has that field's size.
+    cfg = _cfg(tmp_path, multi_hot_fields=3, bag_sizes=[1, 4, 2], train_rows=300, test_rows=100)
+    report = generate_synthetic(cfg)
+    rows = rows_from_table(report.schema, _read(report.train_paths))
+    assert len(rows.bags) == 3
+    for (values, offsets), size in zip(rows.bags, [1, 4, 2]):
+        assert np.all(np.diff(offsets) == size) and values.size == size * 300
+
+
 @pytest.mark.parametrize(
     "change, words",
     [
+        (dict(multi_hot_fields=2, bag_sizes=[1, 2, 3]), "bag_sizes"),
         (dict(cardinalities=[10, 10]), "cardinalities"),
         (dict(multi_hot_fields=7), "multi_hot_fields"),
         (dict(train_rows=0), "train_rows"),

@@ -18,8 +18,9 @@ def test_mlperf_preset_has_mlperf_shape(repo_root):
     assert cfg.optim.sparse == "rowwise_adagrad"
     assert (cfg.synth.num_dense, cfg.synth.num_sparse, cfg.synth.multi_hot_fields) == (13, 26, 26)
     assert max(cfg.synth.cardinalities) == 4_000_000  # MLPerf's 40 M-row tables, capped
-    mean_bag = (1 + cfg.synth.max_bag) / 2  # synth draws bags uniform in 1..max_bag
-    assert abs(26 * mean_bag - sum(MLPERF_BAGS)) < 10
+    assert list(cfg.synth.bag_sizes) == list(MLPERF_BAGS)  # each field's fixed bag size
+    cpu = load_config(repo_root / "configs" / "dlrm_dcnv2_mlperf_cpu.toml", [])
+    assert list(cpu.synth.bag_sizes) == list(MLPERF_BAGS)
 
 
 def test_cpu_preset_trains_a_few_steps(repo_root, tmp_path, capsys):

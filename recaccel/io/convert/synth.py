@@ -4,7 +4,8 @@ Rows look like preprocessed Criteo: ``num_dense`` float32 features (log1p of
 log-normal counts) and ``num_sparse`` categorical fields whose ids are Zipf-skewed
 (exponent ``zipf_a``, truncated to the field's cardinality) over a per-field random
 permutation, so the hot ids are scattered through the table. The last
-``multi_hot_fields`` fields are bags of 1..``max_bag`` ids.
+``multi_hot_fields`` fields are bags of 1..``max_bag`` ids (or of the fixed sizes
+``bag_sizes``, one per multi-hot field).
 
 Labels come from a planted model that a DLRM with sum-pooled embeddings, dot
 interaction and MLPs can represent exactly::
@@ -188,6 +189,7 @@ class _RowSampler:
     dense_sigma: np.ndarray  # [Dd]
     num_single: int
     max_bag: int
+    bag_sizes: tuple[int, ...] = ()  # per multi-hot field a fixed size; () = uniform 1..max_bag
 
     def _ranks(self, u: np.ndarray, card: int) -> np.ndarray:
         # u < 1 == cdf[-1], so the rank is always < card.
@@ -204,7 +206,10 @@ class _RowSampler:
         single = self.perm[ranks + self.field_offsets[None, : self.num_single]]
         bags = []
         for f in range(self.num_single, self.field_offsets.size - 1):
-            lengths = rng.integers(1, self.max_bag + 1, size=n)
+            if self.bag_sizes:
+                lengths = np.full(n, self.bag_sizes[f - self.num_single], dtype=np.int64)
+            else:
+                lengths = rng.integers(1, self.max_bag + 1, size=n)
             start, card = self.field_offsets[f], int(self.field_offsets[f + 1] - self.field_offsets[f])
             values = self.perm[start + self._ranks(rng.random(int(lengths.sum())), card)]
             bags.append((values, np.concatenate([[0], np.cumsum(lengths)])))
@@ -289,6 +294,7 @@ def _build(cfg: SynthConfig) -> tuple[_RowSampler, PlantedModel]:
         dense_sigma=rng.uniform(0.5, 1.5, cfg.num_dense),
         num_single=num_single,
         max_bag=cfg.max_bag,
+        bag_sizes=tuple(cfg.bag_sizes),
     )
     raw = PlantedModel(
         schema=schema,
@@ -341,7 +347,8 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 
 def _chunk_rows(cfg: SynthConfig) -> int:
-    ids_per_row = cfg.num_sparse + cfg.multi_hot_fields * (cfg.max_bag - 1)
+    bags = sum(cfg.bag_sizes) if cfg.bag_sizes else cfg.multi_hot_fields * cfg.max_bag
+    ids_per_row = cfg.num_sparse - cfg.multi_hot_fields + bags
     cells_per_row = ids_per_row * (cfg.signal_dim + 1) + cfg.num_dense
     return int(np.clip(_CHUNK_CELLS // max(1, cells_per_row), 1, _MAX_CHUNK_ROWS))
 
