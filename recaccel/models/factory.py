@@ -48,6 +48,14 @@ def build_embedding(
     )
 
 
+def places_tables_on_host(model_cfg: ModelConfig) -> bool:
+    """Whether ``model.embedding_placement`` or a ``model.table_placement`` entry puts a
+    table in host memory (behind the device cache)."""
+    return model_cfg.embedding_placement == "host" or any(
+        e.endswith("=host") for e in model_cfg.table_placement
+    )
+
+
 def table_placement(model_cfg: ModelConfig, schema: FeatureSchema) -> dict[str, EmbeddingPlacement]:
     """Where each field's table lives: ``model.embedding_placement``, overridden per table
     by ``model.table_placement`` entries ``table=host|device``.

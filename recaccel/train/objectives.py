@@ -19,6 +19,7 @@ from recaccel.errors import DataError
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.rows import BatchReader
 from recaccel.metrics import check_finite
+from recaccel.models.factory import places_tables_on_host
 from recaccel.sparse import Batch, TaskBatch
 from recaccel.train.evaluation import binary_metrics, predict, predict_rows, rating_metrics
 from recaccel.train.predictions import PredictionSink, concat_columns, row_columns, task_columns
@@ -80,9 +81,7 @@ def loss_denominator(batch: Batch | TaskBatch, loss: Loss) -> float:
 def cache_batches_ahead(cfg: Config) -> int:
     """Batches to prepare ahead of the one training so that host-placed tables have the
     rows of ``model.cache_lookahead`` batches resident (0 without host tables)."""
-    m = cfg.model
-    host = m.embedding_placement == "host" or any(s.endswith("=host") for s in m.table_placement)
-    return m.cache_lookahead - 1 if host else 0
+    return cfg.model.cache_lookahead - 1 if places_tables_on_host(cfg.model) else 0
 
 
 def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:

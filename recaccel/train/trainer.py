@@ -19,7 +19,7 @@ from recaccel.io.format.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
-from recaccel.models.factory import build_model
+from recaccel.models.factory import build_model, places_tables_on_host
 from recaccel.train.cache_meter import CacheMeter
 from recaccel.train.checkpoint import TrainState, load_reader_position
 from recaccel.train.checkpoint_paths import all_checkpoints
@@ -156,10 +156,7 @@ class Trainer:
                 f"train.precision={cfg.train.precision} runs train.mode=dlrm without train.eval_tasks only "
                 "(the meta engines adapt in float32); use train.precision=fp32"
             )
-        host = cfg.model.embedding_placement == "host" or any(
-            e.endswith("=host") for e in cfg.model.table_placement
-        )
-        if host and cfg.parallel.mode == "hybrid":
+        if places_tables_on_host(cfg.model) and cfg.parallel.mode == "hybrid":
             raise ConfigError(
                 "model.embedding_placement=host (or a table_placement of host) runs parallel.mode=single: hybrid "
                 "mode shards the tables through TorchRec, which places them itself"
