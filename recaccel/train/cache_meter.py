@@ -38,9 +38,7 @@ class CacheMeter:
         if not parts:
             return {}
         total = {key: sum(p.get(key, 0.0) for p in parts) for key in parts[0] if key != "cache_hit_rate"}
-        total["cache_hit_rate"] = (
-            total["cache_hits"] / total["cache_requests"] if total["cache_requests"] else 0.0
-        )
+        total["cache_hit_rate"] = _hit_rate(total)
         return total
 
     def since_last(self, step: int) -> dict[str, float]:
@@ -53,12 +51,13 @@ class CacheMeter:
         steps = max(step - self._last_step, 1)
         delta = {key: now[key] - last[key] for key in _COUNTERS}
         self._last, self._last_step = now, step
-        out = {
-            "cache_hit_rate": delta["cache_hits"] / delta["cache_requests"]
-            if delta["cache_requests"]
-            else 0.0
-        }
+        out = {"cache_hit_rate": _hit_rate(delta)}
         for key in _COUNTERS[2:]:
             out[f"{key}_per_step"] = delta[key] / steps
         out["cache_staging_bytes"] = now.get("cache_staging_bytes", 0.0)
         return out
+
+
+def _hit_rate(counters: dict[str, float]) -> float:
+    """Hits over requests (0 before any request)."""
+    return counters["cache_hits"] / counters["cache_requests"] if counters["cache_requests"] else 0.0
