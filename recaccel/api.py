@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recaccel.config import Config, load_config, path_fields, section_types
+from recaccel.config_files import absolute_value
 from recaccel.train.runlog import CONFIG_FILE
 
 if TYPE_CHECKING:  # torch is imported when a run starts, not with recaccel
@@ -118,25 +118,16 @@ def evaluate(
 def absolute_paths(cfg: Config) -> Config:
     """``cfg`` with every relative path value (:func:`~recaccel.config.path_fields`)
     made absolute against the working directory (what it meant)."""
-    changed = {}
+    changed, cwd = {}, Path.cwd()
     for name, cls in section_types().items():
         section = getattr(cfg, name)
-        updates = {key: _absolute(getattr(section, key), named) for key, named in path_fields(cls).items()}
+        updates = {
+            key: absolute_value(getattr(section, key), cwd, named) for key, named in path_fields(cls).items()
+        }
         updates = {k: v for k, v in updates.items() if v != getattr(section, k)}
         if updates:
             changed[name] = dataclasses.replace(section, **updates)
     return dataclasses.replace(cfg, **changed) if changed else cfg
-
-
-def _absolute(value: Any, named: bool) -> Any:
-    if isinstance(value, list):
-        return [_absolute(v, named) for v in value]
-    if not isinstance(value, str):
-        return value
-    if named:
-        name, _, path = value.partition("=")
-        return f"{name}={os.path.abspath(path)}"
-    return os.path.abspath(value)
 
 
 def _toml_str(value: str | Path) -> str:

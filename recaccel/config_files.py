@@ -51,16 +51,18 @@ def resolve_paths(raw: dict[str, Any], base: Path, sections: dict[str, type]) ->
         fields = path_fields(sections[section]) if section in sections and isinstance(values, dict) else {}
         if fields:
             values = {
-                key: _resolve_value(value, base, fields[key]) if key in fields else value
+                key: absolute_value(value, base, fields[key]) if key in fields else value
                 for key, value in values.items()
             }
         resolved[section] = values
     return resolved
 
 
-def _resolve_value(value: Any, base: Path, named: bool) -> Any:
+def absolute_value(value: Any, base: Path, named: bool) -> Any:
+    """A path field's value (a path, a ``name=path`` entry when ``named``, or a list of
+    them) with each relative path made absolute against ``base``; anything else as is."""
     if isinstance(value, list):
-        return [_resolve_value(v, base, named) for v in value]
+        return [absolute_value(v, base, named) for v in value]
     if not isinstance(value, str) or not value:
         return value
     if named:
