@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recaccel.config import Config, load_config, path_fields, section_types
-from recaccel.config_files import absolute_value
+from recaccel.config_files import absolute_value, toml_value
 from recaccel.train.runlog import CONFIG_FILE
 
 if TYPE_CHECKING:  # torch is imported when a run starts, not with recaccel
@@ -75,7 +75,7 @@ def run_config(run_dir: str | Path, overrides: list[str] | tuple[str, ...] = ())
         ConfigError: no readable config.toml in ``run_dir``, or a bad override.
     """
     path = Path(run_dir) / CONFIG_FILE
-    sets = [*overrides, f"train.out_dir={_toml_str(run_dir)}"]
+    sets = [*overrides, f"train.out_dir={toml_value(str(run_dir))}"]
     return load_config(path, sets, paths_relative_to_file=False)
 
 
@@ -128,7 +128,3 @@ def absolute_paths(cfg: Config) -> Config:
         if updates:
             changed[name] = dataclasses.replace(section, **updates)
     return dataclasses.replace(cfg, **changed) if changed else cfg
-
-
-def _toml_str(value: str | Path) -> str:
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

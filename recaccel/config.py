@@ -19,8 +19,6 @@ directory, the backends) before a run starts.
 from __future__ import annotations
 
 import dataclasses
-import re
-import sys
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,16 +44,17 @@ from recaccel.config_checks import (  # noqa: F401  (re-exported: recaccel.confi
     show_value,
     suggest,
 )
-from recaccel.config_files import merge_tables, path_fields, resolve_paths  # noqa: F401  (path_fields: API)
+from recaccel.config_files import (  # noqa: F401  (path_fields: API)
+    merge_tables,
+    path_fields,
+    read_toml,
+    resolve_paths,
+)
+from recaccel.config_files import parse_override as _parse_override
+from recaccel.config_files import toml_value as _toml_value
 from recaccel.errors import ConfigError
 
 _Section = Section  # the sections' base, checked field by field (recaccel.config_checks)
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 
 # The vocabulary of every choice, named once. Config fields use these aliases; components
 # that take one of these values check it against ``choices(alias)`` rather than a tuple
@@ -537,20 +536,7 @@ def config_to_toml(cfg: Config) -> str:
 
 
 def _read_toml(p: Path) -> dict[str, Any]:
-    if not p.is_file():
-        raise ConfigError(f"config file {p} {'is not a file' if p.exists() else 'does not exist'}")
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = e.object.count(b"\n", 0, e.start) + 1
-        where = f"line {line}: byte {e.object[e.start]:#04x}"
-        raise ConfigError(f"config file {p} is not UTF-8 text ({where})") from None
-    except OSError as e:
-        raise ConfigError(f"config file {p} cannot be read: {e.strerror}") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {p}: {' '.join(str(e).split())}") from None
+    raw = read_toml(p)
     _check_tables(raw, f"config file {p}: ")
     return raw
 
@@ -566,36 +552,3 @@ def _check_tables(raw: dict[str, Any], where: str = "") -> None:
                 f"{where}config section [{section}] must be a table of keys ([{section}] and the keys "
                 f"below it), got {section} = {show_value(values)}"
             )
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):  # an inline table; TOML has no null, so None keys are left out
-        items = (f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items() if v is not None)
-        return "{" + ", ".join(items) + "}"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
-def _toml_key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
-
-
-def _parse_override(item: str) -> tuple[str, str, Any]:
-    if "=" not in item:
-        raise ConfigError(f"override {item!r} must look like section.key=value")
-    dotted, text = item.split("=", 1)
-    parts = dotted.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"override key {dotted!r} must look like section.key")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text  # a bare word is a string: model.embedding_backend=triton
-    return parts[0], parts[1], value

@@ -1,16 +1,25 @@
 """Config files: which fields hold paths, relative paths made absolute against their
-file's folder, and files merged table by table (used by :func:`recaccel.config.load_config`).
+file's folder, files merged table by table, TOML read and written, ``section.key=value``
+overrides parsed (used by :func:`recaccel.config.load_config` and ``config_to_toml``).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
 import types
 import typing
 from pathlib import Path
 from typing import Any
 
 from recaccel.config_checks import NamedPath, PathText, field_hints
+from recaccel.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 
 def path_fields(cls: type) -> dict[str, bool]:
@@ -85,3 +94,61 @@ def merge_tables(into: dict[str, Any], new: dict[str, Any]) -> None:
             merge_tables(into[key], value)
         else:
             into[key] = value
+
+
+def read_toml(p: Path) -> dict[str, Any]:
+    """A TOML file's tables (not checked against the config's sections).
+
+    Raises:
+        ConfigError: a missing, unreadable or non-UTF-8 file, a TOML syntax error.
+    """
+    if not p.is_file():
+        raise ConfigError(f"config file {p} {'is not a file' if p.exists() else 'does not exist'}")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = e.object.count(b"\n", 0, e.start) + 1
+        where = f"line {line}: byte {e.object[e.start]:#04x}"
+        raise ConfigError(f"config file {p} is not UTF-8 text ({where})") from None
+    except OSError as e:
+        raise ConfigError(f"config file {p} cannot be read: {e.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {p}: {' '.join(str(e).split())}") from None
+    return raw
+
+
+def toml_value(value: Any) -> str:
+    """``value`` (bool, number, string, list, dict) written as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; TOML has no null, so None keys are left out
+        items = (f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items() if v is not None)
+        return "{" + ", ".join(items) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_value(key)
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value in TOML, a bare word a string."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    dotted, text = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key {dotted!r} must look like section.key")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word is a string: model.embedding_backend=triton
+    return parts[0], parts[1], value

@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from recaccel.config_files import toml_key, toml_value
 from recaccel.errors import DataError
 from recaccel.hashing import mix64
 from recaccel.io.format.dataset import READ_ERRORS, list_files, read_error_text
@@ -168,7 +169,7 @@ def suggest_mapping(stats: list[ColumnStats], label: str | None = None) -> str:
     if label is None:
         lines.append('label = "CHANGE_ME"  # no column is named like a label: give --label COL')
     else:
-        lines.append(f"label = {_str(label)}")
+        lines.append(f"label = {toml_value(label)}")
         kind = next(s for s in stats if s.name == label)
         binary = kind.min is not None and kind.min >= 0 and (kind.max or 0) <= 1 or kind.type == "bool"
         lines.append(f'label_kind = "{"binary" if binary else "rating"}"')
@@ -183,19 +184,19 @@ def suggest_mapping(stats: list[ColumnStats], label: str | None = None) -> str:
             else:
                 dense.append(s.name)
         elif t.startswith(("timestamp", "date")):
-            skipped.append(f"{s.name} ({t}): a meta dataset's timestamp = {_str(s.name)}?")
+            skipped.append(f"{s.name} ({t}): a meta dataset's timestamp = {toml_value(s.name)}?")
         elif any(k in t for k in ("int", "string", "binary", "bool", "dictionary")):
             sparse.append((s, ""))
         else:
             skipped.append(f"{s.name} ({t}): no role for this type")
-    lines.append(f"dense = [{', '.join(_str(d) for d in dense)}]")
+    lines.append(f"dense = [{', '.join(toml_value(d) for d in dense)}]")
     lines.append(
         '# task_key = "COL"  # meta data: the integer column grouping rows into tasks (rows sorted by it)'
     )
     lines.append("")
     lines.append("[data.schema.sparse]")
     for s, note in sparse:
-        lines.append(f"{_q(s.name)} = {{ {_sparse_size(s)} }}" + _comment(s, note))
+        lines.append(f"{toml_key(s.name)} = {{ {_sparse_size(s)} }}" + _comment(s, note))
     for text in skipped:
         lines.append(f"# skipped: {text}")
     return "\n".join(lines) + "\n"
@@ -216,16 +217,6 @@ def _comment(s: ColumnStats, note: str) -> str:
         *([note] if note else []),
     ]
     return "  # " + ", ".join(parts)
-
-
-def _q(name: str) -> str:
-    """A TOML key: bare when it can be."""
-    return name if name and all(c.isascii() and (c.isalnum() or c in "_-") for c in name) else _str(name)
-
-
-def _str(text: str) -> str:
-    """A TOML basic string."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def format_table(stats: list[ColumnStats]) -> str:
