@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from recaccel.config import Config, load_config
+from recaccel.api import run_config
+from recaccel.config import Config
 from recaccel.errors import ConfigError, RecaccelError
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import PerTableEmbeddingBag
@@ -89,7 +90,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> LoadedRun:
     config_file = run_dir / CONFIG_FILE
     if not config_file.is_file():
         raise RecaccelError(f"{run_dir} is not a recaccel run directory (it has no {CONFIG_FILE})")
-    cfg = load_config(config_file, [f"train.out_dir={_toml_str(run_dir)}"])
+    cfg = run_config(run_dir)  # as recaccel-eval and a resume read it
     schema = run_schema(cfg)
     model = build_cpu_model(cfg, schema)
     module = _checkpointed_module(cfg, model, schema.label_kind)
@@ -174,7 +175,3 @@ def check_arch(loaded: LoadedRun, supported: tuple[str, ...], fmt: str) -> None:
         if loaded.cfg.model.arch != "melu":
             what += f" with model.interaction={loaded.cfg.model.interaction}"
         raise ConfigError(f"--format {fmt} exports {' and '.join(supported)} models; this run is {what}")
-
-
-def _toml_str(value: str | Path) -> str:
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -96,7 +96,7 @@ def checkpoint_steps(run_dir: str | Path) -> dict[int, Path]:
     """A run's checkpoints by step (a ``.pt`` file wins over a ``.dcp`` folder of the same step)."""
     found: dict[int, Path] = {}
     for path in all_checkpoints(Path(run_dir)):
-        step = int(_STEP.search(path.name).group(1))
+        step = checkpoint_step(path)
         if step not in found or path.suffix == ".pt":
             found[step] = path
     return dict(sorted(found.items()))
