@@ -297,7 +297,7 @@ class PackedEmbeddingBag(nn.Module):
         """
         routing, outs = self._lookup(sf)
         _check_one_dim(routing, "forward")
-        return _to_batch_order(routing, outs)
+        return routing.to_batch_order(outs)
 
     def forward_packs(self, sf: SparseFeatures) -> list[Tensor]:
         """Pools a batch pack by pack (mixed dims).
@@ -378,7 +378,7 @@ class PackedEmbeddingBag(nn.Module):
                 continue
             held = self._held(p)
             outs.append(self._packs[p].lookup_rows(held, sf, route, sf.packs[p], batch_size, lo, hi))
-        return _to_batch_order(routing, outs)
+        return routing.to_batch_order(outs)
 
     def deferred_update_unsupported(self) -> str | None:
         """Why :meth:`apply_gradient` cannot run on this module, or None when it can
@@ -584,13 +584,6 @@ def _check_one_dim(routing: Routing, method: str) -> None:
             f"{_OP}.{method} needs one dim for all features, got dims {sorted(set(routing.dims))}; "
             "use forward_packs() or forward_concat()"
         )
-
-
-def _to_batch_order(routing: Routing, outs: list[Tensor]) -> Tensor:
-    """The packs' [B, F_p, D] outputs as one [B, F, D] in the batch's feature order."""
-    outs = [o for o in outs if o.shape[1] > 0]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-    return out if routing.restore is None else out.index_select(1, routing.restore)
 
 
 def _rounding_seed(seed: int | None, generator: torch.Generator | None) -> int:

@@ -142,6 +142,12 @@ class Routing:
     restore_columns: Tensor | None
     order: Tensor | None = None
 
+    def to_batch_order(self, outs: list[Tensor]) -> Tensor:
+        """The packs' [B, F_p, D] outputs as one [B, F, D] in the batch's feature order."""
+        outs = [o for o in outs if o.shape[1] > 0]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out if self.restore is None else out.index_select(1, self.restore)
+
 
 @dataclass
 class PackIds:
