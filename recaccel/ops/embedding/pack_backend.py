@@ -57,6 +57,19 @@ class PackOptions:
     rounding: StochasticRounding | None = None
 
 
+def table_views(layout: PackLayout, tensors: Mapping[str, Tensor], step: Tensor) -> list[dict[str, Tensor]]:
+    """Per table of ``layout``: its rows of each packed tensor ([R_t, ...] views, by
+    checkpoint name), plus Adam's ``step``."""
+    out = []
+    for table, start in zip(layout.tables, layout.row_offsets):
+        rows = slice(start, start + table.num_rows)
+        views = {name: t[rows] for name, t in tensors.items()}
+        if table.optimizer == "adam":
+            views["step"] = step
+        out.append(views)
+    return out
+
+
 class PackBackend(Protocol):
     """What the module asks of one pack.
 
@@ -325,16 +338,8 @@ class HeldPack(ABC):
         return PackState(self.layout.optimizer, held["weight"], self._optimizer_states(held), self.step, seed)
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
-        weight = held["weight"].detach()
-        states = self._optimizer_states(held)
-        out = []
-        for table, start in zip(self.layout.tables, self.layout.row_offsets):
-            rows = slice(start, start + table.num_rows)
-            tensors = {"weight": weight[rows], **{name: t[rows] for name, t in states.items()}}
-            if table.optimizer == "adam":
-                tensors["step"] = self.step
-            out.append(tensors)
-        return out
+        tensors = {"weight": held["weight"].detach(), **self._optimizer_states(held)}
+        return table_views(self.layout, tensors, self.step)
 
     def set_learning_rate(self, lr: float) -> None:
         self.optim = dataclasses.replace(self.optim, lr=lr)

@@ -59,7 +59,7 @@ from recaccel.ops.embedding.cache.host_store import HostStore
 from recaccel.ops.embedding.cache.options import CacheOptions
 from recaccel.ops.embedding.cache.policy import victim_order
 from recaccel.ops.embedding.cache.slots import LockWindow, SlotTable, Ticket
-from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions
+from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions, table_views
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, PackLayout, PackRoute, gather_pack_ids
 from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.sparse import SparseFeatures
@@ -297,14 +297,7 @@ class CachedPack:
         rows were written back; the cache reloads from them before its next use."""
         self.flush()
         self._stale = True
-        out = []
-        for table, start in zip(self.layout.tables, self.layout.row_offsets):
-            rows = slice(start, start + table.num_rows)
-            tensors = {name: t[rows] for name, t in self.store.tensors.items()}
-            if table.optimizer == "adam":
-                tensors["step"] = self.inner.step
-            out.append(tensors)
-        return out
+        return table_views(self.layout, self.store.tensors, self.inner.step)
 
     def set_learning_rate(self, lr: float) -> None:
         self.inner.set_learning_rate(lr)
