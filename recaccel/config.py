@@ -92,6 +92,7 @@ MetaEngine = Literal["batched", "vmap", "loop"]  # stacked bmm | torch.func | pe
 ParallelMode = Literal["single", "hybrid"]
 ShardingKind = Literal["table_wise", "row_wise", "column_wise", "data_parallel"]
 DataSharding = Literal["global", "sharded", "dynamic"]
+StragglerPolicy = Literal["off", "rebalance", "backup"]
 DistBackend = Literal["auto", "nccl", "gloo"]
 # Converter options (recaccel-data), not config fields.
 BadRowsPolicy = Literal["error", "skip"]  # criteo: a bad line raises, or is dropped and counted
@@ -380,6 +381,15 @@ class ParallelConfig(_Section):
     ``dynamic`` = rank 0's shard service hands shards of ``data.shard_row_groups`` row
     groups to whichever rank asks, their states in the checkpoint
     (:mod:`recaccel.train.distributed.shard_service`).
+
+    ``straggler`` (as AntDT; :mod:`recaccel.train.distributed.straggler`): ``rebalance``
+    (``data = "global"``, dedicated clusters) splits every global batch over the ranks in
+    proportion to their measured speed, re-decided every ``straggler_every`` steps;
+    ``backup`` (``data = "dynamic"``, shared clusters) shrinks the local batch of a rank
+    slower than ``backup_factor`` times the others' median to its speed share (its unread
+    shard rows go back to the service for the faster ranks) while the others grow, the
+    global batch kept. Either way each rank's loss counts by its share of the global
+    normaliser, so the update is the equal-split one.
     """
 
     SECTION: ClassVar[str] = "parallel"
@@ -390,6 +400,9 @@ class ParallelConfig(_Section):
     data: DataSharding = "global"
     backend: DistBackend = "auto"  # auto: nccl on CUDA, else gloo
     timeout_s: Rate = 300.0  # a collective waiting longer than this fails the run
+    straggler: StragglerPolicy = "off"
+    straggler_every: Count = 5  # steps between the straggler controller's decisions
+    backup_factor: Annotated[float, Range(gt=1)] = 1.5  # backup: slower than this x the others' median
 
 
 @dataclass

@@ -74,6 +74,8 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
         )
     if cfg.parallel.data == "dynamic":
         raise ConfigError("config key parallel.data=dynamic needs parallel.mode=hybrid")
+    if cfg.parallel.straggler != "off":
+        raise ConfigError(f"config key parallel.straggler={cfg.parallel.straggler} needs parallel.mode=hybrid")
     check_faults(cfg, 1)
     return SingleProcess(device)
 
