@@ -205,6 +205,9 @@ class HybridParallel:
         self._step_denominator = 1.0
         self.step_rows = 0
         self._pipeline = None  # TorchRec's train pipeline while train.pipeline != off trains
+        # Called with each local batch a step trains (train.pipeline = off): benchmarks and
+        # tests count the rows each rank trained.
+        self.on_batch: Callable[[Any], None] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -425,6 +428,8 @@ class HybridParallel:
 
         Call inside :meth:`batches` (it sets this step's global normaliser).
         """
+        if self.on_batch is not None:
+            self.on_batch(batch)
         self.zero_grad(optimizer)
         with self.collectives("the training step"):
             loss = objective.batch_loss(batch)

@@ -109,6 +109,7 @@ class Monitor:
         self._history: list[list[list[float]]] = []  # rank 0: each gather's [rank][FIELDS]
         self.flags: list[dict[str, Any]] = []  # rank 0: each (rank, kind) flagged, first time
         self._pending: dict[str, Any] | None = None  # rank 0: the last gather, not yet logged
+        self.last_compute_s = 0.0  # the last closed step's compute (the straggler controller's input)
 
     # -------------------------------------------------------------- recording
 
@@ -147,6 +148,7 @@ class Monitor:
             return False
         step = time.perf_counter() - self._start
         comm = sum(self._comm.values())
+        self.last_compute_s = step - comm
         if self.enabled:
             self._window.append([step, step - comm, comm, *self._comm.values(), self._bytes])
         self.drop_step()
