@@ -50,12 +50,14 @@ from recaccel.config import Config, OptimConfig, SparseOptimizer, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.readers.protocol import Reader
 from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.sparse import TaskBatch
 from recaccel.train.checkpoint import TrainState
 from recaccel.train.distributed.collectives import CollectiveError, is_comm_error
 from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
 from recaccel.train.distributed.hybrid_data import GlobalSlices
 from recaccel.train.distributed.launch import under_torchrun
 from recaccel.train.distributed.monitor import Monitor, check_faults
+from recaccel.train.distributed.straggler import SplitController, check_plan_kinds, check_straggler
 from recaccel.train.objectives import Objective, loss_denominator
 from recaccel.train.parallel import BatchWithState, StepDone
 
@@ -190,6 +192,16 @@ class HybridParallel:
         self.world_size = dist.get_world_size()
         self.local_world_size = _env_int("LOCAL_WORLD_SIZE", self.world_size)
         check_faults(cfg, self.world_size)
+        check_straggler(cfg)
+        # parallel.straggler: every rank's share of the global batch, decided alike on all.
+        self.splitter = (
+            SplitController(p.straggler, self.world_size, p.straggler_every, p.backup_factor)
+            if p.straggler != "off"
+            else None
+        )
+        self._last_units = 0  # rows (tasks) of this rank's last step, for the next agreement
+        self._dynamic_reader = None  # parallel.data=dynamic: this rank's shard reader
+        self._empty = None  # backup: a 0-row batch a dry rank trains while others finish
         # Step and collective timings (monitor.every > 0), and fault.slow_rank's sleep.
         self.monitor = Monitor(cfg.monitor, cfg.fault, self.rank, self.world_size, self._comm_device())
         if backend == "gloo":
@@ -290,8 +302,14 @@ class HybridParallel:
             )
             self.embedding = arch.embedding
             self._broadcast(module)
-        if self.plan is not None and self.is_main:
-            logger.info("embedding sharding plan:\n%s", self.plan)
+        if self.plan is not None:
+            from recaccel.train.distributed.sharding import plan_rows
+
+            check_plan_kinds(
+                self.cfg.parallel.straggler, {r["table"]: r["sharding"] for r in plan_rows(self.plan)}
+            )
+            if self.is_main:
+                logger.info("embedding sharding plan:\n%s", self.plan)
         return module
 
     def _broadcast(self, module: nn.Module) -> None:
@@ -318,7 +336,14 @@ class HybridParallel:
 
             store = dist.distributed_c10d._get_default_store()  # hosted by rank 0
             service = ShardService(store, self.rank, self.world_size, self.cfg.parallel.timeout_s)
-            return DynamicShardReader(make(0, 1), service, self.cfg.data.shard_row_groups)
+            # backup: batches follow the controller's sizes, so ranks take shards as they need them.
+            ragged = self.cfg.parallel.straggler == "backup"
+            self._dynamic_reader = DynamicShardReader(
+                make(0, 1), service, self.cfg.data.shard_row_groups, ragged=ragged
+            )
+            return self._dynamic_reader
+        if train and self.cfg.parallel.straggler == "rebalance":
+            return make(0, 1)  # global batches: batches() slices them by the agreed split
         return GlobalSlices(make(0, 1), self.rank, self.world_size, train=train, whole_tasks=not train)
 
     def steps(
@@ -379,36 +404,73 @@ class HybridParallel:
         items = iter(loader)
         while True:
             batch = next(items, None)
+            if batch is not None and self._empty is None and self.splitter is not None:
+                self._empty = batch.slice_rows(0, 0) if self.splitter.policy == "backup" else None
             agreed = self.agree(batch, objective)
             if agreed is None:
                 return
             self._step_denominator, self.step_rows = agreed
+            if batch is None:
+                batch = self._empty  # backup: this rank ran dry, the others still train
+            elif self.splitter is not None and self.splitter.policy == "rebalance":
+                batch = self._my_slice(batch)
             yield batch
 
+    def _my_slice(self, batch: Any) -> Any:
+        """rebalance: this rank's slice of a global Batch (rows) or TaskBatch (tasks) by the split."""
+        tasks = isinstance(batch, TaskBatch)
+        sizes = self.splitter.split(batch.num_tasks if tasks else batch.batch_size)
+        lo = sum(sizes[: self.rank])
+        hi = lo + sizes[self.rank]
+        return batch.slice_tasks(lo, hi) if tasks else batch.slice_rows(lo, hi)
+
     def agree(self, batch: Any | None, objective: Objective) -> tuple[float, int] | None:
-        """One 3-float allreduce of (has a batch, loss normaliser, rows) over ranks.
+        """One allreduce of (has a batch, loss normaliser, rows, then every rank's last step
+        compute time and units in its own slots) over ranks.
+
+        Under ``parallel.straggler`` the timings feed the :class:`SplitController` (the same
+        numbers on every rank: each slot sums one non-zero term). With ``rebalance`` the
+        batch is the global one: rank 0 alone contributes its normaliser and rows.
 
         Args:
             batch: this rank's next batch, or None when it has run dry.
             objective: the objective (its loss kind sets the normaliser).
 
         Returns:
-            The global (loss normaliser, training rows), or None when some rank has no batch.
+            The global (loss normaliser, training rows), or None when the epoch ends: some
+            rank has no batch (``backup``: every rank).
         """
-        info = torch.zeros(3, dtype=torch.float64)
+        w = self.world_size
+        info = torch.zeros(3 + 2 * w, dtype=torch.float64)
+        rebalance = self.splitter is not None and self.splitter.policy == "rebalance"
         if batch is not None:
-            info[0], info[1], info[2] = 1.0, loss_denominator(batch, objective.loss), batch.training_rows
+            info[0] = 1.0
+            if not rebalance or self.rank == 0:
+                info[1], info[2] = loss_denominator(batch, objective.loss), batch.training_rows
+        if self._last_units:
+            info[3 + self.rank], info[3 + w + self.rank] = self.monitor.last_compute_s, self._last_units
+            self._last_units = 0
         self.monitor.start_step()
         with self.collectives("agreeing on the next step"), self.monitor.collective("agree", info.nbytes):
             buffer = info.to(self._comm_device())
             dist.all_reduce(buffer)
         info = buffer.cpu()
-        if int(info[0]) < self.world_size:
+        if self.splitter is not None:
+            self._steer(info[3 : 3 + w].tolist(), info[3 + w :].tolist())
+        ready = int(info[0])
+        backup = self.splitter is not None and self.splitter.policy == "backup"
+        if ready < w and not (backup and ready > 0 and (batch is not None or self._empty is not None)):
             self.monitor.drop_step()  # no step follows this agreement
             if batch is not None:
                 logger.info("rank %d: another rank ran out of batches; ending the epoch", self.rank)
             return None
         return float(info[1]), int(info[2])
+
+    def _steer(self, compute_s: list[float], units: list[float]) -> None:
+        """Feeds one step's per-rank timings to the controller; ``backup``: a new split sets
+        this rank's next batch size (batches already cut keep theirs)."""
+        if self.splitter.observe(compute_s, units) and self._dynamic_reader is not None:
+            self._dynamic_reader.batch_rows = self.splitter.local_sizes(self.cfg.data.batch_size)[self.rank]
 
     def _comm_device(self) -> torch.device:
         return self.device if self.backend == "nccl" else torch.device("cpu")
@@ -431,9 +493,13 @@ class HybridParallel:
         if self.on_batch is not None:
             self.on_batch(batch)
         self.zero_grad(optimizer)
+        units = batch.num_tasks if isinstance(batch, TaskBatch) else batch.batch_size
+        self._last_units = units
         with self.collectives("the training step"):
             loss = objective.batch_loss(batch)
             share = loss_denominator(batch, objective.loss) / max(self._step_denominator, 1e-12)
+            if not units:  # backup's dry rank: joins the collectives, adds nothing (its mean is 0/0)
+                loss = loss.nan_to_num(0.0)
             scaled = loss * share
             scaled.backward()
         return self.sync_and_step(optimizer, scaled.detach())

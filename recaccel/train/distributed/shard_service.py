@@ -148,19 +148,27 @@ class DynamicShardReader:
             batch size and read options (its own iteration is not used).
         service: the shard service shared by the ranks.
         shard_row_groups: row groups per shard.
+        ragged: batches of :attr:`batch_rows` rows, which may change between batches (the
+            straggler controller's sizes, ``parallel.straggler = "backup"``); shards are taken
+            as this rank needs them, not in step with the others, and the epoch's last
+            partial batch is yielded whatever ``drop_last`` (ranks may differ in batch size).
 
     Raises:
         ConfigError: ``base`` is not a BatchReader (meta-learning's tasks are not sharded
             dynamically).
     """
 
-    def __init__(self, base: Any, service: ShardService, shard_row_groups: int) -> None:
+    def __init__(
+        self, base: Any, service: ShardService, shard_row_groups: int, *, ragged: bool = False
+    ) -> None:
         if not isinstance(base, BatchReader):
             raise ConfigError("parallel.data=dynamic reads rows (train.mode=dlrm); use parallel.data=global")
         self.base = base
         self.service = service
         self.shards = shard_ranges(len(base.info.row_groups), shard_row_groups)
         self.shard_row_groups = shard_row_groups
+        self.ragged = ragged
+        self.batch_rows = base.batch_size  # read at every cut (the loader thread cuts ahead)
         self.counters: dict[str, int] = new_decode_stats()
         self.counters.update(dict.fromkeys(_COUNTERS, 0))
         self._rounds = 0  # iterations so far: every rank iterates in step, so round ids agree
@@ -261,14 +269,14 @@ class DynamicShardReader:
     def _cut(self, start: dict[str, Any], round_id: str) -> Iterator[tuple[Batch, dict[str, Any]]]:
         queue = self.queue(start)
         done, offsets = list(start["done"]), dict(start["offsets"])
-        bs = self.base.batch_size
         source = RowGroupReader(self.base.schema, self.base.projection, self.base.policies, self.counters)
         carry: list[Columns] = []
         carried: list[int] = []  # shards whose remaining rows are all in the carry
         carry_rows = 0
         try:
             taken = 0
-            while (index := self.service.take(round_id, len(queue), taken)) is not None:
+            # ragged: no lockstep (ranks consume at different rates; dry ranks wait in empty steps)
+            while (index := self.service.take(round_id, len(queue), 0 if self.ragged else taken)) is not None:
                 taken += 1
                 shard, i = queue[index]
                 cols = self._read(source, shard)
@@ -278,8 +286,8 @@ class DynamicShardReader:
                         f"shard {shard} resumes at row {i} but has {n} rows; did the data change?"
                     )
                 order = self._order(start["epoch"], shard, n)
-                while n - i >= bs - carry_rows:
-                    j = i + bs - carry_rows
+                while n - i >= (need := max(self.batch_rows - carry_rows, 0)):
+                    j = i + need
                     batch = Columns.concat([*carry, cols.take(order[i:j])]).to_batch()
                     i = j
                     done += carried
@@ -298,7 +306,7 @@ class DynamicShardReader:
                     carry.append(cols.take(order[i:n]))
                     carried.append(shard)
                     carry_rows += n - i
-            if carry_rows and not self.base.options.drop_last:
+            if carry_rows and (self.ragged or not self.base.options.drop_last):
                 batch = Columns.concat(carry).to_batch()
                 done += carried
                 for s in carried:
