@@ -30,6 +30,10 @@ _MODULES = {
         "whole training steps: recaccel vs hand-written eager, reference and torch.compile",
         "recaccel.bench.train",
     ),
+    "straggler": (
+        "hybrid samples/s with one slowed rank: clean, unmitigated, rebalance, backup",
+        "recaccel.bench.straggler",
+    ),
 }
 
 
