@@ -32,6 +32,7 @@ from recaccel.train.checkpoint import list_checkpoints  # noqa: E402
 from tests.train.test_trainer import TINY as TINY_DLRM  # noqa: E402
 
 WORLD = 2
+AGREE = 3 + 2 * WORLD  # floats of the per-step agreement: has a batch, normaliser, rows, then timings
 TINY = [*TINY_DLRM, "optim.sparse=rowwise_adagrad"]
 STEPS = 12  # an epoch is 23 steps: runs and the resume point are mid-epoch
 # name -> (overrides of the hybrid run, overrides shared with its single-process reference)
@@ -372,14 +373,15 @@ def test_meta_inner_loop_is_silent_and_outer_step_syncs_once(results, rank):
     for calls in got["calls"]:
         assert [c for c in calls if c[0] == "inner"] == []
         reduces = [c for c in calls if c[1] == "all_reduce"]
-        # One 3-float agreement before the step, one bucket with every dense gradient (+ the loss).
-        assert [(c[0], c[2]) for c in reduces] == [("agree", 3), ("backward+sync", got["dense_numel"] + 1)]
+        # One agreement before the step (3 floats + each rank's timing and units), one bucket
+        # with every dense gradient (+ the loss).
+        assert [(c[0], c[2]) for c in reduces] == [("agree", AGREE), ("backward+sync", got["dense_numel"] + 1)]
         forward = [c for c in calls if c[0] == "forward"]
         backward = [c for c in calls if c[0] == "backward+sync" and c[1] != "all_reduce"]
         assert forward and all(c[1] == "all_to_all_single" for c in forward)  # ids out, pooled rows back
         assert [c[1] for c in backward] == ["all_to_all_single"]  # pooled gradients: the pair's return
     assert len(got["calls"]) == META_STEPS
-    assert [(c[0], c[1], c[2]) for c in got["tail"]] == [("agree", "all_reduce", 3)]  # out of data: stop
+    assert [(c[0], c[1], c[2]) for c in got["tail"]] == [("agree", "all_reduce", AGREE)]  # out of data: stop
 
 
 def test_killed_rank_fails_the_other_with_a_clear_message(results):
