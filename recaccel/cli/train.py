@@ -44,6 +44,14 @@ def train_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="run as N processes on this host through torchrun (with parallel.mode=hybrid)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc: after a rank fails, restart every rank up to K times, resuming "
+        "from the newest checkpoint (default 0: the run fails)",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return parser
 
@@ -58,8 +66,16 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         from recaccel import api
         from recaccel.config import config_to_toml, load_config
         from recaccel.preflight import preflight
+        from recaccel.train.distributed.launch import restart_count, under_torchrun
 
         overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
+        # A rank that torchrun's agent restarted after a failure continues the run, never
+        # starts (or overwrites) it again.
+        restarted = under_torchrun() and restart_count() > 0
+        if args.max_restarts and args.nproc is None:
+            raise RecaccelError(
+                "--max-restarts restarts the ranks of --nproc N; under your own torchrun pass its --max-restarts"
+            )
         if args.resume and args.overwrite:
             raise RecaccelError(
                 "--resume continues the run in RUN_DIR; --overwrite would delete it: pass one"
@@ -80,13 +96,22 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         # Refused here in one line, naming the recaccel-data command of missing data.
         preflight(cfg, config_files=files)
         if args.nproc is not None:
+            from recaccel.train.distributed.dist_checkpoint import check_resume_world_size
             from recaccel.train.distributed.launch import relaunch, strip_nproc
-            from recaccel.train.runlog import check_run_dir
+            from recaccel.train.runlog import check_run_dir, clear_run
 
-            if not args.resume:
-                check_run_dir(Path(cfg.train.out_dir), overwrite=args.overwrite)
-            return relaunch(args.nproc, strip_nproc(sys.argv[1:] if argv is None else argv))
-        metrics = api.train(cfg, resume=bool(args.resume), overwrite=args.overwrite)
+            run_dir = Path(cfg.train.out_dir)
+            if args.resume:
+                check_resume_world_size(run_dir, cfg, args.nproc)
+            else:
+                check_run_dir(run_dir, overwrite=args.overwrite)
+                if args.overwrite and args.max_restarts:
+                    # Now, not by rank 0 later: a restart before that would resume the old run.
+                    clear_run(run_dir)
+            forwarded = strip_nproc(sys.argv[1:] if argv is None else argv)
+            return relaunch(args.nproc, forwarded, args.max_restarts)
+        resume = bool(args.resume) or restarted
+        metrics = api.train(cfg, resume=resume, overwrite=args.overwrite and not restarted)
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
             print_metrics(metrics, Path(cfg.train.out_dir), Path(cfg.data.test).parent)
         return 0

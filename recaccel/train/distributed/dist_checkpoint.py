@@ -9,10 +9,30 @@ size and step. The directory is written under a temporary name and renamed by ra
 once every rank has finished, so a crash mid-write never leaves a checkpoint that
 looks complete; the two newest are kept.
 
-Resuming needs the same world size (and sharding plan): each rank reads back exactly
-its shards and its own position. :func:`consolidated_state_dict` gathers the full
-tables on rank 0 in the single-process layout (``<embedding prefix><table>.weight`` /
-``.momentum1``), to compare with or continue as a single-process run.
+Resuming with the same number of ranks, each rank reads back exactly its shards and its
+own position. With another number W' (a smaller or larger torchrun launch), the planner
+of the new run places the tables for W' ranks and DCP reshards: every rank reads the
+parts of the saved ShardedTensors (tables and their fused optimizer state) that overlap
+its new shards, by global offsets; the rest is replicated and read whole. Row-wise
+Adagrad of a ``column_wise`` table keeps one accumulator per row *per column shard*
+(``[R * shards]``): it moves only when the new plan cuts the table's columns where the
+saved one did, else the resume is refused naming the table. :func:`consolidated_state_dict`
+gathers the full tables on rank 0 in the single-process layout
+(``<embedding prefix><table>.weight`` / ``.momentum1``), to compare with or continue as
+a single-process run.
+
+Training state on another world size. Rank r of the new run reads ``ranks.<r>`` when
+the checkpoint has it, else ``ranks.0``:
+
+- counters (step, epoch, samples, training seconds, last loss) are the same in every
+  entry; ``step`` keeps counting steps, whose rows are W' times a rank's batch with
+  ``parallel.data = "dynamic"`` (an epoch then has another number of steps);
+- the reader position: with ``parallel.data = "global"`` it is the one shared global
+  reader's, the same in every entry; with ``dynamic`` every entry holds the epoch's
+  merged shard ledger, which any number of ranks resumes; with ``sharded`` it is the
+  position in the rank's own row groups, which are cut per world size: refused;
+- RNG state: each rank restores the entry it reads (ranks are seeded alike, so a rank
+  beyond the old world size continues rank 0's streams).
 
 Optimizer states that only exist after a first step (torch optimizers) are stored as
 serialized blobs; tensors that exist from the start are loaded in place.
@@ -86,9 +106,10 @@ def _unblob(path: Path, entry: str, data: Any) -> Any:
 
 
 def _state_dict(
-    parallel: ShardedLayout, model: nn.Module, optimizer: torch.optim.Optimizer
+    parallel: ShardedLayout, model: nn.Module, optimizer: torch.optim.Optimizer, entry: int | None = None
 ) -> dict[str, Any]:
-    """What DCP writes or reads: tensors in place, blobs (bytes) for the rest."""
+    """What DCP writes or reads: tensors in place, blobs (bytes) for the rest; ``entry``:
+    the rank whose ``ranks.<entry>`` is read (default this rank)."""
     sd: dict[str, Any] = {"model": model.state_dict(), "dense_optim": b""}
     if parallel.dmp is not None:
         sd["embedding"] = parallel.dmp.state_dict()
@@ -96,7 +117,7 @@ def _state_dict(
     if parallel.replicated is not None:
         sd["replicated"] = parallel.replicated.state_dict()
         sd["replicated_optim"] = b""
-    sd[f"ranks.{parallel.rank}"] = b""
+    sd[f"ranks.{parallel.rank if entry is None else entry}"] = b""
     return sd
 
 
@@ -147,14 +168,16 @@ def save_sharded(
 def load_sharded(
     run_dir: Path, parallel: ShardedLayout, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> TrainState:
-    """Restores the newest sharded checkpoint of ``run_dir`` (a collective).
+    """Restores the newest sharded checkpoint of ``run_dir`` (a collective), resharded when
+    it was written by another number of ranks (see the module docstring).
 
     The folder is untrusted input: DCP's ``.metadata`` pickle is read restricted to DCP's
     metadata classes, byte entries restricted to tensors, numbers, strings and containers,
     and the unpickled entries are checked before any is applied.
 
     Raises:
-        RecaccelError: no checkpoint, one written by a different number of ranks, or one
+        RecaccelError: no checkpoint, one that cannot move to this number of ranks
+            (``parallel.data = "sharded"``, a column-wise table's optimizer state), or one
             line naming the checkpoint and its first problem.
     """
     found = list_sharded_checkpoints(run_dir)
@@ -163,17 +186,16 @@ def load_sharded(
             f"no sharded checkpoint (step-*.dcp) in {Path(run_dir) / CHECKPOINT_DIR}; cannot resume"
         )
     path = found[-1]
-    info = read_info(path)
-    if info.get("world_size") != parallel.world_size:
-        raise RecaccelError(
-            f"checkpoint {path} was written by {info.get('world_size')} ranks; resume it with "
-            f"--nproc {info.get('world_size')} (this run has {parallel.world_size})"
-        )
-    sd = _state_dict(parallel, model, optimizer)
-    dcp_load(path, sd)
+    saved_world = check_world_size(path, parallel.cfg, parallel.world_size)
+    entry = parallel.rank if parallel.rank < saved_world else 0
+    sd = _state_dict(parallel, model, optimizer, entry)
+    reader = safe_dcp_reader(path)
+    if saved_world != parallel.world_size and parallel.dmp is not None:
+        _check_movable(path, reader.read_metadata(), parallel, sd, saved_world)
+    dcp_load(path, sd, reader=reader)
     model.load_state_dict(sd["model"])
     dense_optim, replicated_optim, entries = check_sharded_entries(
-        path, sd, optimizer, parallel.replicated_optimizer, [parallel.rank]
+        path, sd, optimizer, parallel.replicated_optimizer, [entry]
     )
     apply_state(path, "dense_optim", optimizer.load_state_dict, dense_optim)
     if parallel.dmp is not None:
@@ -182,7 +204,85 @@ def load_sharded(
     if parallel.replicated is not None:
         apply_state(path, "replicated", parallel.replicated.load_state_dict, sd["replicated"])
         apply_state(path, "replicated_optim", parallel.replicated_optimizer.load_state_dict, replicated_optim)
-    return restore_checked(path, entries[parallel.rank])
+    return restore_checked(path, entries[entry])
+
+
+def check_world_size(path: Path, cfg: Config, world_size: int) -> int:
+    """The number of ranks that wrote the sharded checkpoint ``path``, checked against a
+    resume with ``world_size`` ranks.
+
+    Raises:
+        RecaccelError: an unreadable ``recaccel.json``, or another number of ranks with
+            ``parallel.data = "sharded"`` (its reader positions are per-rank row groups).
+    """
+    saved = read_info(path).get("world_size")
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 1:
+        raise CheckpointError(path / INFO_FILE, f"world_size must be a positive int, got {show(saved)}")
+    if saved != world_size and cfg.parallel.data == "sharded":
+        raise RecaccelError(
+            f"checkpoint {path} was written by {saved} ranks with parallel.data=sharded, whose reader "
+            f"positions are each rank's own row groups and do not carry over to {world_size} ranks; "
+            f"resume it with --nproc {saved} (runs meant to change size: parallel.data=dynamic or global)"
+        )
+    return saved
+
+
+def check_resume_world_size(run_dir: Path, cfg: Config, world_size: int) -> None:
+    """:func:`check_world_size` of the newest sharded checkpoint of ``run_dir`` (nothing
+    when it has none): the launcher's check before any rank starts."""
+    found = list_sharded_checkpoints(run_dir)
+    if found:
+        check_world_size(found[-1], cfg, world_size)
+
+
+def _check_movable(
+    path: Path, metadata: Any, parallel: ShardedLayout, sd: dict[str, Any], saved_world: int
+) -> None:
+    """Refuses a table whose per-column-shard accumulators the new plan would cut elsewhere.
+
+    Args:
+        path: the checkpoint (named by the error).
+        metadata: its DCP metadata (each entry's global size and saved chunks).
+        parallel: the new layout.
+        sd: what DCP is to fill (``embedding`` / ``sparse_optim`` of the new plan).
+        saved_world: the number of ranks that wrote it.
+
+    Raises:
+        CheckpointError: one line naming the table, its kind and the column cuts.
+    """
+    from recaccel.train.distributed.sharding import plan_rows
+
+    kinds = {row["table"]: row["sharding"] for row in plan_rows(parallel.plan)}
+    saved = metadata.state_dict_metadata
+    for param, states in sd["sparse_optim"]["state"].items():
+        weight, old_weight = sd["embedding"].get(param), saved.get(f"embedding.{param}")
+        if (
+            not hasattr(weight, "metadata")
+            or old_weight is None
+            or tuple(old_weight.size) != tuple(weight.size())
+        ):
+            continue  # another model: DCP names the mismatch
+        rows = weight.size(0)
+        for name, value in states.items():
+            old = saved.get(f"sparse_optim.state.{param}.{name}")
+            if old is None or not hasattr(old, "size") or not hasattr(value, "size"):
+                continue
+            sizes = (tuple(old.size), tuple(value.size()))
+            if all(len(s) != 1 or s[0] == rows for s in sizes):
+                continue  # one accumulator per row (or per element): moves by offsets
+            cuts = [
+                sorted({int(c.offsets[1]) for c in old_weight.chunks}),
+                sorted({int(s.shard_offsets[1]) for s in weight.metadata().shards_metadata}),
+            ]
+            if sizes[0] != sizes[1] or cuts[0] != cuts[1]:
+                table = name.rpartition(".")[0]
+                raise CheckpointError(
+                    path,
+                    f"table {table!r} ({kinds.get(table, 'column_wise')} here) keeps its row-wise Adagrad "
+                    f"state per column shard, cut at columns {cuts[0]} by {saved_world} ranks and "
+                    f"{cuts[1]} by {parallel.world_size}: it cannot move; resume with --nproc {saved_world} "
+                    "(or shard the table table_wise or row_wise from the start)",
+                )
 
 
 def check_sharded_entries(

@@ -22,6 +22,16 @@ other failure; the earlier timestamp; the order in which the agent saw the failu
 records the ranks it stopped itself after the failures that made it stop). The agent's
 own log lines and its traceback block are not shown; the ranks' output passes through.
 
+Elastic restarts. ``recaccel-train --nproc N --max-restarts K`` lets the agent restart
+every rank up to K times after a failure (torchrun's ``--max-restarts``) instead of
+ending the run: the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0
+(:func:`restart_count`) and resume from the newest checkpoint of the run directory
+(from step 0 when none was written yet), whatever the command line said: a restart is
+never a new run, so ``--overwrite`` deletes nothing then. Only when the K restarts are
+spent does the run fail as above. A run may also continue on another number of ranks:
+``recaccel-train --resume RUN_DIR --nproc M`` (see
+:mod:`recaccel.train.distributed.dist_checkpoint` for what moves and what is refused).
+
 Only rank 0 writes the run directory's config.toml, log.jsonl and metrics.json and
 shows a progress bar; every rank writes its shards of each checkpoint.
 """
@@ -70,6 +80,15 @@ def under_torchrun() -> bool:
     return os.environ.get("RANK") is not None and os.environ.get("WORLD_SIZE") is not None
 
 
+def restart_count() -> int:
+    """How many times torchrun's agent has restarted this rank's workers (0: the first
+    attempt, or not under an elastic agent)."""
+    try:
+        return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), 0)
+    except ValueError:
+        return 0
+
+
 def check_launch(cfg: Config, nproc: int) -> None:
     """Checks before launching ``nproc`` ranks that the config trains in hybrid mode.
 
@@ -85,21 +104,25 @@ def check_launch(cfg: Config, nproc: int) -> None:
         )
 
 
-def launch_config(nproc: int, log_dir: str) -> LaunchConfig:
+def launch_config(nproc: int, log_dir: str, max_restarts: int = 0) -> LaunchConfig:
     """The agent's settings for ``nproc`` ranks on this host (``torchrun --standalone``).
 
     Args:
         nproc: number of ranks.
         log_dir: where the agent keeps the ranks' error files.
+        max_restarts: how many times the agent restarts every rank after a failure
+            (0: a failed rank ends the run; ``--resume`` continues it).
 
     Raises:
-        ConfigError: ``nproc`` < 1.
+        ConfigError: ``nproc`` < 1 or ``max_restarts`` < 0.
     """
     from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
     if nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {nproc}")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -107,26 +130,29 @@ def launch_config(nproc: int, log_dir: str) -> LaunchConfig:
         run_id=str(uuid.uuid4()),
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        max_restarts=0,  # a failed rank ends the run; --resume continues it
+        max_restarts=max_restarts,
         monitor_interval=MONITOR_INTERVAL_S,
         shutdown_timeout=SHUTDOWN_TIMEOUT_S,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
 
 
-def relaunch(nproc: int, argv: Sequence[str]) -> int:
+def relaunch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     """Runs this command line again as ``nproc`` ranks under torchrun's agent and waits.
 
     Args:
         nproc: number of processes (one per device).
         argv: the command-line arguments to forward, without ``--nproc``.
+        max_restarts: restarts of every rank after a failure before the run fails (the
+            restarted ranks resume from the newest checkpoint).
 
     Returns:
         0: every rank finished.
 
     Raises:
         ConfigError: already running under torchrun (a rank must not launch more ranks).
-        RankFailedError: a rank failed (see the module docstring for which one is named).
+        RankFailedError: a rank failed (in the last attempt; see the module docstring for
+            which one is named).
         KeyboardInterrupt: this process got SIGINT, SIGTERM, SIGHUP or SIGQUIT; the ranks
             were stopped.
     """
@@ -137,7 +163,7 @@ def relaunch(nproc: int, argv: Sequence[str]) -> int:
     if under_torchrun():
         raise ConfigError("--nproc given inside a torchrun worker; drop --nproc when launching with torchrun")
     with tempfile.TemporaryDirectory(prefix="recaccel-launch-") as log_dir, _agent_scope(nproc):
-        config = launch_config(nproc, log_dir)
+        config = launch_config(nproc, log_dir, max_restarts)
         try:
             elastic_launch(config, sys.executable)("-u", "-m", "recaccel.cli", *argv)
         except ChildFailedError as e:
@@ -271,18 +297,22 @@ def exit_rank(code: int) -> NoReturn:
     os._exit(code)
 
 
+_LAUNCHER_OPTIONS = ("--nproc", "--max-restarts")  # the launcher's own: not forwarded to ranks
+
+
 def strip_nproc(argv: Sequence[str]) -> list[str]:
-    """``argv`` without its ``--nproc N`` / ``--nproc=N`` options."""
+    """``argv`` without its launcher options: ``--nproc N`` / ``--nproc=N`` and
+    ``--max-restarts K`` / ``--max-restarts=K``."""
     out: list[str] = []
     skip = False
     for arg in argv:
         if skip:
             skip = False
             continue
-        if arg == "--nproc":
+        if arg in _LAUNCHER_OPTIONS:
             skip = True
             continue
-        if arg.startswith("--nproc="):
+        if arg.startswith(tuple(f"{option}=" for option in _LAUNCHER_OPTIONS)):
             continue
         out.append(arg)
     return out

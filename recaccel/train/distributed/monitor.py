@@ -75,9 +75,14 @@ def check_faults(cfg: Config, world_size: int) -> None:
 
 
 def kill_if_due(fault: FaultConfig, rank: int, step: int) -> None:
-    """Fault injection: ends this process abruptly after step ``fault.kill_rank_at_step``."""
+    """Fault injection: ends this process abruptly after step ``fault.kill_rank_at_step``,
+    in the first attempt only: ranks that torchrun's agent restarted (``--max-restarts``)
+    resume before that step and must get past it."""
+    from recaccel.train.distributed.launch import restart_count
+
     if fault.kill_rank_at_step > 0 and rank == fault.kill_rank and step == fault.kill_rank_at_step:
-        os._exit(17)  # abrupt by design: no clean-up, no checkpoint, peers see a dead rank
+        if restart_count() == 0:
+            os._exit(17)  # abrupt by design: no clean-up, no checkpoint, peers see a dead rank
 
 
 class Monitor:
