@@ -75,7 +75,9 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
     if cfg.parallel.data == "dynamic":
         raise ConfigError("config key parallel.data=dynamic needs parallel.mode=hybrid")
     if cfg.parallel.straggler != "off":
-        raise ConfigError(f"config key parallel.straggler={cfg.parallel.straggler} needs parallel.mode=hybrid")
+        raise ConfigError(
+            f"config key parallel.straggler={cfg.parallel.straggler} needs parallel.mode=hybrid"
+        )
     check_faults(cfg, 1)
     return SingleProcess(device)
 
@@ -267,7 +269,7 @@ class Trainer:
         # Hybrid: every rank agrees before each step that all ranks have a batch.
         for done in self.parallel.steps(source, self.objective, self.optimizer, self.cfg.train):
             self._record_step(done)
-            self._monitor_event()
+            self._monitor_events()
             kill_if_due(self.cfg.fault, self.parallel.rank, self.state.step)  # fault injection
             bar.update(1)
             self._log(done.loss, bar, wait)
@@ -306,9 +308,14 @@ class Trainer:
         self.state.reader = done.reader_state
         self.state.data = self._counters(self.state.reader)
 
-    def _monitor_event(self) -> None:
-        """Hybrid with ``monitor.every > 0``: rank 0 logs the gather this step made (a
-        ``monitor`` event with per-rank medians and flags; a warning for each new flag)."""
+    def _monitor_events(self) -> None:
+        """Hybrid: rank 0 logs the gather this step made (``monitor.every > 0``: a ``monitor``
+        event with per-rank medians and flags; a warning for each new flag), and a new split
+        of the straggler controller (a ``straggler`` event with each rank's share)."""
+        splitter = getattr(self.parallel, "splitter", None)
+        change = splitter.take_event() if splitter is not None else None
+        if change is not None and self.parallel.is_main:
+            self._event("straggler", step=self.state.step, **change)
         monitor = getattr(self.parallel, "monitor", None)
         event = monitor.take_event() if monitor is not None else None
         if event is None:
@@ -385,6 +392,9 @@ class Trainer:
         monitor = getattr(self.parallel, "monitor", None)
         if monitor is not None and monitor.enabled and self.parallel.is_main:
             metrics["monitor"] = monitor.summary()
+        splitter = getattr(self.parallel, "splitter", None)
+        if splitter is not None and self.parallel.is_main:
+            metrics["straggler"] = splitter.summary()
         self._event("final", **metrics)
         if self.log is not None:
             self.log.write_metrics(metrics)

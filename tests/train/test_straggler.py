@@ -308,4 +308,8 @@ def test_backup_trains_every_row_once_and_cuts_the_slow_rank(runs):
     summary = json.loads((runs / "backup.shares.json").read_text())
     assert summary["stragglers"] == [1]
     metrics = json.loads((runs / "backup" / "metrics.json").read_text())
-    assert np.isfinite(metrics["train_loss"]) if "train_loss" in metrics else True
+    assert np.isfinite(metrics["train_loss"]) and metrics["train_samples"] == ROWS
+    assert metrics["straggler"]["stragglers"] == [1] and metrics["straggler"]["policy"] == "backup"
+    events = [json.loads(line) for line in (runs / "backup" / "log.jsonl").read_text().splitlines()]
+    splits = [e for e in events if e.get("event") == "straggler"]
+    assert splits and splits[0]["stragglers"] == [1] and splits[0]["shares"][1] < 0.5

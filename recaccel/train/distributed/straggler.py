@@ -126,6 +126,7 @@ class SplitController:
         self.shares = [1.0 / world_size] * world_size
         self.stragglers: list[int] = []  # backup: ranks cut to their speed share
         self.decisions = 0
+        self._changed = False  # shares changed since take_event
         self._time = [0.0] * world_size  # this window's compute seconds per rank
         self._units = [0] * world_size  # ... and rows (or tasks) per rank
         self._steps = 0
@@ -151,6 +152,7 @@ class SplitController:
         before = list(self.shares)
         self.shares = self._rebalanced(rates) if self.policy == "rebalance" else self._backed_up(rates)
         self.decisions += 1
+        self._changed |= self.shares != before
         return self.shares != before
 
     def split(self, total: int) -> list[int]:
@@ -160,6 +162,13 @@ class SplitController:
     def local_sizes(self, batch_size: int) -> list[int]:
         """``backup``: each rank's local batch when the global one is ``W * batch_size``."""
         return split_units(self.world_size * batch_size, self.shares)
+
+    def take_event(self) -> dict[str, Any] | None:
+        """The new split's ``straggler`` event fields once after it changed, else None."""
+        if not self._changed:
+            return None
+        self._changed = False
+        return {"shares": [round(s, 4) for s in self.shares], "stragglers": list(self.stragglers)}
 
     def summary(self) -> dict[str, Any]:
         """For metrics.json: the policy, the decisions taken and the final shares."""
