@@ -313,3 +313,38 @@ def test_backup_trains_every_row_once_and_cuts_the_slow_rank(runs):
     events = [json.loads(line) for line in (runs / "backup" / "log.jsonl").read_text().splitlines()]
     splits = [e for e in events if e.get("event") == "straggler"]
     assert splits and splits[0]["stragglers"] == [1] and splits[0]["shares"][1] < 0.5
+
+
+# ------------------------------------------------------------------ from the CLI
+
+
+def test_cli_runs_each_policy_and_refuses_row_wise_tables(tmp_path, capsys):
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    from recaccel.cli import train_main
+    from recaccel.io.convert.synth import generate_synthetic
+    from tests.train.test_hybrid_cli import TINY, _argv
+
+    data = tmp_path / "data"
+    generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{data}"']).synth)
+    common = ["train.steps=12", "parallel.mode=hybrid", "fault.slow_rank=1", "parallel.straggler_every=2"]
+    refused = _argv(
+        data, tmp_path / "rw", *common, "parallel.straggler=rebalance", "parallel.sharding=row_wise"
+    )
+    assert train_main([*refused, "--nproc", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("parallel.straggler=rebalance gives ranks unequal batches" in line for line in err), err
+    for policy, data_mode in (("rebalance", "global"), ("backup", "dynamic")):
+        out = tmp_path / policy
+        argv = _argv(
+            data,
+            out,
+            *common,
+            f"parallel.straggler={policy}",
+            f"parallel.data={data_mode}",
+            "parallel.sharding=table_wise",
+            "fault.slow_factor=4",
+        )
+        assert train_main([*argv, "--nproc", "2"]) == 0, policy
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["steps"] == 12 and metrics["straggler"]["decisions"] >= 4, metrics.get("straggler")
+        assert metrics["straggler"]["shares"][1] < 0.45, metrics["straggler"]
