@@ -5,12 +5,21 @@ table-wise sharded embeddings, data-parallel dense MLPs) on W gloo ranks on CPU,
 process per rank spawned here, over a synthetic Parquet dataset, one epoch per scenario:
 
 - ``clean``: no slow rank (``parallel.data = "global"``);
-- ``slowed``: rank W-1 slowed ``--slow-factor`` x (``fault.slow_rank``: it sleeps
-  ``factor - 1`` times its compute after backward), no mitigation;
+- ``slowed``: rank W-1 slowed ``--slow-factor`` x, no mitigation;
 - ``rebalance``: slowed, ``parallel.straggler = "rebalance"`` (global data);
 - ``backup``: slowed, ``parallel.straggler = "backup"`` (``parallel.data = "dynamic"``).
 
-Every scenario runs in the same process group, one after the other. The communication
+How the slow rank is slowed (``--slowdown``): ``fault`` (the issue's mechanics) sets
+``fault.slow_rank``: after backward it sleeps ``factor - 1`` times its compute so far,
+which includes the time it waited for the others inside the backward's sparse-gradient
+all-to-all, so a rank given fewer rows still sleeps about as long as its peers compute;
+``rows`` has it sleep at the same point ``factor - 1`` times its own compute per row
+(measured in the round's clean run) times its local rows, a device that is ``factor``
+times slower per row whatever its share.
+
+Every scenario runs in the same process group, one after the other, in ``--repeats``
+rounds (interleaved: drift on a shared machine hits all alike; samples/s is the median
+over rounds). The communication
 monitor runs in all of them (``monitor.every`` steps between gathers); the step at which
 the ``slowed`` run's metrics.json first flags the slow rank is ``detect_steps``.
 
@@ -35,7 +44,6 @@ import sys
 import tempfile
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -60,12 +68,22 @@ DENSE, SPARSE, VOCAB = 13, 4, 4000  # dense columns (row_id first), sparse field
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks", type=int, default=4, help="W gloo ranks (>= 2; default 4)")
-    parser.add_argument("--rows", type=int, default=98_304, help="training rows (one epoch per scenario)")
+    parser.add_argument("--rows", type=int, default=262_144, help="training rows (one epoch per scenario)")
     parser.add_argument(
-        "--batch", type=int, default=256, help="rows per rank per step (global batch: W x this)"
+        "--batch", type=int, default=1024, help="rows per rank per step (global batch: W x this)"
     )
     parser.add_argument("--slow-factor", type=float, default=2.0, help="the slow rank's compute, times this")
+    parser.add_argument(
+        "--slowdown",
+        choices=("fault", "rows"),
+        default="fault",
+        help="fault: fault.slow_rank (sleeps (factor-1) x its compute after backward); rows: after backward the slow "
+        "rank sleeps (factor-1) x its clean compute per row x its local rows (needs the clean scenario)",
+    )
     parser.add_argument("--warmup", type=int, default=10, help="untimed first steps of each scenario")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="rounds of all scenarios (interleaved; samples/s: the median)"
+    )
     parser.add_argument("--mlp", type=int, default=512, help="width of the dense MLPs (compute per row)")
     parser.add_argument("--monitor-every", type=int, default=2, help="monitor.every (steps between gathers)")
     parser.add_argument("--monitor-slow-steps", type=int, default=3, help="monitor.slow_steps")
@@ -90,8 +108,10 @@ def check_args(args) -> list[str]:
         raise ConfigError(f"--batch must be >= --ranks ({args.ranks}), got {args.batch}")
     if args.slow_factor < 1.0:
         raise ConfigError(f"--slow-factor must be >= 1, got {args.slow_factor}")
-    if args.warmup < 0 or args.mlp < 1 or args.monitor_every < 1 or args.monitor_slow_steps < 1:
-        raise ConfigError("--warmup must be >= 0; --mlp, --monitor-every, --monitor-slow-steps >= 1")
+    if args.warmup < 0 or min(args.mlp, args.repeats, args.monitor_every, args.monitor_slow_steps) < 1:
+        raise ConfigError(
+            "--warmup must be >= 0; --mlp, --repeats, --monitor-every, --monitor-slow-steps >= 1"
+        )
     names = [n.strip() for n in args.scenarios.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown or not names:
@@ -103,6 +123,8 @@ def check_args(args) -> list[str]:
             f"--rows {args.rows} gives too few steps for --warmup {args.warmup}: "
             f"use at least {2 * args.ranks * args.batch * (args.warmup + 2)}"
         )
+    if args.slowdown == "rows" and "clean" not in names:
+        raise ConfigError("--slowdown rows needs the clean scenario (it measures the compute per row)")
     return [n for n in SCENARIOS if n in names]
 
 
@@ -142,8 +164,19 @@ def write_dataset(root: Path, rows: int, group_rows: int, seed: int) -> None:
         write_parquet(root / split, schema, cols, rows_per_row_group=group_rows)
 
 
-def scenario_overrides(args, name: str, root: Path) -> list[str]:
-    """The config overrides of one scenario (the same model, data and monitor for all)."""
+def monitor_slow_factor(args) -> float:
+    """``monitor.slow_factor``: halfway to ``--slow-factor`` (the slow rank's compute is
+    ``--slow-factor`` x its peers', flagged well below that)."""
+    return max(1.0 + (args.slow_factor - 1.0) / 2, 1.05)
+
+
+def run_key(name: str, round_: int) -> str:
+    """One run of a scenario: its files' and run directory's name."""
+    return f"{name}-{round_}"
+
+
+def scenario_overrides(args, name: str, root: Path, round_: int = 0) -> list[str]:
+    """The config overrides of one scenario's run (the same model, data and monitor for all)."""
     straggler, data, slowed = SCENARIOS[name]
     w = args.mlp
     batch = args.batch * args.ranks if data == "global" else args.batch  # dynamic: per rank
@@ -165,16 +198,15 @@ def scenario_overrides(args, name: str, root: Path) -> list[str]:
         "parallel.timeout_s=120",
         f"monitor.every={args.monitor_every}",
         f"monitor.slow_steps={args.monitor_slow_steps}",
-        # the fault makes the slow rank's compute slow_factor x; flag well below that
-        f"monitor.slow_factor={max(1.0 + (args.slow_factor - 1.0) / 2, 1.05)}",
+        f"monitor.slow_factor={monitor_slow_factor(args)}",
         "train.epochs=1",
         "train.device=cpu",
         "train.progress=false",
         "train.log_every=1000000",
         f"train.seed={args.seed}",
-        f'train.out_dir="{root / "runs" / name}"',
+        f'train.out_dir="{root / "runs" / run_key(name, round_)}"',
     ]
-    if slowed:
+    if slowed and args.slowdown == "fault":
         sets += [f"fault.slow_rank={args.ranks - 1}", f"fault.slow_factor={args.slow_factor}"]
     return sets
 
@@ -182,12 +214,54 @@ def scenario_overrides(args, name: str, root: Path) -> list[str]:
 # --------------------------------------------------------------- the ranks
 
 
-def _rank_main(rank: int, world: int, port: int, root: str, plan: list[tuple[str, list[str]]]) -> None:
-    """One rank: joins the gloo group, trains every scenario of ``plan`` in turn, writing
-    ``<name>-<rank>.steps`` (one line per step: start time, row ids). A scenario whose
-    config is refused (on every rank alike) leaves ``<name>.refused``; any other failure
-    ``error-<rank>.txt`` and exit 1."""
+class _Recorder:
+    """``HybridParallel.on_batch`` of one run on one rank: records each step's start time
+    and row ids; while calibrating, the rank's compute per row (the monitor's last closed
+    step). With ``sleep_per_row`` (``--slowdown rows``) it takes the place of the fault
+    sleep (``Monitor.after_compute``, after backward, before the dense allreduce: the
+    monitor and the controllers count it as this rank's compute), sleeping that long per
+    local row of the step."""
+
+    def __init__(self, parallel, warmup: int, calibrate: bool, sleep_per_row: float) -> None:
+        self.parallel, self.warmup, self.calibrate, self.sleep_per_row = (
+            parallel,
+            warmup,
+            calibrate,
+            sleep_per_row,
+        )
+        self.lines: list[str] = []
+        self.per_row: list[float] = []  # calibrating: seconds of compute per row, each step
+        self._rows = 0  # the current step's local rows (the previous one's until the next call)
+        if sleep_per_row > 0:
+            parallel.monitor.after_compute = self._sleep  # this instance only
+
+    def __call__(self, batch) -> None:
+        import torch
+
+        start = time.perf_counter()
+        rows = int(batch.dense.shape[0])
+        if self.calibrate and self._rows and len(self.lines) > self.warmup:
+            self.per_row.append(self.parallel.monitor.last_compute_s / self._rows)
+        self._rows = rows
+        ids = torch.round(batch.dense[:, 0].double() * ROW_SCALE).long().tolist()
+        self.lines.append(f"{start:.6f} " + " ".join(map(str, ids)))
+
+    def _sleep(self) -> None:
+        time.sleep(self.sleep_per_row * self._rows)
+
+
+def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str, Any]]) -> None:
+    """One rank: joins the gloo group, trains every run of ``plan`` in turn, writing
+    ``<key>.<rank>.steps`` (one line per step: start time, row ids). A run whose config is
+    refused (on every rank alike) leaves ``<key>.refused``; any other failure
+    ``error-<rank>.txt`` and exit 1.
+
+    Each plan entry: ``key``, ``sets`` (config overrides), ``calibrate`` (a clean run:
+    measure this rank's compute per row), ``sleep`` (``--slowdown rows``: the last rank
+    sleeps ``sleep`` x the calibrated compute of its rows in each step; 0 = none).
+    """
     import logging
+    import statistics
 
     import torch
     import torch.distributed as dist
@@ -199,6 +273,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[tuple[str
     torch.set_num_threads(1)
     logging.getLogger("recaccel").setLevel(logging.ERROR)  # the monitor's flag warnings
     out = Path(root)
+    per_row = 0.0  # seconds of compute per local row, from the last clean run
     try:
         dist.init_process_group(
             "gloo",
@@ -207,27 +282,26 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[tuple[str
             world_size=world,
             timeout=datetime.timedelta(seconds=120),
         )
-        for name, sets in plan:
-            steps: list[str] = []
-
-            def record(batch, steps=steps) -> None:
-                ids = torch.round(batch.dense[:, 0].double() * ROW_SCALE).long().tolist()
-                steps.append(f"{time.perf_counter():.6f} " + " ".join(map(str, ids)))
-
+        for run in plan:
+            key = run["key"]
             start = time.perf_counter()
             try:
-                cfg = load_config(None, sets)
+                cfg = load_config(None, run["sets"])
                 parallel = HybridParallel(cfg, torch.device("cpu"))
-                parallel.on_batch = record
+                sleep = run["sleep"] * per_row if rank == world - 1 else 0.0  # the slow rank: the last
+                recorder = _Recorder(parallel, 2, run["calibrate"], sleep)
+                parallel.on_batch = recorder
                 Trainer(cfg, parallel=parallel).fit()
             except ConfigError as e:
                 if rank == 0:
-                    (out / f"{name}.refused").write_text(str(e).strip().splitlines()[0])
+                    (out / f"{key}.refused").write_text(str(e).strip().splitlines()[0])
                 dist.barrier()
                 continue
-            (out / f"{name}-{rank}.steps").write_text("\n".join(steps) + "\n")
+            if recorder.per_row:
+                per_row = statistics.median(recorder.per_row)
+            (out / f"{key}.{rank}.steps").write_text("\n".join(recorder.lines) + "\n")
             if rank == 0:
-                (out / f"{name}.done").write_text(f"{time.perf_counter() - start:.1f}")
+                (out / f"{key}.done").write_text(f"{time.perf_counter() - start:.1f}")
         dist.destroy_process_group()
     except BaseException:
         (out / f"error-{rank}.txt").write_text(traceback.format_exc())
@@ -243,18 +317,31 @@ def _free_port() -> int:
 
 def run_ranks(
     args, root: Path, names: list[str], progress: Callable[[str], None]
-) -> dict[str, dict[str, Any]]:
-    """Spawns the W ranks, waits for every scenario; returns each one's recorded steps.
+) -> dict[str, list[dict[str, Any]]]:
+    """Spawns the W ranks, waits for ``--repeats`` rounds of the scenarios.
 
     Returns:
-        name -> ``{"steps": [rank][step] -> (time, ids)}`` or ``{"refused": reason}``.
+        name -> per round ``{"steps": [rank][step] -> (time, ids), "metrics": metrics.json}``
+        or ``{"refused": reason}``.
 
     Raises:
         RecaccelError: a rank failed (its error's last line) or the run timed out.
     """
     import torch.multiprocessing as mp
 
-    plan = [(name, scenario_overrides(args, name, root)) for name in names]
+    keys = [
+        (run_key(n, r), f"{n} (round {r + 1}/{args.repeats})") for r in range(args.repeats) for n in names
+    ]
+    plan = [
+        {
+            "key": run_key(n, r),
+            "sets": scenario_overrides(args, n, root, r),
+            "calibrate": n == "clean",
+            "sleep": args.slow_factor - 1.0 if args.slowdown == "rows" and SCENARIOS[n][2] else 0.0,
+        }
+        for r in range(args.repeats)
+        for n in names
+    ]
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs = [
@@ -266,128 +353,49 @@ def run_ranks(
     try:
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
             time.sleep(0.5)
-            _report_progress(root, names, reported, progress)
+            _report_progress(root, keys, reported, progress)
             if list(root.glob("error-*.txt")):
                 break
     finally:
         for p in procs:
-            p.join(5 if not list(root.glob("error-*.txt")) else 1)
+            p.join(1 if list(root.glob("error-*.txt")) else 5)
             if p.is_alive():
                 p.kill()
                 p.join()
-    _report_progress(root, names, reported, progress)
+    _report_progress(root, keys, reported, progress)
     errors = sorted(root.glob("error-*.txt"))
     if errors:
         last = errors[0].read_text().strip().splitlines()[-1]
         raise RecaccelError(f"straggler: {errors[0].stem.replace('error-', 'rank ')} failed: {last}")
     if any(p.exitcode != 0 for p in procs):
         raise RecaccelError(f"straggler: the ranks did not finish within --timeout {args.timeout:g} s")
-    return {name: _load_scenario(root, name, args.ranks) for name in names}
+    return {n: [_load_run(root, run_key(n, r), args.ranks) for r in range(args.repeats)] for n in names}
 
 
-def _report_progress(root: Path, names: list[str], reported: set, progress: Callable[[str], None]) -> None:
-    for name in names:
-        if name in reported:
+def _report_progress(
+    root: Path, keys: list[tuple[str, str]], reported: set, progress: Callable[[str], None]
+) -> None:
+    for key, label in keys:
+        if key in reported:
             continue
-        if (root / f"{name}.done").exists():
-            progress(f"straggler: {name} trained in {float((root / f'{name}.done').read_text()):.1f} s")
-        elif (root / f"{name}.refused").exists():
-            progress(f"straggler: {name} refused: {(root / f'{name}.refused').read_text()}")
+        if (root / f"{key}.done").exists():
+            progress(f"straggler: {label} trained in {float((root / f'{key}.done').read_text()):.1f} s")
+        elif (root / f"{key}.refused").exists():
+            progress(f"straggler: {label} refused: {(root / f'{key}.refused').read_text()}")
         else:
             continue
-        reported.add(name)
+        reported.add(key)
 
 
-def _load_scenario(root: Path, name: str, ranks: int) -> dict[str, Any]:
-    if (root / f"{name}.refused").exists():
-        return {"refused": (root / f"{name}.refused").read_text()}
+def _load_run(root: Path, key: str, ranks: int) -> dict[str, Any]:
+    if (root / f"{key}.refused").exists():
+        return {"refused": (root / f"{key}.refused").read_text()}
     steps = []
     for rank in range(ranks):
-        lines = (root / f"{name}-{rank}.steps").read_text().splitlines()
+        lines = (root / f"{key}.{rank}.steps").read_text().splitlines()
         steps.append([(float(t), [int(i) for i in rest]) for t, *rest in (line.split() for line in lines)])
-    metrics = json.loads((root / "runs" / name / "metrics.json").read_text())
+    metrics = json.loads((root / "runs" / key / "metrics.json").read_text())
     return {"steps": steps, "metrics": metrics}
-
-
-# ----------------------------------------------------------------- analysis
-
-
-def count_rows(steps: list[list[tuple[float, list[int]]]], rows: int) -> tuple[int, int]:
-    """(rows lost, rows repeated) of one epoch: ids in ``range(rows)`` never trained, and
-    trainings beyond each id's first (an id outside the range counts as repeated).
-
-    Args:
-        steps: per rank, per step, (start time, row ids trained).
-        rows: the epoch's rows.
-    """
-    seen = Counter(i for rank in steps for _, ids in rank for i in ids)
-    lost = sum(1 for i in range(rows) if seen[i] == 0)
-    repeated = sum(c - 1 for c in seen.values() if c > 1) + sum(
-        c for i, c in seen.items() if not 0 <= i < rows
-    )
-    return lost, repeated
-
-
-def throughput(steps: list[list[tuple[float, list[int]]]], warmup: int) -> tuple[float, list[float]]:
-    """Samples/s over the steps after ``warmup`` (from rank 0's step starts), and every
-    step's time in ms (rank 0's start to the next start; the last step has none).
-
-    Args:
-        steps: per rank, per step, (start time, row ids trained).
-        warmup: untimed first steps.
-    """
-    n = min(len(rank) for rank in steps)
-    starts = [t for t, _ in steps[0][:n]]
-    rows = [sum(len(rank[s][1]) for rank in steps) for s in range(n)]
-    first = min(warmup, n - 2)
-    rate = sum(rows[first : n - 1]) / max(starts[n - 1] - starts[first], 1e-9)
-    return rate, [(b - a) * 1e3 for a, b in zip(starts, starts[1:])]
-
-
-def detect_step(metrics: dict[str, Any], slow_rank: int) -> int | None:
-    """The step the monitor first flagged ``slow_rank``'s compute (metrics.json), else None."""
-    flags = metrics.get("monitor", {}).get("flags", [])
-    hits = [f["step"] for f in flags if f["rank"] == slow_rank and f["kind"] == "compute"]
-    return min(hits) if hits else None
-
-
-def analyse(args, runs: dict[str, dict[str, Any]], rows: int) -> dict[str, Any]:
-    """The JSON result: the issue's keys, then per-scenario detail."""
-    scenarios: dict[str, dict[str, Any]] = {}
-    for name, run in runs.items():
-        if "refused" in run:
-            scenarios[name] = {"refused": run["refused"]}
-            continue
-        lost, repeated = count_rows(run["steps"], rows)
-        rate, step_ms = throughput(run["steps"], args.warmup)
-        flags = run["metrics"].get("monitor", {}).get("flags", [])
-        scenarios[name] = {
-            "samples_per_s": rate,
-            "trainer_samples_per_s": run["metrics"].get("samples_per_s"),
-            "steps": len(run["steps"][0]),
-            "rows_lost": lost,
-            "rows_repeated": repeated,
-            "local_batch_last": [len(rank[-1][1]) for rank in run["steps"]],
-            "monitor_flags": flags,
-            "monitor_ranks": {
-                r: {k: m[k] for k in ("step_s", "compute_s", "comm_s")}
-                for r, m in run["metrics"].get("monitor", {}).get("ranks", {}).items()
-            },
-            "step_ms": step_ms,
-        }
-    clean = scenarios.get("clean", {}).get("samples_per_s")
-    for s in scenarios.values():
-        if clean and "samples_per_s" in s:
-            s["vs_clean"] = s["samples_per_s"] / clean
-    slowed = runs.get("slowed", {})
-    counted = [s for s in scenarios.values() if "rows_lost" in s]
-    return {
-        **{f"{n}_samples_per_s": scenarios.get(n, {}).get("samples_per_s") for n in SCENARIOS},
-        "detect_steps": detect_step(slowed["metrics"], args.ranks - 1) if "metrics" in slowed else None,
-        "rows_lost": sum(s["rows_lost"] for s in counted),
-        "rows_repeated": sum(s["rows_repeated"] for s in counted),
-        "scenarios": scenarios,
-    }
 
 
 def _stderr(line: str) -> None:
@@ -396,7 +404,7 @@ def _stderr(line: str) -> None:
 
 
 def main(args, command_line: str) -> Path:
-    from recaccel.bench.straggler_report import write_markdown, write_plot
+    from recaccel.bench.straggler_report import analyse, write_markdown, write_plot
 
     names = check_args(args)
     rows = epoch_rows(args)
@@ -415,7 +423,12 @@ def main(args, command_line: str) -> Path:
         "batch_per_rank": args.batch,
         "slow_rank": args.ranks - 1,
         "slow_factor": args.slow_factor,
+        "slowdown": args.slowdown,
         "warmup_steps": args.warmup,
+        "repeats": args.repeats,
+        "monitor_every": args.monitor_every,
+        "monitor_slow_steps": args.monitor_slow_steps,
+        "monitor_slow_factor": monitor_slow_factor(args),
         "mlp": args.mlp,
         "overrides": {n: scenario_overrides(args, n, Path("<tmp>")) for n in names},
     }

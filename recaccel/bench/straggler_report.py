@@ -1,8 +1,10 @@
-"""The straggler benchmark's markdown report and plot (see :mod:`recaccel.bench.straggler`)."""
+"""The straggler benchmark's results (see :mod:`recaccel.bench.straggler`): rows counted and
+samples/s timed from the ranks' step records, the markdown report and the plot."""
 
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -11,6 +13,123 @@ from recaccel.bench.common import pyplot, save_figure, write_results_markdown
 from recaccel.bench.straggler import DETECT_TARGET, RECOVER_TARGET, SCENARIOS
 
 COLORS = {"clean": "tab:green", "slowed": "tab:red", "rebalance": "tab:blue", "backup": "tab:purple"}
+
+
+# ----------------------------------------------------------------- analysis
+
+Steps = list[list[tuple[float, list[int]]]]  # per rank, per step: (start time, row ids trained)
+
+
+def count_rows(steps: Steps, rows: int) -> tuple[int, int]:
+    """(rows lost, rows repeated) of one epoch: ids in ``range(rows)`` never trained, and
+    trainings beyond each id's first (an id outside the range counts as repeated).
+
+    Args:
+        steps: per rank, per step, (start time, row ids trained).
+        rows: the epoch's rows.
+    """
+    seen = Counter(i for rank in steps for _, ids in rank for i in ids)
+    lost = sum(1 for i in range(rows) if seen[i] == 0)
+    outside = sum(c for i, c in seen.items() if not 0 <= i < rows)
+    return lost, sum(c - 1 for i, c in seen.items() if c > 1 and 0 <= i < rows) + outside
+
+
+def throughput(steps: Steps, warmup: int) -> tuple[float, list[float]]:
+    """Samples/s over the steps after ``warmup`` (from rank 0's step starts), and every
+    step's time in ms (rank 0's start to the next start; the last step has none).
+
+    Args:
+        steps: per rank, per step, (start time, row ids trained).
+        warmup: untimed first steps.
+    """
+    n = min(len(rank) for rank in steps)
+    starts = [t for t, _ in steps[0][:n]]
+    rows = [sum(len(rank[s][1]) for rank in steps) for s in range(n)]
+    first = min(warmup, n - 2)
+    rate = sum(rows[first : n - 1]) / max(starts[n - 1] - starts[first], 1e-9)
+    return rate, [(b - a) * 1e3 for a, b in zip(starts, starts[1:])]
+
+
+def detect_step(metrics: Mapping[str, Any], slow_rank: int) -> int | None:
+    """The step the monitor first flagged ``slow_rank``'s compute (metrics.json), else None."""
+    flags = metrics.get("monitor", {}).get("flags", [])
+    hits = [f["step"] for f in flags if f["rank"] == slow_rank and f["kind"] == "compute"]
+    return min(hits) if hits else None
+
+
+def run_stats(run: Mapping[str, Any], rows: int, warmup: int, slow_rank: int) -> dict[str, Any]:
+    """One run's figures (its step records and metrics.json)."""
+    steps, metrics = run["steps"], run["metrics"]
+    lost, repeated = count_rows(steps, rows)
+    rate, step_ms = throughput(steps, warmup)
+    half = len(steps[0]) // 2
+    late, _ = throughput([rank[half:] for rank in steps], 0)
+    return {
+        "samples_per_s": rate,
+        "second_half_samples_per_s": late,
+        "trainer_samples_per_s": metrics.get("samples_per_s"),
+        "steps": len(steps[0]),
+        "rows_lost": lost,
+        "rows_repeated": repeated,
+        "detect_step": detect_step(metrics, slow_rank),
+        "local_batches": [list(b) for b in zip(*([len(ids) for _, ids in rank] for rank in steps))],
+        "monitor_flags": metrics.get("monitor", {}).get("flags", []),
+        "monitor_ranks": {
+            r: {k: m[k] for k in ("step_s", "compute_s", "comm_s")}
+            for r, m in metrics.get("monitor", {}).get("ranks", {}).items()
+        },
+        "step_ms": step_ms,
+    }
+
+
+def analyse(args, runs: Mapping[str, list[Mapping[str, Any]]], rows: int) -> dict[str, Any]:
+    """The JSON result: the issue's keys, then per-scenario detail.
+
+    Per scenario: samples/s is the median over rounds (each round's in ``rounds``); rows
+    lost and repeated are summed over rounds; step records, flags and monitor medians are
+    round 1's. ``detect_steps`` is the latest round's flag step of the ``slowed`` runs
+    (None if a round never flagged the slow rank).
+    """
+    scenarios: dict[str, dict[str, Any]] = {}
+    for name, rounds in runs.items():
+        refused = [r["refused"] for r in rounds if "refused" in r]
+        if refused:
+            scenarios[name] = {"refused": refused[0]}
+            continue
+        stats = [run_stats(r, rows, args.warmup, args.ranks - 1) for r in rounds]
+        first = stats[0]
+        scenarios[name] = {
+            **{
+                k: statistics.median(s[k] for s in stats)
+                for k in ("samples_per_s", "second_half_samples_per_s")
+            },
+            "trainer_samples_per_s": statistics.median(s["trainer_samples_per_s"] or 0.0 for s in stats),
+            "steps": first["steps"],
+            "rows_lost": sum(s["rows_lost"] for s in stats),
+            "rows_repeated": sum(s["rows_repeated"] for s in stats),
+            "local_batch_last": first["local_batches"][-1],
+            **{k: first[k] for k in ("monitor_flags", "monitor_ranks", "local_batches", "step_ms")},
+            "rounds": [
+                {k: s[k] for k in ("samples_per_s", "rows_lost", "rows_repeated", "detect_step")}
+                for s in stats
+            ],
+        }
+    clean = scenarios.get("clean", {}).get("samples_per_s")
+    for s in scenarios.values():
+        if clean and "samples_per_s" in s:
+            s["vs_clean"] = s["samples_per_s"] / clean
+    detects = [r["detect_step"] for r in scenarios.get("slowed", {}).get("rounds", [])]
+    counted = [s for s in scenarios.values() if "rows_lost" in s]
+    return {
+        **{f"{n}_samples_per_s": scenarios.get(n, {}).get("samples_per_s") for n in SCENARIOS},
+        "detect_steps": max(detects) if detects and None not in detects else None,
+        "rows_lost": sum(s["rows_lost"] for s in counted),
+        "rows_repeated": sum(s["rows_repeated"] for s in counted),
+        "scenarios": scenarios,
+    }
+
+
+# ------------------------------------------------------------------- report
 
 
 def table_rows(result: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -33,6 +152,8 @@ def table_rows(result: Mapping[str, Any]) -> list[dict[str, Any]]:
                 **row,
                 "samples_per_s": s["samples_per_s"],
                 "vs_clean": s.get("vs_clean"),
+                "rounds_samples_per_s": " / ".join(f"{r['samples_per_s']:.0f}" for r in s["rounds"]),
+                "second_half_samples_per_s": s["second_half_samples_per_s"],
                 "median_step_ms": statistics.median(s["step_ms"]) if s["step_ms"] else None,
                 "steps": s["steps"],
                 "rows_lost": s["rows_lost"],
@@ -70,6 +191,20 @@ def verdicts(result: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def slowdown_text(setup: Mapping[str, Any]) -> str:
+    """How the slow rank was slowed (``--slowdown``)."""
+    extra = f"{setup['slow_factor'] - 1:g}"
+    if setup["slowdown"] == "fault":
+        return (
+            f"--slowdown fault: fault.slow_rank, it sleeps {extra} x its compute after backward; that compute "
+            "includes its wait for the other ranks in the backward's sparse-gradient all-to-all"
+        )
+    return (
+        f"--slowdown rows: after backward (where the fault sleeps) it sleeps {extra} x its compute per row in "
+        "the round's clean run x its local rows: the slowness scales with its own rows"
+    )
+
+
 def write_markdown(
     path: Path,
     env: Mapping,
@@ -81,18 +216,28 @@ def write_markdown(
     """Writes the report: environment, command, per-scenario table, setup and verdicts."""
     notes = [
         f"{setup['ranks']} gloo ranks on CPU, one process and one thread each; rank {setup['slow_rank']} "
-        f"slowed {setup['slow_factor']:g}x (fault.slow_rank: it sleeps {setup['slow_factor'] - 1:g} x its "
-        "compute after backward); parallel.sharding=table_wise; one epoch of "
+        f"slowed {setup['slow_factor']:g}x ({slowdown_text(setup)}); parallel.sharding=table_wise; one epoch of "
         f"{setup['rows']} rows per scenario, {setup['batch_per_rank']} rows per rank per step "
         f"(global batch {setup['ranks'] * setup['batch_per_rank']}), dense MLPs {setup['mlp']} wide.",
-        f"samples/s: timed here from rank 0's step starts (recorded by HybridParallel.on_batch; ranks "
-        f"start a step together after its agreement), over the steps after the first {setup['warmup_steps']}; "
-        "rows are each step's local batches summed over ranks. metrics.json's samples_per_s "
-        "(whole epoch, warm-up included) is in the JSON as trainer_samples_per_s.",
+        f"{setup['repeats']} rounds of the four scenarios in one process group, interleaved "
+        "(clean, slowed, rebalance, backup, clean, ...); samples_per_s is the median over rounds "
+        "(each round's in rounds_samples_per_s), timed here from rank 0's step starts (recorded by "
+        "HybridParallel.on_batch; ranks start a step together after its agreement) over the steps "
+        f"after the first {setup['warmup_steps']}, rows being each step's local batches summed over ranks. "
+        "second_half_samples_per_s: the epoch's second half only (the controllers settled). "
+        "metrics.json's samples_per_s (whole epoch, warm-up included) is in the JSON as "
+        "trainer_samples_per_s.",
         "Rows: dense column 0 holds each row's index; every trained local batch's ids are counted per "
-        "epoch: lost = never trained, repeated = trained more than once.",
+        "epoch: lost = never trained, repeated = trained more than once; summed over rounds.",
         "Detection: the step at which the slowed run's metrics.json monitor.flags first names the "
-        "slow rank (compute).",
+        f"slow rank's compute (monitor.every={setup['monitor_every']}, slow_steps={setup['monitor_slow_steps']}, "
+        f"slow_factor={setup['monitor_slow_factor']:g}); the latest over rounds. "
+        "first_flag_step: any rank's first compute flag in round 1 (none expected in clean).",
+        "last_local_batches: each rank's rows in the epoch's last step of round 1 (rebalance / "
+        "backup: the shares the controller settled on; backup ends with ranks out of shards "
+        "joining with empty batches).",
+        "This machine is shared with other jobs and has fewer cores than ranks: expect noise "
+        "between rounds (see rounds_samples_per_s).",
         *verdicts(result),
     ]
     notes.append(f"Plot: {plot.name}." if plot is not None else "No plot written.")

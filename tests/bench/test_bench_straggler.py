@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from recaccel.bench.straggler import count_rows, detect_step, epoch_rows, throughput
+from recaccel.bench.straggler import epoch_rows
+from recaccel.bench.straggler_report import count_rows, detect_step, throughput
 from recaccel.cli import bench_main
 
 KEYS = {
@@ -21,13 +22,17 @@ KEYS = {
 }
 
 
-def test_tiny_run_counts_every_row_and_flags_the_slow_rank(tmp_path):
-    pytest.importorskip("torchrec", exc_type=ImportError)
+def _tiny(tmp_path, *flags: str) -> tuple[dict, str]:
     out, js = tmp_path / "s.md", tmp_path / "s.json"
     argv = ["straggler", "--ranks", "2", "--rows", "2048", "--batch", "32", "--mlp", "32", "--warmup", "2"]
-    argv += ["--slow-factor", "4", "--out", str(out), "--json", str(js)]
+    argv += ["--slow-factor", "4", "--repeats", "1", "--out", str(out), "--json", str(js), *flags]
     assert bench_main(argv) == 0
-    result = json.loads(js.read_text())
+    return json.loads(js.read_text()), out.read_text()
+
+
+def test_tiny_run_counts_every_row_and_flags_the_slow_rank(tmp_path):
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    result, text = _tiny(tmp_path, "--slowdown", "rows")
     assert KEYS <= set(result)
     scenarios = result["scenarios"]
     assert set(scenarios) == {"clean", "slowed", "rebalance", "backup"}
@@ -36,14 +41,23 @@ def test_tiny_run_counts_every_row_and_flags_the_slow_rank(tmp_path):
         assert s["rows_lost"] == 0 and s["rows_repeated"] == 0
         assert s["steps"] == 32 and s["local_batch_last"] == [32, 32]
         assert result[f"{name}_samples_per_s"] == s["samples_per_s"] > 0
+        assert [r["samples_per_s"] for r in s["rounds"]] == [s["samples_per_s"]]  # one round
     measured = [s for s in scenarios.values() if "rows_lost" in s]
     assert result["rows_lost"] == sum(s["rows_lost"] for s in measured)
     assert result["rows_repeated"] == sum(s["rows_repeated"] for s in measured)
-    assert result["detect_steps"] is not None and result["detect_steps"] <= 20  # 4x slow, flagged at 1.5x
+    assert result["detect_steps"] is not None and result["detect_steps"] <= 20  # 4x slow, flagged at 2.5x
     assert not scenarios["clean"]["monitor_flags"]
-    text = out.read_text()
     assert "| clean | global | off | no |" in text and "Detection: slow rank flagged at step" in text
-    assert (tmp_path / "s.png").stat().st_size > 0
+    assert "--slowdown rows" in text and (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_tiny_fault_slowdown_alone(tmp_path):
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    result, text = _tiny(tmp_path, "--scenarios", "slowed", "--plot", "")
+    assert set(result["scenarios"]) == {"slowed"} and result["clean_samples_per_s"] is None
+    assert result["rows_lost"] == result["rows_repeated"] == 0
+    assert result["detect_steps"] is not None and result["detect_steps"] <= 20
+    assert "fault.slow_rank" in text and not (tmp_path / "s.png").exists()
 
 
 def test_count_rows_against_hand_counts():
@@ -85,6 +99,7 @@ def test_rows_round_down_to_whole_shards_per_rank():
         (["--ranks", "1"], "--ranks must be >= 2"),
         (["--scenarios", "clean,fast"], "--scenarios: unknown ['fast']"),
         (["--rows", "100"], "gives too few steps"),
+        (["--slowdown", "rows", "--scenarios", "slowed"], "--slowdown rows needs the clean scenario"),
     ],
 )
 def test_bad_flags_are_one_line_errors(capsys, flags, message):
