@@ -434,7 +434,7 @@ def main(args, command_line: str) -> Path:
     }
     plot = plot_file(args)
     if plot is not None:
-        write_plot(plot, result)
+        write_plot(plot, result, setup)
     summary = write_markdown(Path(args.out), env, command_line, setup, result, plot)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -246,10 +246,14 @@ def write_markdown(
     )
 
 
-def write_plot(path: Path, result: Mapping[str, Any]) -> Path:
-    """Samples/s per scenario with the 85%-of-clean line; step times of each run per step."""
+def write_plot(path: Path, result: Mapping[str, Any], setup: Mapping[str, Any]) -> Path:
+    """Samples/s per scenario with the 85%-of-clean line; round 1's step times per step."""
     plt = pyplot()
-    fig, (bars, lines) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (bars, lines) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig.suptitle(
+        f"{setup['ranks']} gloo ranks, rank {setup['slow_rank']} slowed {setup['slow_factor']:g}x "
+        f"(--slowdown {setup['slowdown']})"
+    )
     measured = {n: s for n, s in result["scenarios"].items() if "samples_per_s" in s}
     names = list(measured)
     bars.bar(names, [measured[n]["samples_per_s"] for n in names], color=[COLORS[n] for n in names])
