@@ -177,7 +177,7 @@ def verdicts(result: Mapping[str, Any]) -> list[str]:
         share = rate / clean
         verdict = "met" if share >= RECOVER_TARGET else "not met"
         out.append(
-            f"{name} recovers {share:.0%} of clean samples/s (target >= {RECOVER_TARGET:.0%}): {verdict}."
+            f"{name} recovers {share:.1%} of clean samples/s (target >= {RECOVER_TARGET:.0%}): {verdict}."
         )
     detect = result["detect_steps"]
     if detect is None:
