@@ -44,6 +44,7 @@ COMMON = [
     "train.epochs=1",
     "train.progress=false",
     "train.log_every=2",
+    "parallel.timeout_s=60",  # a hung rank fails the test instead of stalling it
 ]
 BATCH = {"dynamic": 32, "global": 96}
 
@@ -154,6 +155,41 @@ def test_an_elastic_restart_resumes_and_trains_every_row_once(data, rows, tmp_pa
     assert Counter(before + after) == Counter(range(ROWS))
     assert len(_steps(rows, "run", 1, 0)) == ROWS // (2 * BATCH["dynamic"]) - kept
     _sane(out, ROWS // (2 * BATCH["dynamic"]))
+
+
+def test_a_restarted_rank_resumes_and_never_overwrites(data, tmp_path, monkeypatch, capsys):
+    """What a rank decides from ``TORCHELASTIC_RESTART_COUNT`` (no ranks launched)."""
+    from recaccel import api
+    from recaccel.cli import train_main
+    from recaccel.train.distributed.launch import restart_count, strip_nproc
+
+    calls = []
+
+    class Called(Exception):
+        pass
+
+    def train(cfg, **kwargs):
+        calls.append(kwargs)
+        raise Called
+
+    monkeypatch.setattr(api, "train", train)
+    argv = _argv(_sets(data, tmp_path / "run", "dynamic"), "--overwrite")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for count, expected in (
+        ("0", {"resume": False, "overwrite": True}),
+        ("1", {"resume": True, "overwrite": False}),
+    ):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
+        assert restart_count() == int(count)
+        with pytest.raises(Called):
+            train_main(argv)
+        assert calls.pop() == expected
+    assert strip_nproc(["--nproc", "2", "--max-restarts", "1", "-v", "--max-restarts=2"]) == ["-v"]
+    monkeypatch.delenv("RANK")
+    assert train_main([*argv, "--max-restarts", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--max-restarts restarts the ranks of --nproc N" in err
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "global"])

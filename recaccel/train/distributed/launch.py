@@ -28,7 +28,11 @@ ending the run: the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0
 (:func:`restart_count`) and resume from the newest checkpoint of the run directory
 (from step 0 when none was written yet), whatever the command line said: a restart is
 never a new run, so ``--overwrite`` deletes nothing then. Only when the K restarts are
-spent does the run fail as above. A run may also continue on another number of ranks:
+spent does the run fail as above. Each attempt's rank 0 then hosts the process group's
+store (the agent's shared store would hand the restarted ranks the previous attempt's
+keys, pytorch/pytorch#135712); under your own ``torchrun --max-restarts`` set
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the same reason. A run may also continue
+on another number of ranks:
 ``recaccel-train --resume RUN_DIR --nproc M`` (see
 :mod:`recaccel.train.distributed.dist_checkpoint` for what moves and what is refused).
 
@@ -69,6 +73,7 @@ MONITOR_INTERVAL_S = 0.1
 _REPORT_KEY = "recaccel"  # our entry in torchrun's per-rank error file
 _AGENT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # the agent installs handlers for these
 _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
+_NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # read by the agent's c10d rendezvous
 
 
 class RankFailedError(RecaccelError):
@@ -162,7 +167,7 @@ def relaunch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
 
     if under_torchrun():
         raise ConfigError("--nproc given inside a torchrun worker; drop --nproc when launching with torchrun")
-    with tempfile.TemporaryDirectory(prefix="recaccel-launch-") as log_dir, _agent_scope(nproc):
+    with tempfile.TemporaryDirectory(prefix="recaccel-launch-") as log_dir, _agent_scope(nproc, max_restarts):
         config = launch_config(nproc, log_dir, max_restarts)
         try:
             elastic_launch(config, sys.executable)("-u", "-m", "recaccel.cli", *argv)
@@ -174,10 +179,10 @@ def relaunch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
 
 
 @contextmanager
-def _agent_scope(nproc: int) -> Iterator[None]:
+def _agent_scope(nproc: int, max_restarts: int = 0) -> Iterator[None]:
     """Runs the agent in this process and puts back what it changes: its signal handlers,
     environment variables and (silenced) loggers."""
-    env_keys = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")
+    env_keys = ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", _NO_SHARED_STORE)
     saved_env = {key: os.environ.get(key) for key in env_keys}
     handlers = {}
     if threading.current_thread() is threading.main_thread():
@@ -188,6 +193,11 @@ def _agent_scope(nproc: int) -> Iterator[None]:
     # One intra-op thread pool per rank would oversubscribe the host's cores (the ranks
     # inherit this process's environment).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    if max_restarts > 0:
+        # The agent's shared store outlives an attempt, and the restarted ranks' process
+        # group would read the previous attempt's keys there (gloo: the dead ranks'
+        # addresses, a hang; pytorch/pytorch#135712): each attempt's rank 0 hosts its own.
+        os.environ[_NO_SHARED_STORE] = "1"
     for lg in loggers.values():  # the failure is reported in one line instead
         lg.propagate, lg.handlers = False, [logging.NullHandler()]
     try:
