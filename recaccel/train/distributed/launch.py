@@ -27,13 +27,13 @@ every rank up to K times after a failure (torchrun's ``--max-restarts``) instead
 ending the run: the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0
 (:func:`restart_count`) and resume from the newest checkpoint of the run directory
 (from step 0 when none was written yet), whatever the command line said: a restart is
-never a new run, so ``--overwrite`` deletes nothing then. Only when the K restarts are
-spent does the run fail as above. Each attempt's rank 0 then hosts the process group's
-store (the agent's shared store would hand the restarted ranks the previous attempt's
-keys, pytorch/pytorch#135712); under your own ``torchrun --max-restarts`` set
+never a new run, so ``--overwrite`` deletes nothing then (with ``--max-restarts`` the
+launcher itself clears the old run before any rank starts). Only when the K restarts
+are spent does the run fail as above. Each attempt's rank 0 then hosts the process
+group's store (the agent's shared store would hand the restarted ranks the previous
+attempt's keys, pytorch/pytorch#135712); under your own ``torchrun --max-restarts`` set
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the same reason. A run may also continue
-on another number of ranks:
-``recaccel-train --resume RUN_DIR --nproc M`` (see
+on another number of ranks, ``recaccel-train --resume RUN_DIR --nproc M`` (see
 :mod:`recaccel.train.distributed.dist_checkpoint` for what moves and what is refused).
 
 Only rank 0 writes the run directory's config.toml, log.jsonl and metrics.json and
