@@ -428,7 +428,10 @@ class FaultConfig(_Section):
 
     ``slow_rank`` makes that rank's step compute ``slow_factor`` times as long (it sleeps
     after backward); ``kill_rank`` exits abruptly (``os._exit``, no clean-up, no checkpoint)
-    right after training step ``kill_rank_at_step``.
+    right after training step ``kill_rank_at_step``; only in a run's first attempt: ranks
+    that torchrun's agent restarted (``recaccel-train --max-restarts``,
+    ``TORCHELASTIC_RESTART_COUNT`` > 0) resume from a checkpoint before that step and
+    train past it instead of dying again.
     """
 
     SECTION: ClassVar[str] = "fault"

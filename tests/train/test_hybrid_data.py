@@ -243,7 +243,7 @@ def test_hybrid_needs_a_launcher_and_single_mode_refuses_many_ranks(monkeypatch)
         build_parallel(load_config(None, []), torch.device("cpu"))
 
 
-def test_sharded_checkpoint_refuses_another_world_size(tmp_path):
+def test_sharded_data_checkpoint_refuses_another_world_size(tmp_path):
     from types import SimpleNamespace
 
     from recaccel.train.distributed.dist_checkpoint import INFO_FILE, load_sharded
@@ -251,10 +251,11 @@ def test_sharded_checkpoint_refuses_another_world_size(tmp_path):
     ckpt = tmp_path / "checkpoints" / "step-000000004.dcp"
     ckpt.mkdir(parents=True)
     (ckpt / INFO_FILE).write_text(json.dumps({"format": 1, "world_size": 4, "step": 4}))
-    with pytest.raises(RecaccelError, match="--nproc 4"):
-        load_sharded(tmp_path, SimpleNamespace(world_size=2), None, None)
+    sharded = SimpleNamespace(world_size=2, cfg=load_config(None, ["parallel.data=sharded"]))
+    with pytest.raises(RecaccelError, match="parallel.data=sharded.*--nproc 4"):
+        load_sharded(tmp_path, sharded, None, None)
     with pytest.raises(RecaccelError, match="no sharded checkpoint"):
-        load_sharded(tmp_path / "elsewhere", SimpleNamespace(world_size=2), None, None)
+        load_sharded(tmp_path / "elsewhere", sharded, None, None)
 
 
 def test_global_slices_is_a_reader_of_the_wrapped_position():
