@@ -426,8 +426,8 @@ class MonitorConfig(_Section):
 class FaultConfig(_Section):
     """Fault injection, for tests and demos only (stragglers, a rank failure and its resume).
 
-    ``slow_rank`` makes that rank's step compute ``slow_factor`` times as long (it sleeps
-    after backward); ``kill_rank`` exits abruptly (``os._exit``, no clean-up, no checkpoint)
+    ``slow_rank`` makes that rank's own compute ``slow_factor`` times as long (it sleeps when
+    its pooled embeddings' gradient is ready, before backward's all-to-all); ``kill_rank`` exits abruptly (``os._exit``, no clean-up, no checkpoint)
     right after training step ``kill_rank_at_step``; only in a run's first attempt: ranks
     that torchrun's agent restarted (``recaccel-train --max-restarts``,
     ``TORCHELASTIC_RESTART_COUNT`` > 0) resume from a checkpoint before that step and

@@ -143,7 +143,11 @@ class _GuardedLookup(nn.Module):
             else:
                 self.parallel.detach_pipeline()
                 pooled = self.dmp(kjt)
-            pooled.values()  # waits for the all-to-all inside the guard
+            values = pooled.values()  # waits for the all-to-all inside the guard
+        if values.requires_grad:
+            # Its gradient is ready before the backward all-to-all waits for the other ranks:
+            # this rank's own compute ends there (the straggler controller's measure).
+            values.register_hook(self.parallel.monitor.local_backward_done)
         return pooled
 
 

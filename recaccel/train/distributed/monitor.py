@@ -3,10 +3,13 @@
 Synchronous collectives are periodic and the same on every rank, so a rank that differs
 from its peers points at the faulty component. Each rank times every step (from its first
 agreement to the end of its dense allreduce): the time inside each collective (``agree``:
-the 3-float allreduce, ``lookup``: the sharded lookup's forward all-to-alls, ``dense_sync``:
-the dense gradient allreduce) with the bytes it sends (the lookup: its ids and lengths),
-and the rest as compute (forward, backward with its gradient all-to-all, the optimizer's
-work up to the allreduce). Every
+the agreement allreduce, ``lookup``: the sharded lookup's forward all-to-alls, ``dense_sync``:
+the dense gradient allreduce) with the bytes it sends (the lookup: its ids and lengths).
+Its compute is its own work: from the step's start, less those collectives, up to the
+moment its pooled embeddings' gradient is ready (forward and the dense backward; a hook,
+:meth:`Monitor.local_backward_done`); the rest of the step is communication (the
+collectives, the backward all-to-all with its wait for slower peers, the sparse update).
+A step without a sharded lookup counts all but the timed collectives as compute. Every
 ``monitor.every`` steps one all_gather of a few floats per rank brings each rank's window
 medians to rank 0, which flags:
 
@@ -24,8 +27,10 @@ names the ranks that never arrived. The store is kept by torchrun's agent (or ra
 plain ``env://`` group), so a hung rank can be named; a dead store leaves the message
 without the names.
 
-Fault injection (``[fault]``, for tests and demos only): ``fault.slow_rank`` sleeps after
-its backward for ``slow_factor - 1`` times its compute; ``fault.kill_rank`` ends its
+Fault injection (``[fault]``, for tests and demos only): ``fault.slow_rank`` sleeps
+``slow_factor - 1`` times its own compute when its pooled embeddings' gradient is ready
+(before the backward all-to-all, so the delay overlaps the other ranks' compute as a slower
+device's would; after backward where a step has no sharded lookup); ``fault.kill_rank`` ends its
 process with ``os._exit`` right after step ``fault.kill_rank_at_step``.
 """
 
@@ -114,7 +119,11 @@ class Monitor:
         self._history: list[list[list[float]]] = []  # rank 0: each gather's [rank][FIELDS]
         self.flags: list[dict[str, Any]] = []  # rank 0: each (rank, kind) flagged, first time
         self._pending: dict[str, Any] | None = None  # rank 0: the last gather, not yet logged
-        self.last_compute_s = 0.0  # the last closed step's compute (the straggler controller's input)
+        # The last closed step's own compute (the straggler controller's input, see the
+        # module docstring): up to the pooled embeddings' gradient, the fault's sleep included.
+        self.last_compute_s = 0.0
+        self._local: float | None = None  # this step's own compute, at the pooled gradient
+        self._slept = 0.0  # this step's injected sleep (fault.slow_rank)
 
     # -------------------------------------------------------------- recording
 
@@ -126,6 +135,23 @@ class Monitor:
     def drop_step(self) -> None:
         """Forgets the open step (its agreement ended the epoch)."""
         self._start, self._comm, self._bytes = None, dict.fromkeys(KINDS, 0.0), 0.0
+        self._local, self._slept = None, 0.0
+
+    def local_backward_done(self, grad: Any = None) -> None:
+        """Marks this rank's own compute done (a hook on the pooled embeddings' gradient: what
+        follows is the backward all-to-all, which waits for the slowest rank).
+
+        Fault injection: the slow rank sleeps here, ``slow_factor - 1`` times its own compute,
+        before its first synchronization in backward, so its delay overlaps the other ranks'
+        compute as a slower device's would (once per step).
+        """
+        if self._start is None:
+            return
+        local = time.perf_counter() - self._start - sum(self._comm.values())
+        if self._slow > 0 and not self._slept:
+            self._slept = self._slow * max(local, 0.0)
+            time.sleep(self._slept)
+        self._local = local + self._slept
 
     @contextmanager
     def collective(self, kind: str, nbytes: int) -> Iterator[None]:
@@ -142,20 +168,22 @@ class Monitor:
                 self._bytes += nbytes
 
     def after_compute(self) -> None:
-        """Fault injection: the slow rank sleeps ``slow_factor - 1`` times its compute so far."""
-        if self._slow > 0 and self._start is not None:
+        """Fault injection where :meth:`local_backward_done` did not sleep (no sharded
+        lookup in the step): the slow rank sleeps ``slow_factor - 1`` times its compute so far."""
+        if self._slow > 0 and self._start is not None and not self._slept:
             compute = time.perf_counter() - self._start - sum(self._comm.values())
-            time.sleep(self._slow * max(compute, 0.0))
+            self._slept = self._slow * max(compute, 0.0)
+            time.sleep(self._slept)
 
     def end_step(self) -> bool:
         """Closes the open step; returns whether a gather is due (every rank the same)."""
         if self._start is None:
             return False
         step = time.perf_counter() - self._start
-        comm = sum(self._comm.values())
-        self.last_compute_s = step - comm
+        compute = step - sum(self._comm.values()) if self._local is None else self._local
+        self.last_compute_s = compute
         if self.enabled:
-            self._window.append([step, step - comm, comm, *self._comm.values(), self._bytes])
+            self._window.append([step, compute, step - compute, *self._comm.values(), self._bytes])
         self.drop_step()
         return self.enabled and len(self._window) >= self.cfg.every
 
