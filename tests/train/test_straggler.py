@@ -198,6 +198,10 @@ def data(tmp_path_factory) -> Path:
 
 
 def _job(rank: int, port: int, root: str, jobs: list[tuple[str, list[str]]]) -> None:
+    """Runs each job ``(name, sets)`` on this rank; ``name`` may end in ``:kill`` (a run whose
+    peer dies, see ``fault.kill_rank``: the job list's last) or ``:resume`` (resumes the run
+    of that name)."""
+    from recaccel.errors import RecaccelError
     from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
     from recaccel.train.distributed.hybrid import HybridParallel
     from recaccel.train.trainer import Trainer
@@ -212,7 +216,8 @@ def _job(rank: int, port: int, root: str, jobs: list[tuple[str, list[str]]]) -> 
             world_size=WORLD,
             timeout=datetime.timedelta(seconds=30),
         )
-        for name, sets in jobs:
+        for job, sets in jobs:
+            name, _, mode = job.partition(":")
             cfg = load_config(
                 None,
                 [
@@ -224,14 +229,20 @@ def _job(rank: int, port: int, root: str, jobs: list[tuple[str, list[str]]]) -> 
                 ],
             )
             parallel = HybridParallel(cfg, torch.device("cpu"))
-            log = root / f"{name}-{rank}.ids"
+            log = root / f"{job.replace(':', '-')}-{rank}.ids"
 
             def record(batch, log=log) -> None:
                 with open(log, "a") as f:
                     f.write(" ".join(str(round(v * 1024)) for v in batch.dense[:, 0].tolist()) + "\n")
 
             parallel.on_batch = record
-            trainer = Trainer(cfg, parallel=parallel)
+            trainer = Trainer(cfg, parallel=parallel, resume=mode == "resume")
+            if mode == "kill":
+                try:
+                    trainer.fit()
+                except RecaccelError:
+                    pass  # rank 0: its peer died
+                continue
             trainer.fit()
             state = consolidated_state_dict(parallel, trainer.module)
             if rank == 0:
@@ -348,3 +359,20 @@ def test_cli_runs_each_policy_and_refuses_row_wise_tables(tmp_path, capsys):
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["steps"] == 12 and metrics["straggler"]["decisions"] >= 4, metrics.get("straggler")
         assert metrics["straggler"]["shares"][1] < 0.45, metrics["straggler"]
+
+
+def test_backup_through_a_kill_and_a_resume_trains_every_row_once(data):
+    """The ledger holds what each rank trained at its own batch sizes (the dry rank's empty
+    steps included): a run killed mid-epoch and resumed trains every row exactly once."""
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    backup = ["parallel.straggler=backup", "parallel.data=dynamic", "fault.slow_rank=1", "data.batch_size=16"]
+    kill = ["fault.kill_rank=1", "fault.kill_rank_at_step=15", "train.checkpoint_every=6"]
+    _spawn(data, [("bkill:kill", [*backup, *kill])])
+    _spawn(data, [("bkill:resume", backup)])  # new processes: rank 1 died
+    killed = [_steps(data / f"bkill-kill-{r}.ids") for r in range(WORLD)]
+    assert len(killed[1]) == 15
+    kept = 12  # the checkpoint before the kill
+    assert any(len(step) < 16 for step in killed[1][:kept])  # the slow rank was cut before it
+    before = [i for steps in killed for step in steps[:kept] for i in step]
+    after = [i for r in range(WORLD) for step in _steps(data / f"bkill-resume-{r}.ids") for i in step]
+    assert Counter(before + after) == Counter(range(ROWS))
