@@ -9,13 +9,11 @@ process per rank spawned here, over a synthetic Parquet dataset, one epoch per s
 - ``rebalance``: slowed, ``parallel.straggler = "rebalance"`` (global data);
 - ``backup``: slowed, ``parallel.straggler = "backup"`` (``parallel.data = "dynamic"``).
 
-How the slow rank is slowed (``--slowdown``): ``fault`` (the issue's mechanics) sets
-``fault.slow_rank``: after backward it sleeps ``factor - 1`` times its compute so far,
-which includes the time it waited for the others inside the backward's sparse-gradient
-all-to-all, so a rank given fewer rows still sleeps about as long as its peers compute;
-``rows`` has it sleep at the same point ``factor - 1`` times its own compute per row
-(measured in the round's clean run) times its local rows, a device that is ``factor``
-times slower per row whatever its share.
+The slow rank is slowed by ``fault.slow_rank``: when its pooled embeddings' gradient is
+ready (before the backward all-to-all) it sleeps ``factor - 1`` times its own compute of
+the step, so it is ``factor`` times slower per row whatever its share, its delay overlaps
+the other ranks' compute as a slower device's would, and the monitor (and the straggler
+controllers reading it) count the sleep as its compute.
 
 Every scenario runs in the same process group, one after the other, in ``--repeats``
 rounds (interleaved: drift on a shared machine hits all alike; samples/s is the median
@@ -73,13 +71,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--batch", type=int, default=1024, help="rows per rank per step (global batch: W x this)"
     )
     parser.add_argument("--slow-factor", type=float, default=2.0, help="the slow rank's compute, times this")
-    parser.add_argument(
-        "--slowdown",
-        choices=("fault", "rows"),
-        default="fault",
-        help="fault: fault.slow_rank (sleeps (factor-1) x its compute after backward); rows: after backward the slow "
-        "rank sleeps (factor-1) x its clean compute per row x its local rows (needs the clean scenario)",
-    )
     parser.add_argument("--warmup", type=int, default=10, help="untimed first steps of each scenario")
     parser.add_argument(
         "--repeats", type=int, default=2, help="rounds of all scenarios (interleaved; samples/s: the median)"
@@ -123,8 +114,6 @@ def check_args(args) -> list[str]:
             f"--rows {args.rows} gives too few steps for --warmup {args.warmup}: "
             f"use at least {2 * args.ranks * args.batch * (args.warmup + 2)}"
         )
-    if args.slowdown == "rows" and "clean" not in names:
-        raise ConfigError("--slowdown rows needs the clean scenario (it measures the compute per row)")
     return [n for n in SCENARIOS if n in names]
 
 
@@ -206,7 +195,7 @@ def scenario_overrides(args, name: str, root: Path, round_: int = 0) -> list[str
         f"train.seed={args.seed}",
         f'train.out_dir="{root / "runs" / run_key(name, round_)}"',
     ]
-    if slowed and args.slowdown == "fault":
+    if slowed:
         sets += [f"fault.slow_rank={args.ranks - 1}", f"fault.slow_factor={args.slow_factor}"]
     return sets
 
@@ -216,38 +205,17 @@ def scenario_overrides(args, name: str, root: Path, round_: int = 0) -> list[str
 
 class _Recorder:
     """``HybridParallel.on_batch`` of one run on one rank: records each step's start time
-    and row ids; while calibrating, the rank's compute per row (the monitor's last closed
-    step). With ``sleep_per_row`` (``--slowdown rows``) it takes the place of the fault
-    sleep (``Monitor.after_compute``, after backward, before the dense allreduce: the
-    monitor and the controllers count it as this rank's compute), sleeping that long per
-    local row of the step."""
+    and the row ids of its local batch, one line per step."""
 
-    def __init__(self, parallel, warmup: int, calibrate: bool, sleep_per_row: float) -> None:
-        self.parallel, self.warmup, self.calibrate, self.sleep_per_row = (
-            parallel,
-            warmup,
-            calibrate,
-            sleep_per_row,
-        )
+    def __init__(self) -> None:
         self.lines: list[str] = []
-        self.per_row: list[float] = []  # calibrating: seconds of compute per row, each step
-        self._rows = 0  # the current step's local rows (the previous one's until the next call)
-        if sleep_per_row > 0:
-            parallel.monitor.after_compute = self._sleep  # this instance only
 
     def __call__(self, batch) -> None:
         import torch
 
         start = time.perf_counter()
-        rows = int(batch.dense.shape[0])
-        if self.calibrate and self._rows and len(self.lines) > self.warmup:
-            self.per_row.append(self.parallel.monitor.last_compute_s / self._rows)
-        self._rows = rows
         ids = torch.round(batch.dense[:, 0].double() * ROW_SCALE).long().tolist()
         self.lines.append(f"{start:.6f} " + " ".join(map(str, ids)))
-
-    def _sleep(self) -> None:
-        time.sleep(self.sleep_per_row * self._rows)
 
 
 def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str, Any]]) -> None:
@@ -256,12 +224,9 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
     refused (on every rank alike) leaves ``<key>.refused``; any other failure
     ``error-<rank>.txt`` and exit 1.
 
-    Each plan entry: ``key``, ``sets`` (config overrides), ``calibrate`` (a clean run:
-    measure this rank's compute per row), ``sleep`` (``--slowdown rows``: the last rank
-    sleeps ``sleep`` x the calibrated compute of its rows in each step; 0 = none).
+    Each plan entry: ``key`` (the run's name) and ``sets`` (its config overrides).
     """
     import logging
-    import statistics
 
     import torch
     import torch.distributed as dist
@@ -273,7 +238,6 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
     torch.set_num_threads(1)
     logging.getLogger("recaccel").setLevel(logging.ERROR)  # the monitor's flag warnings
     out = Path(root)
-    per_row = 0.0  # seconds of compute per local row, from the last clean run
     try:
         dist.init_process_group(
             "gloo",
@@ -288,8 +252,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
             try:
                 cfg = load_config(None, run["sets"])
                 parallel = HybridParallel(cfg, torch.device("cpu"))
-                sleep = run["sleep"] * per_row if rank == world - 1 else 0.0  # the slow rank: the last
-                recorder = _Recorder(parallel, 2, run["calibrate"], sleep)
+                recorder = _Recorder()
                 parallel.on_batch = recorder
                 Trainer(cfg, parallel=parallel).fit()
             except ConfigError as e:
@@ -297,8 +260,6 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
                     (out / f"{key}.refused").write_text(str(e).strip().splitlines()[0])
                 dist.barrier()
                 continue
-            if recorder.per_row:
-                per_row = statistics.median(recorder.per_row)
             (out / f"{key}.{rank}.steps").write_text("\n".join(recorder.lines) + "\n")
             if rank == 0:
                 (out / f"{key}.done").write_text(f"{time.perf_counter() - start:.1f}")
@@ -333,12 +294,7 @@ def run_ranks(
         (run_key(n, r), f"{n} (round {r + 1}/{args.repeats})") for r in range(args.repeats) for n in names
     ]
     plan = [
-        {
-            "key": run_key(n, r),
-            "sets": scenario_overrides(args, n, root, r),
-            "calibrate": n == "clean",
-            "sleep": args.slow_factor - 1.0 if args.slowdown == "rows" and SCENARIOS[n][2] else 0.0,
-        }
+        {"key": run_key(n, r), "sets": scenario_overrides(args, n, root, r)}
         for r in range(args.repeats)
         for n in names
     ]
@@ -423,7 +379,6 @@ def main(args, command_line: str) -> Path:
         "batch_per_rank": args.batch,
         "slow_rank": args.ranks - 1,
         "slow_factor": args.slow_factor,
-        "slowdown": args.slowdown,
         "warmup_steps": args.warmup,
         "repeats": args.repeats,
         "monitor_every": args.monitor_every,
