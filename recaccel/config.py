@@ -412,7 +412,10 @@ class MonitorConfig(_Section):
     flags a rank whose compute (or own collective time) exceeds ``slow_factor`` times the
     median of the other ranks' in ``slow_steps`` gathers in a row (a ``monitor`` event in
     log.jsonl, ``monitor`` in metrics.json). While it runs, a collective that fails names the
-    ranks that never arrived at it.
+    ranks that never arrived at it. Every ``probe_every`` gathers, each pair of ranks times a
+    ping-pong alone and a pair slower than ``slow_factor`` times the median pair in
+    ``slow_steps`` probes in a row is flagged as a slow link
+    (:mod:`recaccel.train.distributed.pair_probe`).
     """
 
     SECTION: ClassVar[str] = "monitor"
@@ -420,18 +423,21 @@ class MonitorConfig(_Section):
     every: NonNegative = 0  # steps between gathers on rank 0; 0 = off
     slow_factor: Annotated[float, Range(gt=1)] = 2.0  # slow: above this times the other ranks' median
     slow_steps: Count = 3  # consecutive gathers a rank must be slow in to be flagged
+    probe_every: NonNegative = 0  # gathers between link probes (a slow pair of ranks; W >= 3); 0 = off
 
 
 @dataclass
 class FaultConfig(_Section):
     """Fault injection, for tests and demos only (stragglers, a rank failure and its resume).
 
-    ``slow_rank`` makes that rank's own compute ``slow_factor`` times as long (it sleeps when
-    its pooled embeddings' gradient is ready, before backward's all-to-all); ``kill_rank`` exits abruptly (``os._exit``, no clean-up, no checkpoint)
-    right after training step ``kill_rank_at_step``; only in a run's first attempt: ranks
-    that torchrun's agent restarted (``recaccel-train --max-restarts``,
+    ``slow_rank`` makes that rank's own compute ``slow_factor`` times as long (it sleeps
+    when its pooled embeddings' gradient is ready, before backward's all-to-all).
+    ``kill_rank`` exits abruptly (``os._exit``, no clean-up, no checkpoint) right after
+    training step ``kill_rank_at_step``; only in a run's first attempt: ranks that
+    torchrun's agent restarted (``recaccel-train --max-restarts``,
     ``TORCHELASTIC_RESTART_COUNT`` > 0) resume from a checkpoint before that step and
-    train past it instead of dying again.
+    train past it instead of dying again. ``slow_pair = [a, b]`` delays the monitor's link
+    probe between those ranks by ``slow_pair_delay_s`` per ping (``monitor.probe_every``).
     """
 
     SECTION: ClassVar[str] = "fault"
@@ -440,6 +446,8 @@ class FaultConfig(_Section):
     slow_factor: Annotated[float, Range(ge=1)] = 2.0  # the slow rank's compute time, times this
     kill_rank: NonNegative = 0  # the rank kill_rank_at_step ends
     kill_rank_at_step: NonNegative = 0  # 0 = never
+    slow_pair: list[int] = field(default_factory=list)  # [a, b]: the link probe of that pair is delayed
+    slow_pair_delay_s: NonNegativeFloat = 0.02  # per ping of slow_pair's probe
 
 
 @dataclass

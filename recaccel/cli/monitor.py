@@ -72,10 +72,12 @@ def rank_table(events: list[dict[str, Any]]) -> str:
     flags: dict[str, list[str]] = {}
     for e in events:
         for f in e.get("flags", []):
-            note = f"{f['kind']} from step {e['step']}"
+            kind = (
+                f"link to {f['peer']}" if f["kind"] == "link" else f["kind"]
+            )  # a slow pair, on its lower rank
             seen = flags.setdefault(str(f["rank"]), [])
-            if not any(n.startswith(f["kind"]) for n in seen):
-                seen.append(note)
+            if not any(n.startswith(kind) for n in seen):
+                seen.append(f"{kind} from step {e['step']}")
     header = ["rank", *(h for _, h, _ in _COLUMNS), "flagged"]
     rows = []
     for r in ranks:

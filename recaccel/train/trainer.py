@@ -321,13 +321,13 @@ class Trainer:
         if event is None:
             return
         for flag in monitor.note_flags(event["flags"], self.state.step):
-            logger.warning(
-                "monitor: rank %d is slow (%s %.2fx the other ranks' median) at step %d",
-                flag["rank"],
-                flag["kind"],
-                flag["ratio"],
-                self.state.step,
-            )
+            if flag["kind"] == "link":
+                what = (
+                    f"the link {flag['rank']}-{flag['peer']} is slow ({flag['ratio']:.2f}x the median pair's)"
+                )
+            else:
+                what = f"rank {flag['rank']} is slow ({flag['kind']} {flag['ratio']:.2f}x the other ranks' median)"
+            logger.warning("monitor: %s at step %d", what, self.state.step)
         self._event("monitor", step=self.state.step, **event)
 
     def _log(self, loss: torch.Tensor, bar: tqdm, wait: DataWait) -> None:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from recaccel.config import Config, FaultConfig, MonitorConfig
 from recaccel.errors import ConfigError
+from recaccel.train.distributed.pair_probe import LinkWatch, probe
 
 KINDS = ("agree", "lookup", "dense_sync")  # the timed collectives of a step
 # One row per rank in the gather: window medians of these, then the window's step count.
@@ -72,6 +73,14 @@ def check_faults(cfg: Config, world_size: int) -> None:
     if cfg.fault.slow_rank >= world_size:
         raise ConfigError(
             f"fault.slow_rank={cfg.fault.slow_rank} is not a rank of this {world_size}-rank run"
+        )
+    pair = cfg.fault.slow_pair
+    if pair and (len(pair) != 2 or pair[0] == pair[1] or not all(0 <= r < world_size for r in pair)):
+        raise ConfigError(f"fault.slow_pair={pair} must be two different ranks of this {world_size}-rank run")
+    if cfg.monitor.probe_every > 0 and world_size < 3:
+        raise ConfigError(
+            f"monitor.probe_every={cfg.monitor.probe_every} compares links of 3 ranks or more "
+            f"(this run has {world_size}); set it to 0"
         )
     if cfg.fault.kill_rank_at_step > 0 and cfg.fault.kill_rank >= world_size:
         raise ConfigError(
@@ -119,6 +128,10 @@ class Monitor:
         self._history: list[list[list[float]]] = []  # rank 0: each gather's [rank][FIELDS]
         self.flags: list[dict[str, Any]] = []  # rank 0: each (rank, kind) flagged, first time
         self._pending: dict[str, Any] | None = None  # rank 0: the last gather, not yet logged
+        self._gathers = 0
+        self._links = LinkWatch(monitor.slow_factor, monitor.slow_steps)  # rank 0: link probes
+        self._slow_pair = tuple(fault.slow_pair) if fault.slow_pair else None
+        self._pair_delay_s = fault.slow_pair_delay_s
         # The last closed step's own compute (the straggler controller's input, see the
         # module docstring): up to the pooled embeddings' gradient, the fault's sleep included.
         self.last_compute_s = 0.0
@@ -195,15 +208,33 @@ class Monitor:
         self._window = []
         parts = [torch.empty_like(local, device=self.device) for _ in range(self.world_size)]
         dist.all_gather(parts, local.to(self.device))
+        self._gathers += 1
+        links = (
+            self._probe_links()
+            if self.cfg.probe_every and self._gathers % self.cfg.probe_every == 0
+            else None
+        )
         if self.rank != 0:
             return
         rows = [p.cpu().tolist() for p in parts]
         self._history.append(rows)
         flags = [*self._judge(rows)]
+        if links is not None:
+            flags += self._links.judge(links)
         self._pending = {
             "ranks": {str(r): dict(zip(FIELDS, row)) for r, row in enumerate(rows)},
             "flags": flags,
         }
+
+    def _probe_links(self) -> list[list[float]]:
+        """All ranks: times every pair's ping-pong and gathers the [W][W] round trips."""
+        times = torch.tensor(
+            probe(self.rank, self.world_size, self.device, self._slow_pair, self._pair_delay_s),
+            dtype=torch.float64,
+        )
+        parts = [torch.empty_like(times, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(parts, times.to(self.device))
+        return [p.cpu().tolist() for p in parts]
 
     def _judge(self, rows: list[list[float]]) -> Iterator[dict[str, Any]]:
         """This gather's slow ranks (flagged after ``slow_steps`` in a row)."""
@@ -220,12 +251,19 @@ class Monitor:
         return event
 
     def note_flags(self, flags: list[dict[str, Any]], step: int) -> list[dict[str, Any]]:
-        """Rank 0: records the first step each (rank, kind) was flagged at; returns those new."""
-        seen = {(f["rank"], f["kind"]) for f in self.flags}
+        """Rank 0: records the first step each (rank, kind[, peer]) was flagged at; returns
+        those new (a slow link: ``kind = "link"`` with its ``peer``)."""
+        seen = {(f["rank"], f["kind"], f.get("peer")) for f in self.flags}
         new = [
-            {"rank": f["rank"], "kind": f["kind"], "step": step, "ratio": f["ratio"]}
+            {
+                "rank": f["rank"],
+                "kind": f["kind"],
+                "step": step,
+                "ratio": f["ratio"],
+                **({"peer": f["peer"]} if "peer" in f else {}),
+            }
             for f in flags
-            if (f["rank"], f["kind"]) not in seen
+            if (f["rank"], f["kind"], f.get("peer")) not in seen
         ]
         self.flags += new
         return new
@@ -237,7 +275,10 @@ class Monitor:
             for r in range(self.world_size)
             if self._history
         }
-        return {"every": self.cfg.every, "gathers": len(self._history), "ranks": ranks, "flags": self.flags}
+        out = {"every": self.cfg.every, "gathers": len(self._history), "ranks": ranks, "flags": self.flags}
+        if self.cfg.probe_every:
+            out["links"] = self._links.summary()  # median round trip per pair "a-b", seconds
+        return out
 
     # ------------------------------------------------------ hung collectives
 

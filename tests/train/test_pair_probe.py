@@ -1,0 +1,130 @@
+"""The monitor's link probes (``monitor.probe_every``): the round-robin schedule, the slow-pair
+judgement, and three gloo ranks where an injected slow link is named and nothing else."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from recaccel.config import FaultConfig, MonitorConfig, load_config
+from recaccel.errors import ConfigError
+from recaccel.train.distributed.monitor import Monitor, check_faults
+from recaccel.train.distributed.pair_probe import LinkWatch, schedule, slow_pairs
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+def test_schedule_meets_every_pair_once_one_pair_per_rank_and_round(world):
+    rounds = schedule(world)
+    pairs = [p for r in rounds for p in r]
+    assert sorted(pairs) == [(a, b) for a in range(world) for b in range(a + 1, world)]
+    for r in rounds:
+        ranks = [x for p in r for x in p]
+        assert len(ranks) == len(set(ranks))
+    assert len(rounds) == world - 1 + world % 2
+
+
+def _rows(world: int, base: float, slow: dict[tuple[int, int], float]) -> list[list[float]]:
+    rows = [[0.0 if a == b else base for b in range(world)] for a in range(world)]
+    for (a, b), t in slow.items():
+        rows[a][b] = rows[b][a] = t
+    return rows
+
+
+def test_slow_pairs_needs_a_factor_and_a_noise_floor():
+    assert list(slow_pairs(_rows(4, 0.001, {(1, 2): 0.05}), 2.0)) == [(1, 2, pytest.approx(50.0))]
+    assert list(slow_pairs(_rows(4, 0.001, {(1, 2): 0.0019}), 2.0)) == []  # under the factor
+    assert list(slow_pairs(_rows(4, 0.0001, {(1, 2): 0.0009}), 2.0)) == []  # 9x but under the floor
+    assert list(slow_pairs(_rows(2, 0.001, {}), 2.0)) == []  # one link: nothing to compare
+
+
+def test_link_watch_flags_after_slow_steps_in_a_row():
+    watch = LinkWatch(2.0, 2)
+    slow, clean = _rows(4, 0.001, {(0, 3): 0.02}), _rows(4, 0.001, {})
+    assert watch.judge(slow) == []
+    assert watch.judge(clean) == []  # the streak breaks
+    assert watch.judge(slow) == []
+    flags = watch.judge(slow)
+    assert [(f["rank"], f["peer"], f["kind"], f["gathers"]) for f in flags] == [(0, 3, "link", 2)]
+    assert watch.summary()["0-3"] == pytest.approx(0.02) and watch.summary()["1-2"] == pytest.approx(0.001)
+
+
+def test_checks_refuse_a_bad_pair_and_a_probe_of_two_ranks():
+    cfg = load_config(None, ["parallel.mode=hybrid", "fault.slow_pair=[1, 1]"])
+    with pytest.raises(ConfigError, match="fault.slow_pair=.1, 1. must be two different ranks"):
+        check_faults(cfg, 3)
+    cfg = load_config(None, ["parallel.mode=hybrid", "fault.slow_pair=[0, 3]"])
+    with pytest.raises(ConfigError, match="of this 3-rank run"):
+        check_faults(cfg, 3)
+    cfg = load_config(None, ["parallel.mode=hybrid", "monitor.every=2", "monitor.probe_every=1"])
+    with pytest.raises(ConfigError, match="3 ranks or more"):
+        check_faults(cfg, 2)
+
+
+WORLD = 3
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=WORLD,
+            timeout=datetime.timedelta(seconds=30),
+        )
+        result = {}
+        for name, pair in (("slow", [1, 2]), ("clean", [])):
+            monitor = Monitor(
+                MonitorConfig(every=1, slow_steps=2, probe_every=1),
+                FaultConfig(slow_pair=pair, slow_pair_delay_s=0.03),
+                rank,
+                WORLD,
+                torch.device("cpu"),
+            )
+            flags = []
+            for step in range(1, 4):
+                monitor.start_step()
+                assert monitor.end_step()  # a gather is due every step
+                monitor.gather()
+                event = monitor.take_event()
+                if rank == 0:
+                    flags += monitor.note_flags(event["flags"], step)
+            result[name] = {"flags": flags, "summary": monitor.summary() if rank == 0 else None}
+        if rank == 0:
+            Path(out).write_text(json.dumps(result))
+    except BaseException:
+        Path(f"{out}.error-{rank}").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def test_three_ranks_name_the_slow_link_only(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rank0.json"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        if p.is_alive():
+            p.kill()
+    errors = [f.read_text() for f in sorted(tmp_path.glob("*.error-*"))]
+    assert not errors, "\n".join(errors)
+    got = json.loads(out.read_text())
+    slow = got["slow"]
+    assert [(f["rank"], f["peer"], f["kind"], f["step"]) for f in slow["flags"]] == [(1, 2, "link", 2)]
+    links = slow["summary"]["links"]  # median round trip per pair: the delay once per round trip
+    assert links["1-2"] > 0.03 > max(links["0-1"], links["0-2"])
+    assert got["clean"]["flags"] == []
