@@ -18,8 +18,10 @@ medians to rank 0, which flags:
 - a slow collective: its collective time above ``slow_factor`` times the others', after
   taking off the time it waited for slower peers (the compute they spent beyond its own);
 
-each in ``monitor.slow_steps`` gathers in a row and by more than a noise floor. The slow
-pair of a link is not told apart (every collective here spans all ranks).
+each in ``monitor.slow_steps`` gathers in a row and by more than a noise floor;
+
+- a slow link: every collective spans all ranks, so every ``monitor.probe_every`` gathers
+  each pair of ranks is timed alone (:mod:`recaccel.train.distributed.pair_probe`).
 
 While the monitor runs, each rank writes the number of the collective it is entering to
 the process group's store; when a collective fails, :meth:`Monitor.absent` reads them and
