@@ -7,10 +7,6 @@ Row identity: a dense feature holding the row index.
 
 from __future__ import annotations
 
-import datetime
-import os
-import socket
-import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
@@ -35,6 +30,7 @@ from recaccel.train.distributed.shard_service import (
     shard_ranges,
 )
 from recaccel.train.trainer import build_parallel
+from tests.train.gloo_ranks import run_ranks
 
 # 8 row groups of 128 rows; batches of 64: a shard is 2 batches.
 BATCH = 64
@@ -207,56 +203,30 @@ def _recording(log: Path) -> None:
     HybridParallel.train_step = train_step
 
 
-def _job(rank: int, port: int, root: str, jobs: list[str]) -> None:
+def _job(rank: int, world: int, root: Path, jobs: list[str]) -> None:
     from recaccel.errors import RecaccelError
     from recaccel.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    root = Path(root)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=20),
-        )
-        for job in jobs:
-            _recording(root / f"{job}-{rank}.ids")
-            if job == "clean":
-                Trainer(_cfg(root, root / "clean")).fit()
-            elif job == "kill":
-                kill = [
-                    "fault.kill_rank=1",
-                    f"fault.kill_rank_at_step={KILL_AT}",
-                    f"train.checkpoint_every={CHECKPOINT_EVERY}",
-                ]
-                try:
-                    Trainer(_cfg(root, root / "killed", *kill)).fit()
-                except RecaccelError:
-                    pass  # rank 0: its peer died
-            elif job == "resume":
-                Trainer(_cfg(root, root / "killed"), resume=True).fit()
-    except BaseException:
-        (root / f"error-{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
+    for job in jobs:
+        _recording(root / f"{job}-{rank}.ids")
+        if job == "clean":
+            Trainer(_cfg(root, root / "clean")).fit()
+        elif job == "kill":
+            kill = [
+                "fault.kill_rank=1",
+                f"fault.kill_rank_at_step={KILL_AT}",
+                f"train.checkpoint_every={CHECKPOINT_EVERY}",
+            ]
+            try:
+                Trainer(_cfg(root, root / "killed", *kill)).fit()
+            except RecaccelError:
+                pass  # rank 0: its peer died
+        elif job == "resume":
+            Trainer(_cfg(root, root / "killed"), resume=True).fit()
 
 
 def _spawn(root: Path, jobs: list[str]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_job, args=(r, port, str(root), jobs)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-    errors = [f.read_text() for f in sorted(root.glob("error-*.txt"))]
-    assert not errors, "\n".join(errors)
+    run_ranks(_job, WORLD, root, jobs, timeout_s=20, join_s=120)
 
 
 def _steps(path: Path) -> list[list[int]]:

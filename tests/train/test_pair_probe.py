@@ -3,22 +3,17 @@ judgement, and three gloo ranks where an injected slow link is named and nothing
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import socket
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recaccel.config import FaultConfig, MonitorConfig, load_config
 from recaccel.errors import ConfigError
 from recaccel.train.distributed.monitor import Monitor, check_faults
 from recaccel.train.distributed.pair_probe import LinkWatch, schedule, slow_pairs
+from tests.train.gloo_ranks import run_ranks
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
@@ -69,59 +64,32 @@ def test_checks_refuse_a_bad_pair_and_a_probe_of_two_ranks():
         check_faults(cfg, 2)
 
 
-WORLD = 3
-
-
-def _worker(rank: int, port: int, out: str) -> None:
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=30),
+def _worker(rank: int, world: int, root: Path) -> None:
+    result = {}
+    for name, pair in (("slow", [1, 2]), ("clean", [])):
+        monitor = Monitor(
+            MonitorConfig(every=1, slow_steps=2, probe_every=1),
+            FaultConfig(slow_pair=pair, slow_pair_delay_s=0.03),
+            rank,
+            world,
+            torch.device("cpu"),
         )
-        result = {}
-        for name, pair in (("slow", [1, 2]), ("clean", [])):
-            monitor = Monitor(
-                MonitorConfig(every=1, slow_steps=2, probe_every=1),
-                FaultConfig(slow_pair=pair, slow_pair_delay_s=0.03),
-                rank,
-                WORLD,
-                torch.device("cpu"),
-            )
-            flags = []
-            for step in range(1, 4):
-                monitor.start_step()
-                assert monitor.end_step()  # a gather is due every step
-                monitor.gather()
-                event = monitor.take_event()
-                if rank == 0:
-                    flags += monitor.note_flags(event["flags"], step)
-            result[name] = {"flags": flags, "summary": monitor.summary() if rank == 0 else None}
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
-    except BaseException:
-        Path(f"{out}.error-{rank}").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
+        flags = []
+        for step in range(1, 4):
+            monitor.start_step()
+            assert monitor.end_step()  # a gather is due every step
+            monitor.gather()
+            event = monitor.take_event()
+            if rank == 0:
+                flags += monitor.note_flags(event["flags"], step)
+        result[name] = {"flags": flags, "summary": monitor.summary() if rank == 0 else None}
+    if rank == 0:
+        (root / "rank0.json").write_text(json.dumps(result))
 
 
 def test_three_ranks_name_the_slow_link_only(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    run_ranks(_worker, 3, tmp_path, join_s=120)
     out = tmp_path / "rank0.json"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(out))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        if p.is_alive():
-            p.kill()
-    errors = [f.read_text() for f in sorted(tmp_path.glob("*.error-*"))]
-    assert not errors, "\n".join(errors)
     got = json.loads(out.read_text())
     slow = got["slow"]
     assert [(f["rank"], f["peer"], f["kind"], f["step"]) for f in slow["flags"]] == [(1, 2, "link", 2)]

@@ -7,19 +7,13 @@ Row identity: a dense feature holding the row index / 1024.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import socket
-import traceback
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
@@ -34,6 +28,7 @@ from recaccel.train.distributed.straggler import (
     split_units,
 )
 from recaccel.train.objectives import DLRMObjective, loss_denominator
+from tests.train.gloo_ranks import run_ranks
 
 # ------------------------------------------------------------------ the controller
 
@@ -197,7 +192,7 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
-def _job(rank: int, port: int, root: str, jobs: list[tuple[str, list[str]]]) -> None:
+def _job(rank: int, world: int, root: Path, jobs: list[tuple[str, list[str]]]) -> None:
     """Runs each job ``(name, sets)`` on this rank; ``name`` may end in ``:kill`` (a run whose
     peer dies, see ``fault.kill_rank``: the job list's last) or ``:resume`` (resumes the run
     of that name)."""
@@ -206,70 +201,44 @@ def _job(rank: int, port: int, root: str, jobs: list[tuple[str, list[str]]]) -> 
     from recaccel.train.distributed.hybrid import HybridParallel
     from recaccel.train.trainer import Trainer
 
-    torch.set_num_threads(1)
-    root = Path(root)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=30),
+    for job, sets in jobs:
+        name, _, mode = job.partition(":")
+        cfg = load_config(
+            None,
+            [
+                *TRAIN,
+                *sets,
+                f'data.train="{root / "train"}"',
+                f'data.test="{root / "test"}"',
+                f'train.out_dir="{root / name}"',
+            ],
         )
-        for job, sets in jobs:
-            name, _, mode = job.partition(":")
-            cfg = load_config(
-                None,
-                [
-                    *TRAIN,
-                    *sets,
-                    f'data.train="{root / "train"}"',
-                    f'data.test="{root / "test"}"',
-                    f'train.out_dir="{root / name}"',
-                ],
+        parallel = HybridParallel(cfg, torch.device("cpu"))
+        log = root / f"{job.replace(':', '-')}-{rank}.ids"
+
+        def record(batch, log=log) -> None:
+            with open(log, "a") as f:
+                f.write(" ".join(str(round(v * 1024)) for v in batch.dense[:, 0].tolist()) + "\n")
+
+        parallel.on_batch = record
+        trainer = Trainer(cfg, parallel=parallel, resume=mode == "resume")
+        if mode == "kill":
+            try:
+                trainer.fit()
+            except RecaccelError:
+                pass  # rank 0: its peer died
+            continue
+        trainer.fit()
+        state = consolidated_state_dict(parallel, trainer.module)
+        if rank == 0:
+            torch.save(state, root / f"{name}.pt")
+            (root / f"{name}.shares.json").write_text(
+                json.dumps(parallel.splitter.summary() if parallel.splitter else {})
             )
-            parallel = HybridParallel(cfg, torch.device("cpu"))
-            log = root / f"{job.replace(':', '-')}-{rank}.ids"
-
-            def record(batch, log=log) -> None:
-                with open(log, "a") as f:
-                    f.write(" ".join(str(round(v * 1024)) for v in batch.dense[:, 0].tolist()) + "\n")
-
-            parallel.on_batch = record
-            trainer = Trainer(cfg, parallel=parallel, resume=mode == "resume")
-            if mode == "kill":
-                try:
-                    trainer.fit()
-                except RecaccelError:
-                    pass  # rank 0: its peer died
-                continue
-            trainer.fit()
-            state = consolidated_state_dict(parallel, trainer.module)
-            if rank == 0:
-                torch.save(state, root / f"{name}.pt")
-                (root / f"{name}.shares.json").write_text(
-                    json.dumps(parallel.splitter.summary() if parallel.splitter else {})
-                )
-    except BaseException:
-        (root / f"error-{rank}.txt").write_text(traceback.format_exc())
-        os._exit(1)
-    os._exit(0)
 
 
 def _spawn(root: Path, jobs: list[tuple[str, list[str]]]) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_job, args=(r, port, str(root), jobs)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-        if p.is_alive():
-            p.kill()
-    errors = [f.read_text() for f in sorted(root.glob("error-*.txt"))]
-    assert not errors, "\n".join(errors)
+    run_ranks(_job, WORLD, root, jobs)
 
 
 def _steps(path: Path) -> list[list[int]]:
