@@ -80,6 +80,13 @@ def test_backup_cuts_only_a_rank_beyond_the_factor_and_ignores_noise():
     assert ctl.stragglers == [3]
     cut = ctl.local_sizes(64)
     assert sum(cut) == 256 and cut[3] < 40 and cut[0] == cut[1] == cut[2]
+    # Hysteresis: 1.3x (under the factor, over its square root) keeps it cut; 1.1x restores it.
+    for speed, stragglers in ((1000 / 1.3, [3]), (1000 / 1.1, [])):
+        per_row = [1000.0, 1000.0, 1000.0, speed]
+        for _ in range(2):
+            ctl.observe([n / v for n, v in zip(cut, per_row)], cut)
+        assert ctl.stragglers == stragglers
+    assert ctl.shares == [0.25] * 4
 
 
 def test_a_window_with_an_idle_rank_decides_nothing():

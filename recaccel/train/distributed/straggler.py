@@ -14,7 +14,8 @@ of the global batch, the same decision everywhere:
   step can do. Every rank reads the global batch and trains its share's slice of it.
 - ``backup`` (shared clusters, AntDT-ND; ``parallel.data = "dynamic"``): only a rank whose
   time per row exceeds ``parallel.backup_factor`` times the others' median is cut to
-  its speed share; the others split the rest equally (transient noise moves nothing).
+  its speed share; the others split the rest equally (transient noise moves nothing). It
+  is restored once within ``sqrt(backup_factor)`` of the others.
   Each rank cuts its next batches at its new size from the shards it is handed, so a
   slowed rank asks for fewer shards and the faster ranks take the ones it would have
   read. A rank whose queue ran dry joins the remaining steps with an empty batch, so
@@ -187,10 +188,14 @@ class SplitController:
 
     def _backed_up(self, rates: list[float]) -> list[float]:
         per_row = [1.0 / r for r in rates]
+        # A straggler stays one until it is within sqrt(backup_factor) of the others
+        # (hysteresis: noise around the factor must not flip its whole share back and forth).
         slow = [
             r
             for r in range(self.world_size)
-            if per_row[r] > self.backup_factor * statistics.median(p for q, p in enumerate(per_row) if q != r)
+            if per_row[r]
+            > (math.sqrt(self.backup_factor) if r in self.stragglers else self.backup_factor)
+            * statistics.median(p for q, p in enumerate(per_row) if q != r)
         ]
         self.stragglers = slow
         if not slow:
