@@ -49,17 +49,9 @@ from typing import Any
 import numpy as np
 
 from recaccel.bench.common import add_output_args, environment_info, plot_file
+from recaccel.bench.straggler_report import SCENARIOS, analyse, write_markdown, write_plot
 from recaccel.errors import ConfigError, RecaccelError
 
-# name -> (parallel.straggler, parallel.data, slowed)
-SCENARIOS: dict[str, tuple[str, str, bool]] = {
-    "clean": ("off", "global", False),
-    "slowed": ("off", "global", True),
-    "rebalance": ("rebalance", "global", True),
-    "backup": ("backup", "dynamic", True),
-}
-RECOVER_TARGET = 0.85  # mitigated samples/s: this share of clean
-DETECT_TARGET = 20  # steps until the slow rank is flagged
 ROW_SCALE = 1024.0  # dense column 0 = row index / ROW_SCALE
 DENSE, SPARSE, VOCAB = 13, 4, 4000  # dense columns (row_id first), sparse fields, their cardinality
 
@@ -360,7 +352,6 @@ def _stderr(line: str) -> None:
 
 
 def main(args, command_line: str) -> Path:
-    from recaccel.bench.straggler_report import analyse, write_markdown, write_plot
 
     names = check_args(args)
     rows = epoch_rows(args)

@@ -10,7 +10,16 @@ from pathlib import Path
 from typing import Any
 
 from recaccel.bench.common import pyplot, save_figure, write_results_markdown
-from recaccel.bench.straggler import DETECT_TARGET, RECOVER_TARGET, SCENARIOS
+
+# name -> (parallel.straggler, parallel.data, slowed)
+SCENARIOS: dict[str, tuple[str, str, bool]] = {
+    "clean": ("off", "global", False),
+    "slowed": ("off", "global", True),
+    "rebalance": ("rebalance", "global", True),
+    "backup": ("backup", "dynamic", True),
+}
+RECOVER_TARGET = 0.85  # mitigated samples/s: this share of clean
+DETECT_TARGET = 20  # steps until the slow rank is flagged
 
 COLORS = {"clean": "tab:green", "slowed": "tab:red", "rebalance": "tab:blue", "backup": "tab:purple"}
 

@@ -11,7 +11,7 @@ the :class:`~recaccel.train.parallel.Parallelism` protocol plus the hooks the
   marked ``data_parallel`` stay in a replicated recaccel embedding. Dense parameters
   are broadcast from rank 0.
 - ``reader`` / ``batches``: each rank's data (see :mod:`recaccel.train.distributed.hybrid_data`);
-  before every step one 3-float allreduce agrees that every rank has a batch (all ranks
+  before every step one small allreduce agrees that every rank has a batch (all ranks
   stop at the same step even when their shards differ in length) and sums the loss
   normalisers and row counts.
 - ``train_step``: local forward (the sharded lookup exchanges ids and pooled embeddings

@@ -21,7 +21,7 @@ How recaccel's step fits TorchRec's pipeline contract:
   loss normaliser and row count of the per-step agreement, and the reader position
   after the batch. Every step thus reports the position paired with *its* batch while
   the pipeline holds later ones, so a checkpoint resumes at the next untrained batch.
-- The agreement (one 3-float allreduce: every rank has a batch, global normaliser and
+- The agreement (one small allreduce: every rank has a batch, global normaliser and
   rows) runs when the pipeline takes a batch from the loader: every rank takes batches
   at the same points of the same code, so the collectives pair up; when one rank runs
   dry, all stop taking and the pipeline trains the batches it holds (all agreed).
