@@ -5,6 +5,7 @@ table-wise sharded embeddings, data-parallel dense MLPs) on W gloo ranks on CPU,
 process per rank spawned here, over a synthetic Parquet dataset, one epoch per scenario:
 
 - ``clean``: no slow rank (``parallel.data = "global"``);
+- ``clean_dynamic``: no slow rank, ``parallel.data = "dynamic"`` (``backup``'s baseline);
 - ``slowed``: rank W-1 slowed ``--slow-factor`` x, no mitigation;
 - ``rebalance``: slowed, ``parallel.straggler = "rebalance"`` (global data);
 - ``backup``: slowed, ``parallel.straggler = "backup"`` (``parallel.data = "dynamic"``).

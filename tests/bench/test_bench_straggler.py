@@ -35,7 +35,11 @@ def test_tiny_run_counts_every_row_and_flags_the_slow_rank(tmp_path):
     result, text = _tiny(tmp_path)
     assert KEYS <= set(result)
     scenarios = result["scenarios"]
-    assert set(scenarios) == {"clean", "slowed", "rebalance", "backup"}
+    assert set(scenarios) == {"clean", "clean_dynamic", "slowed", "rebalance", "backup"}
+    assert (
+        scenarios["backup"]["vs_clean"]
+        == scenarios["backup"]["samples_per_s"] / scenarios["clean_dynamic"]["samples_per_s"]
+    )
     for name in ("clean", "slowed"):  # no mitigation: every row once, 2048 / (2 x 32) steps
         s = scenarios[name]
         assert s["rows_lost"] == 0 and s["rows_repeated"] == 0
