@@ -375,7 +375,10 @@ def test_meta_inner_loop_is_silent_and_outer_step_syncs_once(results, rank):
         reduces = [c for c in calls if c[1] == "all_reduce"]
         # One agreement before the step (3 floats + each rank's timing and units), one bucket
         # with every dense gradient (+ the loss).
-        assert [(c[0], c[2]) for c in reduces] == [("agree", AGREE), ("backward+sync", got["dense_numel"] + 1)]
+        assert [(c[0], c[2]) for c in reduces] == [
+            ("agree", AGREE),
+            ("backward+sync", got["dense_numel"] + 1),
+        ]
         forward = [c for c in calls if c[0] == "forward"]
         backward = [c for c in calls if c[0] == "backward+sync" and c[1] != "all_reduce"]
         assert forward and all(c[1] == "all_to_all_single" for c in forward)  # ids out, pooled rows back
