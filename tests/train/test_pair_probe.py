@@ -68,14 +68,15 @@ def _worker(rank: int, world: int, root: Path) -> None:
     result = {}
     for name, pair in (("slow", [1, 2]), ("clean", [])):
         monitor = Monitor(
-            MonitorConfig(every=1, slow_steps=2, probe_every=1),
-            FaultConfig(slow_pair=pair, slow_pair_delay_s=0.03),
+            # A loud fault and a high bar: 3 ranks busy-waiting on 2 cores delay pings by a few ms.
+            MonitorConfig(every=1, slow_steps=3, slow_factor=5, probe_every=1),
+            FaultConfig(slow_pair=pair, slow_pair_delay_s=0.06),
             rank,
             world,
             torch.device("cpu"),
         )
         flags = []
-        for step in range(1, 4):
+        for step in range(1, 5):
             monitor.start_step()
             assert monitor.end_step()  # a gather is due every step
             monitor.gather()
@@ -92,7 +93,7 @@ def test_three_ranks_name_the_slow_link_only(tmp_path):
     out = tmp_path / "rank0.json"
     got = json.loads(out.read_text())
     slow = got["slow"]
-    assert [(f["rank"], f["peer"], f["kind"], f["step"]) for f in slow["flags"]] == [(1, 2, "link", 2)]
+    assert [(f["rank"], f["peer"], f["kind"], f["step"]) for f in slow["flags"]] == [(1, 2, "link", 3)]
     links = slow["summary"]["links"]  # median round trip per pair: the delay once per round trip
-    assert links["1-2"] > 0.03 > max(links["0-1"], links["0-2"])
+    assert links["1-2"] > 0.06 > max(links["0-1"], links["0-2"])
     assert got["clean"]["flags"] == []

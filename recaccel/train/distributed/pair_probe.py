@@ -3,9 +3,10 @@
 Every collective of a step spans all ranks, so its time cannot say which link is slow.
 A probe times each pair alone: in ``W - 1`` rounds of a round-robin schedule (the circle
 method: every pair meets once, each rank in one pair per round) the two ranks of a pair
-ping-pong :data:`PROBE_BYTES` (send/recv over the process group, three times, the
-fastest kept so a partner still finishing its previous round does not count). One
-all_gather brings each rank's row of times to rank 0, which flags a pair whose time
+ping-pong :data:`PROBE_BYTES` (send/recv over the process group, :data:`REPEATS` times,
+the fastest kept so a partner still finishing its previous round does not count). One
+all_gather brings each rank's row of times to rank 0; a pair's time is the lower of its two
+ranks' (both time the same round trips, and scheduling noise only adds). It flags a pair whose time
 exceeds ``monitor.slow_factor`` times the median pair's (by more than a noise floor) in
 ``monitor.slow_steps`` probes in a row. Needs three ranks or more: with two there is one
 link and nothing to compare it with.
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 PROBE_BYTES = 1 << 16  # 64 KiB per ping: a few link latencies, cheap next to a step
-REPEATS = 3
+REPEATS = 5
 NOISE_S = 0.001  # a pair is slow only by more than this many seconds over the median
 
 
@@ -89,7 +90,7 @@ def slow_pairs(rows: list[list[float]], factor: float) -> Iterator[tuple[int, in
         factor: ``monitor.slow_factor``.
     """
     world = len(rows)
-    pairs = {(a, b): max(rows[a][b], rows[b][a]) for a in range(world) for b in range(a + 1, world)}
+    pairs = {(a, b): min(rows[a][b], rows[b][a]) for a in range(world) for b in range(a + 1, world)}
     if len(pairs) < 3:
         return
     median = statistics.median(pairs.values())
@@ -129,7 +130,7 @@ class LinkWatch:
             return {}
         world = len(self.history[0])
         return {
-            f"{a}-{b}": statistics.median(max(h[a][b], h[b][a]) for h in self.history)
+            f"{a}-{b}": statistics.median(min(h[a][b], h[b][a]) for h in self.history)
             for a in range(world)
             for b in range(a + 1, world)
         }
