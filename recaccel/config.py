@@ -446,7 +446,7 @@ class FaultConfig(_Section):
     slow_factor: Annotated[float, Range(ge=1)] = 2.0  # the slow rank's compute time, times this
     kill_rank: NonNegative = 0  # the rank kill_rank_at_step ends
     kill_rank_at_step: NonNegative = 0  # 0 = never
-    slow_pair: list[NonNegative] = field(default_factory=list)  # [a, b]: the link probe of that pair is delayed
+    slow_pair: list[NonNegative] = field(default_factory=list)  # [a, b]: that pair's link probe is delayed
     slow_pair_delay_s: NonNegativeFloat = 0.02  # per ping of slow_pair's probe
 
 
