@@ -50,11 +50,10 @@ from recaccel.config import Config, OptimConfig, SparseOptimizer, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.readers.protocol import Reader
 from recaccel.ops.embedding.specs import SparseOptimConfig
-from recaccel.sparse import TaskBatch
 from recaccel.train.checkpoint import TrainState
 from recaccel.train.distributed.collectives import CollectiveError, is_comm_error
 from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
-from recaccel.train.distributed.hybrid_data import GlobalSlices
+from recaccel.train.distributed.hybrid_data import GlobalSlices, slice_units, units
 from recaccel.train.distributed.launch import under_torchrun
 from recaccel.train.distributed.monitor import Monitor, check_faults
 from recaccel.train.distributed.straggler import SplitController, check_plan_kinds, check_straggler
@@ -203,6 +202,7 @@ class HybridParallel:
             if p.straggler != "off"
             else None
         )
+        self._rebalance, self._backup = p.straggler == "rebalance", p.straggler == "backup"
         self._last_units = 0  # rows (tasks) of this rank's last step, for the next agreement
         self._dynamic_reader = None  # parallel.data=dynamic: this rank's shard reader
         self._empty = None  # backup: a 0-row batch a dry rank trains while others finish
@@ -341,12 +341,11 @@ class HybridParallel:
             store = dist.distributed_c10d._get_default_store()  # hosted by rank 0
             service = ShardService(store, self.rank, self.world_size, self.cfg.parallel.timeout_s)
             # backup: batches follow the controller's sizes, so ranks take shards as they need them.
-            ragged = self.cfg.parallel.straggler == "backup"
             self._dynamic_reader = DynamicShardReader(
-                make(0, 1), service, self.cfg.data.shard_row_groups, ragged=ragged
+                make(0, 1), service, self.cfg.data.shard_row_groups, ragged=self._backup
             )
             return self._dynamic_reader
-        if train and self.cfg.parallel.straggler == "rebalance":
+        if train and self._rebalance:
             return make(0, 1)  # global batches: batches() slices them by the agreed split
         return GlobalSlices(make(0, 1), self.rank, self.world_size, train=train, whole_tasks=not train)
 
@@ -408,25 +407,19 @@ class HybridParallel:
         items = iter(loader)
         while True:
             batch = next(items, None)
-            if batch is not None and self._empty is None and self.splitter is not None:
-                self._empty = batch.slice_rows(0, 0) if self.splitter.policy == "backup" else None
+            if self._backup and self._empty is None and batch is not None:
+                self._empty = batch.slice_rows(0, 0)
             agreed = self.agree(batch, objective)
             if agreed is None:
                 return
             self._step_denominator, self.step_rows = agreed
             if batch is None:
                 batch = self._empty  # backup: this rank ran dry, the others still train
-            elif self.splitter is not None and self.splitter.policy == "rebalance":
-                batch = self._my_slice(batch)
+            elif self._rebalance:
+                sizes = self.splitter.split(units(batch))  # this rank's slice of the global batch
+                lo = sum(sizes[: self.rank])
+                batch = slice_units(batch, lo, lo + sizes[self.rank])
             yield batch
-
-    def _my_slice(self, batch: Any) -> Any:
-        """rebalance: this rank's slice of a global Batch (rows) or TaskBatch (tasks) by the split."""
-        tasks = isinstance(batch, TaskBatch)
-        sizes = self.splitter.split(batch.num_tasks if tasks else batch.batch_size)
-        lo = sum(sizes[: self.rank])
-        hi = lo + sizes[self.rank]
-        return batch.slice_tasks(lo, hi) if tasks else batch.slice_rows(lo, hi)
 
     def agree(self, batch: Any | None, objective: Objective) -> tuple[float, int] | None:
         """One allreduce of (has a batch, loss normaliser, rows, then every rank's last step
@@ -446,10 +439,9 @@ class HybridParallel:
         """
         w = self.world_size
         info = torch.zeros(3 + 2 * w, dtype=torch.float64)
-        rebalance = self.splitter is not None and self.splitter.policy == "rebalance"
         if batch is not None:
             info[0] = 1.0
-            if not rebalance or self.rank == 0:
+            if not self._rebalance or self.rank == 0:
                 info[1], info[2] = loss_denominator(batch, objective.loss), batch.training_rows
         if self._last_units:
             info[3 + self.rank], info[3 + w + self.rank] = self.monitor.last_compute_s, self._last_units
@@ -462,8 +454,7 @@ class HybridParallel:
         if self.splitter is not None:
             self._steer(info[3 : 3 + w].tolist(), info[3 + w :].tolist())
         ready = int(info[0])
-        backup = self.splitter is not None and self.splitter.policy == "backup"
-        if ready < w and not (backup and ready > 0 and (batch is not None or self._empty is not None)):
+        if ready < w and not (self._backup and ready > 0 and (batch is not None or self._empty is not None)):
             self.monitor.drop_step()  # no step follows this agreement
             if batch is not None:
                 logger.info("rank %d: another rank ran out of batches; ending the epoch", self.rank)
@@ -497,12 +488,13 @@ class HybridParallel:
         if self.on_batch is not None:
             self.on_batch(batch)
         self.zero_grad(optimizer)
-        units = batch.num_tasks if isinstance(batch, TaskBatch) else batch.batch_size
-        self._last_units = units
+        self._last_units = units(batch)
         with self.collectives("the training step"):
             loss = objective.batch_loss(batch)
             share = loss_denominator(batch, objective.loss) / max(self._step_denominator, 1e-12)
-            if not units:  # backup's dry rank: joins the collectives, adds nothing (its mean is 0/0)
+            if (
+                not self._last_units
+            ):  # backup's dry rank: joins the collectives, adds nothing (its mean is 0/0)
                 loss = loss.nan_to_num(0.0)
             scaled = loss * share
             scaled.backward()

@@ -29,6 +29,16 @@ from recaccel.io.readers.protocol import Reader
 from recaccel.sparse import Batch, TaskBatch
 
 
+def units(batch: Batch | TaskBatch) -> int:
+    """What a batch is split over ranks by: its tasks (TaskBatch) or rows (Batch)."""
+    return batch.num_tasks if isinstance(batch, TaskBatch) else batch.batch_size
+
+
+def slice_units(batch: Batch | TaskBatch, lo: int, hi: int) -> Batch | TaskBatch:
+    """Tasks (TaskBatch) or rows (Batch) ``[lo, hi)`` of ``batch``."""
+    return batch.slice_tasks(lo, hi) if isinstance(batch, TaskBatch) else batch.slice_rows(lo, hi)
+
+
 def row_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """Rank ``rank``'s part ``[lo, hi)`` of ``n`` items split into near-equal contiguous parts."""
     base, extra = divmod(n, world_size)
@@ -98,7 +108,7 @@ class GlobalSlices:
         tasks = isinstance(batch, TaskBatch)
         if tasks and self.whole_tasks:
             return batch
-        n = batch.num_tasks if tasks else batch.batch_size
+        n = units(batch)
         if self.train and n % self.world_size:
             unit = "tasks" if tasks else "rows"
             raise DataError(
@@ -106,5 +116,4 @@ class GlobalSlices:
                 f"make {'tasks.tasks_per_batch' if tasks else 'data.batch_size'} a multiple of "
                 f"{self.world_size} and keep data.drop_last = true"
             )
-        lo, hi = row_bounds(n, self.rank, self.world_size)
-        return batch.slice_tasks(lo, hi) if tasks else batch.slice_rows(lo, hi)
+        return slice_units(batch, *row_bounds(n, self.rank, self.world_size))

@@ -112,20 +112,23 @@ class ShardService:
         base = f"recaccel/shards/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         self._prefix = f"{base}/{int(store.add(f'{base}/services/{rank}', 1))}"
 
-    def take(self, round_id: str, queue_length: int, taken: int) -> int | None:
+    def take(self, round_id: str, queue_length: int, taken: int | None) -> int | None:
         """The next queue index of round ``round_id`` (the same on every rank), or None
         when the queue is exhausted.
 
         Ranks step together on equal batches, so a rank reading ahead must not hoard
         shards the others would train: it takes its ``taken + 1``-th shard of the round
         once the ranks have asked ``world_size * taken`` times (or the queue is out).
+        ``taken = None``: no such wait (ranks of unequal batches take as they need).
 
         Raises:
             CollectiveError: the other ranks did not ask within ``timeout_s``.
         """
         key = f"{self._prefix}/{round_id}/next"
         deadline = time.monotonic() + self.timeout_s
-        while (asked := int(self.store.add(key, 0))) < min(self.world_size * taken, queue_length):
+        while taken is not None and (asked := int(self.store.add(key, 0))) < min(
+            self.world_size * taken, queue_length
+        ):
             if time.monotonic() > deadline:
                 raise CollectiveError(
                     f"rank {self.rank}: the shard service saw {asked} shard requests, waiting for "
@@ -276,7 +279,9 @@ class DynamicShardReader:
         try:
             taken = 0
             # ragged: no lockstep (ranks consume at different rates; dry ranks wait in empty steps)
-            while (index := self.service.take(round_id, len(queue), 0 if self.ragged else taken)) is not None:
+            while (
+                index := self.service.take(round_id, len(queue), None if self.ragged else taken)
+            ) is not None:
                 taken += 1
                 shard, i = queue[index]
                 cols = self._read(source, shard)
