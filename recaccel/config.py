@@ -63,6 +63,9 @@ ParquetCodec = Literal["snappy", "lz4", "zstd", "gzip", "none"]  # pyarrow names
 InvalidIdsPolicy = Literal["error", "skip", "clip", "hash"]
 InvalidDensePolicy = Literal["error", "skip", "zero"]
 InvalidLabelsPolicy = Literal["error", "skip"]
+# a data folder's *.parquet entries that cannot be read (dangling symlink, no permission, not
+# a regular file, a name that is not UTF-8): skipped with one warning | refused
+UnreadableFilesPolicy = Literal["warn", "error"]
 LoaderBackend = Literal["torch", "dali"]
 Arch = Literal["dlrm", "melu"]
 Interaction = Literal["dot", "dcnv2"]
@@ -226,6 +229,7 @@ class DataConfig(_Section):
     invalid_ids: InvalidIdsPolicy = "error"
     invalid_dense: InvalidDensePolicy = "error"
     invalid_labels: InvalidLabelsPolicy = "error"
+    unreadable_files: UnreadableFilesPolicy = "warn"  # unreadable *.parquet in a folder: skip, warn | refuse
     drop_last: bool = True
     read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
     prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline

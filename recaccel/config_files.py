@@ -105,7 +105,8 @@ def read_toml(p: Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"config file {p} {'is not a file' if p.exists() else 'does not exist'}")
     try:
-        text = p.read_bytes().decode("utf-8")
+        # utf-8-sig: a byte order mark (Windows editors write one) is not TOML syntax.
+        text = p.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = e.object.count(b"\n", 0, e.start) + 1
         where = f"line {line}: byte {e.object[e.start]:#04x}"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from recaccel.config import Config, ModelConfig, section_types, show_value
+from recaccel.config import Config, ModelConfig, UnreadableFilesPolicy, section_types, show_value
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import list_files
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
@@ -52,7 +52,7 @@ def preflight(
         getattr(cfg, name).__post_init__()
 
     def check(what: str, path: str | Path) -> None:
-        _check_dataset(what, path, lambda: make_data_hint(cfg, path, config_files))
+        _check_dataset(what, path, lambda: make_data_hint(cfg, path, config_files), cfg.data.unreadable_files)
 
     check(f"config key data.train={show_value(cfg.data.train)}", cfg.data.train)
     if test_path is None:
@@ -66,16 +66,24 @@ def preflight(
     _check_backends(cfg.model, cfg.train.device)
 
 
-def _check_dataset(what: str, path: str | Path, hint: Callable[[], str | None] = lambda: None) -> None:
+def _check_dataset(
+    what: str,
+    path: str | Path,
+    hint: Callable[[], str | None] = lambda: None,
+    unreadable: UnreadableFilesPolicy = "warn",
+) -> None:
     """A dataset path must be what the readers open (:func:`~recaccel.io.format.dataset.list_files`):
-    a file, or a folder with ``*.parquet`` files in it; ``hint()`` says how to make a missing one."""
-    if not Path(path).exists():
+    a readable regular file, or a folder with ``*.parquet`` files in it (its unreadable ones
+    as ``unreadable`` says); ``hint()`` says how to make a missing one."""
+    if not Path(path).exists() and not Path(path).is_symlink():
         command = hint()
         raise ConfigError(f"{what} does not exist" + (f"; make it with: {command}" if command else ""))
     try:
-        list_files(path)
-    except DataError:
-        raise ConfigError(f"{what} is a folder without *.parquet files") from None
+        list_files(path, unreadable)
+    except DataError as e:
+        if Path(path).is_dir() and not any(Path(path).glob("*.parquet")):
+            raise ConfigError(f"{what} is a folder without *.parquet files") from None
+        raise ConfigError(f"{what}: {e}") from None
 
 
 def make_data_hint(cfg: Config, path: str | Path, config_files: Sequence[str | Path] = ()) -> str | None:

@@ -9,7 +9,10 @@ the Meta-IO task reader).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
+import os
+import stat
 from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
@@ -17,8 +20,8 @@ from typing import NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recaccel.config import SchemaMapping
-from recaccel.errors import DataError
+from recaccel.config import SchemaMapping, UnreadableFilesPolicy, choices
+from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.decode import Policies, Projection, row_group_to_columns
 from recaccel.io.format.mapping import resolve_mapping
@@ -65,24 +68,114 @@ class DatasetInfo:
         return sum(rg.num_rows for rg in self.row_groups)
 
 
-def list_files(path: str | Path) -> list[Path]:
+def display_path(path: str | Path) -> str:
+    """``path`` as printable text: bytes of a name that is not UTF-8 (which Python keeps as
+    surrogates, and which cannot be printed) escaped as ``\\xff``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def unreadable_reason(path: Path) -> str | None:
+    """Why ``path`` cannot be read as a Parquet file, or None if it can (checked without
+    opening it: opening a FIFO would block until something writes to it)."""
+    try:
+        os.fsencode(path).decode("utf-8")
+    except UnicodeDecodeError:
+        return "has a name that is not UTF-8 (rename it)"
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "is a dangling symlink" if path.is_symlink() else "does not exist"
+    except OSError as e:
+        return "is a symlink loop" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is not a regular file ({_file_kind(st.st_mode)})"
+    if not os.access(path, os.R_OK):
+        return "cannot be read (permission denied)"
+    return None
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def list_files(path: str | Path, unreadable: UnreadableFilesPolicy = "warn") -> list[Path]:
     """A ``.parquet`` file itself, or the ``*.parquet`` files of a directory sorted by name.
 
+    Args:
+        path: a file or a folder.
+        unreadable: a folder's ``*.parquet`` entries that cannot be read (see
+            :func:`unreadable_reason`): ``"warn"`` skips them and logs one warning per
+            folder and process, ``"error"`` refuses them (``data.unreadable_files``).
+
     Raises:
-        DataError: if the path does not exist or the directory has no Parquet file.
+        DataError: if the path does not exist, is itself unreadable (a FIFO, a device, no
+            permission, a name that is not UTF-8), the directory has no readable Parquet
+            file, or has an unreadable one under ``"error"``.
     """
     p = Path(path)
     if p.is_dir():
-        files = sorted(f for f in p.glob("*.parquet") if f.is_file())
-        if not files:
-            raise DataError("directory has no *.parquet files", path=str(p))
-        return files
-    if not p.exists():
-        raise DataError("no such file or directory", path=str(p))
+        return _folder_files(p, unreadable)
+    if not p.exists() and not p.is_symlink():
+        raise DataError("no such file or directory", path=display_path(p))
+    reason = unreadable_reason(p)
+    if reason is not None:
+        raise DataError(reason, path=display_path(p))
     return [p]
 
 
-def open_dataset(path: str | Path, schema: FeatureSchema | SchemaMapping | None = None) -> DatasetInfo:
+_WARNED: set[tuple[Path, tuple[Path, ...]]] = set()  # folders warned about, with their bad entries
+
+
+def _folder_files(folder: Path, unreadable: UnreadableFilesPolicy) -> list[Path]:
+    """The readable ``*.parquet`` files of ``folder`` by name; the others reported as
+    ``unreadable`` says."""
+    if unreadable not in choices(UnreadableFilesPolicy):
+        raise ConfigError(f"config key data.unreadable_files={unreadable!r} must be 'warn' or 'error'")
+    files, bad = [], []
+    for f in sorted(folder.glob("*.parquet")):
+        reason = unreadable_reason(f)
+        if reason is None:
+            files.append(f)
+        else:
+            bad.append((f, reason))
+    if bad:
+        first, why = bad[0]
+        entries = f"{len(bad)} *.parquet entr{'y' if len(bad) == 1 else 'ies'}"
+        what = f"{entries} cannot be read (first: {display_path(first)}, which {why})"
+        if unreadable == "error":
+            raise DataError(
+                f'{what}; fix or remove them, or set data.unreadable_files = "warn" to skip them',
+                path=display_path(folder),
+            )
+        key = (folder.resolve(), tuple(f for f, _ in bad))
+        if key not in _WARNED:  # every reader lists the folder; one warning is enough
+            _WARNED.add(key)
+            logger.warning(
+                'data folder %s: %s; skipping them (data.unreadable_files = "error" refuses them)',
+                display_path(folder),
+                what,
+            )
+    if not files:
+        raise DataError(
+            "directory has no readable *.parquet files" if bad else "directory has no *.parquet files",
+            path=display_path(folder),
+        )
+    return files
+
+
+def open_dataset(
+    path: str | Path,
+    schema: FeatureSchema | SchemaMapping | None = None,
+    unreadable: UnreadableFilesPolicy = "warn",
+) -> DatasetInfo:
     """Reads and checks the footers of a dataset.
 
     Args:
@@ -92,6 +185,7 @@ def open_dataset(path: str | Path, schema: FeatureSchema | SchemaMapping | None 
             written by other tools (without recaccel metadata) be read; so does a
             ``[data.schema]`` mapping, resolved against the first file's columns (see
             :mod:`recaccel.io.format.mapping`).
+        unreadable: what to do with a folder's unreadable entries (see :func:`list_files`).
 
     Returns:
         The schema, the files and their non-empty row groups. A file without rows is
@@ -102,7 +196,7 @@ def open_dataset(path: str | Path, schema: FeatureSchema | SchemaMapping | None 
             an unreadable, corrupt or truncated file, a file whose stored schema differs
             from the first file's, or a missing or mistyped column.
     """
-    files = list_files(path)
+    files = list_files(path, unreadable)
     expected = schema
     first: Path | None = None
     row_groups: list[RowGroupRef] = []
@@ -113,7 +207,8 @@ def open_dataset(path: str | Path, schema: FeatureSchema | SchemaMapping | None 
                 meta = pf.metadata
         except READ_ERRORS as e:
             raise DataError(
-                f"cannot read Parquet footer (corrupt or truncated file?): {read_error_text(e)}", path=str(f)
+                f"cannot read Parquet footer (corrupt or truncated file?): {read_error_text(e)}",
+                path=display_path(f),
             ) from None
         if isinstance(expected, SchemaMapping):
             expected = resolve_mapping(expected, arrow_schema, str(f))
@@ -123,7 +218,9 @@ def open_dataset(path: str | Path, schema: FeatureSchema | SchemaMapping | None 
                 expected, first = stored, f
             elif stored != expected:
                 differ = ", ".join(_schema_diff(expected, stored))
-                raise DataError(f"stored schema differs from that of {first} in: {differ}", path=str(f))
+                raise DataError(
+                    f"stored schema differs from that of {first} in: {differ}", path=display_path(f)
+                )
         expected.validate_arrow(arrow_schema, str(f))
         if meta.num_rows == 0:
             logger.warning("recaccel dataset: file %s has no rows; skipping it", f)
@@ -137,12 +234,14 @@ def _row_groups(path: Path, meta: pq.FileMetaData) -> list[RowGroupRef]:
     counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
     for i, rows in enumerate(counts):
         if rows < 0:
-            raise DataError(f"the footer gives it {rows} rows (corrupt file?)", path=str(path), row_group=i)
+            raise DataError(
+                f"the footer gives it {rows} rows (corrupt file?)", path=display_path(path), row_group=i
+            )
     if sum(counts) != meta.num_rows:
         raise DataError(
             f"the footer's row groups hold {sum(counts)} rows but it says the file has {meta.num_rows} "
             "(corrupt file?)",
-            path=str(path),
+            path=display_path(path),
         )
     return [RowGroupRef(path, i, rows) for i, rows in enumerate(counts) if rows > 0]
 
@@ -198,14 +297,14 @@ class RowGroupReader:
         except READ_ERRORS as e:
             raise DataError(
                 f"cannot read row group: {read_error_text(e)}",
-                path=str(ref.path),
+                path=display_path(ref.path),
                 row_group=ref.row_group,
                 column=self._failing_column(pf, ref),
             ) from None
         if table.num_rows != ref.num_rows:
             raise DataError(
                 f"row group has {table.num_rows} rows but the footer said {ref.num_rows}",
-                path=str(ref.path),
+                path=display_path(ref.path),
                 row_group=ref.row_group,
             )
         return row_group_to_columns(
@@ -244,7 +343,9 @@ class RowGroupReader:
         try:
             pf = pq.ParquetFile(str(path), page_checksum_verification=True)
         except READ_ERRORS as e:
-            raise DataError(f"cannot open Parquet file: {read_error_text(e)}", path=str(path)) from None
+            raise DataError(
+                f"cannot open Parquet file: {read_error_text(e)}", path=display_path(path)
+            ) from None
         self._files[path] = pf
         if len(self._files) > self._max_open:
             _, old = self._files.popitem(last=False)

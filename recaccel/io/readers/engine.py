@@ -89,7 +89,7 @@ class ShardedReader(IterableDataset, ABC):
     ) -> None:
         self.options = options
         self.policies = options.policies
-        self.info: DatasetInfo = open_dataset(path, schema)
+        self.info: DatasetInfo = open_dataset(path, schema, options.unreadable_files)
         self.schema = self.info.schema
         self.counters: dict[str, int] = new_decode_stats()
         self.counters.update(dict.fromkeys(counter_names, 0))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch.utils.data
 
-from recaccel.config import DataConfig
+from recaccel.config import DataConfig, UnreadableFilesPolicy
 from recaccel.errors import ConfigError
 from recaccel.io.format.decode import Policies
 
@@ -64,6 +64,9 @@ class ReadOptions:
         read_ahead: buffers (or units) decoded in advance, each on its own worker thread
             (0 = inline); batches, order and state do not depend on it.
         shard: this process's rank and the world size.
+        unreadable_files: a data folder's unreadable ``*.parquet`` entries: skipped with a
+            warning (``"warn"``) or refused (``"error"``); see
+            :func:`~recaccel.io.format.dataset.list_files`.
 
     Raises:
         ConfigError: on a negative seed or read_ahead.
@@ -75,6 +78,7 @@ class ReadOptions:
     policies: Policies = field(default_factory=Policies)
     read_ahead: int = 2
     shard: Shard = field(default_factory=Shard)
+    unreadable_files: UnreadableFilesPolicy = "warn"
 
     def __post_init__(self) -> None:
         if self.seed < 0:
@@ -95,4 +99,5 @@ class ReadOptions:
             policies=Policies(data_cfg.invalid_ids, data_cfg.invalid_dense, data_cfg.invalid_labels),
             read_ahead=data_cfg.read_ahead if read_ahead is None else read_ahead,
             shard=shard,
+            unreadable_files=data_cfg.unreadable_files,
         )
