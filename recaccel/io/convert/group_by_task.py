@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
+from recaccel.config import SchemaMapping
 from recaccel.errors import ConfigError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import RowGroupReader, RowGroupRef, open_dataset
@@ -125,7 +126,8 @@ class _KeySource:
         self.task_key = task_key
         self.timestamp = timestamp
         self.side = tuple(c for c in (schema.task_key, schema.timestamp) if c is not None)
-        base = dataclasses.replace(schema, task_key=None, timestamp=None)
+        # source=None: a mapped source is written in recaccel's own column types.
+        base = dataclasses.replace(schema, task_key=None, timestamp=None, source=None)
         taken = set(base.column_names())
         if out_key in taken:
             raise ConfigError(f"task column name {out_key!r} is already a column; pass another task_column")
@@ -152,11 +154,12 @@ def group_by_task(
     tmp_dir: str | Path | None = None,
     compression: str = "snappy",
     progress: bool = False,
+    schema: SchemaMapping | None = None,
 ) -> GroupReport:
     """Rewrites ``src`` as ``out_dir/part-*.parquet`` sorted by task key, then timestamp.
 
     Args:
-        src: a recaccel ``.parquet`` file or directory.
+        src: a recaccel ``.parquet`` file or directory (any Parquet with ``schema``).
         out_dir: output directory (must differ from the source directory).
         task_key: the schema's task key column or a single-hot sparse field.
         timestamp: the schema's timestamp column; None = the schema's timestamp if it
@@ -172,6 +175,8 @@ def group_by_task(
             over the rows merged).
         compression: Parquet codec of the written files (``snappy``, ``lz4``, ``zstd``,
             ``gzip``, ``none``; see :mod:`recaccel.io.format.writer`).
+        schema: a ``[data.schema]`` mapping (``cfg.data.schema``) for files written without
+            recaccel metadata; the output is then a recaccel dataset (no mapping needed).
 
     Returns:
         The report (rows, tasks, runs, files, output schema).
@@ -184,7 +189,7 @@ def group_by_task(
         raise ConfigError(
             f"rows_per_row_group and memory_rows must be >= 1, got {rows_per_row_group} and {memory_rows}"
         )
-    info = open_dataset(src)
+    info = open_dataset(src, schema)
     src_dir = Path(src) if Path(src).is_dir() else Path(src).parent
     if src_dir.resolve() == Path(out_dir).resolve():
         raise ConfigError(f"out_dir {out_dir} is the source directory; write the grouped copy elsewhere")

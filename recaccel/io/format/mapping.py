@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 from recaccel.config import SchemaMapping
 from recaccel.errors import DataError
 from recaccel.io.format.id_hash import hash_int_ids, hash_strings
-from recaccel.io.format.schema import FeatureSchema, SparseField
+from recaccel.io.format.schema import FeatureSchema, SparseField, field_index
 
 _ROLES_NUMERIC = ("label", "dense")
 
@@ -151,7 +151,7 @@ def _plans(mapping: SchemaMapping) -> dict[str, ColumnPlan]:
 
 
 def _field_type(schema: pa.Schema, plan: ColumnPlan, path: str) -> pa.DataType:
-    idx = schema.get_field_index(plan.name)
+    idx = field_index(schema, plan.name, path)
     if idx < 0:
         names = ", ".join(schema.names[:20]) + (", ..." if len(schema.names) > 20 else "")
         raise DataError(

@@ -199,7 +199,8 @@ class FeatureSchema:
         if SCHEMA_METADATA_KEY not in meta:
             raise DataError(
                 "no recaccel schema in the Parquet metadata; write files with "
-                "recaccel.io.readers.rows.write_parquet or a recaccel-data converter",
+                "recaccel.io.format.write_parquet or a recaccel-data converter, or map its "
+                "columns with a [data.schema] table (docs/data.md)",
                 path=path,
             )
         return cls.from_json(meta[SCHEMA_METADATA_KEY], path)
@@ -215,12 +216,25 @@ class FeatureSchema:
             return
         expected = self.arrow_schema()
         for want in expected:
-            idx = schema.get_field_index(want.name)
+            idx = field_index(schema, want.name, path)
             if idx < 0:
                 raise DataError("column is missing", path=path, column=want.name)
             got = schema.field(idx).type
             if not _compatible(got, want.type):
                 raise DataError(f"column has type {got}, expected {want.type}", path=path, column=want.name)
+
+
+def field_index(schema: pa.Schema, name: str, path: str) -> int:
+    """The index of column ``name`` in a file's Arrow schema, -1 if it has none.
+
+    Raises:
+        DataError: naming the file when the column appears more than once (Arrow finds
+            neither copy by name, which would read as a missing column).
+    """
+    found = schema.get_all_field_indices(name)
+    if len(found) > 1:
+        raise DataError(f"column {name!r} appears {len(found)} times in {path}; rename or drop the copies")
+    return found[0] if found else -1
 
 
 def _compatible(got: pa.DataType, want: pa.DataType) -> bool:

@@ -267,11 +267,16 @@ def check_order(info: DatasetInfo, first: np.ndarray, last: np.ndarray, column: 
 def raise_unsorted(info: DatasetInfo, g: int, column: str, before: int, after: int, where: str) -> None:
     """Raises the DataError for a task key that decreases inside or before row group ``g``."""
     ref = info.row_groups[g]
-    claim = (
-        "the file claims to be grouped by task (recaccel-data tasks) but is not sorted"
-        if grouped_claim(info.schema) is not None
-        else "the data is not sorted by task key; rewrite it with recaccel-data tasks"
-    )
+    if grouped_claim(info.schema) is not None:
+        claim = "the file claims to be grouped by task (recaccel-data tasks) but is not sorted"
+    elif info.schema.source is not None:  # no recaccel metadata: recaccel-data tasks refuses it
+        claim = (
+            "the data is not sorted by task key; rewrite it sorted with "
+            "recaccel.io.convert.group_by_task.group_by_task(src, out_dir, "
+            f"task_key={column!r}, schema=cfg.data.schema), or sort the files by {column!r}"
+        )
+    else:
+        claim = "the data is not sorted by task key; rewrite it with recaccel-data tasks"
     raise DataError(
         f"task key decreases from {before} to {after} {where}: {claim}",
         path=str(ref.path),

@@ -22,13 +22,14 @@ Shapes: R rows of the pack, C slots, K rows moved, D dim, W = D + state columns 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError
+from recaccel.memory_limits import CGROUP_ROOT, available_memory
 from recaccel.ops.embedding.packing import PackLayout
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES
 
@@ -48,20 +49,12 @@ def host_bytes(layout: PackLayout) -> int:
     return layout.num_rows * sum(row_widths(layout).values()) * _BYTES
 
 
-def available_host_memory() -> int | None:
-    """Bytes of host memory available now (``MemAvailable`` of /proc/meminfo, else the
-    free pages ``os.sysconf`` reports), None when neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+def available_host_memory(cgroup_root: str | Path = CGROUP_ROOT) -> int | None:
+    """Bytes of host memory this process can still allocate: the least of
+    ``MemAvailable``, its cgroup's limit less its usage (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``, under ``cgroup_root``) and ``RLIMIT_AS`` less its virtual
+    size (see :mod:`recaccel.memory_limits`); None when none can be read."""
+    return available_memory(cgroup_root)
 
 
 def check_host_memory(layouts: list[PackLayout], available: int | None = None) -> None:
