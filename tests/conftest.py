@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +19,31 @@ if not torch.cuda.is_available():
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+TEST_SEED = 0
+
+
+def seed_global_generators(seed: int) -> None:
+    """Seeds torch's (CPU and every CUDA device), numpy's and Python's global generators."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+@pytest.fixture(autouse=True)
+def seeded_global_generators():
+    """Every test starts from the same global generator state, so a model it builds or a
+    tensor it draws holds the same values whichever tests ran before it."""
+    seed_global_generators(TEST_SEED)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Module and session fixtures are built by whichever test first needs them, before that
+    test's seeding: seed them too, by name (two such fixtures draw different values)."""
+    if fixturedef.scope != "function":
+        seed_global_generators(zlib.crc32(fixturedef.argname.encode()))
 
 
 @pytest.fixture(scope="session")
