@@ -2,6 +2,15 @@
 
 Every entry is a tensor, a number, a string or a container of those, so checkpoints
 load with ``torch.load(weights_only=True)``; the reader position is stored as JSON.
+
+Tamper evidence: ``step-<step>.pt`` has its SHA-256 in ``step-<step>.pt.sha256``
+(``sha256sum -c`` reads it), checked before every read (resume, evaluation, export). The
+digest file is renamed into place (and its directory entry fsynced) *before* the
+checkpoint, so a kill or power loss at any point never leaves a visible checkpoint that
+fails its check: at worst a digest file without its checkpoint (removed at the next
+save). Re-saving a step lists the old file's digest beside the new one until the new file
+is in place. A checkpoint without a digest file (written before recaccel recorded them,
+or copied without it) is accepted once its zip CRC-32s pass, with a warning.
 """
 
 from __future__ import annotations
@@ -27,12 +36,15 @@ from recaccel.train.checkpoint_io import (
     check_entries,
     check_module_state,
     check_optimizer_state,
+    file_sha256,
     first_line,
     fsync_path,
     python_rng_state,
+    read_digests,
     read_payload,
+    write_digests,
 )
-from recaccel.train.checkpoint_paths import list_checkpoints, newest_checkpoint
+from recaccel.train.checkpoint_paths import DIGEST_SUFFIX, digest_file, list_checkpoints, newest_checkpoint
 from recaccel.train.runlog import CHECKPOINT_DIR
 
 
@@ -138,7 +150,8 @@ def _np_json(obj: Any) -> Any:
 def save_checkpoint(
     run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, keep: int = 2
 ) -> Path:
-    """Writes ``run_dir/checkpoints/step-<step>.pt`` atomically and prunes old ones."""
+    """Writes ``run_dir/checkpoints/step-<step>.pt`` and its digest file atomically, and
+    prunes old ones (see the module docstring for the order)."""
     folder = Path(run_dir) / CHECKPOINT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{state.step:09d}.pt"
@@ -148,11 +161,37 @@ def save_checkpoint(
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+    digest = file_sha256(tmp)
+    previous = _current_digests(path)
+    write_digests(path, [digest, *previous])  # the file under this name verifies, old or new
     os.replace(tmp, path)
     fsync_path(folder)  # and so is the rename
-    for old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink()
+    if previous:
+        write_digests(path, [digest])
+    _prune(folder, list_checkpoints(run_dir)[:-keep])
     return path
+
+
+def _current_digests(path: Path) -> list[str]:
+    """The digests the checkpoint now at ``path`` verifies against (none: no file there)."""
+    if not path.exists():
+        return []
+    try:
+        recorded = read_digests(digest_file(path), path)
+    except CheckpointError:  # a damaged digest file: the bytes there are what a kill would leave
+        recorded = None
+    return sorted(recorded) if recorded else [file_sha256(path)]
+
+
+def _prune(folder: Path, old: list[Path]) -> None:
+    """Deletes the checkpoints ``old``, each before its digest file, then digest files whose
+    checkpoint is gone (a kill between a digest file's rename and its checkpoint's)."""
+    for path in old:
+        path.unlink()
+        digest_file(path).unlink(missing_ok=True)
+    for sidecar in folder.glob(f"step-*.pt{DIGEST_SUFFIX}"):
+        if not sidecar.with_suffix("").exists():
+            sidecar.unlink(missing_ok=True)
 
 
 def load_checkpoint(

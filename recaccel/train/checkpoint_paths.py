@@ -1,6 +1,10 @@
 """Where a run's checkpoints lie: ``step-<step>.pt`` files of single-process runs and
 ``step-<step>.dcp/`` folders of hybrid runs, under ``run_dir/checkpoints/``.
 
+A ``step-<step>.pt`` file has its SHA-256 beside it in ``step-<step>.pt.sha256``
+(:func:`digest_file`, ``sha256sum`` format); a ``.dcp`` folder lists its files' SHA-256s
+in its ``recaccel.json``.
+
 Both checkpoint writers (:mod:`recaccel.train.checkpoint`,
 :mod:`recaccel.train.distributed.dist_checkpoint`) and the resume logic list them here,
 so neither writer imports the other.
@@ -14,6 +18,7 @@ from pathlib import Path
 from recaccel.train.runlog import CHECKPOINT_DIR
 
 INFO_FILE = "recaccel.json"  # in a .dcp folder, written last: the folder is complete
+DIGEST_SUFFIX = ".sha256"  # beside a .pt file: its SHA-256, written before the file is renamed into place
 _FILE = re.compile(r"step-(\d+)\.pt$")
 _FOLDER = re.compile(r"^step-(\d+)\.dcp$")
 
@@ -23,6 +28,12 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     folder = Path(run_dir) / CHECKPOINT_DIR
     found = [p for p in folder.glob("step-*.pt") if _FILE.search(p.name)]
     return sorted(found, key=lambda p: int(_FILE.search(p.name).group(1)))
+
+
+def digest_file(path: Path) -> Path:
+    """The file holding the SHA-256 of the checkpoint file ``path`` (``<name>.sha256``)."""
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
 
 
 def list_sharded_checkpoints(run_dir: Path) -> list[Path]:

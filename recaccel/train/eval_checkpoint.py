@@ -6,7 +6,8 @@ Evaluation always runs in one process: a DCP folder is read whole, DCP assemblin
 table's shards into one full tensor, so a hybrid run is scored without launching its ranks
 again (its tables must fit this host's memory). Only the model is restored: the optimizer,
 reader position and random state of a checkpoint play no part in scoring, but a checkpoint is
-checked as a resume checks it first, so a corrupted or crafted one is refused in the same line.
+checked as a resume checks it first (its SHA-256s, then its entries), so a corrupted or
+crafted one is refused in the same line.
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def load_sharded_model(
     The dense entries are the folder's ``model.*``; each table's rows [R, D] are read whole
     from its shards (``embedding.*``, sharded by TorchRec) or from the data-parallel copy
     (``replicated.*``) into ``<embedding prefix><table>.weight``. The folder is checked as
-    a resume checks it before the model is touched: ``recaccel.json``, every rank's
+    a resume checks it before the model is touched: every file's SHA-256 recorded in
+    ``recaccel.json``, every rank's
     ``ranks.<r>`` entry, and with ``cfg`` the optimizer entries (not applied):
     ``dense_optim`` against ``optimizer`` and ``replicated_optim`` against the optimizer
     the run's data-parallel tables had.
@@ -180,10 +182,16 @@ def load_sharded_model(
     Raises:
         CheckpointError: the folder is unreadable, malformed, or does not fit ``model``.
     """
-    from recaccel.train.distributed.dist_checkpoint import check_sharded_entries, dcp_load, read_info
+    from recaccel.train.distributed.dist_checkpoint import (
+        check_sharded_entries,
+        dcp_load,
+        read_info,
+        verify_sharded,
+    )
     from recaccel.train.optim import build_dense_optimizer
 
     info = read_info(path)
+    verify_sharded(path)
     reader = safe_dcp_reader(path)
     metadata = reader.read_metadata().state_dict_metadata
     prefix = _embedding_prefix(model)

@@ -5,7 +5,11 @@ writes at once: each rank its own shards of the embedding tables and of their fu
 optimizer state (ShardedTensors), one copy of what all ranks share (dense parameters,
 data-parallel tables, the dense optimizer state), and its own reader position and RNG
 state under ``ranks.<rank>``. ``recaccel.json`` beside DCP's files records the world
-size and step. The directory is written under a temporary name and renamed by rank 0
+size, the step and (``sha256``) the SHA-256 of every other file of the folder, hashed by
+rank 0 once every rank has written; a resume (each rank hashing its share of the files)
+and a whole-checkpoint read check them before anything is read, so a changed byte is
+refused in one line naming the file. A folder without them (written before recaccel
+recorded them) loads with a warning: DCP's files carry no checksums of their own. The directory is written under a temporary name and renamed by rank 0
 once every rank has finished, so a crash mid-write never leaves a checkpoint that
 looks complete; the two newest are kept.
 
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -59,18 +64,23 @@ from recaccel.train.checkpoint_io import (
     CheckpointError,
     apply_state,
     check_entries,
+    check_manifest,
     check_optimizer_state,
     dcp_failure,
     first_line,
+    folder_digests,
     fsync_path,
     fsync_tree,
     read_payload,
     safe_dcp_planner,
     safe_dcp_reader,
     show,
+    verify_digests,
 )
 from recaccel.train.checkpoint_paths import INFO_FILE, list_sharded_checkpoints
 from recaccel.train.runlog import CHECKPOINT_DIR
+
+logger = logging.getLogger(__name__)
 
 FORMAT = 1
 
@@ -154,6 +164,7 @@ def save_sharded(
     if parallel.is_main:
         counters = {k: v for k, v in entries.items() if k not in ("reader", "rng", "data", "last_loss")}
         info = {"format": FORMAT, "world_size": parallel.world_size, **counters}
+        info["sha256"] = folder_digests(partial, skip=(INFO_FILE,))
         (partial / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
         fsync_tree(partial)  # every rank's files and the folder are on disk before the rename
         shutil.rmtree(final, ignore_errors=True)
@@ -187,6 +198,7 @@ def load_sharded(
         )
     path = found[-1]
     saved_world = check_world_size(path, parallel.cfg, parallel.world_size)
+    verify_sharded(path, parallel.rank, parallel.world_size, warn=parallel.is_main)
     entry = parallel.rank if parallel.rank < saved_world else 0
     sd = _state_dict(parallel, model, optimizer, entry)
     reader = safe_dcp_reader(path)
@@ -323,6 +335,42 @@ def check_sharded_entries(
         entries[rank] = _unblob(path, entry, sd[entry])
         check_entries(path, entries[rank], entry=entry)
     return dense_optim, replicated_optim, entries
+
+
+def verify_sharded(path: Path, rank: int = 0, world_size: int = 1, *, warn: bool = True) -> None:
+    """Checks the files of the sharded checkpoint ``path`` against the SHA-256s its
+    ``recaccel.json`` records, before any is read. With ``world_size`` > 1 (a collective
+    of the default process group) each rank hashes every ``world_size``-th file and all
+    ranks raise the first failure found.
+
+    Args:
+        path: the ``step-*.dcp`` folder.
+        rank: this process's rank.
+        world_size: the number of ranks sharing the work (1: this process checks all).
+        warn: log a warning when the folder records no digests (one rank of many).
+
+    Raises:
+        CheckpointError: ``checkpoint <path>: SHA-256 checksum mismatch in <file>: ...``,
+            a listed file missing, or a malformed ``sha256`` entry.
+    """
+    info = read_info(path)
+    if "sha256" not in info:
+        if warn:
+            logger.warning(
+                "checkpoint %s records no SHA-256s of its files (written before recaccel recorded "
+                "them): loaded unverified",
+                path,
+            )
+        return
+    manifest = check_manifest(path, info["sha256"], path / INFO_FILE)
+    names = sorted(manifest)[rank::world_size]
+    failure = verify_digests(path, manifest, names)
+    if world_size > 1:
+        failures: list[Any] = [None] * world_size
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        raise failure
 
 
 def read_info(path: Path) -> dict[str, Any]:
