@@ -26,8 +26,10 @@ def train(
         cfg: the run's config.
         resume: continue the run in ``cfg.train.out_dir`` from its newest checkpoint
             (from step 0 when it stopped before its first checkpoint).
-        overwrite: replace a run already in ``cfg.train.out_dir`` (its checkpoints, log
-            and metrics are deleted first); without it such a run directory is refused.
+        overwrite: replace a run already in ``cfg.train.out_dir`` (the files recaccel
+            wrote there are deleted first, others are left, see
+            :func:`~recaccel.train.runlog.clear_run`); without it such a run directory is
+            refused.
         model: one's own model instead of the one ``[model]`` describes: an ``nn.Module``
             with ``embed(sparse) -> [B, F, D]``, ``head(dense, pooled) -> logits [B]`` and
             ``prepare_sparse(sparse)``, or a callable ``(schema, device) -> such a module``
@@ -35,18 +37,26 @@ def train(
             model again to :func:`resume` and :func:`evaluate`.
 
     Raises:
+        RunDirInUseError: another process trains in ``cfg.train.out_dir`` (it holds
+            ``RUN/.lock``, see :mod:`recaccel.train.run_lock`), whatever ``overwrite`` says.
         RecaccelError: a run directory that already holds a run (neither ``resume`` nor
             ``overwrite``), bad config or input, a model without the methods a run calls,
             a checkpoint that cannot be resumed.
     """
     from recaccel.preflight import preflight
+    from recaccel.train.run_lock import for_training
     from recaccel.train.trainer import Trainer
 
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
-    trainer = Trainer(
-        absolute_paths(cfg), resume=resume, overwrite=overwrite, fresh_if_no_checkpoint=resume, model=model
-    )
-    return trainer.fit()
+    with for_training(Path(cfg.train.out_dir)):  # before anything there is read or written
+        trainer = Trainer(
+            absolute_paths(cfg),
+            resume=resume,
+            overwrite=overwrite,
+            fresh_if_no_checkpoint=resume,
+            model=model,
+        )
+        return trainer.fit()
 
 
 def resume(

@@ -6,9 +6,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from recaccel.cli.common import add_config_args, print_metrics, run_command, setup_logging
 from recaccel.errors import RecaccelError
+
+if TYPE_CHECKING:
+    from recaccel.config import Config
 
 
 def train_parser() -> argparse.ArgumentParser:
@@ -66,7 +70,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         from recaccel import api
         from recaccel.config import config_to_toml, load_config
         from recaccel.preflight import preflight
-        from recaccel.train.distributed.launch import restart_count, under_torchrun
+        from recaccel.train.distributed.launch import restart_count, strip_nproc, under_torchrun
 
         overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
         # A rank that torchrun's agent restarted after a failure continues the run, never
@@ -96,20 +100,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         # Refused here in one line, naming the recaccel-data command of missing data.
         preflight(cfg, config_files=files)
         if args.nproc is not None:
-            from recaccel.train.distributed.dist_checkpoint import check_resume_world_size
-            from recaccel.train.distributed.launch import relaunch, strip_nproc
-            from recaccel.train.runlog import check_run_dir, clear_run
-
-            run_dir = Path(cfg.train.out_dir)
-            if args.resume:
-                check_resume_world_size(run_dir, cfg, args.nproc)
-            else:
-                check_run_dir(run_dir, overwrite=args.overwrite)
-                if args.overwrite and args.max_restarts:
-                    # Now, not by rank 0 later: a restart before that would resume the old run.
-                    clear_run(run_dir)
             forwarded = strip_nproc(sys.argv[1:] if argv is None else argv)
-            return relaunch(args.nproc, forwarded, args.max_restarts)
+            return _launch(cfg, args, forwarded)
         resume = bool(args.resume) or restarted
         metrics = api.train(cfg, resume=resume, overwrite=args.overwrite and not restarted)
         if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
@@ -117,3 +109,23 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     return run_command("recaccel-train", body)
+
+
+def _launch(cfg: Config, args: argparse.Namespace, forwarded: list[str]) -> int:
+    """``--nproc N``: checks the run directory and runs ``forwarded`` as N ranks, holding
+    its lock for them (every attempt: a restarted rank 0 finds it held by its parent)."""
+    from recaccel.train.distributed.dist_checkpoint import check_resume_world_size
+    from recaccel.train.distributed.launch import relaunch
+    from recaccel.train.run_lock import lend_to_ranks, locked
+    from recaccel.train.runlog import check_run_dir, clear_run
+
+    run_dir = Path(cfg.train.out_dir)
+    with locked(run_dir), lend_to_ranks(run_dir):
+        if args.resume:
+            check_resume_world_size(run_dir, cfg, args.nproc)
+        else:
+            check_run_dir(run_dir, overwrite=args.overwrite)
+            if args.overwrite and args.max_restarts:
+                # Now, not by rank 0 later: a restart before that would resume the old run.
+                clear_run(run_dir)
+        return relaunch(args.nproc, forwarded, args.max_restarts)

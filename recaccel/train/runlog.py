@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import re
 import shutil
 import time
 from collections.abc import Iterator, Sequence
@@ -22,14 +24,26 @@ TENSORBOARD_DIR = "tensorboard"
 RUN_FILES = (CONFIG_FILE, LOG_FILE, METRICS_FILE, CHECKPOINT_DIR, TENSORBOARD_DIR)
 # Event fields that place a record rather than measure something.
 _PLACE_FIELDS = frozenset({"event", "time", "step", "epoch"})
+_LOG_TMP = LOG_FILE + ".tmp"  # log.jsonl's rewrite on resume, renamed over it
+# What recaccel writes, by folder: --overwrite deletes these names and nothing else.
+_OWN_FILES = (CONFIG_FILE, LOG_FILE, _LOG_TMP, METRICS_FILE)
+# eval-<step>.json of recaccel-eval, and its temporary file while it writes it
+_TOP_NAMES = re.compile(
+    "^(" + "|".join(map(re.escape, _OWN_FILES)) + r"|eval-\d+\.json|\.eval-\d+\.\d+\.tmp\.json)$"
+)
+# step-<n>.pt and its sidecars and .tmp, step-<n>.dcp folders, their .step-<n>.dcp.partial
+_CHECKPOINT_NAMES = re.compile(r"^\.?step-\d+\..+$")
+_TENSORBOARD_NAMES = re.compile(r"^events\.out\.tfevents\..+$")
+_RUN_FOLDERS = ((CHECKPOINT_DIR, _CHECKPOINT_NAMES), (TENSORBOARD_DIR, _TENSORBOARD_NAMES))
 
 
 def run_files(run_dir: Path) -> list[str]:
-    """The names of a run's files found in ``run_dir`` (config, log, metrics, checkpoints)."""
+    """The names of a run's files found in ``run_dir``: config, log, metrics, evaluations,
+    and checkpoints/ or tensorboard/ when they hold files recaccel writes there."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    return [name for name in RUN_FILES if (run_dir / name).exists()]
+    found = sorted(p.name for p in _owned(run_dir, _TOP_NAMES))
+    found += [folder for folder, names in _RUN_FOLDERS if _owned(run_dir / folder, names)]
+    return found
 
 
 def check_run_dir(run_dir: Path, *, overwrite: bool) -> None:
@@ -47,15 +61,47 @@ def check_run_dir(run_dir: Path, *, overwrite: bool) -> None:
         )
 
 
-def clear_run(run_dir: Path) -> None:
-    """Deletes a previous run's files from ``run_dir`` (only those of :data:`RUN_FILES`)."""
+def clear_run(run_dir: Path) -> list[Path]:
+    """Deletes what recaccel wrote into ``run_dir`` and nothing else, for ``--overwrite``.
+
+    Deleted: config.toml, log.jsonl, metrics.json, ``eval-<step>.json``; in checkpoints/
+    every ``step-<step>.*`` file or folder (checkpoints, their sidecars, ``.tmp`` files)
+    and ``.step-<step>.dcp.partial`` folders; in tensorboard/ the ``events.out.tfevents.*``
+    files. Those two folders go only when nothing else is left in them. The ``.lock``
+    file stays (:mod:`recaccel.train.run_lock`): the caller holds it.
+
+    Returns:
+        The paths deleted.
+    """
     run_dir = Path(run_dir)
-    for name in run_files(run_dir):
-        path = run_dir / name
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    deleted = _owned(run_dir, _TOP_NAMES)
+    for folder, names in _RUN_FOLDERS:
+        deleted += _owned(run_dir / folder, names)
+    for path in deleted:
+        _delete(path)
+    for folder, _ in _RUN_FOLDERS:
+        _remove_if_empty(run_dir / folder)
+    return deleted
+
+
+def _owned(folder: Path, names: re.Pattern[str]) -> list[Path]:
+    """The entries of ``folder`` whose names recaccel writes there (none when it is not a folder)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    return sorted(p for p in folder.iterdir() if names.match(p.name))
+
+
+def _delete(path: Path) -> None:
+    """Deletes a file, a link (not what it points to) or a folder."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _remove_if_empty(folder: Path) -> None:
+    if folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+        folder.rmdir()
 
 
 class RunLog:
@@ -65,20 +111,31 @@ class RunLog:
         run_dir: the run directory.
         loggers: ``train.loggers``; log.jsonl is always written, ``"tensorboard"`` also
             writes each event's numbers as scalars under ``run_dir/tensorboard/``.
-        resumed_at: the step a resumed run continues from (TensorBoard drops what an
-            earlier writer logged after it).
+        resumed_at: the step a resumed run continues from: log.jsonl keeps only what
+            was logged up to it (:func:`trim_log`), so each step appears once, and
+            TensorBoard drops what an earlier writer logged after it. None: append to
+            the log as it is (a torn last line is ended first).
 
     Raises:
         ConfigError: ``tensorboard`` without the tensorboard package.
     """
 
-    def __init__(self, run_dir: Path, *, loggers: Sequence[str] = ("jsonl",), resumed_at: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, *, loggers: Sequence[str] = ("jsonl",), resumed_at: int | None = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._tensorboard = (
-            TensorBoardLog(self.run_dir / TENSORBOARD_DIR, resumed_at) if "tensorboard" in loggers else None
+            TensorBoardLog(self.run_dir / TENSORBOARD_DIR, resumed_at or 0)
+            if "tensorboard" in loggers
+            else None
         )
-        self._log = open(self.run_dir / LOG_FILE, "a", buffering=1)
+        path = self.run_dir / LOG_FILE
+        if resumed_at is not None:
+            trim_log(path, resumed_at)
+        else:
+            _end_last_line(path)
+        self._log = open(path, "a", buffering=1)
 
     def write_config(self, cfg: Config) -> None:
         (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
@@ -163,6 +220,74 @@ def read_events(run_dir: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return events
+
+
+def trim_log(path: Path, step: int) -> bool:
+    """Rewrites the log ``path`` for a run resumed at ``step``, atomically, keeping what
+    that run had logged by then.
+
+    Kept: events at steps <= ``step`` (train, eval, monitor, straggler), and events
+    without a step logged before the first event past ``step``. Dropped: events past
+    ``step`` (their steps are trained again), step-less events after those (they belong
+    to the abandoned stretch), every ``final`` event (the run goes on: it will write its
+    own), and a torn line (a write cut short).
+
+    Returns:
+        True when the file was rewritten (False: nothing to drop, or no log yet).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    kept, past = [], False
+    for line in text.splitlines():
+        event = _parse(line)
+        if event is None or event.get("event") == "final":
+            continue
+        at = event.get("step")
+        if isinstance(at, int) and not isinstance(at, bool):
+            past = past or at > step
+            if at > step:
+                continue
+        elif past:
+            continue
+        kept.append(line + "\n")
+    new = "".join(kept)
+    if new == text:
+        return False
+    _replace(path, new)
+    return True
+
+
+def _parse(line: str) -> dict[str, Any] | None:
+    """A log line's event; None for a torn or foreign line."""
+    try:
+        event = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _replace(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a temporary file renamed over it (a crash
+    leaves the old file or the new one, never half of either)."""
+    tmp = path.with_name(_LOG_TMP)
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _end_last_line(path: Path) -> None:
+    """Ends a torn last line of ``path`` with a newline, so the next event starts its own
+    line (a reader skips the torn one)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
 
 
 def _finite(value: Any) -> Any:
