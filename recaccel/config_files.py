@@ -140,14 +140,30 @@ def toml_key(key: str) -> str:
     return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_value(key)
 
 
+# C0 controls and DEL: a newline in a --set value would end the TOML value early.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def parse_override(item: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value); the value in TOML, a bare word a string."""
+    """``section.key=value`` -> (section, key, value); the value in TOML, a bare word a string.
+
+    Raises:
+        ConfigError: no ``=``, a key that is not ``section.key``, or a control character
+            (a newline, a tab...) in the item: TOML would read the value up to the newline
+            and the rest as further keys, silently.
+    """
     if "=" not in item:
         raise ConfigError(f"override {item!r} must look like section.key=value")
     dotted, text = item.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2 or not all(parts):
         raise ConfigError(f"override key {dotted!r} must look like section.key")
+    control = _CONTROL.search(item)
+    if control:
+        raise ConfigError(
+            f"override {dotted.strip()!r}: the value holds a control character "
+            f"({control.group()!r}); give one line (a TOML string escapes it, e.g. \"a\\nb\")"
+        )
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:

@@ -34,12 +34,16 @@ class Read:
     """A path a command reads, which none of its outputs may replace.
 
     Attributes:
-        path: a file, or a folder (everything inside it counts as read).
+        path: a file or a folder.
         what: how a message names it, e.g. ``"the data this command reads"``.
+        whole: for a folder, whether every file inside it counts as read (a Parquet
+            dataset, a checkpoint folder); False when only named files in it are read, so
+            outputs beside them are fine.
     """
 
     path: Path
     what: str
+    whole: bool = True
 
 
 def run_reads(run_dir: str | Path, run_files: Iterable[str]) -> list[Read]:
@@ -131,7 +135,7 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp{out.suffix}")  # the suffix kept: writers check it
     try:
         write(tmp)
         os.replace(tmp, out)
@@ -153,7 +157,7 @@ def _clash(out: Path, reads: Sequence[Read]) -> str:
         source = read.path.resolve()
         if target == source or _same_file(out, read.path):
             return f"is {read.what}"
-        if read.path.is_dir() and target.is_relative_to(source):
+        if read.whole and read.path.is_dir() and target.is_relative_to(source):
             return f"is inside {read.what}"
     return ""
 

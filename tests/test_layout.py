@@ -33,6 +33,7 @@ BOTTOM = (
     "recaccel.hashing",
     "recaccel.sparse",
     "recaccel.lazy",
+    "recaccel.output_paths",
 )
 # Dotted names in README.md that are not Python names (a Parquet key-value metadata key).
 README_NOT_MODULES = frozenset({"recaccel.schema"})

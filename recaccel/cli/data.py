@@ -12,6 +12,13 @@ from typing import Any
 from recaccel.cli.common import add_config_args, run_command, setup_logging
 from recaccel.config import BadRowsPolicy, MovieLensScenario, ParquetCodec, choices
 from recaccel.errors import DataError
+from recaccel.output_paths import Read, check_output, check_output_dir, write_text_atomic
+
+
+_OVERWRITE_HELP = (
+    "replace what OUT_DIR already holds where this writes (its split folders, its report); "
+    "never the source"
+)
 
 
 def data_main(argv: Sequence[str] | None = None) -> int:
@@ -22,7 +29,10 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     synth = sub.add_parser("synth", help="Criteo-like synthetic data with a planted model ([synth] config)")
     add_config_args(synth, required=False)
     synth.add_argument(
-        "--overwrite", action="store_true", help="replace a dataset generated with another config"
+        "--overwrite",
+        "--force",
+        action="store_true",
+        help="replace a dataset generated with another config, or other files in its split folders",
     )
 
     criteo = sub.add_parser("criteo", help="Criteo Kaggle/Terabyte TSV to Parquet")
@@ -34,7 +44,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     )
     criteo.add_argument("--rows-per-row-group", type=int, default=65_536)
     criteo.add_argument("--bad-rows", choices=choices(BadRowsPolicy), default="error")
-    criteo.add_argument("--overwrite", action="store_true", help="replace existing Parquet files")
+    criteo.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(criteo)
 
     movielens = sub.add_parser("movielens", help="MovieLens 100K to task-grouped Parquet (user = task)")
@@ -49,7 +59,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     movielens.add_argument("--test-fraction", type=float, default=0.2)
     movielens.add_argument("--seed", type=int, default=0)
     movielens.add_argument("--binarize", action="store_true", help="label = rating >= 4 (clicks)")
-    movielens.add_argument("--overwrite", action="store_true")
+    movielens.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(movielens)
 
     melu = sub.add_parser("melu", help="MeLU's preprocessed MovieLens 1M states to task-grouped Parquet")
@@ -78,7 +88,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="share of warm_state users also written as warm_state_valid (rest: warm_state_train)",
     )
-    melu.add_argument("--overwrite", action="store_true")
+    melu.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(melu)
 
     tasks = sub.add_parser("tasks", help="rewrite a recaccel Parquet dataset grouped by a task key")
@@ -88,7 +98,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     tasks.add_argument("--timestamp", help="column ordering rows within a task")
     tasks.add_argument("--rows-per-row-group", type=int, default=8192)
     tasks.add_argument("--memory-rows", type=int, default=1_000_000, help="rows sorted in memory per run")
-    tasks.add_argument("--overwrite", action="store_true")
+    tasks.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(tasks)
 
     inspect = sub.add_parser(
@@ -97,6 +107,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     inspect.add_argument("path", help="a .parquet file or a folder of them")
     inspect.add_argument("--label", help="the label column (default: a column named like one)")
     inspect.add_argument("--write-schema", metavar="FILE", help="write the suggested [data.schema] TOML here")
+    inspect.add_argument("--force", action="store_true", help="replace an existing --write-schema file")
     inspect.add_argument(
         "--exact-limit",
         type=int,
@@ -122,13 +133,16 @@ def _inspect(args: argparse.Namespace) -> int:
     """Prints each column's statistics and the suggested mapping (written to --write-schema)."""
     from recaccel.io.format.inspect import format_table, inspect_dataset, suggest_mapping
 
+    if args.write_schema:
+        reads = [Read(Path(args.path), "the data this command reads")]
+        check_output(args.write_schema, flag="--write-schema", force=args.force, reads=reads)
     stats = inspect_dataset(args.path, exact_limit=max(1, args.exact_limit))
     fragment = suggest_mapping(stats, args.label)
     print(format_table(stats))
     print()
     print(fragment, end="")
     if args.write_schema:
-        Path(args.write_schema).write_text(fragment)
+        write_text_atomic(args.write_schema, fragment)
         print(
             f"\n# written to {args.write_schema}: review it, then train with --config YOUR.toml --config {args.write_schema}"
         )
@@ -147,6 +161,7 @@ def _compression_arg(parser: argparse.ArgumentParser) -> None:
 def _criteo(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.criteo import convert_criteo
 
+    _check_out_dir(args, ("train", "test", "criteo.json"), Read(Path(args.src), "the file this command reads"))
     return convert_criteo(
         args.src,
         args.out_dir,
@@ -163,6 +178,8 @@ def _criteo(args: argparse.Namespace) -> dict[str, Any]:
 def _movielens(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.movielens import convert_movielens
 
+    source = Read(Path(args.src), "the MovieLens folder this command reads", whole=False)
+    _check_out_dir(args, ("train", "test", "movielens.json"), source)
     return convert_movielens(
         args.src,
         args.out_dir,
@@ -176,8 +193,11 @@ def _movielens(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _melu(args: argparse.Namespace) -> dict[str, Any]:
-    from recaccel.io.convert.melu import convert_melu
+    from recaccel.io.convert.melu import STATES, VALID_STATES, convert_melu
 
+    splits = VALID_STATES if args.valid_fraction > 0 else ()
+    source = Read(Path(args.src), "the MeLU folder this command reads", whole=False)
+    _check_out_dir(args, (*STATES, *splits, "melu.json"), source)
     return convert_melu(
         args.src,
         args.out_dir,
@@ -196,6 +216,7 @@ def _melu(args: argparse.Namespace) -> dict[str, Any]:
 def _tasks(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.group_by_task import group_by_task
 
+    _check_out_dir(args, (".",), Read(Path(args.src), "the data this command reads"))
     return group_by_task(
         args.src,
         args.out_dir,
@@ -232,7 +253,17 @@ def _synth(args: argparse.Namespace) -> dict[str, Any]:
             "pass --overwrite to regenerate it",
             path=str(cfg.out_dir),
         )
+    reads = [Read(Path(c), "a config file this command reads") for c in args.config or ()]
+    check_output_dir(
+        cfg.out_dir, ("train", "test", "synth.json"), flag="synth.out_dir", force=args.overwrite, reads=reads
+    )
     return generate_synthetic(cfg, progress=True, overwrite=args.overwrite).to_dict()
+
+
+def _check_out_dir(args: argparse.Namespace, targets: tuple[str, ...], source: Read) -> None:
+    """Refuses a converter's out_dir where its outputs (``targets`` in it) would replace the
+    source, or hold files already (unless --overwrite); before any row is read."""
+    check_output_dir(args.out_dir, targets, flag="out_dir", force=args.overwrite, reads=[source])
 
 
 def _synth_config_diff(saved: dict[str, Any], cfg: Any) -> list[str]:

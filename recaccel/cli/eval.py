@@ -10,10 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from recaccel.cli.common import run_command, setup_logging
-from recaccel.errors import RecaccelError
-
-# The run's own record, written by training: an evaluation never replaces it.
-RUN_METRICS = "metrics.json"
+from recaccel.output_paths import Read, check_output, run_reads, write_text_atomic
 
 
 def eval_main(argv: Sequence[str] | None = None) -> int:
@@ -40,6 +37,11 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         "--out", metavar="FILE", help="where to write the metrics (default RUN_DIR/eval-<step>.json)"
     )
     parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --out / --predictions file (never the run's own files or the data read)",
+    )
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -58,20 +60,41 @@ def _evaluate(args: argparse.Namespace) -> int:
     from recaccel.train.eval_checkpoint import checkpoint_step, pick_checkpoint
 
     run_dir = Path(args.run_dir)
-    step = checkpoint_step(pick_checkpoint(run_dir, args.checkpoint))  # one line listing the steps
-    out = Path(args.out) if args.out else run_dir / f"eval-{step}.json"
-    if out.resolve() == (run_dir / RUN_METRICS).resolve():
-        raise RecaccelError(f"--out {out} is the run's own {RUN_METRICS}; write the evaluation elsewhere")
+    chosen = pick_checkpoint(run_dir, args.checkpoint)  # one line listing the steps
+    step = checkpoint_step(chosen)
     cfg = api.run_config(run_dir, args.overrides)
+    out = _check_outputs(args, run_dir, chosen, cfg, step)  # before the evaluation, not after it
     metrics = api.evaluate(cfg, args.data, checkpoint=step, predictions=args.predictions)
     record = {**metrics, "run": str(run_dir), "data": str(args.data or cfg.data.test)}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2, default=_json_value) + "\n")
+    write_text_atomic(out, json.dumps(record, indent=2, default=_json_value) + "\n")
     _print(metrics)
     print(f"metrics written to {out}")
     if args.predictions:
         print(f"predictions written to {metrics['predictions']}")
     return 0
+
+
+def _check_outputs(args: argparse.Namespace, run_dir: Path, checkpoint: Path, cfg: Any, step: int) -> Path:
+    """The metrics file, once it and ``--predictions`` are known to replace neither an
+    input (the run's own files, the checkpoint, the data) nor, without --force, a file.
+
+    Raises:
+        OutputError: one line naming the flag and the path.
+    """
+    from recaccel.train.runlog import RUN_FILES
+
+    reads = [
+        *run_reads(run_dir, RUN_FILES),
+        Read(checkpoint, "the checkpoint this command reads"),
+        Read(Path(args.data or cfg.data.test), "the data this command reads"),
+        Read(Path(cfg.data.train), "the run's training data"),
+    ]
+    flag = "--out" if args.out else "the metrics file"
+    out = check_output(args.out or run_dir / f"eval-{step}.json", flag=flag, force=args.force, reads=reads)
+    if args.predictions:
+        reads.append(Read(out, "the metrics file this command writes"))
+        check_output(args.predictions, flag="--predictions", force=args.force, reads=reads)
+    return out
 
 
 def _json_value(value: Any) -> Any:

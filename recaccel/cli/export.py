@@ -25,6 +25,11 @@ def export_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint", type=int, metavar="STEP", help="the step to export (default: the newest)"
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing OUT and its .json (never the run's own files or its data)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     return parser
 
@@ -36,7 +41,7 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     def body() -> int:
         from recaccel.export import export_run
 
-        written = export_run(args.run_dir, args.fmt, args.out, checkpoint=args.checkpoint)
+        written = export_run(args.run_dir, args.fmt, args.out, checkpoint=args.checkpoint, force=args.force)
         print(f"exported step {written['step']} ({written['checkpoint']}) as {written['format']}")
         print(f"model written to {written['path']}")
         print(f"description written to {written['spec']}")

@@ -41,6 +41,7 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.hashing import GAMMA, mix64
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
+from recaccel.output_paths import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +229,7 @@ def convert_criteo(
         test_ctr=test_ctr,
         constant_logloss=_constant_logloss(train_ctr, test_ctr),
     )
-    (out / "criteo.json").write_text(json.dumps(report.to_dict(), indent=2))
+    write_text_atomic(out / "criteo.json", json.dumps(report.to_dict(), indent=2))
     return report
 
 

@@ -60,6 +60,7 @@ from recaccel.io.format.columns import take_csr
 from recaccel.io.format.grouping import grouped_schema, task_order
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
+from recaccel.output_paths import write_text_atomic
 
 STATES = ("warm_state", "user_cold_state", "item_cold_state", "user_and_item_cold_state")
 VALID_STATES = ("warm_state_train", "warm_state_valid")
@@ -250,7 +251,7 @@ def convert_melu(
         report.users_filtered[state] = below + above
         report.users_below[state], report.users_above[state] = below, above
     out.mkdir(parents=True, exist_ok=True)
-    (out / "melu.json").write_text(json.dumps(report.to_dict(), indent=2))
+    write_text_atomic(out / "melu.json", json.dumps(report.to_dict(), indent=2))
     return report
 
 

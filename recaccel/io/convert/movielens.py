@@ -45,6 +45,7 @@ from recaccel.io.format.columns import take_csr
 from recaccel.io.format.grouping import grouped_schema, task_order
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
+from recaccel.output_paths import write_text_atomic
 
 SCENARIOS = choices(MovieLensScenario)
 AGE_EDGES = (18, 25, 35, 45, 50, 56)
@@ -178,7 +179,7 @@ def convert_movielens(
         train_paths=[str(p) for p in writers["train"].paths],
         test_paths=[str(p) for p in writers["test"].paths],
     )
-    (out / "movielens.json").write_text(json.dumps(report.to_dict(), indent=2))
+    write_text_atomic(out / "movielens.json", json.dumps(report.to_dict(), indent=2))
     return report
 
 

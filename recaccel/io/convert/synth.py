@@ -47,6 +47,7 @@ from recaccel.config import SynthConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
+from recaccel.output_paths import write_text_atomic
 from recaccel.metrics import binary_auc, binary_logloss
 
 TARGET_CTR = 0.25
@@ -470,7 +471,7 @@ def generate_synthetic(cfg: SynthConfig, progress: bool = False, *, overwrite: b
         constant_logloss=binary_logloss(torch.full_like(p_test, train_ctr), y_test),
     )
     saved = {"report": report.to_dict(), "config": dataclasses.asdict(cfg)}
-    (out / "synth.json").write_text(json.dumps(saved, indent=2))
+    write_text_atomic(out / "synth.json", json.dumps(saved, indent=2))
     return report
 
 
