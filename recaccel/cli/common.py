@@ -4,8 +4,12 @@ the metrics summary."""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
+import os
+import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,15 +19,90 @@ from recaccel.errors import RecaccelError
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
+    """Runs a command's ``body``: bad input, an OS failure or exhausted memory is one
+    line on stderr (``prog: error: ...``) and exit status 2, never a traceback."""
     try:
         return body()
-    except (RecaccelError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
-        if not handed_to_launcher(e):
-            print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+    except RecaccelError as e:
+        return _fail(prog, e)
+    except OSError as e:
+        return _fail(prog, RecaccelError(os_error_line(e)))
+    except MemoryError as e:
+        return _fail(prog, RecaccelError(memory_error_line(e)))
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not _is_torch_out_of_memory(e):
+            raise
+        return _fail(prog, RecaccelError(memory_error_line(e)))
+
+
+def _fail(prog: str, error: RecaccelError) -> int:
+    if not handed_to_launcher(error):
+        print(f"{prog}: error: {_one_line(str(error))}", file=sys.stderr)
+    return 2
+
+
+def os_error_line(error: OSError) -> str:
+    """One line for an OS failure: what happened and to which path (for a full disk, the
+    bytes left on its filesystem)."""
+    path = error.filename
+    where = f"{path}: " if path is not None else ""
+    if path is not None and error.filename2 is not None:
+        where = f"{path} -> {error.filename2}: "
+    code = error.errno
+    if code == errno.ENOSPC:
+        free = _free_bytes(path)
+        left = f"; {free} bytes free on its filesystem" if free is not None else ""
+        return f"{where}disk full (no space left on device){left}"
+    if code == errno.EROFS:
+        return f"{where}read-only filesystem"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"{where}permission denied"
+    if code == errno.ENAMETOOLONG:
+        return f"{where}file name too long"
+    if code == errno.EDQUOT:
+        return f"{where}disk quota exceeded"
+    if error.strerror:
+        return f"{where}{error.strerror}"
+    return str(error) or type(error).__name__  # e.g. pyarrow's OSError: its text has the path
+
+
+def memory_error_line(error: BaseException) -> str:
+    """One line for exhausted host (MemoryError) or GPU (torch's OutOfMemoryError) memory."""
+    what = _one_line(str(error))
+    tried = re.search(r"Tried to allocate [^.]*(?:\.\d+ ?\w+)?", what)
+    if tried:  # torch's CUDA message: keep the allocation, drop the advice paragraph
+        what = tried.group(0)
+    detail = f" ({what})" if what else ""
+    return (
+        f"out of memory{detail}; reduce data.batch_size (or data.eval_batch_size, "
+        "data.shuffle_buffer_rows) or the embedding tables (model.embedding_dim, cardinalities)"
+    )
+
+
+def _is_torch_out_of_memory(error: Exception) -> bool:
+    torch = sys.modules.get("torch")  # never import torch just to ask
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return oom is not None and isinstance(error, oom)
+
+
+def _free_bytes(path: str | bytes | None) -> int | None:
+    """Free bytes on the filesystem holding ``path`` (its nearest existing folder)."""
+    if path is None:
+        return None
+    folder = Path(os.fsdecode(path)).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def handed_to_launcher(error: BaseException) -> bool:
