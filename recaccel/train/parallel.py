@@ -21,6 +21,7 @@ from recaccel.io.readers.protocol import Reader
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from recaccel.train.objectives import Objective
 from recaccel.train.pipeline import BatchPipeline
+from recaccel.train.preemption import pending_signal
 from recaccel.train.step import build_step
 
 # (batch, reader position after it): what the device loader hands the training loop.
@@ -73,6 +74,11 @@ class Parallelism(Protocol):
     def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor: ...
 
     def gather(self, tensor: Tensor) -> Tensor: ...
+
+    def stop_requested(self) -> str | None:
+        """The stop signal (``"SIGTERM"``, ``"SIGINT"``) every rank acts on after the step
+        just yielded, or None: all ranks get the same answer (:mod:`recaccel.train.preemption`)."""
+        ...
 
     def save_checkpoint(
         self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
@@ -139,6 +145,10 @@ class SingleProcess:
     def gather(self, tensor: Tensor) -> Tensor:
         """Concatenates a per-rank [N, ...] tensor over ranks (here: itself)."""
         return tensor
+
+    def stop_requested(self) -> str | None:
+        """The stop signal this process got (there are no other ranks to agree with)."""
+        return pending_signal()
 
     def save_checkpoint(
         self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState

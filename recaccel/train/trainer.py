@@ -29,6 +29,7 @@ from recaccel.train.distributed.monitor import check_faults, kill_if_due
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
+from recaccel.train.preemption import Preempted, StopSignals
 from recaccel.train.runlog import RunLog, check_run_dir, clear_run
 from recaccel.train.schedule import LRSchedule, sparse_rate_setters
 from recaccel.train.user_model import ModelSource, build_user_model
@@ -137,6 +138,7 @@ class Trainer:
         self._clock = 0.0  # perf_counter() when the current stretch of training began
         self.schedule: LRSchedule | None = None  # made by fit(): it needs the run's length
         self._logged = (0, 0.0)  # (samples, training seconds) at the previous train event
+        self._saved_at = -1  # the step of the last checkpoint this fit wrote
 
     def _seed(self) -> None:
         """Seeds every generator a checkpoint saves, so runs (and their checkpoints) repeat
@@ -219,12 +221,32 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
+        self._saved_at = self.state.step
 
     # ------------------------------------------------------------------ fit
 
     def fit(self) -> dict[str, Any]:
         """Trains until ``train.steps`` (or ``train.epochs``), evaluates, writes metrics.json
-        (and the resolved config.toml and log.jsonl in the run directory)."""
+        (and the resolved config.toml and log.jsonl in the run directory).
+
+        SIGTERM or SIGINT (fit in the main thread) stops the run gracefully: the step in
+        progress finishes (a periodic evaluation too; a signal during the data start-up
+        stops after the first step), its checkpoint is written, log.jsonl gets a
+        ``stopped`` event and is closed, and :class:`~recaccel.train.preemption.Preempted`
+        is raised. Resuming the run then equals the run never stopped. A signal during the
+        final evaluation lets it finish: the run completes (its last checkpoint is already
+        written). A second signal ends the process at once. Hybrid ranks all stop after
+        the same step. The previous signal handlers are back when fit returns or raises.
+
+        Raises:
+            Preempted: stopped by SIGTERM or SIGINT, the checkpoint of its last step saved
+                (a ``KeyboardInterrupt``: ``except Exception`` lets it through).
+            RecaccelError: bad data or checkpoints met while training.
+        """
+        with StopSignals():
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         self.schedule = self._schedule()
         self._open_run()
         bar = tqdm(
@@ -244,6 +266,7 @@ class Trainer:
             self._run_epoch(loader, wait, bar)
         bar.close()
         self._checkpoint()
+        self._stop_if_requested(bar)  # stopped during the last step: evaluation waits for --resume
         return self._finish(wait, seconds_before)
 
     def _open_run(self) -> None:
@@ -279,6 +302,7 @@ class Trainer:
             self._maybe_evaluate()
             if self._reached_end():
                 break
+            self._stop_if_requested(bar)
         self._stop_clock()
         if self.state.step == steps_before and self.state.reader is None:
             raise DataError(f"no training batch could be formed from {self.cfg.data.train}")
@@ -369,6 +393,23 @@ class Trainer:
         self._event("eval", step=self.state.step, **self.evaluate())
         self.module.train()
         self._clock = time.perf_counter()
+
+    def _stop_if_requested(self, bar: tqdm) -> None:
+        """After a step: on a stop signal (agreed by every rank), checkpoints this step,
+        closes the run and raises :class:`Preempted`."""
+        signal_name = self.parallel.stop_requested()
+        if signal_name is None:
+            return
+        if self._saved_at != self.state.step:
+            self._stop_clock()  # the checkpoint carries the training time so far
+            self._checkpoint()
+        bar.close()
+        logger.info("%s: stopped at step %d, checkpoint saved", signal_name, self.state.step)
+        self._event("stopped", signal=signal_name, step=self.state.step, epoch=self.state.epoch)
+        if self.log is not None:
+            self.log.close()
+        self.parallel.close()
+        raise Preempted(signal_name, self.state.step, self.run_dir)
 
     def _stop_clock(self) -> None:
         """Adds the training time since the clock last started to ``state.train_seconds``."""

@@ -12,8 +12,9 @@ the :class:`~recaccel.train.parallel.Parallelism` protocol plus the hooks the
   are broadcast from rank 0.
 - ``reader`` / ``batches``: each rank's data (see :mod:`recaccel.train.distributed.hybrid_data`);
   before every step one small allreduce agrees that every rank has a batch (all ranks
-  stop at the same step even when their shards differ in length) and sums the loss
-  normalisers and row counts.
+  stop at the same step even when their shards differ in length), whether any rank got
+  a stop signal (all then stop after the same step, :mod:`recaccel.train.preemption`),
+  and sums the loss normalisers and row counts.
 - ``train_step``: local forward (the sharded lookup exchanges ids and pooled embeddings
   by all-to-all), the local loss scaled to its share of the global mean, backward (the
   pooled-embedding gradients travel back and FBGEMM applies the sparse optimizer on
@@ -59,6 +60,7 @@ from recaccel.train.distributed.monitor import Monitor, check_faults
 from recaccel.train.distributed.straggler import SplitController, check_plan_kinds, check_straggler
 from recaccel.train.objectives import Objective, loss_denominator
 from recaccel.train.parallel import BatchWithState, StepDone
+from recaccel.train.preemption import STOP_SIGNALS, pending_signal
 
 logger = logging.getLogger(__name__)
 
@@ -206,6 +208,7 @@ class HybridParallel:
         self._last_units = 0  # rows (tasks) of this rank's last step, for the next agreement
         self._dynamic_reader = None  # parallel.data=dynamic: this rank's shard reader
         self._empty = None  # backup: a 0-row batch a dry rank trains while others finish
+        self._agreed_stop: str | None = None  # a stop signal some rank got, agreed by all
         # Step and collective timings (monitor.every > 0), and fault.slow_rank's sleep.
         self.monitor = Monitor(cfg.monitor, cfg.fault, self.rank, self.world_size, self._comm_device())
         if backend == "gloo":
@@ -423,7 +426,11 @@ class HybridParallel:
 
     def agree(self, batch: Any | None, objective: Objective) -> tuple[float, int] | None:
         """One allreduce of (has a batch, loss normaliser, rows, then every rank's last step
-        compute time and units in its own slots) over ranks.
+        compute time and units in its own slots, then one slot per stop signal: the ranks
+        that got it) over ranks.
+
+        A stop signal any rank got becomes :meth:`stop_requested` on every rank at once,
+        so all stop after the same step (and write that step's checkpoint together).
 
         Under ``parallel.straggler`` the timings feed the :class:`SplitController` (the same
         numbers on every rank: each slot sums one non-zero term). With ``rebalance`` the
@@ -438,7 +445,11 @@ class HybridParallel:
             rank has no batch (``backup``: every rank).
         """
         w = self.world_size
-        info = torch.zeros(3 + 2 * w, dtype=torch.float64)
+        stops = 3 + 2 * w  # the first stop slot
+        info = torch.zeros(stops + len(STOP_SIGNALS), dtype=torch.float64)
+        signal_name = pending_signal()
+        if signal_name is not None:
+            info[stops + [s.name for s in STOP_SIGNALS].index(signal_name)] = 1.0
         if batch is not None:
             info[0] = 1.0
             if not self._rebalance or self.rank == 0:
@@ -451,8 +462,11 @@ class HybridParallel:
             buffer = info.to(self._comm_device())
             dist.all_reduce(buffer)
         info = buffer.cpu()
+        got = [s.name for s, n in zip(STOP_SIGNALS, info[stops:].tolist()) if n > 0]
+        if got and self._agreed_stop is None:
+            self._agreed_stop = got[0]  # SIGTERM before SIGINT when ranks got both
         if self.splitter is not None:
-            self._steer(info[3 : 3 + w].tolist(), info[3 + w :].tolist())
+            self._steer(info[3 : 3 + w].tolist(), info[3 + w : stops].tolist())
         ready = int(info[0])
         if ready < w and not (self._backup and ready > 0 and (batch is not None or self._empty is not None)):
             self.monitor.drop_step()  # no step follows this agreement
@@ -460,6 +474,11 @@ class HybridParallel:
                 logger.info("rank %d: another rank ran out of batches; ending the epoch", self.rank)
             return None
         return float(info[1]), int(info[2])
+
+    def stop_requested(self) -> str | None:
+        """The stop signal some rank got, as of the last agreement (the same on every rank,
+        whichever rank got it and when)."""
+        return self._agreed_stop
 
     def _steer(self, compute_s: list[float], units: list[float]) -> None:
         """Feeds one step's per-rank timings to the controller; ``backup``: a new split sets
