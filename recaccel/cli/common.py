@@ -29,13 +29,25 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
         return _fail(prog, RecaccelError(os_error_line(e)))
     except MemoryError as e:
         return _fail(prog, RecaccelError(memory_error_line(e)))
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        return _interrupted(prog, e)
     except Exception as e:
         if not _is_torch_out_of_memory(e):
             raise
         return _fail(prog, RecaccelError(memory_error_line(e)))
+
+
+def _interrupted(prog: str, interrupt: KeyboardInterrupt) -> int:
+    """Exit status 130 (143 for a run that SIGTERM stopped), with one line: how the run
+    stopped and where it resumes (under torchrun, from rank 0 only)."""
+    from recaccel.train.preemption import Preempted
+
+    if not isinstance(interrupt, Preempted):
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: {interrupt.message}", file=sys.stderr)
+    return interrupt.exit_status
 
 
 def _fail(prog: str, error: RecaccelError) -> int:
