@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint_paths import digest_file
+from recaccel.train.checkpoint_paths import INFO_FILE, digest_file
 
 logger = logging.getLogger(__name__)
 # Entries every checkpoint carries (newer optional entries are checked where they are restored).
@@ -613,6 +613,31 @@ def check_zip_crcs(file: Path, path: str | os.PathLike) -> None:
 def folder_digests(folder: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
     """The SHA-256 of every file directly in ``folder`` (but ``skip``), by name."""
     return {p.name: file_sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in skip}
+
+
+def record_digests(path: Path) -> None:
+    """Records the SHA-256s of a checkpoint as it is now: a ``step-*.pt`` file's digest
+    file, or a ``step-*.dcp`` folder's ``sha256`` entry of ``recaccel.json``. For a
+    checkpoint changed on purpose, which its old digests would refuse.
+
+    Raises:
+        CheckpointError: a folder whose ``recaccel.json`` is unreadable or not an object.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        write_digests(path, [file_sha256(path)])
+        return
+    where = path / INFO_FILE
+    try:
+        info = json.loads(where.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(where, f"cannot be read ({first_line(e)})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(where, f"must hold a JSON object, got {show(info)}")
+    info["sha256"] = folder_digests(path, skip=(INFO_FILE,))
+    tmp = where.with_name(where.name + ".tmp")
+    tmp.write_text(json.dumps(info, indent=2) + "\n")
+    os.replace(tmp, where)
 
 
 def check_manifest(path: Path, manifest: Any, where: Path) -> dict[str, str]:
