@@ -17,6 +17,7 @@ leaves the old file (or none), never half of one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ def check_output(
         raise OutputError(f"{flag} {out} {clash}; write it elsewhere")
     if out.is_dir():
         raise OutputError(f"{flag} {out} is a directory; name a file")
+    blocked = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise OutputError(f"{flag} {out}: {blocked} is a file, not a folder")
     if (out.exists() or out.is_symlink()) and not force:
         raise OutputError(f"{flag} {out} exists (pass {force_flag} to replace it)")
     return out
@@ -128,7 +132,8 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     """Calls ``write(tmp)`` on a temporary file beside ``path``, then renames it to ``path``.
 
     The folder is created. If ``write`` fails (disk full, interrupted), the temporary
-    file is removed and ``path`` keeps its old content (or stays absent).
+    file is removed and ``path`` keeps its old content (or stays absent); an OSError
+    about the temporary file is raised again naming ``path``.
 
     Returns:
         ``path`` as a Path.
@@ -139,8 +144,13 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
     try:
         write(tmp)
         os.replace(tmp, out)
+    except OSError as e:
+        _discard(tmp)
+        if e.errno is None or (e.filename is not None and Path(os.fsdecode(e.filename)) != tmp):
+            raise
+        raise OSError(e.errno, e.strerror, str(out)) from e  # the user's path, not the temporary one
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _discard(tmp)
         raise
     return out
 
@@ -148,6 +158,13 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
 def write_text_atomic(path: str | Path, text: str) -> Path:
     """``text`` (UTF-8) written to ``path`` by :func:`write_atomic`."""
     return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def _discard(tmp: Path) -> None:
+    """Removes a temporary file if it is there (never failing over it: the write's error
+    is the one to report)."""
+    with contextlib.suppress(OSError):
+        tmp.unlink()
 
 
 def _clash(out: Path, reads: Sequence[Read]) -> str:
