@@ -247,6 +247,9 @@ class Trainer:
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
+        from recaccel.train.sanity import sanity_pass
+
+        sanity_pass(self)  # bad evaluation data, a host cache too small: refused (or sized) before step 1
         self.schedule = self._schedule()
         self._open_run()
         bar = tqdm(

@@ -568,6 +568,10 @@ class PackedEmbeddingBag(nn.Module):
         packs = [pack for pack in self._packs if isinstance(pack, CachedPack)]
         return merge_stats(packs) if packs else {}
 
+    def cached_packs(self) -> dict[int, CachedPack]:
+        """The host-placed packs (behind a device cache), by pack index of :attr:`plan`."""
+        return {i: pack for i, pack in enumerate(self._packs) if isinstance(pack, CachedPack)}
+
     def extra_repr(self) -> str:
         packs = ", ".join(
             f"(D={p.dim}, {p.optimizer}, {len(p.tables)} tables, {p.num_rows} rows"

@@ -110,6 +110,14 @@ class HostStore:
         """Bytes of the staging buffers now allocated."""
         return sum(0 if b is None else b.numel() * _BYTES for b in self._staging.values())
 
+    def reset_staging(self) -> None:
+        """Frees the staging buffers once no copy uses them (they grow again on demand)."""
+        self.complete_pending()
+        if self._h2d_done is not None:
+            self._h2d_done.synchronize()
+            self._h2d_done = None
+        self._staging = {"h2d": None, "d2h": None}
+
     def _buffer(self, kind: str, rows: int) -> Tensor:
         """The staging buffer ``kind`` with room for ``rows`` rows, free to be written."""
         if kind == "h2d" and self._h2d_done is not None:

@@ -182,9 +182,8 @@ class CachedPack:
         self.policy = cache.policy
         self.capacity = cache.capacity(layout.num_rows)
         self.store = HostStore(layout, weights, device, self.capacity)
-        zeros = [torch.zeros(self.capacity, layout.dim)]
-        inner_layout = dataclasses.replace(layout, num_rows=self.capacity)
-        self.inner, self.cache = inner_class.create(inner_layout, zeros, options, device)
+        self._inner_class, self._options = inner_class, options  # to build the cache again (resize)
+        self.inner, self.cache = self._new_cache(self.capacity)
         self.table = SlotTable(layout.num_rows, self.capacity, device)
         self.window = LockWindow(self.table, cache.window)
         self.counters = CacheCounters()
@@ -206,6 +205,40 @@ class CachedPack:
     ) -> tuple[CachedPack, dict[str, Tensor]]:
         """The pack, and no tensors for the module to hold."""
         return cls(layout, weights, options, device, inner_class, cache), {}
+
+    def _new_cache(self, capacity: int) -> tuple[HeldPack, dict[str, Tensor]]:
+        """An inner pack of ``capacity`` rows and its (zero) cache tensors."""
+        zeros = [torch.zeros(capacity, self.layout.dim)]
+        inner_layout = dataclasses.replace(self.layout, num_rows=capacity)
+        return self._inner_class.create(inner_layout, zeros, self._options, self.device)
+
+    @torch.no_grad()
+    def resize(self, capacity: int, window: int) -> None:
+        """Empties the cache and gives it ``capacity`` slots and a window of ``window``
+        training batches, between batches (before training starts, or after a pass that
+        must leave no trace).
+
+        Dirty rows are written back first; every row is then fetched again on demand,
+        so results do not change. The staging buffers start over; the counters and
+        the inner pack's step and learning rate are kept.
+
+        Raises:
+            ValueError: a capacity outside ``1..R`` or a window below 1.
+        """
+        if not 1 <= capacity <= self.layout.num_rows or window < 1:
+            raise ValueError(
+                f"{_OP}: cache of {capacity} rows / window {window} (pack of {self.layout.num_rows})"
+            )
+        self.flush()
+        step, optim = self.inner.step, self.inner.optim
+        self.inner, self.cache = self._new_cache(capacity)
+        self.inner.step, self.inner.optim = step, optim  # Adam's t and the rate outlive the slots
+        self.capacity = self.store.capacity = capacity
+        self.store.reset_staging()
+        self.table = SlotTable(self.layout.num_rows, capacity, self.device)
+        self.window = LockWindow(self.table, window)
+        self._stale = False  # nothing resident: every row comes from the host
+        self._uses.clear()
 
     # ----------------------------------------------------------------- PackBackend
 
