@@ -162,7 +162,7 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     if control:
         raise ConfigError(
             f"override {dotted.strip()!r}: the value holds a control character "
-            f"({control.group()!r}); give one line (a TOML string escapes it, e.g. \"a\\nb\")"
+            f'({control.group()!r}); give one line (a TOML string escapes it, e.g. "a\\nb")'
         )
     try:
         value = tomllib.loads(f"v = {text}")["v"]

@@ -29,7 +29,9 @@ def _error_line(capsys) -> str:
     return err
 
 
-def test_disk_full_names_the_path_and_the_bytes_free_and_keeps_the_old_file(data, tmp_path, capsys, monkeypatch):
+def test_disk_full_names_the_path_and_the_bytes_free_and_keeps_the_old_file(
+    data, tmp_path, capsys, monkeypatch
+):
     schema = tmp_path / "schema.toml"
     schema.write_text("# reviewed\n")
     real_write_text = Path.write_text
@@ -65,7 +67,9 @@ def test_a_read_only_folder_is_one_line_naming_the_path(data, tmp_path, capsys):
         schema = Path("/sys/recaccel-schema.toml")
     assert data_main(["inspect", str(data), "--write-schema", str(schema)]) == 2
     err = _error_line(capsys)
-    assert re.fullmatch(rf"recaccel-data: error: {re.escape(str(schema))}: (permission denied|read-only filesystem)", err)
+    assert re.fullmatch(
+        rf"recaccel-data: error: {re.escape(str(schema))}: (permission denied|read-only filesystem)", err
+    )
     assert not schema.exists()
 
 
@@ -74,7 +78,10 @@ def test_an_output_below_a_file_is_refused_naming_the_file(data, tmp_path, capsy
     blocker.write_text("mine")
     schema = blocker / "schema.toml"
     assert data_main(["inspect", str(data), "--write-schema", str(schema)]) == 2
-    assert _error_line(capsys) == f"recaccel-data: error: --write-schema {schema}: {blocker} is a file, not a folder"
+    assert (
+        _error_line(capsys)
+        == f"recaccel-data: error: --write-schema {schema}: {blocker} is a file, not a folder"
+    )
 
 
 def test_another_os_error_is_one_line_with_its_reason_and_path(data, capsys, monkeypatch):
@@ -88,7 +95,9 @@ def test_another_os_error_is_one_line_with_its_reason_and_path(data, capsys, mon
 
 def test_out_of_memory_is_one_line_naming_the_allocation_and_what_to_reduce(data, capsys, monkeypatch):
     def too_big(path, **kwargs):
-        raise MemoryError("Unable to allocate 8.00 GiB for an array with shape (1073741824,) and data type float64")
+        raise MemoryError(
+            "Unable to allocate 8.00 GiB for an array with shape (1073741824,) and data type float64"
+        )
 
     monkeypatch.setattr("recaccel.io.format.inspect.inspect_dataset", too_big)
     assert data_main(["inspect", str(data)]) == 2
@@ -103,7 +112,9 @@ def test_set_value_with_a_control_character_is_refused_naming_the_key(tmp_path, 
     value = f'train.out_dir="{tmp_path / "run"}"{control}train.steps=1'
     assert train_main(["--set", value, "--set", "train.progress=false"]) == 2
     err = _error_line(capsys)
-    assert err.startswith("recaccel-train: error: override 'train.out_dir': the value holds a control character")
+    assert err.startswith(
+        "recaccel-train: error: override 'train.out_dir': the value holds a control character"
+    )
     assert list(tmp_path.iterdir()) == []
 
 

@@ -14,10 +14,8 @@ from recaccel.config import BadRowsPolicy, MovieLensScenario, ParquetCodec, choi
 from recaccel.errors import DataError
 from recaccel.output_paths import Read, check_output, check_output_dir, write_text_atomic
 
-
 _OVERWRITE_HELP = (
-    "replace what OUT_DIR already holds where this writes (its split folders, its report); "
-    "never the source"
+    "replace what OUT_DIR already holds where this writes (its split folders, its report); never the source"
 )
 
 
@@ -161,7 +159,9 @@ def _compression_arg(parser: argparse.ArgumentParser) -> None:
 def _criteo(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.convert.criteo import convert_criteo
 
-    _check_out_dir(args, ("train", "test", "criteo.json"), Read(Path(args.src), "the file this command reads"))
+    _check_out_dir(
+        args, ("train", "test", "criteo.json"), Read(Path(args.src), "the file this command reads")
+    )
     return convert_criteo(
         args.src,
         args.out_dir,

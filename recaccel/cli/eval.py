@@ -19,7 +19,9 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         description=(
             "Score a run's newest (or --checkpoint STEP) checkpoint on its data.test (or --data) in one "
             "process; a hybrid run's sharded checkpoint is read whole. Prints the metrics and writes "
-            "them to RUN_DIR/eval-<step>.json (or --out); the run's metrics.json is never touched."
+            "them to RUN_DIR/eval-<step>.json (or --out); the run's metrics.json is never touched. An "
+            "existing --out / --predictions file is refused unless --force; the run's own files and the "
+            "data it reads are never replaced."
         ),
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (train.out_dir of a run)")

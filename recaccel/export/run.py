@@ -77,7 +77,9 @@ def export_run(
     }
 
 
-def check_outputs(run_dir: str | Path, checkpoint: int | None, out: Path, spec_path: Path, *, force: bool) -> None:
+def check_outputs(
+    run_dir: str | Path, checkpoint: int | None, out: Path, spec_path: Path, *, force: bool
+) -> None:
     """Refuses ``out`` or ``spec_path`` where it is a file the export reads (the run's own
     files, the checkpoint, the training data whose footers give the schema) or, without
     ``force``, exists.

@@ -47,8 +47,8 @@ from recaccel.config import SynthConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
-from recaccel.output_paths import write_text_atomic
 from recaccel.metrics import binary_auc, binary_logloss
+from recaccel.output_paths import write_text_atomic
 
 TARGET_CTR = 0.25
 # Shares of the logit variance carried by the per-id biases, the pairwise field
