@@ -207,8 +207,8 @@ def analytic_bytes(
         "all_to_all": 0.0,
         "reduce_scatter": 0.0,
         "all_gather": 0.0,
-        # the dense bucket + the loss (fp32), and the agreement: 3 + 2W float64 (timings per rank)
-        "all_reduce": 2 * ring * ((dense_params + 1) * 4 + (3 + 2 * world) * 8),
+        # the dense bucket + the loss (fp32), and the agreement: 5 + 2W float64 (timings per rank)
+        "all_reduce": 2 * ring * ((dense_params + 1) * 4 + (5 + 2 * world) * 8),
     }
     ids = b * (pooling * 8 + 8)  # int64 ids and one int64 length per bag
     for row in plan:
@@ -260,7 +260,7 @@ def main(args: argparse.Namespace, command_line: str) -> Path:
         "KB *sent* by each rank per training step (one row per rank), measured by instrumenting "
         "torch.distributed during real hybrid steps, next to analytic_bytes() (the cost model) on the plan "
         "TorchRec chose; total_ratio = measured / model. all_reduce = the dense-gradient bucket + the "
-        "step agreement (3 + 2W float64: has a batch, normaliser, rows, each rank's timing and rows).",
+        "step agreement (5 + 2W float64: has a batch, normaliser, rows, each rank's timing and rows, the stop signals).",
         "all_to_all includes TorchRec's small split/length-metadata exchanges, which the model ignores; "
         "row_wise volumes are expectations over uniform ids.",
         f"Model: {args.tables} tables x {args.rows} rows, D={args.dim}, L={args.pooling}, B={args.batch} "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -128,4 +128,21 @@ def _launch(cfg: Config, args: argparse.Namespace, forwarded: list[str]) -> int:
             if args.overwrite and args.max_restarts:
                 # Now, not by rank 0 later: a restart before that would resume the old run.
                 clear_run(run_dir)
-        return relaunch(args.nproc, forwarded, args.max_restarts)
+        return _ranks_until_stopped(run_dir, lambda: relaunch(args.nproc, forwarded, args.max_restarts))
+
+
+def _ranks_until_stopped(run_dir: Path, launch: Callable[[], int]) -> int:
+    """Runs ``launch``; when a signal stopped its ranks cleanly (sent to the launcher,
+    whose agent forwards it, or to a rank: they agree to stop; rank 0 printed where the
+    run resumes), their exit status: 143 for SIGTERM, 130 for SIGINT."""
+    from recaccel.train.distributed.launch import RankFailedError
+    from recaccel.train.preemption import log_mark, stop_in_log
+
+    start = log_mark(run_dir)  # this launch's events come after
+    try:
+        return launch()
+    except (KeyboardInterrupt, RankFailedError):
+        stopped = stop_in_log(run_dir, start)
+        if stopped is None:  # the ranks ended before a clean stop
+            raise
+        return stopped.exit_status

@@ -128,22 +128,27 @@ class StopSignals:
         os.kill(os.getpid(), signum)
 
 
-def log_size(run_dir: Path) -> int:
-    """The size of ``run_dir``'s log.jsonl now (0 when it has none): where events that
-    a launch appends start."""
+def log_mark(run_dir: Path) -> tuple[int, int]:
+    """Where events appended to ``run_dir``'s log.jsonl from now on start: (the file's
+    inode, its size); (0, 0) when there is no log yet."""
     path = Path(run_dir) / LOG_FILE
-    return path.stat().st_size if path.is_file() else 0
+    if not path.is_file():
+        return 0, 0
+    info = path.stat()
+    return info.st_ino, info.st_size
 
 
-def stop_in_log(run_dir: Path, offset: int) -> Preempted | None:
-    """The ``stopped`` event that rank 0 appended to ``run_dir``'s log.jsonl after byte
-    ``offset``, as the :class:`Preempted` it raised (None when there is none: the ranks
-    ended before they could stop cleanly)."""
+def stop_in_log(run_dir: Path, mark: tuple[int, int]) -> Preempted | None:
+    """The ``stopped`` event that rank 0 appended to ``run_dir``'s log.jsonl after ``mark``
+    (:func:`log_mark`; all of a log made since, as by ``--overwrite``), as the
+    :class:`Preempted` it raised (None when there is none: the ranks ended before they
+    could stop cleanly)."""
     path = Path(run_dir) / LOG_FILE
     if not path.is_file():
         return None
+    inode, size = mark
     with open(path, "rb") as f:
-        f.seek(offset)
+        f.seek(size if os.fstat(f.fileno()).st_ino == inode else 0)
         lines = f.read().decode(errors="replace").splitlines()
     for line in reversed(lines):
         try:

@@ -21,7 +21,7 @@ import torch
 
 from recaccel.cli import train_main
 from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.preemption import Preempted, StopSignals, pending_signal, stop_in_log
+from recaccel.train.preemption import Preempted, StopSignals, log_mark, pending_signal, stop_in_log
 from recaccel.train.runlog import read_events
 from tests.train.test_resume_matrix import (
     STEPS_PER_EPOCH,
@@ -161,14 +161,94 @@ def test_preempted_is_not_an_exception_and_names_its_exit_status(tmp_path):
     assert str(stop) == f"stopped by SIGTERM at step 7; checkpoint saved (resume with --resume {tmp_path})"
 
 
-def test_stop_in_log_reads_only_events_after_the_offset(tmp_path):
+def test_stop_in_log_reads_only_events_after_the_mark(tmp_path):
     log = tmp_path / "log.jsonl"
     log.write_text(json.dumps({"event": "stopped", "signal": "SIGINT", "step": 3}) + "\n")
-    offset = log.stat().st_size
-    assert stop_in_log(tmp_path, offset) is None  # an earlier launch's stop
+    mark = log_mark(tmp_path)
+    assert stop_in_log(tmp_path, mark) is None  # an earlier launch's stop
     with open(log, "a") as f:
         f.write(json.dumps({"event": "train", "step": 5}) + "\n")
         f.write(json.dumps({"event": "stopped", "signal": "SIGTERM", "step": 6}) + "\n")
         f.write('{"event": "tor')  # a torn last line
-    stop = stop_in_log(tmp_path, offset)
+    stop = stop_in_log(tmp_path, mark)
     assert (stop.signal_name, stop.step, stop.run_dir) == ("SIGTERM", 6, str(tmp_path))
+
+
+def test_stop_in_log_reads_a_log_made_anew_whole(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"event": "train", "step": 1}) * 20 + "\n")
+    mark = log_mark(tmp_path)
+    kept = tmp_path / "kept"
+    log.rename(kept)  # --overwrite: the old log goes, a new one starts (kept: a new inode)
+    log.write_text(json.dumps({"event": "stopped", "signal": "SIGINT", "step": 2}) + "\n")
+    assert stop_in_log(tmp_path, mark).step == 2
+
+
+HYBRID = (
+    "parallel.mode=hybrid",
+    "parallel.sharding=row_wise",
+    "optim.sparse=rowwise_adagrad",
+)
+
+
+def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tiny_data, tmp_path):  # noqa: F811
+    # torchrun's agent forwards the signal to both ranks; they agree on the stop, write
+    # that step's sharded checkpoint together, and the launcher exits 143 with one line.
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    from recaccel.train.checkpoint_paths import list_sharded_checkpoints
+
+    run = tmp_path / "run"
+    proc = _cli(*_sets(tiny_data, run, *RUN, *HYBRID), "--nproc", "2")
+    _wait_for_training(proc, run)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 143, err[-2000:]
+    stops = [m for m in map(STOPPED.match, err.splitlines()) if m]
+    assert len(stops) == 1 and stops[0].group(1) == "SIGTERM", err[-2000:]
+    step = int(stops[0].group(2))
+    assert 1 <= step < EPOCHS * STEPS_PER_EPOCH
+    newest = list_sharded_checkpoints(run)[-1]
+    info = json.loads((newest / "recaccel.json").read_text())
+    assert newest.name == f"step-{step:09d}.dcp" and (info["step"], info["world_size"]) == (step, 2)
+    assert not list((run / "checkpoints").glob(".*.partial"))
+    last = read_events(run)[-1]
+    assert (last["event"], last["signal"], last["step"]) == ("stopped", "SIGTERM", step)
+
+
+def _rank_pid(launcher: int, rank: int) -> int:
+    """The pid of ``rank`` among the launcher's children (read from /proc)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                env = (entry / "environ").read_bytes().split(b"\0") if parent == launcher else []
+            except (OSError, ValueError, IndexError):
+                continue
+            if f"RANK={rank}".encode() in env:
+                return int(entry.name)
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} of launcher {launcher} never started")
+
+
+def test_a_signalled_rank_does_not_stop_alone(tiny_data, tmp_path):  # noqa: F811
+    # Only rank 1 gets SIGTERM: the per-step agreement tells rank 0, both write the same
+    # step's sharded checkpoint, and the launcher still ends with the one line and 143.
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    if not Path("/proc/self/environ").is_file():
+        pytest.skip("finding a rank's pid reads /proc")
+    from recaccel.train.checkpoint_paths import list_sharded_checkpoints
+
+    run = tmp_path / "run"
+    proc = _cli(*_sets(tiny_data, run, *RUN, *HYBRID), "--nproc", "2")
+    rank1 = _rank_pid(proc.pid, 1)
+    _wait_for_training(proc, run)
+    os.kill(rank1, signal.SIGTERM)
+    _, err = proc.communicate(timeout=TIMEOUT_S)
+    assert proc.returncode == 143, err[-2000:]
+    stops = [m for m in map(STOPPED.match, err.splitlines()) if m]
+    assert len(stops) == 1, err[-2000:]
+    step = int(stops[0].group(2))
+    newest = list_sharded_checkpoints(run)[-1]
+    assert json.loads((newest / "recaccel.json").read_text())["step"] == step
+    assert read_events(run)[-1]["event"] == "stopped"
