@@ -199,8 +199,8 @@ class FeatureSchema:
         if SCHEMA_METADATA_KEY not in meta:
             raise DataError(
                 "no recaccel schema in the Parquet metadata; write files with "
-                "recaccel.io.format.write_parquet or a recaccel-data converter, or map its "
-                "columns with a [data.schema] table (docs/data.md)",
+                "recaccel.io.format.write_parquet (or convert them: recaccel-data criteo, "
+                "movielens, melu), or map their columns with a [data.schema] table (docs/data.md)",
                 path=path,
             )
         return cls.from_json(meta[SCHEMA_METADATA_KEY], path)
