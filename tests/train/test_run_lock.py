@@ -40,7 +40,12 @@ ENTER = (
 def _python(code: str, *args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
     full_env = dict(env if env is not None else os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     return subprocess.Popen(
-        [sys.executable, "-c", code, *args], cwd=REPO, env=full_env, stdout=subprocess.PIPE, text=True, **kwargs
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        text=True,
+        **kwargs,
     )
 
 
@@ -84,6 +89,32 @@ def test_second_train_on_a_locked_run_dir_exits_2_naming_the_holder(finished_run
             ), err
             assert err.rstrip().endswith("); wait for it or use another train.out_dir"), err
         assert _snapshot(run) == before  # nothing of the holder's run was deleted or written
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_nproc_launcher_on_a_locked_run_dir_exits_2_before_starting_ranks(
+    tiny_data,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    from recaccel.train.distributed import launch
+
+    def relaunch(*args, **kwargs):
+        raise AssertionError("ranks were launched on a locked run directory")
+
+    monkeypatch.setattr(launch, "relaunch", relaunch)
+    run = tmp_path / "run"
+    holder = _holder(run)
+    try:
+        argv = [*_argv(_overrides(tiny_data, run, "train.steps=2", "parallel.mode=hybrid")), "--nproc", "2"]
+        capsys.readouterr()
+        assert train_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is in use by process {holder.pid} " in err, err
+        assert [p.name for p in run.iterdir()] == [LOCK_FILE]
     finally:
         holder.kill()
         holder.wait()

@@ -51,7 +51,9 @@ def test_trim_keeps_events_up_to_the_resume_step_and_drops_the_rest(tmp_path):
 
 def test_trim_drops_a_finished_runs_final_event_resumed_at_its_last_step(tmp_path):
     log = tmp_path / LOG_FILE
-    _write(log, [{"event": "train", "step": 1}, {"event": "train", "step": 6}, {"event": "final", "steps": 6}])
+    _write(
+        log, [{"event": "train", "step": 1}, {"event": "train", "step": 6}, {"event": "final", "steps": 6}]
+    )
     trim_log(log, 6)
     assert _lines(log) == [{"event": "train", "step": 1}, {"event": "train", "step": 6}]
 
@@ -77,11 +79,20 @@ def test_appending_log_starts_a_new_line_after_a_torn_one(tmp_path):
 def _killed_at_step_7(data: Path, run: Path) -> None:
     """A real run, checkpointed at step 4, that logged steps 5 and 6 and died after step 7."""
     sets = _overrides(
-        data, run, "train.steps=10", "train.checkpoint_every=4", "train.log_every=1", "fault.kill_rank_at_step=7"
+        data,
+        run,
+        "train.steps=10",
+        "train.checkpoint_every=4",
+        "train.log_every=1",
+        "fault.kill_rank_at_step=7",
     )
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, "-m", "recaccel.cli", *_argv(sets)], cwd=REPO, env=env, capture_output=True, timeout=120
+        [sys.executable, "-m", "recaccel.cli", *_argv(sets)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        timeout=120,
     )
     assert done.returncode == 17, done.stderr  # fault.kill_rank_at_step: os._exit(17)
 
