@@ -33,7 +33,8 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace the run already in train.out_dir (its checkpoints, log and metrics are deleted)",
+        help="replace the run already in train.out_dir (the files recaccel wrote there are deleted: "
+        "config, log, metrics, checkpoints, eval-*.json, TensorBoard events; other files stay)",
     )
     parser.add_argument(
         "--print-config",
