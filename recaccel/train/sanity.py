@@ -93,11 +93,11 @@ def first_batch(objective: Objective, path: str, key: str, model: FeatureSchema)
         DataError: as :func:`sanity_pass` says.
     """
     reader = objective.reader(path, train=False, rank=0, world_size=1)
-    check_schema(model, reader_schema(reader), path, key)
     batch = _first(reader)
     if batch is None:
         raise DataError(f"no evaluation row could be read (config key {key})", path=path)
-    check_ids(model, sparse_of(batch), path, key)
+    check_ids(model, sparse_of(batch), path, key)  # first: a bad id names its value
+    check_schema(model, reader_schema(reader), path, key)
     return batch
 
 
@@ -170,7 +170,7 @@ def check_ids(model: FeatureSchema, sf: SparseFeatures, path: str, key: str) -> 
         DataError: naming the file, the column, the first bad id and its row in the batch.
     """
     tables = {f.name: f.cardinality for f in model.sparse}
-    for name in sf.keys:
+    for name in (k for k in sf.keys if k in tables):  # other columns: check_schema's
         ids, offsets, _ = sf.field(name)
         bad = torch.nonzero((ids < 0) | (ids >= tables[name])).flatten()
         if bad.numel():
