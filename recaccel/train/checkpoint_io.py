@@ -86,20 +86,28 @@ def refusal(error: pickle.UnpicklingError) -> str:
 def read_payload(source: str | os.PathLike | BinaryIO, path: str | os.PathLike, device: Any = "cpu") -> Any:
     """``torch.load(source, weights_only=True)`` with one-line errors naming ``path``.
 
-    A file (``source`` a path) is first verified by :func:`verify_file`.
+    A file (``source`` a path) is first verified by :func:`verify_file`; one without a
+    digest file is logged as a warning once it has loaded.
 
     Raises:
         CheckpointError: the file fails its checksum, is unreadable, truncated, or its
             pickle asks for anything but tensors, numbers, strings and containers.
     """
-    if isinstance(source, (str, os.PathLike)):
-        verify_file(Path(source), path)
+    sealed = verify_file(Path(source), path) if isinstance(source, (str, os.PathLike)) else True
     try:
-        return torch.load(source, map_location=device, weights_only=True)
+        payload = torch.load(source, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(path, f"not a recaccel checkpoint ({refusal(e)})") from None
     except Exception as e:  # truncated zip, foreign format, unreadable file
         raise CheckpointError(path, f"cannot be read ({type(e).__name__}: {first_line(e)})") from None
+    if not sealed:
+        logger.warning(
+            "checkpoint %s has no %s digest file (written before recaccel recorded them, or copied "
+            "without it): only its zip CRC-32s were checked",
+            path,
+            digest_file(Path(source)).name,
+        )
+    return payload
 
 
 # ---------------------------------------------------------------- validation
@@ -553,14 +561,17 @@ def write_digests(path: Path, digests: list[str]) -> Path:
     return sidecar
 
 
-def verify_file(file: Path, path: str | os.PathLike | None = None) -> None:
+def verify_file(file: Path, path: str | os.PathLike | None = None) -> bool:
     """Checks a checkpoint file's bytes before they are read: against the SHA-256s of its
     digest file, or (a file written before recaccel recorded them, or copied without it)
-    its zip container's CRC-32s, with a warning.
+    its zip container's CRC-32s.
 
     Args:
         file: the checkpoint file.
         path: what errors name (default ``file``).
+
+    Returns:
+        Whether a digest file vouched for it (False: its zip CRC-32s only).
 
     Raises:
         CheckpointError: ``checkpoint <path>: SHA-256 checksum mismatch ...`` or
@@ -570,13 +581,7 @@ def verify_file(file: Path, path: str | os.PathLike | None = None) -> None:
     recorded = read_digests(digest_file(file), path)
     if recorded is None:
         check_zip_crcs(file, path)
-        logger.warning(
-            "checkpoint %s has no %s digest file (written before recaccel recorded one, or copied "
-            "without it): only its zip CRC-32s were checked",
-            path,
-            digest_file(file).name,
-        )
-        return
+        return False
     try:
         actual = file_sha256(file)
     except OSError as e:
@@ -587,6 +592,7 @@ def verify_file(file: Path, path: str | os.PathLike | None = None) -> None:
             f"SHA-256 checksum mismatch: its bytes changed since {digest_file(file).name} was written "
             f"(corrupted on disk or edited; delete {digest_file(file).name} to check only its zip CRC-32s)",
         )
+    return True
 
 
 def check_zip_crcs(file: Path, path: str | os.PathLike) -> None:

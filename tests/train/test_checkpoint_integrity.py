@@ -377,3 +377,34 @@ def test_old_dcp_folder_without_digests_loads_with_a_warning(hybrid_run, tmp_pat
     with caplog.at_level(logging.WARNING, logger="recaccel.train.distributed.dist_checkpoint"):
         assert _evaluate(run)["eval_rows"] > 0
     assert any("records no SHA-256" in r.getMessage() for r in caplog.records)
+
+
+def _verify_job(rank: int, world: int, root: Path, folder: str) -> None:
+    from recaccel.train.distributed.dist_checkpoint import verify_sharded
+
+    try:
+        verify_sharded(Path(folder), rank, world)
+        seen = "ok"
+    except CheckpointError as e:
+        seen = str(e)
+    (root / f"seen-{rank}.txt").write_text(seen)
+
+
+def test_every_rank_refuses_a_dcp_file_that_another_rank_found_changed(tmp_path):
+    from recaccel.train.checkpoint_io import record_digests
+    from tests.train.gloo_ranks import run_ranks
+
+    folder = tmp_path / "step-000000004.dcp"
+    folder.mkdir()
+    for i in range(4):
+        (folder / f"__{i}_0.distcp").write_bytes(bytes(range(256)) * (i + 1))
+    (folder / INFO_FILE).write_text(json.dumps({"format": 1, "world_size": 2}))
+    record_digests(folder)
+    changed = sorted(json.loads((folder / INFO_FILE).read_text())["sha256"])[1]  # rank 1 hashes it
+    _flip_middle_byte(folder / changed)
+    run_ranks(_verify_job, 2, tmp_path, str(folder))
+    seen = {(tmp_path / f"seen-{r}.txt").read_text() for r in range(2)}
+    assert seen == {
+        f"checkpoint {folder}: SHA-256 checksum mismatch in {changed}: "
+        "its bytes changed since the checkpoint was written"
+    }
