@@ -6,12 +6,15 @@ optimizer state (ShardedTensors), one copy of what all ranks share (dense parame
 data-parallel tables, the dense optimizer state), and its own reader position and RNG
 state under ``ranks.<rank>``. ``recaccel.json`` beside DCP's files records the world
 size, the step and (``sha256``) the SHA-256 of every other file of the folder, hashed by
-rank 0 once every rank has written; a resume (each rank hashing its share of the files)
-and a whole-checkpoint read check them before anything is read, so a changed byte is
-refused in one line naming the file. A folder without them (written before recaccel
-recorded them) loads with a warning: DCP's files carry no checksums of their own. The directory is written under a temporary name and renamed by rank 0
-once every rank has finished, so a crash mid-write never leaves a checkpoint that
-looks complete; the two newest are kept.
+rank 0 once every rank has written. The directory is written under a temporary name and
+renamed by rank 0 once every rank has finished, so a crash mid-write never leaves a
+checkpoint that looks complete; the two newest are kept.
+
+Tamper evidence: a resume (each rank hashing its share of the files, sharing the outcome)
+and a whole-checkpoint read (evaluation, export) check those SHA-256s before anything is
+read, so a changed byte is refused in one line naming the file. A folder without them
+(written before recaccel recorded them) loads with a warning: DCP's files carry no
+checksums of their own.
 
 Resuming with the same number of ranks, each rank reads back exactly its shards and its
 own position. With another number W' (a smaller or larger torchrun launch), the planner
