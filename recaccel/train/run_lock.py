@@ -6,7 +6,8 @@ written or deleted (``--overwrite`` included) and keeps it until the run ends. A
 train or resume of the same directory is refused in one line naming the holder (pid,
 host, start time, written into the lock file). The lock belongs to the open file, so the
 operating system drops it when the holder dies, even by SIGKILL: a lock file left behind
-never blocks. The file itself is never deleted (deleting it while another process waits
+never blocks (a process the holder forks closes its copy, so it cannot keep the lock alive
+after its parent died). The file itself is never deleted (deleting it while another process waits
 on it would let two processes lock two different files).
 
 Hybrid runs: only rank 0 locks. Under ``recaccel-train --nproc`` the launcher holds the
@@ -46,6 +47,17 @@ class RunDirInUseError(RecaccelError):
 
 
 _held: dict[str, list[int]] = {}  # real path -> [fd, holds]: re-entrant within a process
+
+
+def _drop_inherited() -> None:
+    """In a forked child: closes the lock files it inherited. The parent keeps its lock,
+    and a child that outlives a killed parent (a compile worker) does not keep it."""
+    for fd, _ in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited)
 
 
 def _key(run_dir: Path) -> str:

@@ -26,6 +26,17 @@ HOLD = (
     "print('locked', flush=True)\n"
     "time.sleep(120)\n"
 )
+FORK = (
+    "import os, sys, time\n"
+    "from recaccel.train.run_lock import acquire\n"
+    "acquire(sys.argv[1])\n"
+    "child = os.fork()\n"
+    "if child == 0:\n"
+    "    time.sleep(120)\n"
+    "    os._exit(0)\n"
+    "print(child, flush=True)\n"
+    "time.sleep(120)\n"
+)
 ENTER = (
     "import sys\n"
     "from recaccel.train.run_lock import for_training\n"
@@ -128,6 +139,20 @@ def test_lock_of_a_process_killed_by_sigkill_does_not_block(finished_run):
     assert str(holder.pid) in (run / LOCK_FILE).read_text()  # the file stays, the lock is gone
     assert train_main(["--resume", str(run), "--set", "train.steps=6"]) == 0
     assert str(os.getpid()) in (run / LOCK_FILE).read_text()
+
+
+def test_a_forked_child_outliving_its_killed_parent_does_not_keep_the_lock(tmp_path):
+    run = tmp_path / "run"
+    parent = _python(FORK, str(run))
+    child_pid = int(parent.stdout.readline())
+    try:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        os.kill(child_pid, 0)  # the child still runs
+        with run_lock.locked(run):
+            assert run_lock.holds(run)
+    finally:
+        os.kill(child_pid, signal.SIGKILL)
 
 
 def test_lock_is_released_when_train_returns(finished_run):
