@@ -30,11 +30,10 @@ FORK = (
     "import os, sys, time\n"
     "from recaccel.train.run_lock import acquire\n"
     "acquire(sys.argv[1])\n"
-    "child = os.fork()\n"
-    "if child == 0:\n"
+    "if os.fork() == 0:  # the child speaks once its fork hooks ran\n"
+    "    print(os.getpid(), flush=True)\n"
     "    time.sleep(120)\n"
     "    os._exit(0)\n"
-    "print(child, flush=True)\n"
     "time.sleep(120)\n"
 )
 ENTER = (
