@@ -1,5 +1,6 @@
 # make run   : set up, generate the debug synthetic dataset, train the debug DLRM, print metrics
-# make test  : set up, lint (ruff check, ruff format --check) and run the test suite
+# make test  : set up, lint (ruff check, ruff format --check) and run the test suite, then its
+#              numeric tests again under ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 (another host's arithmetic)
 # make bench : the embedding benchmark, into the published bench/results/ (recaccel-bench
 #              writes under runs/bench/ unless --out names another place)
 # make gpu-check : on a GPU machine (no venv there: PYTHONPATH=. make gpu-check OUT=dir) the GPU
@@ -32,8 +33,11 @@ run: setup
 	$(VENV)/bin/recaccel-data synth --config configs/debug.toml
 	$(VENV)/bin/recaccel-train --config configs/debug.toml --overwrite
 
+# The numeric tests run twice: ATEN_CPU_CAPABILITY and OMP_NUM_THREADS change the SIMD kernels and
+# the summation order, as another host would, so a test that holds only on this host fails here.
 test: setup lint
 	$(PY) -m pytest -q -x --durations=15
+	ATEN_CPU_CAPABILITY=avx2 OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -m numeric
 
 lint: setup
 	$(VENV)/bin/ruff check recaccel tests
