@@ -77,7 +77,9 @@ Pooling = Literal["sum", "mean"]
 EmbeddingPlacement = Literal["device", "host"]
 CachePolicy = Literal["lru", "lfu"]  # victims beyond the lookahead window
 EmbeddingDtype = Literal["fp32", "bf16", "fp16"]  # packed embedding rows (optimizer state stays fp32)
-Precision = Literal["fp32", "bf16"]  # bf16: autocast for the MLPs and the interaction
+# fp32: float32 math (TF32 off) | tf32: float32 tensors, CUDA matmuls on TF32 tensor cores (fp32
+# on CPU) | bf16: autocast for the MLPs and the interaction
+Precision = Literal["fp32", "tf32", "bf16"]
 # off: one batch at a time | sync: the next batch prepared on a side stream while one trains
 # (same results) | semi_sync: also its embedding lookup, before this step's sparse update
 # (one step stale, opt-in)
@@ -310,7 +312,7 @@ class TrainConfig(_Section):
     device: Annotated[str, Pattern(r"auto|cpu|cuda(:[0-9]+)?", "must be auto, cpu, cuda or cuda:N")] = "auto"
     progress: bool = True
     deterministic: bool = False
-    precision: Precision = "fp32"  # bf16: autocast MLPs and interaction; loss, metrics, optimizer fp32
+    precision: Precision = "fp32"  # see Precision; loss, metrics, optimizer and embeddings stay fp32
     pipeline: PipelineMode = "off"  # see PipelineMode; sync gives the results of off
     micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
     cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)

@@ -22,6 +22,7 @@ from recaccel.metrics import check_finite
 from recaccel.models.factory import places_tables_on_host
 from recaccel.sparse import Batch, TaskBatch
 from recaccel.train.evaluation import binary_metrics, predict, predict_rows, rating_metrics
+from recaccel.train.precision import matmul_precision
 from recaccel.train.predictions import PredictionSink, concat_columns, row_columns, task_columns
 
 # Concatenates a per-rank [N_r, ...] tensor over ranks (the process layout's ``gather``).
@@ -87,12 +88,14 @@ def cache_batches_ahead(cfg: Config) -> int:
 def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
     """The mixed-precision context of ``train.precision`` on ``device``.
 
-    ``fp32``: none (the float32 path, unchanged). ``bf16``: ``torch.autocast`` to
-    bfloat16, which runs the MLPs and the interaction in bfloat16 (on CUDA, and on CPU);
-    the embedding lookup opts out (:class:`~recaccel.models.arches.SparseArch`), and
-    parameters, gradients and the dense optimizer stay float32.
+    ``fp32`` and ``tf32``: none (float32 tensors; how CUDA multiplies them is
+    :func:`~recaccel.train.precision.matmul_precision`'s switch). ``bf16``:
+    ``torch.autocast`` to bfloat16, which runs the MLPs and the interaction in bfloat16
+    (on CUDA, and on CPU); the embedding lookup opts out
+    (:class:`~recaccel.models.arches.SparseArch`), and parameters, gradients and the dense
+    optimizer stay float32.
     """
-    if precision == "fp32":
+    if precision != "bf16":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
@@ -102,6 +105,9 @@ class DLRMObjective:
 
     Under ``train.precision = "bf16"`` the forward runs under :func:`autocast`; the
     logits are cast to float32 and the loss and metrics are computed in float32.
+    :meth:`evaluate` sets the run's TF32 switches itself
+    (:func:`~recaccel.train.precision.matmul_precision`), so evaluating a checkpoint
+    alone multiplies as its training did.
 
     A step is :meth:`embed` (the sparse lookup; its backward applies the fused sparse
     update) then :meth:`head_loss` (the dense head and the loss): the pipelined steps
@@ -196,7 +202,8 @@ class DLRMObjective:
 
     def predictions(self, batches: Iterable[Batch]) -> tuple[Tensor, Tensor]:
         """Float32 logits [N] and labels [N] (the forward under the run's precision)."""
-        return predict(self._forward, batches)
+        with matmul_precision(self.cfg.train.precision):
+            return predict(self._forward, batches)
 
     def metrics(self, logits: Tensor, labels: Tensor) -> dict[str, Any]:
         """Metrics of predictions [N]; a NaN or infinite one raises MetricError (one line)."""
@@ -219,7 +226,8 @@ class DLRMObjective:
         Raises:
             DataError: no rank had an evaluation row.
         """
-        logits, labels, weights = predict_rows(self._forward, batches)
+        with matmul_precision(self.cfg.train.precision):
+            logits, labels, weights = predict_rows(self._forward, batches)
         logits, labels = gather(logits), gather(labels)
         if labels.numel() == 0:
             raise DataError(f"evaluation data {source} has no rows")

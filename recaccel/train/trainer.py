@@ -29,6 +29,7 @@ from recaccel.train.distributed.monitor import check_faults, kill_if_due
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
+from recaccel.train.precision import log_fallback, matmul_precision
 from recaccel.train.preemption import Preempted, StopSignals
 from recaccel.train.runlog import RunLog, check_run_dir, clear_run
 from recaccel.train.schedule import LRSchedule, sparse_rate_setters
@@ -124,6 +125,7 @@ class Trainer:
         self.parallel = parallel or build_parallel(cfg, self.device)
         self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
         self._seed()
+        log_fallback(cfg.train.precision, self.device)
         self.schema = open_dataset(cfg.data.train, cfg.data.schema).schema
         self.objective, self.evaluator = self._objectives()
         self.module = self.parallel.wrap(self.objective.module)
@@ -238,12 +240,16 @@ class Trainer:
         written). A second signal ends the process at once. Hybrid ranks all stop after
         the same step. The previous signal handlers are back when fit returns or raises.
 
+        The run's ``train.precision`` sets torch's TF32 switches for the whole of fit
+        (steps, backward, evaluations); they are back as they were when fit returns or raises
+        (:func:`~recaccel.train.precision.matmul_precision`).
+
         Raises:
             Preempted: stopped by SIGTERM or SIGINT, the checkpoint of its last step saved
                 (a ``KeyboardInterrupt``: ``except Exception`` lets it through).
             RecaccelError: bad data or checkpoints met while training.
         """
-        with StopSignals():
+        with StopSignals(), matmul_precision(self.cfg.train.precision):
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
