@@ -10,6 +10,9 @@ from hypothesis import strategies as st
 from recaccel.errors import RecaccelError
 from recaccel.metrics import MetricError, UndefinedMetricWarning, binary_auc, binary_logloss, check_finite
 
+pytestmark = pytest.mark.numeric
+
+
 skm = pytest.importorskip("sklearn.metrics", reason="scikit-learn is the outside reference for the metrics")
 
 

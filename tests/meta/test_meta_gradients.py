@@ -13,6 +13,9 @@ from recaccel.errors import ConfigError
 from recaccel.meta import SHIFT, MetaLearner
 from tests.meta.conftest import DIM, NUM_FIELDS, make_dlrm, make_task_batch
 
+pytestmark = pytest.mark.numeric
+
+
 TOL = {"rtol": 1e-6, "atol": 1e-9}
 
 

@@ -19,6 +19,9 @@ from recaccel.config import MetaConfig
 from recaccel.meta import MetaLearner
 from tests.meta.conftest import make_dlrm, make_task_batch
 
+pytestmark = pytest.mark.numeric
+
+
 H = 1e-6  # float64: truncation ~H^2, rounding ~1e-16/H, both far below the tolerance
 
 

@@ -19,6 +19,9 @@ from recaccel.models import build_model
 from recaccel.models.arches import DCNv2InteractionArch
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
+pytestmark = pytest.mark.numeric
+
+
 TINY = [
     "synth.train_rows=6000",
     "synth.test_rows=2000",

@@ -24,6 +24,9 @@ from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
 from recaccel.ops.embedding import InvalidIdError, PackedEmbeddingBag, SparseOptimConfig, TableSpec
 from recaccel.sparse import SparseFeatures
 
+pytestmark = pytest.mark.numeric
+
+
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),
     reason="triton kernels need CUDA or TRITON_INTERPRET=1",

@@ -28,6 +28,9 @@ from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableS
 from recaccel.ops.embedding.rounding import stochastic_round
 from recaccel.sparse import SparseFeatures
 
+pytestmark = pytest.mark.numeric
+
+
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),
     reason="triton kernels need CUDA or TRITON_INTERPRET=1",

@@ -34,6 +34,9 @@ from recaccel.ops.embedding.fbgemm import FBGEMM_OPTIMIZERS
 from recaccel.ops.embedding.packing import gather_pack_ids
 from recaccel.sparse import SparseFeatures
 
+pytestmark = pytest.mark.numeric
+
+
 TABLES = [
     TableSpec("a", 11, 4, pooling="mean", optimizer="sgd"),
     TableSpec("b", 7, 4, features=["b1", "b2"], optimizer="rowwise_adagrad"),

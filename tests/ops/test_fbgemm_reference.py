@@ -35,6 +35,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import (  # noqa: E402
     PoolingMode,
 )
 
+pytestmark = pytest.mark.numeric
+
+
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),
     reason="triton kernels need CUDA or TRITON_INTERPRET=1",

@@ -26,6 +26,9 @@ from recaccel.ops.field_ops import (
     splitmix64_63,
 )
 
+pytestmark = pytest.mark.numeric
+
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),

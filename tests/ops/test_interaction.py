@@ -25,6 +25,9 @@ from recaccel.ops.interaction import (
     interaction_output_dim,
 )
 
+pytestmark = pytest.mark.numeric
+
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),

@@ -19,6 +19,9 @@ from recaccel.ops.interaction import (
     init_cross_weights,
 )
 
+pytestmark = pytest.mark.numeric
+
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),

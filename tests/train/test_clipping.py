@@ -20,6 +20,8 @@ from tests.train.test_resume_matrix import (
     tiny_data,  # noqa: F401  (fixture)
 )
 
+pytestmark = pytest.mark.numeric
+
 
 def _model() -> nn.Module:
     torch.manual_seed(3)

@@ -36,6 +36,9 @@ from recaccel.train.dense_head import (
     head_parameters,
 )
 
+pytestmark = pytest.mark.numeric
+
+
 KEYS = ["user", "item", "cat"]
 ROWS = [7, 9, 5]
 NUM_DENSE, DIM = 3, 4

@@ -30,6 +30,9 @@ from tests.train.test_resume_matrix import (
     tiny_data,  # noqa: F401  (fixture)
 )
 
+pytestmark = pytest.mark.numeric
+
+
 TRIALS = int(os.environ.get("RECACCEL_KILL_TRIALS", "2"))
 EVERY = 3  # checkpoint every 3 steps: many checkpoint writes to land in
 REPO = Path(__file__).resolve().parents[2]

@@ -33,6 +33,9 @@ from tests.train.test_resume_matrix import (  # noqa: F401  (fixtures)
     tiny_data,
 )
 
+pytestmark = pytest.mark.numeric
+
+
 # ----------------------------------------------------------------- the pipeline
 
 

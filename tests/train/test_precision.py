@@ -21,6 +21,9 @@ from recaccel.errors import ConfigError
 from recaccel.io.convert.synth import generate_synthetic
 from recaccel.train.trainer import Trainer
 
+pytestmark = pytest.mark.numeric
+
+
 SMALL = [
     "synth.train_rows=24000",
     "synth.test_rows=8000",

@@ -24,6 +24,9 @@ from recaccel.train.checkpoint import list_checkpoints
 from tests.train.test_meta_trainer import _argv as meta_argv
 from tests.train.test_meta_trainer import task_data  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.numeric
+
+
 TIMING_KEYS = {"samples_per_s", "data_wait_s", "data_startup_s", "data_wait_fraction"}
 TIMING_ENTRIES = {"train_seconds"}
 TINY = [

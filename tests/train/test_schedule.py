@@ -27,6 +27,8 @@ from tests.train.test_resume_matrix import (
     tiny_data,  # noqa: F401  (fixture)
 )
 
+pytestmark = pytest.mark.numeric
+
 
 def _optim(*sets: str):
     return load_config(None, [f"optim.{s}" for s in sets]).optim

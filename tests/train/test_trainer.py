@@ -15,6 +15,9 @@ from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
 from recaccel.train.checkpoint import list_checkpoints
 
+pytestmark = pytest.mark.numeric
+
+
 TINY = [
     "synth.train_rows=6000",
     "synth.test_rows=2000",
