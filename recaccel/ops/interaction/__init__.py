@@ -6,7 +6,12 @@ the pooled embeddings of the F sparse fields. With R = F+1 rows, the output is
 every pair ``i < j`` in row-major order of the strict upper triangle
 ((0,1), (0,2), ..., (0,F), (1,2), ..., (F-1,F)), the order of
 ``torch.triu_indices(R, R, offset=1)``. Pair ``(i, j)`` sits at column
-``D + i*R - i(i+1)/2 + (j-i-1)``.
+``D + i*R - i(i+1)/2 + (j-i-1)``. With ``pad=True`` the row is zero-padded to a multiple
+of 8 elements (:func:`interaction_output_dim`), so a consumer's GEMM reads aligned rows;
+a layer taking the padded width with zero weights on the padding computes the same.
+
+:func:`dot_interaction_pair` takes row 0 (``dense`` [B, D]) and rows 1..F (``pooled``
+[B, F, D]) as two tensors; the triton backend reads both in place, with no concatenation.
 
 Backends: ``reference`` (bmm, triangle gather, cat; the specification, in
 :mod:`recaccel.ops.interaction.reference`) and ``triton`` (fused forward and backward
@@ -20,6 +25,7 @@ launch) in :mod:`recaccel.ops.interaction.dcnv2_triton`.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
 from recaccel.config import InteractionBackend
@@ -32,8 +38,10 @@ from recaccel.ops.interaction.dcnv2_reference import (
     init_cross_weights,
 )
 from recaccel.ops.interaction.reference import (
+    PAD_MULTIPLE,
     TRITON_DTYPES,
     check_interaction_input,
+    check_interaction_pair,
     dot_interaction_backward_reference,
     dot_interaction_reference,
     interaction_output_dim,
@@ -43,15 +51,18 @@ from recaccel.ops.interaction.reference import (
 
 __all__ = [
     "CROSS_TRITON_DTYPES",
+    "PAD_MULTIPLE",
     "TRITON_DTYPES",
     "DotInteraction",
     "check_cross_input",
     "check_interaction_input",
+    "check_interaction_pair",
     "dcnv2_cross",
     "dcnv2_cross_backward_reference",
     "dcnv2_cross_reference",
     "dot_interaction",
     "dot_interaction_backward_reference",
+    "dot_interaction_pair",
     "dot_interaction_reference",
     "init_cross_weights",
     "interaction_output_dim",
@@ -62,7 +73,7 @@ __all__ = [
 _BACKENDS = op_backends(InteractionBackend)  # reference, triton
 
 
-def dot_interaction(x: Tensor, backend: str = "auto") -> Tensor:
+def dot_interaction(x: Tensor, backend: str = "auto", *, pad: bool = False) -> Tensor:
     """DLRM dot interaction: the dense row, then all pairwise dot products of rows.
 
     Args:
@@ -70,21 +81,53 @@ def dot_interaction(x: Tensor, backend: str = "auto") -> Tensor:
             embeddings. Products accumulate in float32 on the triton path.
         backend: ``"auto"`` (triton on CUDA for :data:`TRITON_DTYPES`, else reference),
             ``"reference"`` or ``"triton"``.
+        pad: Zero-pad each output row to a multiple of :data:`PAD_MULTIPLE` elements.
 
     Returns:
-        [B, D + (F+1)F/2] in ``x``'s dtype; see the module docstring for the order.
+        [B, D + (F+1)F/2 (padded)] in ``x``'s dtype; see the module docstring for the order.
 
     Raises:
         ValueError: bad shape or dtype, or unknown backend.
         RuntimeError: triton requested where it cannot run.
     """
     check_interaction_input(x)
-    name = resolve_backend(backend, x.device, available=_BACKENDS, op="dot_interaction")
-    if name == "reference" or (backend == "auto" and x.dtype not in TRITON_DTYPES):
-        return dot_interaction_reference(x)
+    if _use_reference(backend, x):
+        return dot_interaction_reference(x, pad)
     from recaccel.ops.interaction import triton as interaction_triton
 
-    return interaction_triton.dot_interaction_triton(x)
+    return interaction_triton.dot_interaction_triton(x, pad)
+
+
+def dot_interaction_pair(
+    dense: Tensor, pooled: Tensor, backend: str = "auto", *, pad: bool = False
+) -> Tensor:
+    """:func:`dot_interaction` of ``cat([dense[:, None], pooled], 1)``, without the concatenation.
+
+    Args:
+        dense: [B, D], row 0 (the bottom MLP's output).
+        pooled: [B, F, D], rows 1..F (the pooled embeddings); ``dense``'s dtype and device.
+        backend: as in :func:`dot_interaction`.
+        pad: Zero-pad each output row to a multiple of :data:`PAD_MULTIPLE` elements.
+
+    Returns:
+        [B, D + (F+1)F/2 (padded)] in the inputs' dtype.
+
+    Raises:
+        ValueError: shapes, dtypes or devices disagree, or unknown backend.
+        RuntimeError: triton requested where it cannot run.
+    """
+    check_interaction_pair(dense, pooled)
+    if _use_reference(backend, dense):
+        return dot_interaction_reference(torch.cat([dense.unsqueeze(1), pooled], dim=1), pad)
+    from recaccel.ops.interaction import triton as interaction_triton
+
+    return interaction_triton.dot_interaction_pair_triton(dense, pooled, pad)
+
+
+def _use_reference(backend: str, x: Tensor) -> bool:
+    """True when ``backend`` resolves to the reference for ``x`` (auto: float64 too)."""
+    name = resolve_backend(backend, x.device, available=_BACKENDS, op="dot_interaction")
+    return name == "reference" or (backend == "auto" and x.dtype not in TRITON_DTYPES)
 
 
 def dcnv2_cross(x0: Tensor, u: Tensor, v: Tensor, b: Tensor, backend: str = "auto") -> Tensor:
@@ -117,24 +160,26 @@ class DotInteraction(nn.Module):
 
     Args:
         backend: ``"auto"``, ``"reference"`` or ``"triton"``.
+        pad: Zero-pad each output row to a multiple of :data:`PAD_MULTIPLE` elements.
     """
 
-    def __init__(self, backend: str = "auto") -> None:
+    def __init__(self, backend: str = "auto", pad: bool = False) -> None:
         super().__init__()
         if backend != "auto" and backend not in _BACKENDS:
             raise ValueError(
                 f"DotInteraction: unknown backend {backend!r}; expected 'auto' or one of {_BACKENDS}"
             )
         self.backend = backend
+        self.pad = pad
 
     @staticmethod
-    def output_dim(num_fields: int, dim: int) -> int:
-        """Output width for F sparse fields of dim D."""
-        return interaction_output_dim(num_fields, dim)
+    def output_dim(num_fields: int, dim: int, pad: bool = False) -> int:
+        """Output width for F sparse fields of dim D (padded to a multiple of 8 if ``pad``)."""
+        return interaction_output_dim(num_fields, dim, pad=pad)
 
     def forward(self, x: Tensor) -> Tensor:
-        """[B, F+1, D] -> [B, D + (F+1)F/2]."""
-        return dot_interaction(x, self.backend)
+        """[B, F+1, D] -> [B, D + (F+1)F/2 (padded)]."""
+        return dot_interaction(x, self.backend, pad=self.pad)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}"
+        return f"backend={self.backend!r}, pad={self.pad}"
