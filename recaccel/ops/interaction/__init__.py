@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from recaccel.config import InteractionBackend
 from recaccel.ops.backend import op_backends, resolve_backend
 from recaccel.ops.interaction.dcnv2_reference import (
+    CROSS_KERNELS,
     CROSS_TRITON_DTYPES,
     check_cross_input,
     dcnv2_cross_backward_reference,
@@ -50,6 +51,7 @@ from recaccel.ops.interaction.reference import (
 )
 
 __all__ = [
+    "CROSS_KERNELS",
     "CROSS_TRITON_DTYPES",
     "PAD_MULTIPLE",
     "TRITON_DTYPES",
@@ -130,7 +132,9 @@ def _use_reference(backend: str, x: Tensor) -> bool:
     return name == "reference" or (backend == "auto" and x.dtype not in TRITON_DTYPES)
 
 
-def dcnv2_cross(x0: Tensor, u: Tensor, v: Tensor, b: Tensor, backend: str = "auto") -> Tensor:
+def dcnv2_cross(
+    x0: Tensor, u: Tensor, v: Tensor, b: Tensor, backend: str = "auto", kernel: str = "gemm"
+) -> Tensor:
     """DCN-v2 low-rank cross network: L layers ``x_{l+1} = x0 * (x_l V_l^T U_l^T + b_l) + x_l``.
 
     Args:
@@ -138,6 +142,10 @@ def dcnv2_cross(x0: Tensor, u: Tensor, v: Tensor, b: Tensor, backend: str = "aut
         u: [L, K, r], v: [L, r, K], b: [L, K], all in ``x0``'s dtype and device.
         backend: ``"auto"`` (triton on CUDA for :data:`CROSS_TRITON_DTYPES`, else
             reference), ``"reference"`` or ``"triton"``.
+        kernel: what the triton backend runs (``model.dcn_kernel``): ``"gemm"`` (library
+            GEMMs and one fused elementwise kernel per layer,
+            :mod:`~recaccel.ops.interaction.dcnv2_gemm`) or ``"fused"`` (every layer in one
+            launch, :mod:`~recaccel.ops.interaction.dcnv2_triton`).
 
     Returns:
         x_L [B, K] in ``x0``'s dtype.
@@ -147,9 +155,15 @@ def dcnv2_cross(x0: Tensor, u: Tensor, v: Tensor, b: Tensor, backend: str = "aut
         RuntimeError: triton requested where it cannot run.
     """
     check_cross_input(x0, u, v, b)
+    if kernel not in CROSS_KERNELS:
+        raise ValueError(f"dcnv2_cross: unknown kernel {kernel!r}; expected one of {CROSS_KERNELS}")
     name = resolve_backend(backend, x0.device, available=_BACKENDS, op="dcnv2_cross")
     if name == "reference" or (backend == "auto" and x0.dtype not in CROSS_TRITON_DTYPES):
         return dcnv2_cross_reference(x0, u, v, b)
+    if kernel == "gemm":
+        from recaccel.ops.interaction import dcnv2_gemm
+
+        return dcnv2_gemm.dcnv2_cross_gemm(x0, u, v, b)
     from recaccel.ops.interaction import dcnv2_triton
 
     return dcnv2_triton.dcnv2_cross_triton(x0, u, v, b)

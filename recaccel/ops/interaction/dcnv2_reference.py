@@ -17,6 +17,9 @@ from torch import Tensor
 
 # The dtypes the triton backend takes (here, so the dispatch reads it without importing Triton).
 CROSS_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# What the triton backend runs: library GEMMs + one fused elementwise kernel per layer (the
+# default: GEMM-bound work belongs to cuBLAS), or every layer in one fused launch.
+CROSS_KERNELS = ("gemm", "fused")
 
 
 def check_cross_input(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> None:
