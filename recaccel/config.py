@@ -71,6 +71,9 @@ Arch = Literal["dlrm", "melu"]
 Interaction = Literal["dot", "dcnv2"]
 EmbeddingBackend = Literal["auto", "reference", "triton", "fbgemm", "per_table"]
 InteractionBackend = Literal["auto", "reference", "triton"]
+# dcnv2 on the triton backend: library GEMMs + one fused elementwise kernel per layer | all
+# layers in one fused launch (recaccel.ops.interaction.CROSS_KERNELS)
+DcnKernel = Literal["gemm", "fused"]
 Pooling = Literal["sum", "mean"]
 # device: rows and optimizer state on the training device | host: in pinned host memory,
 # a device cache of the rows the next batches need
@@ -254,6 +257,7 @@ class ModelConfig(_Section):
     interaction: Interaction = "dot"
     dcn_layers: Count = 3  # dcnv2: cross layers
     dcn_rank: Count = 512  # dcnv2: rank r of each layer's U [K, r] V [r, K]
+    dcn_kernel: DcnKernel = "gemm"  # dcnv2 on the triton backend: "gemm" | "fused" (one launch)
     # triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1)
     embedding_backend: EmbeddingBackend = "auto"
     interaction_backend: InteractionBackend = "auto"
