@@ -1,0 +1,379 @@
+"""Triton packed embedding backward and fused sparse update as occurrence tiles.
+
+The work is the pack's occurrences sorted by packed row (``RowGroups.order``), not its
+unique rows: program ``t`` of :func:`_occurrence_tile_kernel` takes occurrences
+``t*BLOCK_OCC .. (t+1)*BLOCK_OCC - 1`` of that order whatever the segment lengths, so a
+row with 36k occurrences spreads over hundreds of programs instead of running alone.
+
+Per tile (grid ``(cdiv(N_p, BLOCK_OCC),)``):
+
+1. Load the ``BLOCK_OCC`` output-gradient rows of its occurrences (bag ``j*B + b`` is
+   ``grad_out[b, j]``), times the occurrence's scale (id weight, ``1/L`` for mean).
+2. Reduce the segments inside the tile with a segmented inclusive scan
+   (``tl.associative_scan`` over ``(flag, value)``, flag = a segment starts here): at the
+   last occurrence of each segment the scan holds the segment's sum within the tile.
+3. Apply the update (SGD, row-wise Adagrad, Adam; stochastic rounding for 16-bit rows,
+   the rules of :func:`~recaccel.ops.embedding.optimizers.update_rows`), or store the
+   gradient (autograd mode), for every segment that begins and ends in the tile.
+4. Write the tile's partials for segments that cross its edges: ``head`` (the sum of its
+   first segment when that began in an earlier tile and ends here) and ``tail`` (the sum
+   of its last segment when that continues into the next tile).
+
+Then :func:`_spanning_rows_kernel` (grid ``(num_tiles,)``): the tile where a spanning
+segment begins sums its ``tail``, the ``tail`` of every tile the segment covers whole,
+and the ``head`` of the tile where it ends, in tile order (``CHUNK`` tiles per step, a
+fixed reduction tree within a step), and applies the update to that row.
+
+Every row is written by exactly one program and no atomics are used, so the result is
+bitwise the same from run to run for a given ``(BLOCK_OCC, num_warps, CHUNK)``; the
+summation order differs from the reference's (sequential per row), hence results agree
+with it to float32 rounding, not bit for bit.
+
+They run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
+this module is imported).
+
+Shapes: B batch, S features of the pack, D dim, R packed rows, N_p occurrences (ids) of
+the pack, U unique rows, T tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
+from recaccel.ops.embedding.packing import PackIds, RowGroups, group_by_row
+from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.ops.embedding.triton.kernels import _stochastic_round, _uniform_noise
+
+# MODE of the kernels: the sparse optimizers, or "store the row's gradient" (autograd mode).
+_MODE_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
+_MODE_GRAD = 3
+CHUNK_TILES = 16  # partials the fix-up kernel loads per step
+
+
+def tile_config(dim: int) -> tuple[int, int]:
+    """``(BLOCK_OCC, num_warps)`` for rows of ``dim`` columns.
+
+    A tile holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
+    registers: 2048 of each compiles (sm_90, 4 warps) to ~76-142 registers per thread,
+    no spills, 3-6 programs per SM, 16-byte gradient loads when D is a multiple of 4;
+    4096 takes 191-255 registers. The configuration fixes the summation order, hence the
+    bits of the result; the tuning run may replace this default per device.
+    """
+    block_d = triton.next_power_of_2(dim)
+    return max(8, min(128, 2048 // block_d)), 4
+
+
+@triton.jit
+def _segmented_add(flag_a, sum_a, flag_b, sum_b):
+    """Combine of a segmented sum: a flag starts a new segment, so ``b`` drops ``a``'s sum."""
+    return flag_a | flag_b, tl.where(flag_b != 0, sum_b, sum_a + sum_b)
+
+
+@triton.jit
+def _apply_rows(
+    weight_ptr,
+    m1_ptr,
+    m2_ptr,
+    key,  # int64 [M] destination row of each gradient row
+    g,  # float32 [M, BLOCK_D] summed gradient (0 in padded columns)
+    live,  # bool [M] rows to update
+    cols,
+    col_mask,
+    dim,
+    stride_w,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    weight_decay,
+    bias_c1,
+    bias_c2,
+    seed,
+    MODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
+    """Applies the sparse optimizer (or stores the gradient) to ``M`` rows at once: the
+    per-row rules of the per-unique-row kernel, :func:`update_rows`'s semantics."""
+    mask = live[:, None] & col_mask[None, :]
+    w_ptrs = weight_ptr + key[:, None] * stride_w + cols[None, :]
+    if MODE == 3:
+        tl.store(w_ptrs, g, mask=mask)
+    else:
+        w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if MODE == 0:
+            w = w - lr * (g + weight_decay * w)
+        elif MODE == 1:
+            g = g + weight_decay * w
+            m = tl.load(m1_ptr + key, mask=live, other=0.0) + tl.sum(g * g, axis=1) / dim
+            tl.store(m1_ptr + key, m, mask=live)
+            w = w - (lr / (tl.sqrt_rn(m) + eps))[:, None] * g
+        else:
+            state = key[:, None] * dim + cols[None, :]
+            m1 = beta1 * tl.load(m1_ptr + state, mask=mask, other=0.0) + (1.0 - beta1) * g
+            m2 = beta2 * tl.load(m2_ptr + state, mask=mask, other=0.0) + (1.0 - beta2) * g * g
+            tl.store(m1_ptr + state, m1, mask=mask)
+            tl.store(m2_ptr + state, m2, mask=mask)
+            w = w - lr * ((m1 / bias_c1) / (tl.sqrt_rn(m2 / bias_c2) + eps) + weight_decay * w)
+        if STOCHASTIC:
+            noise = _uniform_noise(seed, key[:, None] * dim + cols[None, :])
+            tl.store(w_ptrs, _stochastic_round(w, noise, weight_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(w_ptrs, w, mask=mask)
+
+
+@triton.jit(do_not_specialize=["seed"])  # a new seed every update: no recompiles
+def _occurrence_tile_kernel(
+    weight_ptr,  # float32/bfloat16/float16 [R, D] updated in place; float32 [U, D] out (MODE 3)
+    m1_ptr,  # float32 [R] (row-wise Adagrad) or [R, D] (Adam)
+    m2_ptr,  # float32 [R, D] (Adam)
+    keys_ptr,  # int64 [N_p] non-decreasing: destination row of each sorted occurrence
+    bags_ptr,  # int64 [N_p] bag of each sorted occurrence
+    scale_ptr,  # float32 [N_p] (read only if HAS_SCALE)
+    grad_out_ptr,  # float32 [B, S, D], any strides
+    part_ptr,  # float32 [T, 2, BLOCK_D] head / tail partials
+    num_occ,
+    batch_size,
+    dim,
+    stride_w,
+    stride_gb,
+    stride_gf,
+    stride_gd,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    weight_decay,
+    bias_c1,
+    bias_c2,
+    seed,
+    MODE: tl.constexpr,  # 0 sgd, 1 row-wise adagrad, 2 adam, 3 store the gradient
+    STOCHASTIC: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_OCC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    start = t * BLOCK_OCC
+    occ = start + tl.arange(0, BLOCK_OCC)
+    valid = occ < num_occ
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    # Keys are >= 0, so -1 marks "no occurrence" on either side.
+    key = tl.load(keys_ptr + occ, mask=valid, other=-1)
+    prev = tl.load(keys_ptr + occ - 1, mask=valid & (occ > 0), other=-1)
+    nxt = tl.load(keys_ptr + occ + 1, mask=occ + 1 < num_occ, other=-1)
+    before = tl.load(keys_ptr + start - 1, mask=start > 0, other=-1)  # last key of tile t-1
+    ends = valid & (key != nxt)
+    began_here = key != before
+
+    bag = tl.load(bags_ptr + occ, mask=valid, other=0)
+    j = bag // batch_size
+    b = bag % batch_size
+    mask = valid[:, None] & col_mask[None, :]
+    g = tl.load(
+        grad_out_ptr + b[:, None] * stride_gb + j[:, None] * stride_gf + cols[None, :] * stride_gd,
+        mask=mask,
+        other=0.0,
+    )
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr + occ, mask=valid, other=0.0)[:, None]
+    starts = tl.broadcast_to((key != prev).to(tl.int32)[:, None], (BLOCK_OCC, BLOCK_D))
+    _, sums = tl.associative_scan((starts, g), 0, _segmented_add)
+
+    _apply_rows(
+        weight_ptr, m1_ptr, m2_ptr, key, sums, ends & began_here, cols, col_mask, dim, stride_w,
+        lr, eps, beta1, beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
+    )  # fmt: skip
+
+    # Partials of the segments crossing the tile's edges (at most one row each is unmasked).
+    part = part_ptr + t * (2 * BLOCK_D) + occ[:, None] * 0 + cols[None, :]
+    tl.store(part, sums, mask=(ends & ~began_here)[:, None])
+    is_last = occ == tl.minimum(start + BLOCK_OCC, num_occ) - 1
+    tl.store(part + BLOCK_D, sums, mask=(is_last & (key == nxt))[:, None])
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _spanning_rows_kernel(
+    weight_ptr,
+    m1_ptr,
+    m2_ptr,
+    keys_ptr,
+    part_ptr,
+    num_occ,
+    num_tiles,
+    dim,
+    stride_w,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    weight_decay,
+    bias_c1,
+    bias_c2,
+    seed,
+    MODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+    BLOCK_OCC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    start = t * BLOCK_OCC
+    last = tl.minimum(start + BLOCK_OCC, num_occ) - 1
+    key = tl.load(keys_ptr + last)
+    before = tl.load(keys_ptr + start - 1, mask=start > 0, other=-1)
+    nxt = tl.load(keys_ptr + last + 1, mask=last + 1 < num_occ, other=-1)
+    # Tile t owns the segment of its last occurrence iff it began here and goes on.
+    owns = (nxt == key) & (key != before)
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    acc = tl.load(part_ptr + t * (2 * BLOCK_D) + BLOCK_D + cols, mask=owns, other=0.0)
+    # Tiles after t that the segment covers whole (its "middle") are a prefix of the
+    # following tiles; the first tile that is not a middle one is where it ends.
+    k = t + 1
+    middles = tl.where(owns, CHUNK, 0)
+    while middles == CHUNK:
+        ks = k + tl.arange(0, CHUNK)
+        in_range = ks < num_tiles
+        ks_last = tl.minimum((ks + 1) * BLOCK_OCC, num_occ) - 1
+        last_key = tl.load(keys_ptr + ks_last, mask=in_range, other=-1)
+        next_key = tl.load(keys_ptr + ks_last + 1, mask=in_range & (ks_last + 1 < num_occ), other=-1)
+        middle = in_range & (last_key == key) & (next_key == key)
+        tails = tl.load(
+            part_ptr + ks[:, None] * (2 * BLOCK_D) + BLOCK_D + cols[None, :], mask=middle[:, None], other=0.0
+        )
+        acc += tl.sum(tails, axis=0)
+        middles = tl.sum(middle.to(tl.int32), axis=0)
+        k += CHUNK
+    closing = k - CHUNK + middles
+    acc += tl.load(part_ptr + closing * (2 * BLOCK_D) + cols, mask=owns, other=0.0)
+    one = tl.zeros([1], dtype=tl.int64)
+    _apply_rows(
+        weight_ptr, m1_ptr, m2_ptr, key + one, acc[None, :], owns & (one == 0), cols, col_mask, dim,
+        stride_w, lr, eps, beta1, beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
+    )  # fmt: skip
+
+
+def _sorted_occurrences(ids: PackIds, order: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Bags and scales of the occurrences in row-sorted order."""
+    scale = None if ids.scale is None else ids.scale.index_select(0, order)
+    return ids.bags.index_select(0, order), scale
+
+
+def _launch_tiles(
+    target: Tensor,
+    m1: Tensor,
+    m2: Tensor,
+    keys: Tensor,
+    bags: Tensor,
+    scale: Tensor | None,
+    grad_out: Tensor,
+    batch_size: int,
+    mode: int,
+    hyper: tuple[float, ...],
+    seed: int,
+    block_occ: int | None,
+) -> None:
+    """Runs the tile kernel and then the spanning-row kernel over ``keys.numel() > 0``
+    sorted occurrences; ``hyper`` is (lr, eps, beta1, beta2, weight_decay, bias_c1, bias_c2)."""
+    num_occ = keys.numel()
+    dim = target.shape[1]
+    default_occ, num_warps = tile_config(dim)
+    block_occ = default_occ if block_occ is None else block_occ
+    block_d = triton.next_power_of_2(dim)
+    num_tiles = triton.cdiv(num_occ, block_occ)
+    grad_out = grad_out.to(torch.float32)
+    part = torch.empty(num_tiles, 2, block_d, dtype=torch.float32, device=target.device)
+    stochastic = target.dtype in (torch.bfloat16, torch.float16)
+    _occurrence_tile_kernel[(num_tiles,)](
+        target, m1, m2, keys, bags, bags if scale is None else scale, grad_out, part,
+        num_occ, batch_size, dim, target.stride(0),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *hyper, seed,
+        MODE=mode, STOCHASTIC=stochastic, HAS_SCALE=scale is not None,
+        BLOCK_OCC=block_occ, BLOCK_D=block_d, num_warps=num_warps,
+    )  # fmt: skip
+    if num_tiles > 1:
+        _spanning_rows_kernel[(num_tiles,)](
+            target, m1, m2, keys, part, num_occ, num_tiles, dim, target.stride(0), *hyper, seed,
+            MODE=mode, STOCHASTIC=stochastic, BLOCK_OCC=block_occ, BLOCK_D=block_d,
+            CHUNK=CHUNK_TILES, num_warps=1,
+        )  # fmt: skip
+
+
+def embedding_bag_backward(
+    grad_out: Tensor,
+    ids: PackIds,
+    batch_size: int,
+    groups: RowGroups | None = None,
+    *,
+    block_occ: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per-unique-row weight gradient of one pack (autograd mode), by occurrence tiles.
+
+    Args:
+        grad_out: [B, S, D] gradient of the pooled output.
+        ids: The pack's ids, with ``bags``.
+        batch_size: B.
+        groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
+        block_occ: Occurrences per tile (default :func:`tile_config`).
+
+    Returns:
+        (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
+    """
+    order, rows, segments = group_by_row(ids.rows) if groups is None else groups
+    num_occ = order.numel()
+    grad = torch.empty(rows.numel(), grad_out.shape[2], dtype=torch.float32, device=grad_out.device)
+    if num_occ == 0:
+        return rows, grad
+    # The tiles' destination is the unique row's slot u in grad: key = u per occurrence.
+    slot = torch.arange(rows.numel(), device=rows.device)
+    keys = torch.repeat_interleave(slot, segments[1:] - segments[:-1], output_size=num_occ)
+    bags, scale = _sorted_occurrences(ids, order)
+    hyper = (0.0,) * 5 + (1.0, 1.0)
+    _launch_tiles(grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, block_occ)
+    return rows, grad
+
+
+def fused_update(
+    state: PackState,
+    optim: SparseOptimConfig,
+    grad_out: Tensor,
+    ids: PackIds,
+    batch_size: int,
+    groups: RowGroups | None = None,
+    *,
+    block_occ: int | None = None,
+) -> None:
+    """Applies the sparse optimizer to the rows a batch touched, by occurrence tiles.
+
+    Counts the step and draws the stochastic-rounding seed of 16-bit rows
+    (``state.rounding_seed``) even for an empty batch, as the per-row path and the
+    reference do; 16-bit rows are updated in float32 and stored back with stochastic
+    rounding, the optimizer state is float32.
+
+    Args:
+        state: The pack's weight, optimizer state and step, updated in place.
+        optim: Hyper-parameters.
+        grad_out: [B, S, D] gradient of the pooled output.
+        ids: The pack's ids, with ``bags``.
+        batch_size: B.
+        groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
+        block_occ: Occurrences per tile (default :func:`tile_config`).
+    """
+    state.step.add_(1)
+    seed = 0 if state.rounding_seed is None else state.rounding_seed()
+    order = (group_by_row(ids.rows) if groups is None else groups).order
+    if order.numel() == 0:
+        return
+    keys = ids.rows.index_select(0, order)
+    bags, scale = _sorted_occurrences(ids, order)
+    bc1, bc2 = adam_bias_corrections(optim, int(state.step))
+    hyper = (optim.lr, optim.eps, optim.beta1, optim.beta2, optim.weight_decay, bc1, bc2)
+    m1 = state.states.get("momentum1", state.weight)
+    m2 = state.states.get("momentum2", state.weight)
+    mode = _MODE_CODES[state.optimizer]
+    _launch_tiles(state.weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, block_occ)
