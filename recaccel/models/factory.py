@@ -133,7 +133,12 @@ def build_interaction(model_cfg: ModelConfig, num_sparse: int) -> InteractionArc
         return InteractionArch(num_sparse, dim, backend=backend)
     if model_cfg.interaction == "dcnv2":
         return DCNv2InteractionArch(
-            num_sparse, dim, model_cfg.dcn_layers, model_cfg.dcn_rank, backend=backend
+            num_sparse,
+            dim,
+            model_cfg.dcn_layers,
+            model_cfg.dcn_rank,
+            backend=backend,
+            kernel=model_cfg.dcn_kernel,
         )
     raise ConfigError(f"model.interaction must be 'dot' or 'dcnv2', got {model_cfg.interaction!r}")
 
