@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.ops.interaction import dcnv2_cross, dot_interaction, init_cross_weights
+from recaccel.ops.interaction import CROSS_KERNELS, dcnv2_cross, dot_interaction, init_cross_weights
 from recaccel.sparse import SparseFeatures
 
 
@@ -173,16 +173,29 @@ class DCNv2InteractionArch(nn.Module):
         num_layers: L (``model.dcn_layers``).
         rank: r (``model.dcn_rank``).
         backend: ``auto`` | ``reference`` | ``triton`` (see :func:`recaccel.ops.interaction.dcnv2_cross`).
+        kernel: what ``triton`` runs (``model.dcn_kernel``): ``gemm`` (library GEMMs and one
+            fused elementwise kernel per layer) or ``fused`` (every layer in one launch).
 
     Attributes:
         u: [L, K, r]. v: [L, r, K]. b: [L, K].
     """
 
-    def __init__(self, num_sparse: int, dim: int, num_layers: int, rank: int, backend: str = "auto") -> None:
+    def __init__(
+        self,
+        num_sparse: int,
+        dim: int,
+        num_layers: int,
+        rank: int,
+        backend: str = "auto",
+        kernel: str = "gemm",
+    ) -> None:
         super().__init__()
+        if kernel not in CROSS_KERNELS:
+            raise ConfigError(f"model.dcn_kernel must be one of {', '.join(CROSS_KERNELS)}, got {kernel!r}")
         self.num_sparse = num_sparse
         self.dim = dim
         self.backend = backend
+        self.kernel = kernel
         u, v, b = init_cross_weights(self.output_dim, num_layers, rank)
         self.u = nn.Parameter(u)
         self.v = nn.Parameter(v)
@@ -204,11 +217,13 @@ class DCNv2InteractionArch(nn.Module):
             x0, u, v, b = x0.to(dtype), u.to(dtype), v.to(dtype), b.to(dtype)
         else:
             u, v, b = u.to(x0.dtype), v.to(x0.dtype), b.to(x0.dtype)
-        return dcnv2_cross(x0, u, v, b, backend=self.backend)
+        return dcnv2_cross(x0, u, v, b, backend=self.backend, kernel=self.kernel)
 
     def extra_repr(self) -> str:
         layers, k, rank = self.u.shape
-        return f"in_features={k}, layers={layers}, rank={rank}, backend={self.backend!r}"
+        return (
+            f"in_features={k}, layers={layers}, rank={rank}, backend={self.backend!r}, kernel={self.kernel!r}"
+        )
 
 
 class OverArch(nn.Module):
