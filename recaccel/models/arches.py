@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
-from recaccel.ops.interaction import CROSS_KERNELS, dcnv2_cross, dot_interaction, init_cross_weights
+from recaccel.ops.interaction import CROSS_KERNELS, dcnv2_cross, dot_interaction_pair, init_cross_weights
 from recaccel.sparse import SparseFeatures
 
 
@@ -134,13 +134,17 @@ class InteractionArch(nn.Module):
         num_sparse: F.
         dim: D.
         backend: ``auto`` | ``reference`` | ``triton`` (see :mod:`recaccel.ops.interaction`).
+        pad: Zero-pad each output row to a multiple of 8 elements; ``output_dim`` stays the
+            unpadded width, so only a consumer that takes padded input (an aligned MLP
+            whose padding columns meet zero weights) may turn this on.
     """
 
-    def __init__(self, num_sparse: int, dim: int, backend: str = "auto") -> None:
+    def __init__(self, num_sparse: int, dim: int, backend: str = "auto", pad: bool = False) -> None:
         super().__init__()
         self.num_sparse = num_sparse
         self.dim = dim
         self.backend = backend
+        self.pad = pad
 
     @property
     def output_dim(self) -> int:
@@ -148,15 +152,15 @@ class InteractionArch(nn.Module):
         return self.dim + f * (f - 1) // 2
 
     def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
-        """Maps dense [B, D] and pooled [B, F, D] to [B, D + (F+1)F/2]."""
-        # Row 0 is the dense vector, rows 1..F the pooled embeddings: [B, F+1, D].
-        stacked = torch.cat([dense.unsqueeze(1), pooled], dim=1)
-        device_type = stacked.device.type
+        """Maps dense [B, D] and pooled [B, F, D] to [B, D + (F+1)F/2] (padded if ``pad``)."""
+        # Row 0 is the dense vector, rows 1..F the pooled embeddings, read in place (no cat).
+        device_type = dense.device.type
+        dtype = torch.promote_types(dense.dtype, pooled.dtype)
         if torch.is_autocast_enabled(device_type):
             # Mixed precision: the interaction runs in the autocast dtype on every backend
-            # (a custom kernel is not autocast by itself; cat promotes to float32).
-            stacked = stacked.to(torch.get_autocast_dtype(device_type))
-        return dot_interaction(stacked, backend=self.backend)
+            # (a custom kernel is not autocast by itself).
+            dtype = torch.get_autocast_dtype(device_type)
+        return dot_interaction_pair(dense.to(dtype), pooled.to(dtype), self.backend, pad=self.pad)
 
 
 class DCNv2InteractionArch(nn.Module):
