@@ -309,6 +309,10 @@ def add_args(parser) -> None:
 
 def main(args, command_line: str) -> Path:
     """Runs the sweep and writes the markdown summary; returns its path."""
+    if args.kind == "dcnv2":  # eager vs the GEMM path vs the fused kernel: recaccel.bench.dcnv2
+        from recaccel.bench import dcnv2
+
+        return dcnv2.main(args, command_line, plot_file(args))
     results = run_interaction_bench(
         args.batch,
         args.fields,
