@@ -16,11 +16,14 @@ from hypothesis import strategies as st
 
 from recaccel.bench.common import time_interleaved_samples
 from recaccel.bench.interaction import run_interaction_bench, write_markdown_summary
+from recaccel.models.arches import InteractionArch
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.interaction import (
+    PAD_MULTIPLE,
     DotInteraction,
     dot_interaction,
     dot_interaction_backward_reference,
+    dot_interaction_pair,
     dot_interaction_reference,
     interaction_output_dim,
 )
@@ -119,6 +122,126 @@ def test_triton_half_precision(dtype):
 )
 def test_triton_matches_reference_random_shapes(b, f, d, seed):
     _check_triton(b, f, d, torch.float32, seed)
+
+
+def _pair_inputs(b, r, d, dtype, seed):
+    """dense [B, D] and pooled [B, R-1, D] as views of one [B, R+1, D] buffer (strided, like
+    slices of a bigger activation), scaled so dot products are O(1)."""
+    base = _rand((b, r + 1, d), torch.float32, seed=seed) / d**0.25
+    base = base.to(dtype)
+    return base[:, 0].requires_grad_(), base[:, 2:].detach().requires_grad_()
+
+
+# Against a float64 reference: float32 sums carry rounding of order D * 2^-24 of O(1)
+# terms (torch's float32 defaults); bf16 outputs are such sums rounded once more to 2^-9
+# relative (torch's bf16 rtol), with an absolute term for sums that cancel to near zero.
+_PAIR_TOL = {
+    torch.float32: {"rtol": 1.3e-6, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-3},
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "padded"])
+@pytest.mark.parametrize("d", [7, 33])
+@pytest.mark.parametrize("rows", [2, 27, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_pair_kernels_match_reference_forward_and_backward(dtype, rows, d, pad):
+    b = 1 if d == 7 else 3  # a batch of one, and one that leaves a partial block of rows
+    seed = rows * 100 + d
+    dense, pooled = _pair_inputs(b, rows, d, dtype, seed)
+    x_ref = torch.cat([dense.detach().unsqueeze(1), pooled.detach()], 1).double().requires_grad_()
+    out = dot_interaction_pair(dense, pooled, "triton", pad=pad)
+    ref = dot_interaction_reference(x_ref, pad=pad)
+    assert out.dtype == dtype and out.shape == ref.shape == (b, interaction_output_dim(rows - 1, d, pad=pad))
+    torch.testing.assert_close(out.double(), ref, **_PAIR_TOL[dtype], check_dtype=False)
+    g = _rand(out.shape, torch.float32, seed=seed + 1).to(dtype)
+    g_dense, g_pooled = torch.autograd.grad(out, (dense, pooled), g)
+    (gx_ref,) = torch.autograd.grad(ref, x_ref, g.double())
+    torch.testing.assert_close(g_dense.double(), gx_ref[:, 0], **_PAIR_TOL[dtype], check_dtype=False)
+    torch.testing.assert_close(g_pooled.double(), gx_ref[:, 1:], **_PAIR_TOL[dtype], check_dtype=False)
+
+
+@needs_triton
+def test_padded_output_is_zero_past_the_width_and_its_gradient_is_ignored():
+    dense, pooled = _pair_inputs(2, 5, 3, torch.float32, seed=20)
+    width = interaction_output_dim(4, 3)  # 3 + 10 = 13 -> 16
+    out = dot_interaction_pair(dense, pooled, "triton", pad=True)
+    assert out.shape[1] == 16 and out.shape[1] % PAD_MULTIPLE == 0
+    assert torch.equal(out[:, width:], torch.zeros(2, 16 - width))
+    torch.testing.assert_close(out[:, :width], dot_interaction_pair(dense, pooled, "triton"))
+    g = _rand(out.shape, seed=21)
+    g_pad_changed = g.clone()
+    g_pad_changed[:, width:] = 1e6  # padding columns meet no input: their gradient goes nowhere
+    grads = torch.autograd.grad(out, (dense, pooled), g, retain_graph=True)
+    grads_changed = torch.autograd.grad(out, (dense, pooled), g_pad_changed)
+    for a, b in zip(grads, grads_changed, strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_triton
+def test_many_tiles_pair_grid_matches_reference_and_backward_is_deterministic():
+    dense, pooled = _pair_inputs(2, 200, 3, torch.float32, seed=22)  # 4 row tiles of 64: 10 pairs
+    x = torch.cat([dense.detach().unsqueeze(1), pooled.detach()], 1)
+    out = dot_interaction_pair(dense, pooled, "triton")
+    torch.testing.assert_close(out, dot_interaction_reference(x))
+    g = _rand(out.shape, seed=23)
+    first = torch.autograd.grad(out, (dense, pooled), g, retain_graph=True)
+    second = torch.autograd.grad(out, (dense, pooled), g)
+    expected = dot_interaction_backward_reference(g, x)
+    torch.testing.assert_close(first[0], expected[:, 0])
+    torch.testing.assert_close(first[1], expected[:, 1:])
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))  # no atomics
+
+
+def test_dot_precision_is_native_tf32_or_tf32x3_on_cuda_and_ieee_only_interpreted():
+    from recaccel.ops.interaction.triton import dot_precision
+
+    for allow in (False, True):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert dot_precision(dtype, on_cuda=True, allow_tf32=allow) == "native"
+        for dtype in (torch.float32, torch.bfloat16):
+            assert dot_precision(dtype, on_cuda=False, allow_tf32=allow) == "ieee"
+    assert dot_precision(torch.float32, on_cuda=True, allow_tf32=True) == "tf32"
+    assert dot_precision(torch.float32, on_cuda=True, allow_tf32=False) == "tf32x3"
+
+
+def test_reference_padding_and_pair_reference_agree_with_stacked():
+    x = _rand((3, 4, 5), torch.float64, seed=24, device="cpu")  # width 5 + 6 = 11 -> 16
+    padded = dot_interaction_reference(x, pad=True)
+    assert padded.shape == (3, 16) == (3, DotInteraction.output_dim(3, 5, pad=True))
+    torch.testing.assert_close(padded[:, :11], dot_interaction_reference(x), rtol=0, atol=0)
+    assert not padded[:, 11:].any()
+    paired = dot_interaction_pair(x[:, 0], x[:, 1:], "reference", pad=True)
+    torch.testing.assert_close(paired, padded, rtol=0, atol=0)
+    assert interaction_output_dim(26, 128) == 479 and interaction_output_dim(26, 128, pad=True) == 480
+
+
+@pytest.mark.parametrize(
+    "dense,pooled,match",
+    [
+        (torch.zeros(2, 4), torch.zeros(2, 3), r"dense \[B, D\] and pooled \[B, F, D\]"),
+        (torch.zeros(2, 4), torch.zeros(3, 1, 4), "disagree in B or D"),
+        (torch.zeros(2, 4), torch.zeros(2, 1, 4, dtype=torch.float64), "one dtype"),
+    ],
+)
+def test_pair_bad_input_raises(dense, pooled, match):
+    with pytest.raises(ValueError, match=match):
+        dot_interaction_pair(dense, pooled, "reference")
+
+
+@needs_triton
+def test_interaction_arch_reads_dense_and_pooled_and_pads_on_request():
+    dense, pooled = (t.detach() for t in _pair_inputs(3, 6, 4, torch.float32, seed=25))
+    x = torch.cat([dense.unsqueeze(1), pooled], 1)
+    arch = InteractionArch(5, 4, backend="triton", pad=True)
+    out = arch(dense, pooled)
+    assert arch.output_dim == 4 + 15 and out.shape == (3, 24)
+    torch.testing.assert_close(out, dot_interaction_reference(x, pad=True))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = InteractionArch(5, 4, backend="triton")(dense, pooled)
+    assert half.dtype == torch.bfloat16
+    torch.testing.assert_close(half, dot_interaction_reference(x.bfloat16()), rtol=1.6e-2, atol=1e-3)
 
 
 @needs_triton
