@@ -151,6 +151,18 @@ class CachedPrepared(PreparedPack):
                 yield from self.inner.groups
 
 
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """Whether ``a`` and ``b`` name one device: ``cuda`` and ``cuda:0`` do when device 0 is
+    the current one (``torch.device`` equality compares the index as written)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index is None and b.index is None:
+        return True
+    current = torch.cuda.current_device() if a.type == "cuda" else 0
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 class CachedPack:
     """One host-placed pack (see the module docstring).
 
@@ -243,7 +255,7 @@ class CachedPack:
     # ----------------------------------------------------------------- PackBackend
 
     def check_batch_device(self, held: Mapping[str, Tensor], device: torch.device) -> None:
-        if device != self.device:
+        if not same_device(device, self.device):
             raise ValueError(f"{_OP}: the batch is on {device} but the tables' cache is on {self.device}")
 
     def prepare(self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool) -> CachedPrepared:
