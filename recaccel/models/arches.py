@@ -11,11 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
+from recaccel.models.fused_linear import dense_layer, fast_path_default
 from recaccel.ops.interaction import CROSS_KERNELS, dcnv2_cross, dot_interaction_pair, init_cross_weights
 from recaccel.sparse import SparseFeatures
 
 
-def mlp(in_features: int, layer_sizes: list[int], *, final_activation: bool) -> nn.Sequential:
+def mlp(in_features: int, layer_sizes: list[int], *, final_activation: bool) -> MLP:
     """Linear layers with ReLU between them (and after the last if ``final_activation``)."""
     layers: list[nn.Module] = []
     for i, out in enumerate(layer_sizes):
@@ -23,7 +24,51 @@ def mlp(in_features: int, layer_sizes: list[int], *, final_activation: bool) -> 
         if i < len(layer_sizes) - 1 or final_activation:
             layers.append(nn.ReLU())
         in_features = out
-    return nn.Sequential(*layers)
+    return MLP(*layers)
+
+
+class MLP(nn.Sequential):
+    """An ``nn.Sequential`` of ``nn.Linear`` and ``nn.ReLU`` that runs each Linear + ReLU
+    pair as one GEMM with a bias + ReLU epilogue and pads unaligned inner dimensions
+    (:mod:`recaccel.models.fused_linear`).
+
+    Its modules, parameters and state_dict keys are those of the plain ``nn.Sequential``
+    (``<2i>.weight``, ``<2i>.bias``), so checkpoints, TorchRec export and the meta
+    engines, which walk the layers themselves, see no difference.
+
+    Attributes:
+        fused: bias + ReLU in the GEMM epilogue; None (default) = where
+            :func:`~recaccel.models.fused_linear.fast_path_default` says (CUDA).
+        align: pad inner dimensions to a multiple of 8; None (default) = likewise.
+            With either on, the first layer also takes an input already padded to
+            that width (extra columns meet zero weights).
+    """
+
+    fused: bool | None = None
+    align: bool | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.run(x)
+
+    def run(self, x: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+        """The output of modules ``[start:stop]`` (Python slice rules) applied to ``x``."""
+        modules = list(self)[start:stop]
+        fused, align = self.fused, self.align
+        if fused is None or align is None:
+            on = fast_path_default(x)
+            fused = on if fused is None else fused
+            align = on if align is None else align
+        i = 0
+        while i < len(modules):
+            layer = modules[i]
+            if not isinstance(layer, nn.Linear):
+                x = layer(x)
+                i += 1
+                continue
+            relu = i + 1 < len(modules) and isinstance(modules[i + 1], nn.ReLU)
+            x = dense_layer(x, layer.weight, layer.bias, relu=relu, fused=fused, align=align)
+            i += 2 if relu else 1
+        return x
 
 
 @runtime_checkable
@@ -246,6 +291,6 @@ class OverArch(nn.Module):
             return self.model(features).squeeze(-1)
         # Mixed precision: the hidden layers in the autocast dtype, the logit layer in
         # float32 (bfloat16 logits would tie many rows: 8 significant bits).
-        hidden = self.model[:-1](features)
+        hidden = self.model.run(features, stop=-1)
         with torch.autocast(device_type, enabled=False):
-            return self.model[-1](hidden.float()).squeeze(-1)
+            return self.model.run(hidden.float(), start=-1).squeeze(-1)

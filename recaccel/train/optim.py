@@ -1,40 +1,95 @@
 """The dense optimizer from ``[optim]``, over the parameters autograd updates (MLPs,
 non-fused embeddings), with ``optim.grad_clip_norm``'s clipping. The sparse one is fused
 into the embeddings and configured by
-:meth:`recaccel.ops.embedding.SparseOptimConfig.from_config`."""
+:meth:`recaccel.ops.embedding.SparseOptimConfig.from_config`.
+
+Implementation (:func:`implementation`): torch's single-pass ``fused=True`` kernels for
+Adam and SGD when every parameter is a floating-point CUDA tensor (one launch per step
+instead of a dozen ``foreach`` passes); torch's default otherwise, which is ``foreach``
+on CUDA (Adagrad: torch has no fused CUDA kernel for it) and the per-tensor loop on the
+CPU (so CPU runs and their checkpoints are what they were). The choice follows where the
+run is, not where a checkpoint was written: loading an optimizer state re-applies it
+(:func:`keep_implementation`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
 
 from recaccel.config import DenseOptimizer, OptimConfig
 
-_DENSE: dict[DenseOptimizer, Callable[[list[nn.Parameter], OptimConfig], torch.optim.Optimizer]] = {
-    "adam": lambda params, cfg: torch.optim.Adam(
-        params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay
+# Optimizers with a fused CUDA kernel in torch (Adagrad's fused kernel is CPU-only).
+_FUSED_ON_CUDA: frozenset[DenseOptimizer] = frozenset({"adam", "sgd"})
+
+_DENSE: dict[DenseOptimizer, Callable[..., torch.optim.Optimizer]] = {
+    "adam": lambda params, cfg, **impl: torch.optim.Adam(
+        params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
     ),
-    "sgd": lambda params, cfg: torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay),
-    "adagrad": lambda params, cfg: torch.optim.Adagrad(
-        params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay
+    "sgd": lambda params, cfg, **impl: torch.optim.SGD(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, **impl
+    ),
+    "adagrad": lambda params, cfg, **impl: torch.optim.Adagrad(
+        params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay, **impl
     ),
 }
 
 
+def implementation(kind: DenseOptimizer, params: Iterable[torch.Tensor]) -> dict[str, bool | None]:
+    """The torch implementation flags for ``kind`` over ``params``: ``{"fused": True,
+    "foreach": False}`` where a fused CUDA kernel exists and every parameter is a
+    floating-point CUDA tensor, else ``{"fused": None, "foreach": None}`` (torch's default)."""
+    params = list(params)
+    on_cuda = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+    if kind in _FUSED_ON_CUDA and on_cuda:
+        return {"fused": True, "foreach": False}
+    return {"fused": None, "foreach": None}
+
+
 def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """An optimizer over ``model.parameters()``, clipping their gradients first when
-    ``cfg.grad_clip_norm > 0`` (see :func:`clip_before_step`).
+    """An optimizer over ``model.parameters()`` in the :func:`implementation` for their
+    device, clipping their gradients first when ``cfg.grad_clip_norm > 0`` (see
+    :func:`clip_before_step`).
 
     Fused embeddings keep their weights as buffers and update them inside backward,
     so they never appear here. ``cfg.dense`` is one of the choices (OptimConfig checks it).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = _DENSE[cfg.dense](params, cfg)
+    impl = implementation(cfg.dense, params)
+    optimizer = _DENSE[cfg.dense](params, cfg, **impl)
+    keep_implementation(optimizer, impl)
     if cfg.grad_clip_norm > 0:
         clip_before_step(optimizer, cfg.grad_clip_norm)
     return optimizer
+
+
+def keep_implementation(optimizer: torch.optim.Optimizer, impl: dict[str, bool | None]) -> None:
+    """Makes ``optimizer.load_state_dict`` keep ``impl`` (torch otherwise takes the saved
+    groups' ``fused`` / ``foreach`` flags, e.g. a CPU run's into a CUDA run).
+
+    A fused optimizer keeps each ``step`` count as a float32 tensor on its parameter's
+    device, the others on the CPU; the loaded counts are moved to match, values unchanged.
+    """
+
+    def reapply(opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            group.update(impl)
+            for p in group["params"]:
+                step = opt.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    opt.state[p]["step"] = _step_for(
+                        step, p, fused=bool(impl["fused"] or group.get("capturable", False))
+                    )
+
+    optimizer.register_load_state_dict_post_hook(reapply)
+
+
+def _step_for(step: torch.Tensor, param: torch.Tensor, *, fused: bool) -> torch.Tensor:
+    if fused:
+        return step.to(dtype=torch.float32, device=param.device)
+    return step.to(device="cpu")
 
 
 def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
