@@ -242,14 +242,22 @@ def test_gpu_triton_fused_step_matches_reference(optimizer, sparse_batch):
     sf = _gpu_batch(tables, GPU_KEYS, 2048, 20, sparse_batch)
     got = PackedEmbeddingBag(tables, backend="triton", optim=CFG_DECAY, seed=21, device="cuda")
     want = PackedEmbeddingBag(tables, backend="reference", optim=CFG_DECAY, seed=21, device="cuda")
+    atol = 1e-5
+    if optimizer == "adam":
+        # Adam's step maps a row gradient g to ~lr * g / (|g| + eps), slope up to lr / eps: the
+        # float32 summation noise of g (~u * sqrt(n) * max |term|, n occurrences; a term is an
+        # output gradient < 6 in N(0, 1) draws times a weight <= 1.5) grows by that, per row of
+        # a bag (<= 20 rows).
+        u, n = torch.finfo(torch.float32).eps / 2, int(torch.bincount(sf.values).max())
+        atol += 20 * CFG_DECAY.lr / CFG_DECAY.eps * 4 * u * n**0.5 * 6 * 1.5
     for step in range(3):
         torch.testing.assert_close(
-            _step(got, sf, 22 + step), _step(want, sf, 22 + step), rtol=1e-5, atol=1e-5
+            _step(got, sf, 22 + step), _step(want, sf, 22 + step), rtol=1e-5, atol=atol
         )
     got_sd, want_sd = got.state_dict(), want.state_dict()
     for k in want_sd:
         torch.testing.assert_close(
-            got_sd[k], want_sd[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}"
+            got_sd[k], want_sd[k], rtol=1e-4, atol=atol / 20, msg=lambda m, k=k: f"{k}: {m}"
         )
 
 

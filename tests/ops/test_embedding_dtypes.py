@@ -121,6 +121,9 @@ def test_fused_update_is_fp32_rule_within_one_16bit_step(backend, dtype, device)
             got = state["weight"]
             assert got.dtype == DTYPES[dtype]
             tol = RTOL[dtype] * want["weight"].abs() + 1e-7
+            if name == "d":  # Adam: float32 gradient noise (u * sqrt(n) * |term| <= 4.5) times lr / eps
+                u = torch.finfo(torch.float32).eps / 2
+                tol = tol + CFG.lr / CFG.eps * 4 * u * int(torch.bincount(sf.values).max()) ** 0.5 * 4.5
             assert ((got.float() - want["weight"]).abs() <= tol).all(), name
             moved = (want["weight"] != before[name].float()).any(dim=1)
             touched += int(moved.sum())
