@@ -1,6 +1,7 @@
 """Triton backend of the packed embedding bag: kernels, their autograd Functions, the pack.
 
-- :mod:`recaccel.ops.embedding.triton.kernels`: forward, backward and fused
+- :mod:`recaccel.ops.embedding.triton.forward`: the forward as bag tiles.
+- :mod:`recaccel.ops.embedding.triton.kernels`: backward and fused
   sparse-optimizer kernels with their launchers.
 - :mod:`recaccel.ops.embedding.triton.autograd`: the autograd Functions of autograd
   mode (a gradient for the packed weight) and fused mode (the update in backward).
@@ -26,12 +27,8 @@ from recaccel.ops.embedding.triton.autograd import (
     TritonEmbeddingBagFunction,
     TritonFusedEmbeddingBagFunction,
 )
-from recaccel.ops.embedding.triton.kernels import (
-    check_kernels_launchable,
-    embedding_bag_forward,
-    embedding_bag_forward_rows,
-    fused_update,
-)
+from recaccel.ops.embedding.triton.forward import embedding_bag_forward, embedding_bag_forward_rows
+from recaccel.ops.embedding.triton.kernels import check_kernels_launchable, fused_update
 from recaccel.sparse import SparseFeatures
 
 __all__ = [

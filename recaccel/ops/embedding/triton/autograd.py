@@ -25,7 +25,8 @@ from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids, group_by_row
 from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.ops.embedding.specs import SparseOptimConfig
-from recaccel.ops.embedding.triton.kernels import embedding_bag_backward, embedding_bag_forward, fused_update
+from recaccel.ops.embedding.triton.forward import embedding_bag_forward
+from recaccel.ops.embedding.triton.kernels import embedding_bag_backward, fused_update
 from recaccel.sparse import SparseFeatures
 
 

@@ -106,9 +106,11 @@ def _bag_tile_kernel(
             at = start + pos + u
             ids = tl.load(values_ptr + at, mask=live, other=0)
             row_off = tl.multiple_of((ids + shift) * stride_w, W_VEC)
+            # The row mask is rebuilt, not live[:, None]: Triton 3.6's layout pass fails
+            # on one i1 tensor masking both a 1-D and a 2-D load.
             rows = tl.load(
                 weight_ptr + row_off[:, None] + cols[None, :],
-                mask=live[:, None] & col_mask[None, :],
+                mask=((pos + u) < walk[:, None]) & col_mask[None, :],
                 other=0.0,
             ).to(tl.float32)
             if HAS_WEIGHTS:
@@ -182,7 +184,7 @@ def _long_bag_kernel(
             row_off = tl.multiple_of((ids + shift) * stride_w, W_VEC)
             rows = tl.load(
                 weight_ptr + row_off[:, None] + cols[None, :],
-                mask=live[:, None] & col_mask[None, :],
+                mask=((pos + chunk)[:, None] < n) & col_mask[None, :],
                 other=0.0,
             ).to(tl.float32)
             if HAS_WEIGHTS:
@@ -275,7 +277,9 @@ def _check_out(out: Tensor, shape: tuple[int, int, int], device: torch.device) -
     if tuple(out.shape) != shape:
         raise RecaccelError(f"embedding forward: out has shape {tuple(out.shape)}, expected {shape}")
     if out.dtype not in _OUT_DTYPES:
-        raise RecaccelError(f"embedding forward: out has dtype {out.dtype}, expected float32, bfloat16 or float16")
+        raise RecaccelError(
+            f"embedding forward: out has dtype {out.dtype}, expected float32, bfloat16 or float16"
+        )
     if out.device != device:
         raise RecaccelError(f"embedding forward: out is on {out.device} but the rows are on {device}")
     if out.numel() and out.stride(2) != 1:

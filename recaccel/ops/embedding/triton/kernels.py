@@ -4,11 +4,7 @@ Kernels (each with its launcher below it; the autograd Functions are in
 :mod:`recaccel.ops.embedding.triton.autograd`; the reference is
 :mod:`recaccel.ops.embedding.reference`):
 
-- ``_embedding_bag_fwd_kernel``: one launch pools every feature of a pack. Grid
-  ``(S*B, cdiv(D, BLOCK_D))``: program ``(j*B + b, d)`` reads bag ``src[j]*B + b`` of
-  the batch's CSR directly (no repacking of ids), shifts ids by the feature's table
-  row offset, loads ``BLOCK_L`` rows at a time, scales them by the per-id weights and
-  sums; mean pooling divides by the bag length.
+- The forward (bag tiles) is in :mod:`recaccel.ops.embedding.triton.forward`.
 - Backward, both modes: the pack's ids are sorted by packed row on the device
   (``torch.sort`` + ``unique_consecutive``), giving each unique row a contiguous
   segment of occurrences, so every row is owned by one program and no atomics are needed.
@@ -32,156 +28,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recaccel.ops.backend import check_triton_launchable
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
-from recaccel.ops.embedding.packing import LocalFeatures, PackIds, RowGroups, group_by_row
+from recaccel.ops.embedding.packing import PackIds, RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
-from recaccel.sparse import SparseFeatures
+from recaccel.ops.embedding.triton.forward import check_forward_launchable
 
 _OPTIMIZER_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
 _BLOCK_L = 16  # ids (or occurrences) loaded per loop iteration
 
 
-@triton.jit
-def _embedding_bag_fwd_kernel(
-    weight_ptr,  # float32, bfloat16 or float16 [R, D] (accumulated in float32)
-    values_ptr,  # int64 [N] the batch's ids
-    offsets_ptr,  # int64 [F*B+1] the batch's CSR
-    id_weights_ptr,  # float32 [N] (read only if HAS_WEIGHTS)
-    src_ptr,  # int64 [S] batch feature of each local feature
-    row_offset_ptr,  # int64 [S]
-    is_mean_ptr,  # bool [S]
-    out_ptr,  # float32 [B, S, D]
-    batch_size,
-    dim,
-    stride_w,
-    stride_ob,
-    stride_of,
-    HAS_WEIGHTS: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    bag = tl.program_id(0)
-    j = bag // batch_size
-    b = (bag % batch_size).to(tl.int64)
-    src_bag = tl.load(src_ptr + j) * batch_size + b
-    start = tl.load(offsets_ptr + src_bag)
-    end = tl.load(offsets_ptr + src_bag + 1)
-    shift = tl.load(row_offset_ptr + j)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    col_mask = cols < dim
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    # A while loop, not range(start, end): the interpreter cannot take tensor bounds.
-    first = start
-    while first < end:
-        pos = first + tl.arange(0, BLOCK_L)
-        pos_mask = pos < end
-        first += BLOCK_L
-        rows = tl.load(values_ptr + pos, mask=pos_mask, other=0) + shift
-        vals = tl.load(
-            weight_ptr + rows[:, None] * stride_w + cols[None, :],
-            mask=pos_mask[:, None] & col_mask[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        if HAS_WEIGHTS:
-            w = tl.load(id_weights_ptr + pos, mask=pos_mask, other=0.0)
-            vals = vals * w[:, None]
-        acc += tl.sum(vals, axis=0)
-    is_mean = tl.load(is_mean_ptr + j)
-    denom = tl.where(is_mean, tl.maximum(end - start, 1), 1).to(tl.float32)
-    tl.store(out_ptr + b * stride_ob + j * stride_of + cols, acc / denom, mask=col_mask)
-
-
 def check_kernels_launchable(device: torch.device) -> None:
     """Raises :class:`~recaccel.ops.backend.BackendUnavailableError` when these kernels
     cannot run on tensors of ``device`` (CPU tensors, kernels compiled, not interpreted)."""
-    check_triton_launchable(_embedding_bag_fwd_kernel, device, "PackedEmbeddingBag")
+    check_forward_launchable(device)
 
 
 def _block_d(dim: int) -> int:
-    """Columns per program of the forward and autograd-backward kernels."""
+    """Columns per program of the autograd-backward kernel."""
     return min(triton.next_power_of_2(dim), 128)
-
-
-def embedding_bag_forward(
-    weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int
-) -> Tensor:
-    """Pools every local feature of one pack in one launch.
-
-    Args:
-        weight: [R, D] packed rows, row-major: float32, bfloat16 or float16 (upcast
-            and pooled in float32).
-        sf: The batch; ``sf.weights`` float32 or None.
-        local: The pack's S features (none absent).
-        batch_size: B.
-
-    Returns:
-        float32 [B, S, D].
-    """
-    dim = weight.shape[1]
-    out = torch.empty(batch_size, local.count, dim, dtype=torch.float32, device=weight.device)
-    if out.numel() == 0:
-        return out
-    has_weights = sf.weights is not None
-    block_d = _block_d(dim)
-    grid = (local.count * batch_size, triton.cdiv(dim, block_d))
-    _embedding_bag_fwd_kernel[grid](
-        weight,
-        sf.values,
-        sf.offsets,
-        sf.weights if has_weights else weight,
-        local.src,
-        local.row_offset,
-        local.is_mean,
-        out,
-        batch_size,
-        dim,
-        weight.stride(0),
-        out.stride(0),
-        out.stride(1),
-        HAS_WEIGHTS=has_weights,
-        BLOCK_L=_BLOCK_L,
-        BLOCK_D=block_d,
-    )
-    return out
-
-
-def embedding_bag_forward_rows(
-    weight: Tensor, sf: SparseFeatures, local: LocalFeatures, batch_size: int, lo: int, hi: int
-) -> Tensor:
-    """Pools batch rows ``lo .. hi-1`` of every local feature of one pack in one launch.
-
-    The forward kernel runs on a virtual batch of one row whose ``(hi-lo)*S`` features
-    are the bags ``(b, j)`` row-major: virtual feature ``(b - lo)*S + j`` reads bag
-    ``src[j]*B + b`` of the batch's CSR with feature ``j``'s row offset and pooling, and
-    writes ``out[b - lo, j]``. Each bag runs the very program :func:`embedding_bag_forward`
-    runs for it, so the result is those rows of its result, bit for bit.
-
-    Args:
-        weight: [R, D] packed rows, row-major.
-        sf: The batch; ``sf.weights`` float32 or None.
-        local: The pack's S features (none absent).
-        batch_size: B.
-        lo: First row, ``0 <= lo <= hi <= B``.
-        hi: One past the last row.
-
-    Returns:
-        float32 [hi-lo, S, D].
-    """
-    rows = hi - lo
-    device = local.src.device
-    picked = torch.arange(lo, hi, device=device)[:, None]
-    bags = LocalFeatures(
-        src=(local.src[None, :] * batch_size + picked).reshape(-1),
-        row_offset=local.row_offset.repeat(rows),
-        is_mean=local.is_mean.repeat(rows),
-        count=rows * local.count,
-        identity=False,
-        any_mean=local.any_mean,
-        any_shift=local.any_shift,
-        any_missing=False,
-    )
-    return embedding_bag_forward(weight, sf, bags, 1).view(rows, local.count, weight.shape[1])
 
 
 @triton.jit
