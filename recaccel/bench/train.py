@@ -60,6 +60,7 @@ from recaccel.bench.train_data import (
 from recaccel.bench.train_eager import (
     EagerDLRM,
     check_same_function,
+    cross_shape,
     same_logits,
 )
 from recaccel.bench.train_report import (
@@ -242,8 +243,9 @@ def check_preset(preset: Preset, device: torch.device, seed: int, candidates: Se
     reference = build_recaccel_model(small, schema, device, "reference")
     batch = random_batch(schema, CHECK_ROWS, synth.max_bag, seed, device)
     eager = EagerDLRM(
-        schema.sparse_names, cards, schema.num_dense, small.model.bottom_mlp, small.model.top_mlp, device
-    )
+        schema.sparse_names, cards, schema.num_dense, small.model.bottom_mlp, small.model.top_mlp, device,
+        cross=cross_shape(small.model),
+    )  # fmt: skip
     eager_diff = check_same_function(eager, reference, batch, preset.name)
     note = (
         f"{preset.name}: eager computes recaccel's function: recaccel's (reference backends) initial "

@@ -4,8 +4,9 @@ What a PyTorch user writes today, as TorchRec's unsharded ``EmbeddingBagCollecti
 ``InteractionArch`` do it: one ``nn.EmbeddingBag`` per table (sum pooling, sparse
 gradients) looked up in a loop after splitting the batch's ids by field (one host read
 of the field boundaries per batch, as ``KeyedJaggedTensor.to_dict`` does), the dot
-interaction as ``bmm`` plus a gather of the upper triangle, the same MLPs as recaccel's
-arches, a torch optimizer for the tables and another for the MLPs.
+interaction as ``bmm`` plus a gather of the upper triangle (or, for a DCN-v2 model, TorchRec's
+``LowRankCrossNet`` loop: two ``F.linear`` and a multiply-add per layer), the same MLPs as
+recaccel's arches, a torch optimizer for the tables and another for the MLPs.
 
 :func:`check_same_function` proves, before anything is timed, that this model computes
 recaccel's function: with recaccel's weights copied in, its logits equal recaccel's.
@@ -16,8 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from recaccel.config import OptimConfig, SparseOptimizer
+from recaccel.config import ModelConfig, OptimConfig, SparseOptimizer
 from recaccel.errors import ConfigError, RecaccelError
+from recaccel.ops.interaction import init_cross_weights
 from recaccel.sparse import Batch, SparseFeatures
 
 # recaccel's fused sparse optimizer -> the closest torch optimizer that takes sparse
@@ -39,28 +41,62 @@ def _mlp(in_features: int, sizes: list[int], *, final_relu: bool) -> nn.Sequenti
     return nn.Sequential(*layers)
 
 
+def cross_shape(model: ModelConfig) -> tuple[int, int] | None:
+    """(layers, rank) of a DCN-v2 model's cross network; None for the dot interaction."""
+    return (model.dcn_layers, model.dcn_rank) if model.interaction == "dcnv2" else None
+
+
 class EagerHead(nn.Module):
-    """Bottom MLP, bmm + gather dot interaction, top MLP: the model's dense part.
+    """Bottom MLP, interaction (bmm + gather dot, or the DCN-v2 cross layers), top MLP: the
+    model's dense part.
 
     Args:
         num_dense: Dd.
         num_sparse: F.
         bottom: bottom MLP sizes, ending in D.
         top: top MLP sizes, ending in 1.
+        cross: (layers, rank) of a DCN-v2 cross network over [dense, pooled] (K = D*(F+1));
+            None = the dot interaction.
     """
 
-    def __init__(self, num_dense: int, num_sparse: int, bottom: list[int], top: list[int]) -> None:
+    def __init__(
+        self,
+        num_dense: int,
+        num_sparse: int,
+        bottom: list[int],
+        top: list[int],
+        cross: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__()
         dim = bottom[-1]
         rows = num_sparse + 1
+        self.cross = cross
         self.bottom = _mlp(num_dense, bottom, final_relu=True)
-        self.top = _mlp(dim + rows * (rows - 1) // 2, top, final_relu=False)
+        width = dim + rows * (rows - 1) // 2
+        if cross is not None:
+            width = dim * rows
+            u, v, b = init_cross_weights(width, *cross)
+            self.u, self.v, self.b = nn.Parameter(u), nn.Parameter(v), nn.Parameter(b)
+        self.top = _mlp(width, top, final_relu=False)
         pairs = torch.triu_indices(rows, rows, offset=1)  # (0,1), (0,2), ..., (F-1,F)
         self.register_buffer("pair_i", pairs[0], persistent=False)
         self.register_buffer("pair_j", pairs[1], persistent=False)
 
     def interact(self, dense: Tensor, pooled: Tensor) -> Tensor:
-        """[B, D] and [B, F, D] -> [B, D + (F+1)F/2]: the dense vector, then every pair's dot product."""
+        """[B, D] and [B, F, D] -> [B, D + (F+1)F/2]: the dense vector, then every pair's dot
+        product (DCN-v2: -> x_L [B, D*(F+1)])."""
+        if self.cross is not None:
+            x0 = torch.cat([dense, pooled.flatten(1)], dim=1)
+            x = x0
+            for layer in range(self.u.shape[0]):
+                x = (
+                    x0
+                    * nn.functional.linear(
+                        nn.functional.linear(x, self.v[layer]), self.u[layer], self.b[layer]
+                    )
+                    + x
+                )
+            return x
         x = torch.cat([dense.unsqueeze(1), pooled], dim=1)  # [B, F+1, D]
         gram = torch.bmm(x, x.transpose(1, 2))  # [B, F+1, F+1]
         return torch.cat([dense, gram[:, self.pair_i, self.pair_j]], dim=1)
@@ -80,6 +116,7 @@ class EagerDLRM(nn.Module):
         bottom: bottom MLP sizes, ending in the embedding dim D.
         top: top MLP sizes, ending in 1.
         device: where the model lives.
+        cross: (layers, rank) of a DCN-v2 interaction (:func:`cross_shape`); None = dot.
     """
 
     def __init__(
@@ -90,6 +127,7 @@ class EagerDLRM(nn.Module):
         bottom: list[int],
         top: list[int],
         device: torch.device | str | None = None,
+        cross: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         if num_dense < 1:
@@ -102,7 +140,7 @@ class EagerDLRM(nn.Module):
         with torch.no_grad():
             for bag, n in zip(self.bags, cardinalities):
                 bag.weight.uniform_(-(n**-0.5), n**-0.5)  # recaccel's initial range
-        self.head = EagerHead(num_dense, len(features), bottom, top).to(device)
+        self.head = EagerHead(num_dense, len(features), bottom, top, cross).to(device)
 
     def embed(self, sparse: SparseFeatures) -> Tensor:
         """Pooled embeddings [B, F, D], one ``nn.EmbeddingBag`` call per field."""
@@ -136,6 +174,9 @@ class EagerDLRM(nn.Module):
             bag.weight.copy_(tables.table_state(name)["weight"])
         self.head.bottom.load_state_dict(model.dense_arch.model.state_dict())
         self.head.top.load_state_dict(model.over_arch.model.state_dict())
+        if self.head.cross is not None:
+            for name in ("u", "v", "b"):
+                getattr(self.head, name).copy_(getattr(model.interaction_arch, name))
 
 
 def sparse_optimizer(params: list[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -30,7 +30,7 @@ from typing import get_args
 import torch
 from torch import Tensor, nn
 
-from recaccel.bench.train_eager import EagerDLRM, sparse_optimizer
+from recaccel.bench.train_eager import EagerDLRM, cross_shape, sparse_optimizer
 from recaccel.config import Config, InteractionBackend, PipelineMode, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema
@@ -389,6 +389,7 @@ def eager_candidate(
         cfg.model.bottom_mlp,
         cfg.model.top_mlp,
         device,
+        cross=cross_shape(cfg.model),
     )
     model.train()
     tables = sparse_optimizer(model.embedding_parameters(), cfg.optim)
