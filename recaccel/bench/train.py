@@ -60,7 +60,6 @@ from recaccel.bench.train_data import (
 from recaccel.bench.train_eager import (
     EagerDLRM,
     check_same_function,
-    cross_shape,
     same_logits,
 )
 from recaccel.bench.train_report import (
@@ -243,9 +242,8 @@ def check_preset(preset: Preset, device: torch.device, seed: int, candidates: Se
     reference = build_recaccel_model(small, schema, device, "reference")
     batch = random_batch(schema, CHECK_ROWS, synth.max_bag, seed, device)
     eager = EagerDLRM(
-        schema.sparse_names, cards, schema.num_dense, small.model.bottom_mlp, small.model.top_mlp, device,
-        cross=cross_shape(small.model),
-    )  # fmt: skip
+        schema.sparse_names, cards, schema.num_dense, small.model.bottom_mlp, small.model.top_mlp, device
+    )
     eager_diff = check_same_function(eager, reference, batch, preset.name)
     note = (
         f"{preset.name}: eager computes recaccel's function: recaccel's (reference backends) initial "
@@ -319,7 +317,8 @@ def _summary(
         "step_ms_mean": statistics.fmean(samples),
         "phases_ms": {phase: phases[phase] for phase in PHASES},
         "instrumented_step_ms": instrumented,
-        "data_wait_fraction": sum(waits) / sum(samples) if waits else None,
+        # Per-step wait over per-step time: ``waits`` holds one entry per step, ``samples`` one per block.
+        "data_wait_fraction": statistics.fmean(waits) / statistics.fmean(samples) if waits else None,
     }
 
 
