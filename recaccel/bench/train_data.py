@@ -30,7 +30,7 @@ from recaccel.sparse import Batch, SparseFeatures
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 """The repository's presets (a name that is not a path is looked up here)."""
 
-DEFAULT_PRESETS = ("bench_criteo_1hot", "bench_wide")
+DEFAULT_PRESETS = ("bench_criteo_1hot", "bench_wide", "bench_dcnv2_mlperf")
 
 CPU_BATCH_DIVISOR = 64
 """On CPU a preset's batch is divided by this (at least :data:`CPU_MIN_BATCH`, at most the preset's)."""

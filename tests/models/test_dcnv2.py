@@ -162,3 +162,22 @@ def test_meta_engines_train_the_shared_cross_layers(adapt):
         loss.backward()  # second order through the inner loop
         for p in (model.interaction_arch.u, model.interaction_arch.v, model.interaction_arch.b):
             assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, engine
+
+
+def test_factory_passes_model_dcn_kernel_and_the_arch_refuses_an_unknown_one():
+    schema = _schema()
+    for kernel in ("gemm", "fused"):
+        cfg = ModelConfig(
+            embedding_dim=4,
+            bottom_mlp=[8, 4],
+            top_mlp=[8, 1],
+            interaction="dcnv2",
+            dcn_layers=1,
+            dcn_kernel=kernel,
+        )
+        model = build_model(cfg, OptimConfig(), schema, torch.device("cpu"))
+        assert model.interaction_arch.kernel == kernel and f"kernel={kernel!r}" in repr(
+            model.interaction_arch
+        )
+    with pytest.raises(ConfigError, match="model.dcn_kernel must be one of gemm, fused, got 'cutlass'"):
+        DCNv2InteractionArch(2, 4, 1, 3, kernel="cutlass")
