@@ -114,21 +114,27 @@ def time_interleaved(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
+            ["git", *args], check=False, capture_output=True, text=True, timeout=5, cwd=PROJECT_ROOT
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
+
+
+# The checkout holding the recaccel package (recaccel/ sits in it).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git_commit() -> str:
+    """The project's own commit, or ``"unknown"``: a tree copied without its ``.git`` into
+    another repository must not report that repository's commit."""
+    top = _git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != PROJECT_ROOT:
+        return "unknown"
+    return _git("rev-parse", "--short", "HEAD") or "unknown"
 
 
 def environment_info(device: torch.device | str) -> dict:

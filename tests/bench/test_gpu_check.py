@@ -158,3 +158,29 @@ def test_pipelined_targets_read_sync_with_graphs_against_off_on_device_data(tmp_
     assert wide["status"] == MET and wide["value"] == 1.6
     # recaccel's fastest row answers the samples/s target, its combination named.
     assert got[TARGETS[4]]["value"] == 3e6 and "sync/2/on" in got[TARGETS[4]]["figure"]
+
+
+def test_git_commit_is_the_projects_own_or_unknown_never_a_parent_repositorys(tmp_path):
+    import shutil
+    import subprocess
+
+    from recaccel.bench.common import PROJECT_ROOT, environment_info
+
+    own = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True
+    )
+    if own.returncode == 0:
+        assert environment_info("cpu")["git_commit"] == own.stdout.strip()
+    # The tree copied without its .git into another repository (as a lent machine runs it).
+    outer = tmp_path / "outer"
+    shutil.copytree(
+        PROJECT_ROOT / "recaccel", outer / "copy" / "recaccel", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    git = ["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "parent"], check=True)
+    code = "from recaccel.bench.common import _git_commit; print(_git_commit())"
+    env = {**os.environ, "PYTHONPATH": str(outer / "copy")}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "unknown"
