@@ -37,12 +37,23 @@ _DENSE: dict[DenseOptimizer, Callable[..., torch.optim.Optimizer]] = {
 }
 
 
-def implementation(kind: DenseOptimizer, params: Iterable[torch.Tensor]) -> dict[str, bool | None]:
-    """The torch implementation flags for ``kind`` over ``params``: ``{"fused": True,
-    "foreach": False}`` where a fused CUDA kernel exists and every parameter is a
-    floating-point CUDA tensor, else ``{"fused": None, "foreach": None}`` (torch's default)."""
-    params = list(params)
-    on_cuda = bool(params) and all(p.is_cuda and p.is_floating_point() for p in params)
+def implementation(
+    kind: DenseOptimizer, devices: Iterable[torch.device], *, floating: bool = True
+) -> dict[str, bool | None]:
+    """The torch implementation flags for optimizer ``kind`` over parameters on ``devices``.
+
+    Args:
+        kind: ``optim.dense``.
+        devices: the parameters' devices.
+        floating: every parameter is floating point (torch's fused kernels need it).
+
+    Returns:
+        ``{"fused": True, "foreach": False}`` where torch has a fused CUDA kernel for
+        ``kind`` and every parameter is a floating-point CUDA tensor, else
+        ``{"fused": None, "foreach": None}`` (torch's default).
+    """
+    devices = [torch.device(d) for d in devices]
+    on_cuda = bool(devices) and floating and all(d.type == "cuda" for d in devices)
     if kind in _FUSED_ON_CUDA and on_cuda:
         return {"fused": True, "foreach": False}
     return {"fused": None, "foreach": None}
@@ -57,7 +68,9 @@ def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     so they never appear here. ``cfg.dense`` is one of the choices (OptimConfig checks it).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    impl = implementation(cfg.dense, params)
+    impl = implementation(
+        cfg.dense, [p.device for p in params], floating=all(p.is_floating_point() for p in params)
+    )
     optimizer = _DENSE[cfg.dense](params, cfg, **impl)
     keep_implementation(optimizer, impl)
     if cfg.grad_clip_norm > 0:
