@@ -1,5 +1,7 @@
 """Triton backend of the packed embedding bag: kernels, their autograd Functions, the pack.
 
+- :mod:`recaccel.ops.embedding.triton.backward`: the backward and fused sparse update
+  as occurrence tiles (what both modes run).
 - :mod:`recaccel.ops.embedding.triton.forward`: the forward as bag tiles.
 - :mod:`recaccel.ops.embedding.triton.kernels`: backward and fused
   sparse-optimizer kernels with their launchers.
@@ -27,8 +29,9 @@ from recaccel.ops.embedding.triton.autograd import (
     TritonEmbeddingBagFunction,
     TritonFusedEmbeddingBagFunction,
 )
+from recaccel.ops.embedding.triton.backward import fused_update
 from recaccel.ops.embedding.triton.forward import embedding_bag_forward, embedding_bag_forward_rows
-from recaccel.ops.embedding.triton.kernels import check_kernels_launchable, fused_update
+from recaccel.ops.embedding.triton.kernels import check_kernels_launchable
 from recaccel.sparse import SparseFeatures
 
 __all__ = [

@@ -4,7 +4,7 @@
   backward returns its gradient, dense [R, D] or sparse COO (U rows).
 - :class:`TritonFusedEmbeddingBagFunction` (fused mode): the packed weight is a buffer;
   backward deduplicates rows and updates them and their optimizer state in place
-  (:func:`~recaccel.ops.embedding.triton.kernels.fused_update`, which
+  (:func:`~recaccel.ops.embedding.triton.backward.fused_update`, which
   ``apply_gradient`` runs too).
 
 The forward reads the batch's CSR directly; the backward takes the ids with their bags
@@ -25,8 +25,8 @@ from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids, group_by_row
 from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.ops.embedding.triton.backward import embedding_bag_backward, fused_update
 from recaccel.ops.embedding.triton.forward import embedding_bag_forward
-from recaccel.ops.embedding.triton.kernels import embedding_bag_backward, fused_update
 from recaccel.sparse import SparseFeatures
 
 
