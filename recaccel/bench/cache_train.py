@@ -25,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from recaccel.bench.common import (
     add_output_args,
@@ -52,6 +54,7 @@ TARGET = 0.6  # host at 10% cached: this share of the device placement's samples
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--tables", type=int, help="T tables (default: 8 on CUDA, 4 on CPU)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--rows", type=int, help="R rows per table (default: 1,000,000 on CUDA, 20,000 on CPU)"
     )
@@ -159,14 +162,19 @@ def run_bench(args) -> dict:
     auto = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(auto if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
+    # The GPU size finishes in well under a minute (8 x 1M x 64 rows: 2 GB per placement,
+    # drawn on the host three times); 26 x 2M x 128 took minutes before the first step.
     for key, gpu, cpu in (
-        ("tables", 26, 4),
-        ("rows", 2_000_000, 20_000),
-        ("dim", 128, 16),
+        ("tables", 8, 4),
+        ("rows", 1_000_000, 20_000),
+        ("dim", 64, 16),
         ("batch", 16_384, 256),
     ):
         if getattr(args, key) is None:
             setattr(args, key, gpu if cuda else cpu)
+    blocks = 3 * (args.repeats + args.warmup)
+    bar = tqdm(total=3 + blocks, desc="cache_train: drawing batches", unit="step", file=sys.stderr,
+               disable=getattr(args, "no_progress", False), dynamic_ncols=True)  # fmt: skip
     rng = np.random.default_rng(args.seed)
     batches = make_batches(args, rng, device)
     fields = tuple(SparseField(f"t{t}", args.rows) for t in range(args.tables))
@@ -177,10 +185,15 @@ def run_bench(args) -> dict:
     runs: dict[str, Callable[[], None]] = {}
     objectives = {}
     for name, cfg in configs.items():
+        bar.set_description(f"cache_train: building {name}")
+        bar.update()
         objective, optimizer = build_run(cfg, schema, device)
         objectives[name] = objective
-        runs[name] = _stepper(objective, optimizer, cfg, batches, device, args.block, losses[name])
+        run = _stepper(objective, optimizer, cfg, batches, device, args.block, losses[name])
+        runs[name] = lambda run=run: (run(), bar.update())
+    bar.set_description(f"cache_train: timing {blocks} blocks of {args.block} steps")
     samples = time_interleaved_samples(runs, args.repeats, args.warmup, device)
+    bar.close()
     check_same_training(losses, cuda)
     rows = []
     for name, times in samples.items():
