@@ -23,6 +23,13 @@ steps keep their overlap). On device data the candidates' steps are timed interl
 reader each candidate runs alone with its own reader and loader, as a real run would.
 All four candidates of a preset are alive together (the presets' tables are capped so
 that they fit one 80 GB GPU).
+
+``--precision fp32,tf32,bf16`` times every candidate under each ``train.precision`` mode
+in turn, all under the same setting (a fair baseline): the mode's TF32 switch
+(:func:`~recaccel.train.precision.matmul_precision`) over the mode's whole pass, and
+under ``bf16`` autocast around each candidate's dense forward; rows carry
+``"precision"`` and speedups compare rows of one mode. Off CUDA ``tf32`` runs as
+``fp32`` (a note says so). Without it each preset runs its own ``train.precision``.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from recaccel.bench.train_data import (
 from recaccel.bench.train_eager import (
     EagerDLRM,
     check_same_function,
+    cross_shape,
     same_logits,
 )
 from recaccel.bench.train_report import (
@@ -67,6 +75,8 @@ from recaccel.bench.train_report import (
     cpu_target_note,
     method_notes,
     plot_results,
+    precision_notes,
+    precision_timeline,
     speedups,
     table_rows,
     timeline_path,
@@ -75,16 +85,21 @@ from recaccel.bench.train_report import (
 from recaccel.bench.train_steps import (
     CANDIDATES,
     PHASES,
+    PRECISIONS,
     Candidate,
     Combination,
     PhaseTimer,
     build_candidates,
     build_recaccel_model,
     parse_combinations,
+    parse_precisions,
+    with_precision,
 )
 from recaccel.bench.train_timeline import draw_timeline
+from recaccel.config import Precision
 from recaccel.errors import ConfigError
 from recaccel.train.pipeline import batch_tensors
+from recaccel.train.precision import matmul_precision
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +162,11 @@ def add_args(parser) -> None:
     parser.add_argument("--rotate", type=int, default=4, help="batches kept on the device in device mode")
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of the compiled candidate"
+    )
+    parser.add_argument(
+        "--precision",
+        help="train.precision modes every candidate is timed under, comma-separated (fp32,tf32,bf16; "
+        "default: each preset's own)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write machine-readable results here")
@@ -242,8 +262,9 @@ def check_preset(preset: Preset, device: torch.device, seed: int, candidates: Se
     reference = build_recaccel_model(small, schema, device, "reference")
     batch = random_batch(schema, CHECK_ROWS, synth.max_bag, seed, device)
     eager = EagerDLRM(
-        schema.sparse_names, cards, schema.num_dense, small.model.bottom_mlp, small.model.top_mlp, device
-    )
+        schema.sparse_names, cards, schema.num_dense, small.model.bottom_mlp, small.model.top_mlp, device,
+        cross=cross_shape(small.model),
+    )  # fmt: skip
     eager_diff = check_same_function(eager, reference, batch, preset.name)
     note = (
         f"{preset.name}: eager computes recaccel's function: recaccel's (reference backends) initial "
@@ -409,6 +430,7 @@ def _row(entry: Entry, preset: Preset, device: torch.device, mode: str) -> dict:
         "device": str(device),
         "batch": preset.batch_size,
         "mode": mode,
+        "precision": preset.cfg.train.precision,
         "pipeline": combination.pipeline if combination else None,
         "micro_batches": combination.micro_batches if combination else None,
         "cuda_graphs": combination.cuda_graphs if combination else None,
@@ -479,25 +501,74 @@ def bench_preset(
     work: Path,
     timeline: Path | None,
     bar: tqdm,
+    precisions: Sequence[Precision] | None = None,
 ) -> tuple[list[dict], list[str]]:
-    """Every candidate on one preset, in every mode, and the timeline of a sync step;
-    returns result rows and notes."""
+    """Every candidate on one preset, in every mode, under every precision mode (None:
+    the preset's own ``train.precision``), and the timeline of a sync step; returns
+    result rows and notes. The data and the equivalence check are shared by the modes."""
     batches = max(rotate, timing.batches_per_run if "reader" in modes else 0)
     batches = max(batches, timing.timeline_steps + 3)
     data = make_dataset(preset, rows_needed(preset.batch_size, batches), work / preset.name)
     notes = [check_preset(preset, device, seed, candidates)]
     on_device = device_batches(data, preset, rotate, device)
-    bar.set_description(f"{preset.name}: building")
+    precisions = list(precisions or [preset.cfg.train.precision])
+    rows = []
+    for precision in precisions:
+        run = dataclasses.replace(preset, cfg=with_precision(preset.cfg, precision))
+        picture = (
+            timeline if timeline is None or len(precisions) == 1 else precision_timeline(timeline, precision)
+        )
+        with matmul_precision(precision):  # every candidate under the same TF32 switch
+            found, said = bench_precision(
+                run,
+                device,
+                data,
+                on_device,
+                modes=modes,
+                candidates=candidates,
+                combinations=combinations,
+                timing=timing,
+                compile_backend=compile_backend,
+                seed=seed,
+                timeline=picture,
+                bar=bar,
+            )
+        rows += found
+        notes += said
+    del on_device
+    return rows, notes
+
+
+def bench_precision(
+    preset: Preset,
+    device: torch.device,
+    data: Path,
+    on_device: list,
+    *,
+    modes: Sequence[str],
+    candidates: Sequence[str],
+    combinations: Sequence[Combination],
+    timing: Timing,
+    compile_backend: str,
+    seed: int,
+    timeline: Path | None,
+    bar: tqdm,
+) -> tuple[list[dict], list[str]]:
+    """Every candidate on one preset under its ``train.precision`` (the caller sets the
+    TF32 switch), in every mode, and the timeline of a sync step; returns result rows
+    and notes."""
+    precision = preset.cfg.train.precision
+    bar.set_description(f"{preset.name} {precision}: building")
     input_mb = sum(t.numel() * t.element_size() for t in batch_tensors(on_device[0])) / 2**20
     entries = build_entries(preset, device, candidates, combinations, compile_backend, seed, on_device[0])
     built = {e.key: e.candidate for e in entries if e.candidate is not None}
     results = {}
     if "device" in modes:
-        bar.set_description(f"{preset.name}: device data")
+        bar.set_description(f"{preset.name} {precision}: device data")
         results["device"] = measure_on_device(built, on_device, device, timing)
     rows = []
     for entry in entries:
-        bar.set_description(f"{preset.name}: {entry.key}")
+        bar.set_description(f"{preset.name} {precision}: {entry.key}")
         if "reader" in modes and entry.candidate is not None:
             results.setdefault("reader", {})[entry.key] = measure_through_reader(
                 entry.candidate, data, preset, device, timing
@@ -513,16 +584,19 @@ def bench_preset(
             rows.append(row)
         bar.update(1)
     chosen = _timeline_candidate(entries)
+    notes = []
     if timeline is not None and timing.timeline_steps and chosen is not None:
-        bar.set_description(f"{preset.name}: timeline")
+        bar.set_description(f"{preset.name} {precision}: timeline")
         notes.append(
             draw_timeline(
                 chosen, preset, data if "reader" in modes else on_device, timing.timeline_steps, timeline
             )
         )
     notes += list(dict.fromkeys(n for e in entries if e.candidate for n in e.candidate.notes))
-    notes += [f"{preset.name}: {e.key} skipped: {e.reason}" for e in entries if e.candidate is None]
-    del built, entries, chosen, on_device
+    notes += [
+        f"{preset.name} ({precision}): {e.key} skipped: {e.reason}" for e in entries if e.candidate is None
+    ]
+    del built, entries, chosen
     torch._dynamo.reset()
     _free(device)
     return rows, notes
@@ -537,6 +611,7 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
     combinations = parse_combinations(
         args.pipeline, args.micro_batches, args.cuda_graphs, getattr(args, "combinations", None)
     )
+    precisions = parse_precisions(getattr(args, "precision", None))
     modes = MODES if args.mode == "both" else (args.mode,)
     presets = [
         load_preset(name, device, batch=args.batch, cardinality_cap=args.cardinality_cap)
@@ -544,6 +619,7 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
     ]
     rows, notes = [], []
     per_preset = sum(len(combinations) if name == "recaccel" else 1 for name in args.candidates)
+    per_preset *= len(precisions or [None])
     with (
         tempfile.TemporaryDirectory(prefix="recaccel-bench-train-") as tmp,
         tqdm(total=len(presets) * per_preset, unit="candidate", disable=None) as bar,
@@ -567,6 +643,7 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
                 work=Path(tmp),
                 timeline=timeline_path(args.out, preset.name) if getattr(args, "plot", None) != "" else None,
                 bar=bar,
+                precisions=precisions,
             )
             rows += found
             notes += said
@@ -580,6 +657,7 @@ def run_train_bench(args) -> tuple[list[dict], list[str], dict]:
     if device.type == "cpu":
         notes.append(cpu_target_note(rows))
     notes += method_notes(presets, timing, device, combinations)
+    notes += precision_notes(sorted({r["precision"] for r in rows}, key=PRECISIONS.index), device)
     env = environment_info(device)
     return rows, notes, env
 

@@ -27,6 +27,28 @@ def timeline_path(out: str | Path, preset: str) -> Path:
     return out.with_name(f"{out.stem}_timeline_{preset}.png")
 
 
+def precision_timeline(path: Path, precision: str) -> Path:
+    """The timeline PNG ``path`` of one precision mode, when a run times several."""
+    return path.with_name(f"{path.stem}_{precision}{path.suffix}")
+
+
+def precision_notes(precisions: Sequence[str], device: torch.device) -> list[str]:
+    """What each precision mode of the run means for every candidate, and on CPU that
+    ``tf32`` runs as ``fp32``."""
+    notes = [
+        "precision (train.precision, the rows' precision column): every candidate of a mode runs under the same "
+        "setting, a fair baseline: the TF32 switch (torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32) "
+        "on for tf32, off for fp32 and bf16, over the mode's whole pass; bf16 adds torch.autocast(bfloat16) "
+        "around every candidate's dense forward (recaccel's objective; eager's and compiled's MLPs, interaction "
+        "and loss; the lookups stay float32): " + ", ".join(precisions)
+    ]
+    if device.type != "cuda" and "tf32" in precisions:
+        notes.append(
+            f"tf32 on {device.type}: runs as fp32 (TF32 is a CUDA tensor-core mode; CPU matmuls ignore it)"
+        )
+    return notes
+
+
 CPU_SLOWDOWN_LIMIT = 0.95
 """The CPU target: no combination slower than ``off/1/off`` by more than 5%."""
 
@@ -42,19 +64,25 @@ def cpu_target_note(rows: list[dict]) -> str:
     verdict = "met" if worst["speedup_vs_off"] >= CPU_SLOWDOWN_LIMIT else "not met"
     return (
         f"CPU target (no mode slower than off by more than 5%, i.e. speedup_vs_off >= {CPU_SLOWDOWN_LIMIT}): "
-        f"{verdict}; the slowest is {combination_label(worst)} on {worst['preset']} ({worst['mode']}) at "
+        f"{verdict}; the slowest is {combination_label(worst)} on {worst['preset']} "
+        f"({', '.join(str(k) for k in _group(worst)[1:] if k)}) at "
         f"{worst['speedup_vs_off']:.3f}x off/1/off"
     )
 
 
+def _group(row: dict) -> tuple:
+    """What a row's speedups are within: its preset, data mode and precision mode."""
+    return row["preset"], row["mode"], row.get("precision")
+
+
 def speedups(rows: list[dict]) -> None:
-    """Sets ``speedup_vs_eager`` (eager's step time over the row's, same preset and mode)
-    and, on recaccel's rows, ``speedup_vs_off`` (recaccel ``off/1/off``'s over the row's,
-    same preset and mode: the same run, on the same data)."""
+    """Sets ``speedup_vs_eager`` (eager's step time over the row's, same preset, mode and
+    precision) and, on recaccel's rows, ``speedup_vs_off`` (recaccel ``off/1/off``'s over
+    the row's, same preset, mode and precision: the same run, on the same data)."""
 
     def base_of(candidate: str, combination: bool) -> dict:
         return {
-            (r["preset"], r["mode"]): r["step_ms"]
+            _group(r): r["step_ms"]
             for r in rows
             if r["candidate"] == candidate
             and r["step_ms"]
@@ -63,7 +91,7 @@ def speedups(rows: list[dict]) -> None:
 
     eager, off = base_of("eager", False), base_of("recaccel", True)
     for r in rows:
-        group = (r["preset"], r["mode"])
+        group = _group(r)
         base = eager.get(group)
         r["speedup_vs_eager"] = base / r["step_ms"] if base and r["step_ms"] else None
         base = off.get(group) if r["candidate"] == "recaccel" else None
@@ -101,7 +129,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
     """Result rows flattened for the markdown table (phases as ``<phase>_ms`` columns)."""
     out = []
     for r in rows:
-        flat = {k: r[k] for k in ("preset", "mode", "candidate")}
+        flat = {k: r.get(k) for k in ("preset", "mode", "precision", "candidate")}
         flat["combination"] = combination_label(r)
         flat.update({k: r[k] for k in ("batch", "samples_per_s", "step_ms")})
         flat["speedup_vs_eager"] = r["speedup_vs_eager"]
@@ -122,12 +150,12 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
     """Samples/s per candidate for each preset and mode (left), stacked phases (right)."""
     plt = pyplot()
     ok = [r for r in rows if r["status"] == "ok"]
-    groups = list(dict.fromkeys((r["preset"], r["mode"]) for r in ok))
+    groups = list(dict.fromkeys(_group(r) for r in ok))
     names = list(dict.fromkeys(row_label(r) for r in ok))
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(groups) + 6), 6.0))
     width = 0.8 / max(len(names), 1)
     for k, name in enumerate(names):
-        values = {(r["preset"], r["mode"]): r["samples_per_s"] for r in ok if row_label(r) == name}
+        values = {_group(r): r["samples_per_s"] for r in ok if row_label(r) == name}
         left.bar(
             [g + k * width for g in range(len(groups))],
             [values.get(g, 0.0) for g in groups],
@@ -135,14 +163,16 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
             label=name,
         )
     left.set_xticks(
-        [g + 0.4 - width / 2 for g in range(len(groups))], [f"{p}\n{m}" for p, m in groups], fontsize=7
+        [g + 0.4 - width / 2 for g in range(len(groups))],
+        ["\n".join(map(str, g)) for g in groups],
+        fontsize=7,
     )
     left.set_yscale("log")  # presets differ by orders of magnitude
     left.set_ylabel("samples / s (log scale)")
     left.set_title("Training throughput")
     left.legend(fontsize=7)
     phased = [r for r in ok if isinstance(r["phases_ms"].get("backward"), float)]
-    labels = [f"{r['preset']} {r['mode']} {row_label(r)}" for r in phased]
+    labels = [f"{r['preset']} {r['mode']} {r.get('precision')} {row_label(r)}" for r in phased]
     bottom = [0.0] * len(phased)
     for phase in PHASES:
         values = [v if isinstance(v := r["phases_ms"].get(phase), float) else 0.0 for r in phased]
@@ -166,12 +196,13 @@ def combination_rows(rows: list[dict]) -> list[dict]:
     speedup over ``off/1/off`` of the same run, or why the combination was skipped."""
     out = []
     mine = [r for r in rows if r["candidate"] == "recaccel"]
-    groups = list(dict.fromkeys((r["preset"], r["mode"]) for r in mine))
-    for r in sorted(mine, key=lambda r: groups.index((r["preset"], r["mode"]))):
+    groups = list(dict.fromkeys(_group(r) for r in mine))
+    for r in sorted(mine, key=lambda r: groups.index(_group(r))):
         out.append(
             {
                 "preset": r["preset"],
                 "mode": r["mode"],
+                "precision": r.get("precision"),
                 "pipeline": r["pipeline"],
                 "micro_batches": r["micro_batches"],
                 "cuda_graphs": "on" if r["cuda_graphs"] else "off",
@@ -190,10 +221,14 @@ def combinations_section(rows: list[dict], out: Path) -> str:
     if not table:
         return ""
     parts = ["", "## recaccel: pipeline / micro-batches / CUDA graphs", "", markdown_table(table)]
-    for preset in dict.fromkeys(r["preset"] for r in rows):
-        picture = timeline_path(out, preset)
+    pictures: dict[Path, str] = {}  # one per preset, or one per preset and precision mode
+    for preset, precision in dict.fromkeys((r["preset"], r.get("precision")) for r in rows):
+        whole = timeline_path(out, preset)
+        pictures[whole] = preset
+        pictures[precision_timeline(whole, str(precision))] = f"{preset}, {precision}"
+    for picture, what in pictures.items():
         if picture.is_file():
-            parts += [f"Timeline ({preset}): ![{picture.name}]({picture.name})", ""]
+            parts += [f"Timeline ({what}): ![{picture.name}]({picture.name})", ""]
     return "\n".join(parts)
 
 

@@ -31,14 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.bench.train_eager import EagerDLRM, cross_shape, sparse_optimizer
-from recaccel.config import Config, InteractionBackend, PipelineMode, TrainConfig
+from recaccel.config import Config, InteractionBackend, PipelineMode, Precision, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema
 from recaccel.models.factory import build_model
 from recaccel.ops.backend import op_backends, resolve_backend
 from recaccel.sparse import Batch
 from recaccel.train.dense_head import build_head
-from recaccel.train.objectives import DLRMObjective
+from recaccel.train.objectives import DLRMObjective, autocast
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import SingleProcess, StepDone
 from recaccel.train.step import build_step
@@ -115,6 +115,30 @@ def _graphs(text: str) -> bool:
     if text not in GRAPH_SWITCH:
         raise ConfigError(f"train bench: --cuda-graphs {text!r} is not one of off, on")
     return GRAPH_SWITCH[text]
+
+
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+
+def parse_precisions(text: str | None) -> list[Precision] | None:
+    """The ``train.precision`` modes of ``--precision`` (comma-separated, in order, once
+    each); None when not given (each preset's own mode).
+
+    Raises:
+        ConfigError: an unknown mode, naming the flag and the modes there are.
+    """
+    if text is None:
+        return None
+    modes = _csv(text, "--precision")
+    for mode in modes:
+        if mode not in PRECISIONS:
+            raise ConfigError(f"train bench: --precision {mode!r} is not one of {', '.join(PRECISIONS)}")
+    return list(dict.fromkeys(modes))
+
+
+def with_precision(cfg: Config, precision: Precision) -> Config:
+    """``cfg`` with ``train.precision = precision``."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
 
 
 def parse_combinations(
@@ -335,7 +359,9 @@ def _trainer_candidate(name: str, parts: TrainerParts, combination: Combination,
     return Candidate(
         name,
         step,
-        _phased_step(parts.model, parts.optimizer) if combination == BASELINE else None,
+        _phased_step(parts.model, parts.optimizer, parts.train.precision, parts.layout.device)
+        if combination == BASELINE
+        else None,
         merged={"sparse_update": FUSED_SPARSE_UPDATE},
         notes=[
             f"{name}: the trainer's loop, SingleProcess.steps (BatchPipeline + build_step + build_head; "
@@ -347,20 +373,25 @@ def _trainer_candidate(name: str, parts: TrainerParts, combination: Combination,
     )
 
 
-def _phased_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[Batch, PhaseTimer], None]:
-    """The ``off/1/off`` step on ``model`` with each phase under the timer."""
+def _phased_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device
+) -> Callable[[Batch, PhaseTimer], None]:
+    """The ``off/1/off`` step on ``model`` with each phase under the timer, the dense
+    forward under ``precision``'s autocast as the trainer's objective runs it."""
 
     def phased_step(batch: Batch, timer: PhaseTimer) -> None:
         with timer("dense_optimizer"):
             optimizer.zero_grad(set_to_none=True)
         with timer("embedding_forward"):
             pooled = model.embed(batch.sparse)
-        with timer("mlps"):
+        with timer("mlps"), autocast(precision, device):
             dense = model.dense_arch(batch.dense)
-        with timer("interaction"):
+        with timer("interaction"), autocast(precision, device):
             features = model.interaction_arch(dense, pooled)
         with timer("mlps"):
-            loss = _bce(model.over_arch(features), batch)
+            with autocast(precision, device):
+                logits = model.over_arch(features)
+            loss = _bce(logits.float(), batch)
         with timer("backward"):
             loss.backward()
         with timer("dense_optimizer"):
@@ -395,10 +426,14 @@ def eager_candidate(
     tables = sparse_optimizer(model.embedding_parameters(), cfg.optim)
     dense_opt = build_dense_optimizer(model.head, cfg.optim)
 
+    precision = cfg.train.precision
+
     def head_loss(dense: Tensor, pooled: Tensor, labels: Tensor, weights: Tensor | None) -> Tensor:
         # Tensors only (no Batch object): torch.compile guards on what it is given.
-        logits = model.head(dense, pooled)
-        return nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weights)
+        # The autocast of recaccel's objective (a fair baseline): inside, so compile traces it.
+        with autocast(precision, device):
+            logits = model.head(dense, pooled)
+        return nn.functional.binary_cross_entropy_with_logits(logits.float(), labels, weight=weights)
 
     if compile_backend is not None:
         head_loss = torch.compile(head_loss, backend=compile_backend, dynamic=False)
@@ -424,12 +459,14 @@ def eager_candidate(
             with timer("mlps"):
                 loss = head_loss(batch.dense, pooled, batch.labels, batch.weights)
         else:
-            with timer("mlps"):
+            with timer("mlps"), autocast(precision, device):
                 dense = model.head.bottom(batch.dense)
-            with timer("interaction"):
+            with timer("interaction"), autocast(precision, device):
                 features = model.head.interact(dense, pooled)
             with timer("mlps"):
-                loss = _bce(model.head.top(features).squeeze(-1), batch)
+                with autocast(precision, device):
+                    logits = model.head.top(features).squeeze(-1)
+                loss = _bce(logits.float(), batch)
         with timer("backward"):
             loss.backward()
         with timer("sparse_update"):
