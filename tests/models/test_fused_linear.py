@@ -91,7 +91,8 @@ def test_fused_layer_has_exact_first_and_second_derivatives():
     # The meta engines differentiate through the adapted head a second time.
     gen = torch.Generator().manual_seed(4)
     args = tuple(
-        torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True) for shape in ((7, 5), (3, 5), (3,))
+        torch.randn(shape, dtype=torch.float64, generator=gen, requires_grad=True)
+        for shape in ((7, 5), (3, 5), (3,))
     )
     assert torch.autograd.gradcheck(linear_relu, args)
     assert torch.autograd.gradgradcheck(linear_relu, args)
@@ -138,7 +139,9 @@ def test_aligned_widths_are_left_as_they_are():
 def test_mlp_keeps_the_plain_sequential_state_dict():
     layers = mlp(13, [16, 8, 1], final_activation=False)
     plain = nn.Sequential(nn.Linear(13, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 1))
-    assert {k: v.shape for k, v in layers.state_dict().items()} == {k: v.shape for k, v in plain.state_dict().items()}
+    assert {k: v.shape for k, v in layers.state_dict().items()} == {
+        k: v.shape for k, v in plain.state_dict().items()
+    }
     layers.load_state_dict(plain.state_dict(), strict=True)
 
 
