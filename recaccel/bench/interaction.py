@@ -10,13 +10,22 @@ speedup over eager and, on CUDA, the fraction of the copy bandwidth measured in 
 same run that the Triton kernels reach on their minimum traffic (each input read
 once, each output written once; for dcnv2 the weights too, which is far from its
 bound: DCN-v2 is matmul work, so its rows also give TFLOP/s).
+
+The dot candidates take the model's two inputs, dense [B, D] and pooled [B, F, D]: eager
+concatenates them and runs bmm + triangle gather + cat (what the model ran before the fused
+kernels), Triton reads both in place. ``--dtype tf32`` is float32 inputs with TF32 matmuls
+allowed for both; ``--pad`` pads the output row to a multiple of 8 elements.
+``--roofline-cases`` runs the two shapes of issue 24 (B=65536, F=26, D=128 and B=4096,
+F=500, D=32) in bf16 and tf32 and says per row whether forward beats eager and forward +
+backward reaches 60 % of its byte roofline (the copy bandwidth measured in the run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import product
 from pathlib import Path
 
@@ -32,6 +41,7 @@ from recaccel.bench.common import (
     time_interleaved,
     write_results_markdown,
 )
+from recaccel.errors import ConfigError
 from recaccel.ops.backend import resolve_backend
 from recaccel.ops.interaction import (
     dcnv2_cross_reference,
@@ -44,16 +54,38 @@ log = logging.getLogger(__name__)
 
 CANDIDATES = ("eager_fwd", "triton_fwd", "eager_fwd_bwd", "triton_fwd_bwd")
 KINDS = ("dot", "dcnv2")
+# --dtype choices: "tf32" = float32 tensors, TF32 matmuls allowed while timing.
+PRECISIONS = {
+    "float32": torch.float32,
+    "tf32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+# Issue 24's dot interaction cases (B, F, D), each in bf16 and tf32, and its bar.
+ROOFLINE_CASES = ((65536, 26, 128), (4096, 500, 32))
+ROOFLINE_PRECISIONS = ("bfloat16", "tf32")
+ROOFLINE_TARGET = 0.60
 
 
 def _as_list(value: int | Sequence[int]) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def _min_bytes(b: int, f: int, d: int, elem: int) -> tuple[int, int]:
+@contextlib.contextmanager
+def _tf32(allow: bool) -> Iterator[None]:
+    """TF32 matmuls allowed (or not) inside, restored after."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _min_bytes(b: int, f: int, d: int, elem: int, pad: bool = False) -> tuple[int, int]:
     """Fewest bytes moved by forward, and by forward+backward, for [B, F+1, D] input."""
     x = b * (f + 1) * d * elem
-    out = b * interaction_output_dim(f, d) * elem
+    out = b * interaction_output_dim(f, d, pad=pad) * elem
     fwd = x + out
     bwd = x + out + x  # read x and grad_out, write grad_x
     return fwd, fwd + bwd
@@ -71,17 +103,24 @@ def _triton_fn(device: torch.device, kind: str = "dot"):
         from recaccel.ops.interaction.dcnv2_triton import dcnv2_cross_triton
 
         return dcnv2_cross_triton
-    from recaccel.ops.interaction.triton import dot_interaction_triton
+    from recaccel.ops.interaction.triton import dot_interaction_pair_triton
 
-    return dot_interaction_triton
+    return dot_interaction_pair_triton
 
 
-def _dot_case(b, f, d, dtype, device, gen) -> tuple[list, int, int, int]:
-    """(inputs, output width, fewest forward bytes, fewest forward+backward bytes) of a dot shape."""
+def _dot_case(b, f, d, dtype, device, gen, pad=False) -> tuple[list, int, int, int]:
+    """(inputs dense and pooled, output width, fewest forward bytes, fewest forward+backward
+    bytes) of a dot shape."""
     # Scaled so dot products are O(1) in every dtype; never zeros (see METHOD notes).
-    x = (torch.randn(b, f + 1, d, generator=gen, device=device) / d**0.25).to(dtype)
-    fwd, fwd_bwd = _min_bytes(b, f, d, x.element_size())
-    return [x], interaction_output_dim(f, d), fwd, fwd_bwd
+    dense = (torch.randn(b, d, generator=gen, device=device) / d**0.25).to(dtype)
+    pooled = (torch.randn(b, f, d, generator=gen, device=device) / d**0.25).to(dtype)
+    fwd, fwd_bwd = _min_bytes(b, f, d, dense.element_size(), pad)
+    return [dense, pooled], interaction_output_dim(f, d, pad=pad), fwd, fwd_bwd
+
+
+def _dot_eager(pad: bool):
+    """The eager dot candidate: cat, then bmm + triangle gather + cat."""
+    return lambda dense, pooled: dot_interaction_reference(torch.cat([dense.unsqueeze(1), pooled], 1), pad)
 
 
 def _dcnv2_case(b, f, d, layers, rank, dtype, device, gen) -> tuple[list, int, int, int]:
@@ -102,15 +141,18 @@ def _dcnv2_flops(b: int, k: int, layers: int, rank: int) -> float:
 
 
 def _bench_one(
-    b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps, kind="dot", layers=3, rank=512
+    b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps, kind="dot", layers=3, rank=512, pad=False
 ) -> dict:
     gen = torch.Generator(device=device).manual_seed(b * 1_000_003 + f * 1009 + d)
     if kind == "dcnv2":
         inputs, width, fwd_bytes, fwd_bwd_bytes = _dcnv2_case(b, f, d, layers, rank, dtype, device, gen)
         reference = dcnv2_cross_reference
     else:
-        inputs, width, fwd_bytes, fwd_bwd_bytes = _dot_case(b, f, d, dtype, device, gen)
-        reference = dot_interaction_reference
+        inputs, width, fwd_bytes, fwd_bwd_bytes = _dot_case(b, f, d, dtype, device, gen, pad)
+        reference = _dot_eager(pad)
+        if triton_fn is not None:
+            fused = triton_fn
+            triton_fn = lambda dense, pooled: fused(dense, pooled, pad)  # noqa: E731
     grad = torch.randn(b, width, generator=gen, device=device).to(dtype)
     leaves = [t.detach().requires_grad_() for t in inputs]
 
@@ -135,6 +177,8 @@ def _bench_one(
     }
     if kind == "dcnv2":
         row.update(layers=layers, rank=rank)
+    else:
+        row["pad"] = pad
     if triton_fn is not None:
         candidates["triton_fwd"] = lambda: fwd(triton_fn)
         candidates["triton_fwd_bwd"] = lambda: fwd_bwd(triton_fn)
@@ -173,6 +217,8 @@ def run_interaction_bench(
     kind: str = "dot",
     layers: int = 3,
     rank: int = 512,
+    tf32: bool = False,
+    pad: bool = False,
 ) -> list[dict]:
     """Times eager vs Triton interaction (``kind``: dot or dcnv2) over a grid of shapes.
 
@@ -190,9 +236,12 @@ def run_interaction_bench(
         kind: ``"dot"`` or ``"dcnv2"`` (the cross network over K = D*(F+1) features).
         layers: dcnv2 cross layers L.
         rank: dcnv2 rank r.
+        tf32: Allow TF32 matmuls (eager and Triton) while timing float32 inputs.
+        pad: dot: pad the output row to a multiple of 8 elements.
 
     Returns:
-        One dict per shape: kind, batch, fields, dim, dtype, device, ``<candidate>_ms``,
+        One dict per shape: kind, batch, fields, dim, dtype, precision (``float32``,
+        ``tf32``, ``bfloat16`` or ``float16``), device, ``<candidate>_ms``,
         speedups, the Triton path's relative error, on CUDA bandwidth fractions; for dcnv2
         also layers, rank and forward TFLOP/s.
 
@@ -206,11 +255,14 @@ def run_interaction_bench(
     if triton_fn is not None and device.type != "cuda":
         log.warning("triton runs interpreted on %s: its timings are not performance numbers", device)
     copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
+    precision = "tf32" if tf32 and dtype == torch.float32 else str(dtype).removeprefix("torch.")
     results = []
     for b, f, d in product(_as_list(batch_sizes), _as_list(num_fields), _as_list(dims)):
-        results.append(
-            _bench_one(b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps, kind, layers, rank)
-        )
+        with _tf32(precision == "tf32"):
+            row = _bench_one(
+                b, f, d, dtype, device, repeats, warmup, triton_fn, copy_gbps, kind, layers, rank, pad
+            )
+        results.append({**row, "precision": precision})
         log.info("%s interaction %s", kind, results[-1])
     if json_path is not None:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -219,6 +271,53 @@ def run_interaction_bench(
         )
     if plot_path is not None:
         plot_speedups(results, plot_path)
+    return results
+
+
+def run_roofline_cases(
+    repeats: int,
+    device: torch.device | str,
+    json_path: str | Path | None = None,
+    *,
+    cases: Sequence[tuple[int, int, int]] = ROOFLINE_CASES,
+    precisions: Sequence[str] = ROOFLINE_PRECISIONS,
+    warmup: int = 5,
+    pad: bool = True,
+) -> list[dict]:
+    """Issue 24's dot interaction bars: every (B, F, D) of ``cases`` in every precision.
+
+    Each row is a :func:`run_interaction_bench` row plus ``fwd_beats_eager`` and
+    ``roofline_target_met`` (forward + backward at >= :data:`ROOFLINE_TARGET` of the byte
+    roofline); both None where the Triton or the bandwidth figures are missing (off CUDA).
+
+    Args:
+        repeats: Timed calls per candidate.
+        device: Where to run.
+        json_path: If given, writes ``{"env": ..., "results": [...]}`` there.
+        cases: (B, F, D) shapes; the defaults are the issue's.
+        precisions: keys of :data:`PRECISIONS`.
+        warmup: Untimed calls per candidate first.
+        pad: Pad the output row to a multiple of 8 elements (as the model will).
+
+    Returns:
+        One row per (precision, case).
+    """
+    results = []
+    for precision in precisions:
+        for b, f, d in cases:
+            (row,) = run_interaction_bench(
+                b, f, d, repeats, device, dtype=PRECISIONS[precision], warmup=warmup,
+                tf32=precision == "tf32", pad=pad,
+            )  # fmt: skip
+            frac = row.get("triton_fwd_bwd_bw_frac")
+            row["fwd_beats_eager"] = None if row.get("fwd_speedup") is None else row["fwd_speedup"] > 1.0
+            row["roofline_target_met"] = None if frac is None else frac >= ROOFLINE_TARGET
+            results.append(row)
+    if json_path is not None:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(
+            json.dumps({"env": environment_info(torch.device(device)), "results": results}, indent=2)
+        )
     return results
 
 
@@ -300,7 +399,16 @@ def add_args(parser) -> None:
     parser.add_argument("--dim", type=int, nargs="+", default=[128], help="embedding dims D")
     parser.add_argument("--layers", type=int, default=3, help="dcnv2: cross layers L")
     parser.add_argument("--rank", type=int, default=512, help="dcnv2: rank r of each layer")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--dtype", choices=list(PRECISIONS), default="float32", help="tf32: float32 tensors, TF32 matmuls"
+    )
+    parser.add_argument("--pad", action="store_true", help="dot: pad the output row to a multiple of 8")
+    parser.add_argument(
+        "--roofline-cases",
+        action="store_true",
+        help="dot: issue 24's shapes (B=65536 F=26 D=128; B=4096 F=500 D=32) in bf16 and tf32, "
+        "padded, with their bars; ignores --batch/--fields/--dim/--dtype",
+    )
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", help="write machine-readable results here")
@@ -309,10 +417,15 @@ def add_args(parser) -> None:
 
 def main(args, command_line: str) -> Path:
     """Runs the sweep and writes the markdown summary; returns its path."""
+    if args.kind == "dcnv2" and args.dtype == "tf32":
+        raise ConfigError("recaccel-bench interaction: --dtype tf32 is for --kind dot only")
     if args.kind == "dcnv2":  # eager vs the GEMM path vs the fused kernel: recaccel.bench.dcnv2
         from recaccel.bench import dcnv2
 
         return dcnv2.main(args, command_line, plot_file(args))
+    if args.roofline_cases:
+        results = run_roofline_cases(args.repeats, args.device, args.json)
+        return write_markdown_summary(results, args.out, command_line)
     results = run_interaction_bench(
         args.batch,
         args.fields,
@@ -321,8 +434,10 @@ def main(args, command_line: str) -> Path:
         args.device,
         args.json,
         plot_file(args),
-        dtype=getattr(torch, args.dtype),
+        dtype=PRECISIONS[args.dtype],
         kind=args.kind,
+        tf32=args.dtype == "tf32",
+        pad=args.pad,
         layers=args.layers,
         rank=args.rank,
     )
