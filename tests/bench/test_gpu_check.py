@@ -175,3 +175,11 @@ def test_git_commit_is_the_projects_own_or_unknown_never_a_parent_repositorys(tm
     got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert got.returncode == 0, got.stderr
     assert got.stdout.strip() == "unknown"
+
+
+def test_gpu_mode_plan_fits_seven_minutes_and_names_each_step():
+    steps_s = sum(cuda for cuda, _ in gpu_check.BUDGETS.values())
+    assert steps_s <= gpu_check.TOTAL_BUDGET_S["cuda"] - 10 and gpu_check.TOTAL_BUDGET_S["cuda"] < 420
+    plan = gpu_check.plan_text(gpu_check.STEPS, "cuda", gpu_check.TOTAL_BUDGET_S["cuda"])
+    assert "--kind dcnv2" in plan and "bench_dcnv2_mlperf" in plan and "cache_train" in plan
+    assert f"steps {steps_s} s" in plan
