@@ -188,3 +188,18 @@ def test_tf32_is_recorded_in_the_run_config(switches, tiny_data, tmp_path):
     Trainer(_config(tiny_data, out, "train.precision=tf32")).fit()
     assert 'precision = "tf32"' in (out / "config.toml").read_text()
     assert json.loads((out / "metrics.json").read_text())["steps"] == 6
+
+
+@pytest.mark.gpu
+def test_tf32_on_cuda_holds_the_switch_through_fit_and_lands_near_fp32(switches, tiny_data, tmp_path):
+    """On CUDA tf32 is a real mode: the switch is on in every forward and backward of the
+    fit, off again after it, and the run lands near fp32's AUC (tiny data: a loose bound)."""
+    assert torch.cuda.is_available()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    fp32 = Trainer(_config(tiny_data, tmp_path / "fp32", "train.device=cuda")).fit()
+    trainer = Trainer(_config(tiny_data, tmp_path / "tf32", "train.device=cuda", "train.precision=tf32"))
+    seen = _record_switches(trainer)
+    tf32 = trainer.fit()
+    assert seen and all(state == (True, True) for _, state in seen), seen
+    assert _switches() == (False, False)
+    assert abs(tf32["auc"] - fp32["auc"]) < 0.02, (tf32["auc"], fp32["auc"])
