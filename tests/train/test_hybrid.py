@@ -32,7 +32,9 @@ from recaccel.train.checkpoint import list_checkpoints  # noqa: E402
 from tests.train.test_trainer import TINY as TINY_DLRM  # noqa: E402
 
 WORLD = 2
-AGREE = 3 + 2 * WORLD  # floats of the per-step agreement: has a batch, normaliser, rows, then timings
+# Floats of the per-step agreement: has a batch, normaliser, rows, each rank's timing and units,
+# then one stop-request slot per signal (SIGTERM, SIGINT).
+AGREE = 3 + 2 * WORLD + 2
 TINY = [*TINY_DLRM, "optim.sparse=rowwise_adagrad"]
 STEPS = 12  # an epoch is 23 steps: runs and the resume point are mid-epoch
 # name -> (overrides of the hybrid run, overrides shared with its single-process reference)
@@ -373,7 +375,7 @@ def test_meta_inner_loop_is_silent_and_outer_step_syncs_once(results, rank):
     for calls in got["calls"]:
         assert [c for c in calls if c[0] == "inner"] == []
         reduces = [c for c in calls if c[1] == "all_reduce"]
-        # One agreement before the step (3 floats + each rank's timing and units), one bucket
+        # One agreement before the step (3 floats, each rank's timing and units, 2 stop slots), one bucket
         # with every dense gradient (+ the loss).
         assert [(c[0], c[2]) for c in reduces] == [
             ("agree", AGREE),
