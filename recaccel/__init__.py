@@ -19,6 +19,10 @@ from recaccel.config import (
     load_config,
 )
 from recaccel.errors import ConfigError, DataError, RecaccelError
+from recaccel.reproducible import pin_cpu_matmul_path
+
+# Importing recaccel imports no torch, so this comes before MKL's first call: see recaccel.reproducible.
+pin_cpu_matmul_path()
 
 __version__ = "0.1.0"
 
