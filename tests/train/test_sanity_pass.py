@@ -224,7 +224,10 @@ def test_sanity_pass_changes_no_training_result(tiny_data, wide_data, task_data,
             ["--resume", str(out), "--set", "train.steps=0"],
         ]
     with_pass, without = _twice(monkeypatch, argv_of, tmp_path)
-    assert_same_run(without, with_pass)  # every metric (cache counters too) and checkpoint entry
+    # Every metric (cache counters too) and checkpoint entry; the task reader's decode-work
+    # counters depend on when its worker threads ran (README: a known gap), so not those.
+    measured = ("max_buffered_rows", "rows_read", "row_groups_read") if case == "meta" else ()
+    assert_same_run(without, with_pass, measured=measured)
 
 
 def test_sanity_pass_leaves_generators_model_and_cache_as_they_were(wide_data, tmp_path):
