@@ -40,7 +40,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 from recaccel.ops.embedding.triton import backward as tiles  # noqa: E402
-from recaccel.ops.embedding.triton import kernels as per_row  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CFG = SparseOptimConfig(lr=0.1, eps=1e-3, weight_decay=0.01)
@@ -182,10 +181,6 @@ def _reference_update(state, ids, grad_out, batch_size):
     fused_backward(state, CFG, grad_out, PreparedPack(ids, group_by_row(ids.rows)))
 
 
-def _per_row_update(state, ids, grad_out, batch_size):
-    per_row.fused_update(state, CFG, grad_out, ids, batch_size)
-
-
 @pytest.mark.parametrize("block_occ", [4, 8, None])
 @pytest.mark.parametrize("dim", [5, 48, 100])
 def test_gradient_equals_float64_row_sums_for_any_tile_size(dim, block_occ):
@@ -198,12 +193,12 @@ def test_gradient_equals_float64_row_sums_for_any_tile_size(dim, block_occ):
 
 
 @pytest.mark.parametrize("dim", [16, 128, 256])
-def test_gradient_matches_todays_per_row_kernel(dim):
+def test_gradient_on_zipf_ids_with_a_two_row_table_equals_float64_row_sums(dim):
     batch = _batch([2, 50], batch_size=8, max_len=6, weighted=True, zipf=True, seed=dim)
     grad_out = batch.grad_out(dim, seed=2)
     rows, grad = tiles.embedding_bag_backward(grad_out, batch.ids, batch.batch_size, block_occ=8)
-    want_rows, want = per_row.embedding_bag_backward(grad_out, batch.ids, batch.batch_size)
-    assert torch.equal(rows, want_rows)
+    assert torch.equal(rows, torch.unique(batch.ids.rows))
+    want = _float64_row_grads(batch, grad_out)[rows].float()
     torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
 
 
@@ -224,13 +219,13 @@ def test_fused_update_matches_reference_optimizer_on_zipf_ids(optimizer, dtype, 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_fused_update_matches_todays_per_row_kernel(optimizer, dtype):
+def test_fused_update_with_uniform_ids_and_tiles_of_8_matches_reference(optimizer, dtype):
     batch = _batch([3, 20], batch_size=6, max_len=5, weighted=True, seed=9)
     dim = 16
     got = _state(optimizer, batch, dim, DTYPES[dtype])
     want = _copy(got)
     _two_steps(_tiles_update(8), got, batch, dim)
-    _two_steps(_per_row_update, want, batch, dim)
+    _two_steps(_reference_update, want, batch, dim)
     _assert_states_close(got, want, DTYPES[dtype])
 
 
@@ -326,7 +321,7 @@ _COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from recaccel.ops.embedding.triton import backward as K
 
-    HYPER = {k: "fp32" for k in ("lr", "eps", "beta1", "beta2", "weight_decay", "bias_c1", "bias_c2")}
+    HYPER = {k: "fp32" for k in ("lr", "eps", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "weight_decay", "bias_c1", "bias_c2")}
     HYPER["seed"] = "i32"
     TILE = {
         "weight_ptr": "*fp32", "m1_ptr": "*fp32", "m2_ptr": "*fp32", "keys_ptr": "*i64",

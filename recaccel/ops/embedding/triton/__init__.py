@@ -3,8 +3,8 @@
 - :mod:`recaccel.ops.embedding.triton.backward`: the backward and fused sparse update
   as occurrence tiles (what both modes run).
 - :mod:`recaccel.ops.embedding.triton.forward`: the forward as bag tiles.
-- :mod:`recaccel.ops.embedding.triton.kernels`: backward and fused
-  sparse-optimizer kernels with their launchers.
+- :mod:`recaccel.ops.embedding.triton.rounding`: stochastic rounding of 16-bit rows
+  inside the kernels.
 - :mod:`recaccel.ops.embedding.triton.autograd`: the autograd Functions of autograd
   mode (a gradient for the packed weight) and fused mode (the update in backward).
 - :class:`TritonPack`: one pack of a :class:`~recaccel.ops.embedding.PackedEmbeddingBag`
@@ -30,8 +30,11 @@ from recaccel.ops.embedding.triton.autograd import (
     TritonFusedEmbeddingBagFunction,
 )
 from recaccel.ops.embedding.triton.backward import fused_update
-from recaccel.ops.embedding.triton.forward import embedding_bag_forward, embedding_bag_forward_rows
-from recaccel.ops.embedding.triton.kernels import check_kernels_launchable
+from recaccel.ops.embedding.triton.forward import (
+    check_forward_launchable,
+    embedding_bag_forward,
+    embedding_bag_forward_rows,
+)
 from recaccel.sparse import SparseFeatures
 
 __all__ = [
@@ -59,7 +62,7 @@ class TritonPack(HeldPack):
         Raises:
             BackendUnavailableError: CPU tensors and compiled (not interpreted) kernels.
         """
-        check_kernels_launchable(device)
+        check_forward_launchable(device)  # every kernel of the backend runs where the forward does
         return super().create(layout, weights, options, device)
 
     def prepare(

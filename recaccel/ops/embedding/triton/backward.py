@@ -46,7 +46,7 @@ from torch import Tensor
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
 from recaccel.ops.embedding.packing import PackIds, RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
-from recaccel.ops.embedding.triton.kernels import _stochastic_round, _uniform_noise
+from recaccel.ops.embedding.triton.rounding import _stochastic_round, _uniform_noise
 
 # MODE of the kernels: the sparse optimizers, or "store the row's gradient" (autograd mode).
 _MODE_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
@@ -89,6 +89,8 @@ def _apply_rows(
     eps,
     beta1,
     beta2,
+    one_minus_beta1,  # 1 - beta, rounded once from float64 on the host (as the reference)
+    one_minus_beta2,
     weight_decay,
     bias_c1,
     bias_c2,
@@ -97,7 +99,7 @@ def _apply_rows(
     STOCHASTIC: tl.constexpr,
 ):
     """Applies the sparse optimizer (or stores the gradient) to ``M`` rows at once: the
-    per-row rules of the per-unique-row kernel, :func:`update_rows`'s semantics."""
+    rules of the reference optimizer, :func:`~recaccel.ops.embedding.optimizers.update_rows`'s semantics."""
     mask = live[:, None] & col_mask[None, :]
     w_ptrs = weight_ptr + key[:, None] * stride_w + cols[None, :]
     if MODE == 3:
@@ -113,8 +115,8 @@ def _apply_rows(
             w = w - (lr / (tl.sqrt_rn(m) + eps))[:, None] * g
         else:
             state = key[:, None] * dim + cols[None, :]
-            m1 = beta1 * tl.load(m1_ptr + state, mask=mask, other=0.0) + (1.0 - beta1) * g
-            m2 = beta2 * tl.load(m2_ptr + state, mask=mask, other=0.0) + (1.0 - beta2) * g * g
+            m1 = beta1 * tl.load(m1_ptr + state, mask=mask, other=0.0) + one_minus_beta1 * g
+            m2 = beta2 * tl.load(m2_ptr + state, mask=mask, other=0.0) + one_minus_beta2 * g * g
             tl.store(m1_ptr + state, m1, mask=mask)
             tl.store(m2_ptr + state, m2, mask=mask)
             w = w - lr * ((m1 / bias_c1) / (tl.sqrt_rn(m2 / bias_c2) + eps) + weight_decay * w)
@@ -146,6 +148,8 @@ def _occurrence_tile_kernel(
     eps,
     beta1,
     beta2,
+    one_minus_beta1,  # 1 - beta, rounded once from float64 on the host (as the reference)
+    one_minus_beta2,
     weight_decay,
     bias_c1,
     bias_c2,
@@ -186,7 +190,7 @@ def _occurrence_tile_kernel(
 
     _apply_rows(
         weight_ptr, m1_ptr, m2_ptr, key, sums, ends & began_here, cols, col_mask, dim, stride_w,
-        lr, eps, beta1, beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
+        lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
     )  # fmt: skip
 
     # Partials of the segments crossing the tile's edges (at most one row each is unmasked).
@@ -211,6 +215,8 @@ def _spanning_rows_kernel(
     eps,
     beta1,
     beta2,
+    one_minus_beta1,  # 1 - beta, rounded once from float64 on the host (as the reference)
+    one_minus_beta2,
     weight_decay,
     bias_c1,
     bias_c2,
@@ -254,7 +260,7 @@ def _spanning_rows_kernel(
     one = tl.zeros([1], dtype=tl.int64)
     _apply_rows(
         weight_ptr, m1_ptr, m2_ptr, key + one, acc[None, :], owns & (one == 0), cols, col_mask, dim,
-        stride_w, lr, eps, beta1, beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
+        stride_w, lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
     )  # fmt: skip
 
 
@@ -279,7 +285,7 @@ def _launch_tiles(
     block_occ: int | None,
 ) -> None:
     """Runs the tile kernel and then the spanning-row kernel over ``keys.numel() > 0``
-    sorted occurrences; ``hyper`` is (lr, eps, beta1, beta2, weight_decay, bias_c1, bias_c2)."""
+    sorted occurrences; ``hyper`` is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2)."""
     num_occ = keys.numel()
     dim = target.shape[1]
     default_occ, num_warps = tile_config(dim)
@@ -333,7 +339,7 @@ def embedding_bag_backward(
     slot = torch.arange(rows.numel(), device=rows.device)
     keys = torch.repeat_interleave(slot, segments[1:] - segments[:-1], output_size=num_occ)
     bags, scale = _sorted_occurrences(ids, order)
-    hyper = (0.0,) * 5 + (1.0, 1.0)
+    hyper = (0.0,) * 7 + (1.0, 1.0)
     _launch_tiles(grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, block_occ)
     return rows, grad
 
@@ -372,7 +378,17 @@ def fused_update(
     keys = ids.rows.index_select(0, order)
     bags, scale = _sorted_occurrences(ids, order)
     bc1, bc2 = adam_bias_corrections(optim, int(state.step))
-    hyper = (optim.lr, optim.eps, optim.beta1, optim.beta2, optim.weight_decay, bc1, bc2)
+    hyper = (
+        optim.lr,
+        optim.eps,
+        optim.beta1,
+        optim.beta2,
+        1.0 - optim.beta1,
+        1.0 - optim.beta2,
+        optim.weight_decay,
+        bc1,
+        bc2,
+    )
     m1 = state.states.get("momentum1", state.weight)
     m2 = state.states.get("momentum2", state.weight)
     mode = _MODE_CODES[state.optimizer]
