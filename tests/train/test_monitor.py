@@ -164,9 +164,8 @@ def test_two_ranks_flag_the_slowed_rank_only_and_name_a_hung_rank(tmp_path):
     ranks = slow["summary"]["ranks"]
     assert ranks["1"]["compute_s"] > 3 * ranks["0"]["compute_s"] > 3 * COMPUTE_S * 0.9
     assert ranks["0"]["comm_s"] > ranks["1"]["comm_s"]  # rank 0 waits for rank 1
-    agree = 8 * (
-        3 + 2 * 2 + 2
-    )  # float64: has a batch, normaliser, rows, 2 ranks' timings and units, 2 stop slots
+    # float64: has a batch, normaliser, rows, 2 ranks' timings and units, 2 stop slots
+    agree = 8 * (3 + 2 * 2 + 2)
     assert ranks["0"]["bytes"] == ranks["1"]["bytes"] == agree + 5 * 4 + 4  # + Linear(4, 1) grads + loss
     assert slow["summary"]["gathers"] == 6 and slow["summary"]["every"] == 2
 
