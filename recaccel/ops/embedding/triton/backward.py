@@ -46,6 +46,7 @@ from torch import Tensor
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
 from recaccel.ops.embedding.packing import PackIds, RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
+from recaccel.ops.embedding.triton import tuning
 from recaccel.ops.embedding.triton.rounding import _stochastic_round, _uniform_noise
 
 # MODE of the kernels: the sparse optimizers, or "store the row's gradient" (autograd mode).
@@ -54,8 +55,12 @@ _MODE_GRAD = 3
 CHUNK_TILES = 16  # partials the fix-up kernel loads per step
 
 
-def tile_config(dim: int) -> tuple[int, int]:
-    """``(BLOCK_OCC, num_warps)`` for rows of ``dim`` columns.
+def tile_config(
+    dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> tuple[int, int]:
+    """``(BLOCK_OCC, num_warps)`` for rows of ``dim`` columns in ``dtype``: the per-device
+    tuning table's entry for ``device`` (:mod:`~recaccel.ops.embedding.triton.tuning`),
+    else the default below.
 
     A tile holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
     registers: 2048 of each compiles (sm_90, 4 warps) to ~76-142 registers per thread,
@@ -63,6 +68,10 @@ def tile_config(dim: int) -> tuple[int, int]:
     4096 takes 191-255 registers. The configuration fixes the summation order, hence the
     bits of the result; the tuning run may replace this default per device.
     """
+    if device is not None:
+        entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
+        if entry is not None:
+            return entry["block_occ"], entry["num_warps"]
     block_d = triton.next_power_of_2(dim)
     return max(8, min(128, 2048 // block_d)), 4
 
@@ -283,13 +292,15 @@ def _launch_tiles(
     hyper: tuple[float, ...],
     seed: int,
     block_occ: int | None,
+    num_warps: int | None = None,
 ) -> None:
     """Runs the tile kernel and then the spanning-row kernel over ``keys.numel() > 0``
     sorted occurrences; ``hyper`` is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2)."""
     num_occ = keys.numel()
     dim = target.shape[1]
-    default_occ, num_warps = tile_config(dim)
+    default_occ, default_warps = tile_config(dim, target.dtype, target.device)
     block_occ = default_occ if block_occ is None else block_occ
+    num_warps = default_warps if num_warps is None else num_warps
     block_d = triton.next_power_of_2(dim)
     num_tiles = triton.cdiv(num_occ, block_occ)
     grad_out = grad_out.to(torch.float32)
@@ -317,6 +328,7 @@ def embedding_bag_backward(
     groups: RowGroups | None = None,
     *,
     block_occ: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-unique-row weight gradient of one pack (autograd mode), by occurrence tiles.
 
@@ -326,6 +338,7 @@ def embedding_bag_backward(
         batch_size: B.
         groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
         block_occ: Occurrences per tile (default :func:`tile_config`).
+        num_warps: Warps per tile program (default :func:`tile_config`).
 
     Returns:
         (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
@@ -340,7 +353,9 @@ def embedding_bag_backward(
     keys = torch.repeat_interleave(slot, segments[1:] - segments[:-1], output_size=num_occ)
     bags, scale = _sorted_occurrences(ids, order)
     hyper = (0.0,) * 7 + (1.0, 1.0)
-    _launch_tiles(grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, block_occ)
+    _launch_tiles(
+        grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, block_occ, num_warps
+    )
     return rows, grad
 
 
@@ -353,6 +368,7 @@ def fused_update(
     groups: RowGroups | None = None,
     *,
     block_occ: int | None = None,
+    num_warps: int | None = None,
 ) -> None:
     """Applies the sparse optimizer to the rows a batch touched, by occurrence tiles.
 
@@ -369,6 +385,7 @@ def fused_update(
         batch_size: B.
         groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
         block_occ: Occurrences per tile (default :func:`tile_config`).
+        num_warps: Warps per tile program (default :func:`tile_config`).
     """
     state.step.add_(1)
     seed = 0 if state.rounding_seed is None else state.rounding_seed()
@@ -392,4 +409,6 @@ def fused_update(
     m1 = state.states.get("momentum1", state.weight)
     m2 = state.states.get("momentum2", state.weight)
     mode = _MODE_CODES[state.optimizer]
-    _launch_tiles(state.weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, block_occ)
+    _launch_tiles(
+        state.weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, block_occ, num_warps
+    )

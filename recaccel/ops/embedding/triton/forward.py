@@ -53,6 +53,7 @@ from torch import Tensor
 from recaccel.errors import RecaccelError
 from recaccel.ops.backend import check_triton_launchable
 from recaccel.ops.embedding.packing import LocalFeatures
+from recaccel.ops.embedding.triton import tuning
 from recaccel.sparse import SparseFeatures
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -236,9 +237,12 @@ def length_bucket(mean_len: float) -> int:
     return min(triton.next_power_of_2(max(1, math.ceil(mean_len))), 32)
 
 
-def forward_config(dim: int, mean_len: float, dtype: torch.dtype) -> ForwardConfig:
+def forward_config(
+    dim: int, mean_len: float, dtype: torch.dtype, device: torch.device | str | None = None
+) -> ForwardConfig:
     """The forward's launch parameters for rows of ``dim`` columns in ``dtype`` and bags of
-    ``mean_len`` ids on average: :data:`FORWARD_TABLE`'s entry, else defaults.
+    ``mean_len`` ids on average: :data:`FORWARD_TABLE`'s entry, else the per-device tuning
+    table's entry for ``device`` (:mod:`~recaccel.ops.embedding.triton.tuning`), else defaults.
 
     Defaults: a ``[block_bags, next_pow2(D)]`` sum of at most 4096 floats (8 to 128
     bags), ``unroll`` 1 for one-id bags and up to 4 for longer ones within 8192 rows'
@@ -249,6 +253,10 @@ def forward_config(dim: int, mean_len: float, dtype: torch.dtype) -> ForwardConf
     tuned = FORWARD_TABLE.get((dim, bucket, str(dtype).removeprefix("torch.")))
     if tuned is not None:
         return tuned
+    if device is not None:
+        entry = tuning.lookup(device, tuning.forward_key(dim, bucket, dtype))
+        if entry is not None:
+            return ForwardConfig(**entry)
     block_d = triton.next_power_of_2(dim)
     block_bags = max(8, min(128, _TILE_ELEMENTS // block_d))
     unroll = min(bucket, 4)
@@ -428,6 +436,6 @@ def embedding_bag_forward_rows(
         return out
     if config is None:
         mean_len = sf.values.numel() / max(1, sf.offsets.numel() - 1)
-        config = forward_config(dim, mean_len, weight.dtype)
+        config = forward_config(dim, mean_len, weight.dtype, weight.device)
     _launch(weight, sf, local, batch_size, lo, out, config)
     return out
