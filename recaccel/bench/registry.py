@@ -17,6 +17,10 @@ _MODULES = {
         "packed embedding bag vs per-table loop, reference, Triton, FBGEMM",
         "recaccel.bench.embedding",
     ),
+    "kernels": (
+        "Triton embedding kernels: config sweep within a time budget, % of copy bandwidth, tuning table",
+        "recaccel.bench.kernels",
+    ),
     "interaction": ("fused DLRM dot interaction vs PyTorch eager", "recaccel.bench.interaction"),
     "meta": ("vmapped MAML step vs per-task loop", "recaccel.bench.meta"),
     "io": ("Parquet plain and task batches vs raw pyarrow", "recaccel.bench.io"),
