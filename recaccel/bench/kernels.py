@@ -178,7 +178,12 @@ def make_batch(case: KernelCase, device: torch.device, seed: int = 0):
 
 
 def forward_sweep(case: KernelCase) -> list[dict[str, int]]:
-    """BLOCK_BAGS x warps x UNROLL within the tile kernel's register budget (UNROLL 1 for L=1)."""
+    """BLOCK_BAGS x warps x UNROLL within the tile kernel's register budget (UNROLL 1 for L=1).
+
+    At most 128 sum and in-flight row values per thread: sm90_report compiles BLOCK_BAGS 64,
+    D 128, UNROLL 1, 4 warps (128) to 237 registers without spills, UNROLL 2 at 2 warps
+    (384) to 255 registers and 852 bytes of spill stores.
+    """
     from recaccel.ops.embedding.triton.forward import forward_config
 
     block_d = 1 << (case.dim - 1).bit_length()
@@ -189,18 +194,20 @@ def forward_sweep(case: KernelCase) -> list[dict[str, int]]:
         for bb in (16, 32, 64, 128)
         for w in (2, 4, 8)
         for u in unrolls
-        if bb * block_d <= 8192 and bb * block_d * u <= 16384
+        if bb * block_d <= 8192 and bb * block_d * u <= 16384 and bb * block_d * (1 + u) <= 128 * 32 * w
     ]
 
 
 def backward_sweep(case: KernelCase) -> list[dict[str, int]]:
-    """BLOCK_OCC x warps with a 512..4096-value tile (4096 is near the register limit)."""
+    """BLOCK_OCC x warps with a 512..4096-value tile and at most 32 values per thread (a
+    value, its scan flag and the scan's temporaries: 4096 at 4 warps takes 191-255 registers)."""
     block_d = 1 << (case.dim - 1).bit_length()
     return [
         {"block_occ": occ, "num_warps": w}
         for occ in (8, 16, 32, 64, 128, 256)
         for w in (2, 4, 8)
-        if 512 <= occ * block_d <= 4096 or (occ == 8 and occ * block_d > 4096)
+        if (512 <= occ * block_d <= 4096 and occ * block_d <= 32 * 32 * w)
+        or (occ == 8 and occ * block_d > 4096)
     ]
 
 
