@@ -192,7 +192,7 @@ def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, m
     """Lookups, backward, lookup_rows and apply_gradient of a prepared batch neither
     validate, check nor gather its ids again, nor sort them for the backward."""
     from recaccel.ops.embedding import packing, reference
-    from recaccel.ops.embedding.triton import autograd, kernels
+    from recaccel.ops.embedding.triton import autograd, backward
 
     _runnable(backend, device)
     tables = _tables("adam")
@@ -207,7 +207,7 @@ def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, m
         (packing, ["gather_pack_ids", "group_by_row"]),
         (reference, ["gather_pack_ids", "group_by_row"]),
         (autograd, ["gather_pack_ids", "group_by_row"]),
-        (kernels, ["group_by_row"]),
+        (backward, ["group_by_row"]),
     ]:
         for name in names:
             monkeypatch.setattr(module, name, forbidden)
