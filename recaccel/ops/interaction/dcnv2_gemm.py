@@ -33,10 +33,10 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.ops.backend import check_triton_launchable
+from recaccel.ops.interaction.dcnv2_autograd import cross_function
 from recaccel.ops.interaction.dcnv2_reference import (
     CROSS_TRITON_DTYPES,
     check_cross_input,
-    dcnv2_cross_reference,
 )
 
 _OP = "dcnv2_cross (gemm)"
@@ -187,35 +187,7 @@ def _cross_backward_fake(grad_out, x0, u, v, xs, hs, ys) -> tuple[Tensor, Tensor
     )
 
 
-class _CrossFn(torch.autograd.Function):
-    """Autograd over the GEMM-path forward and backward ops."""
-
-    @staticmethod
-    def forward(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        return _cross_op(x0, u, v, b)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        _, xs, hs, ys = output
-        ctx.mark_non_differentiable(xs, hs, ys)
-        ctx.save_for_backward(*inputs, xs, hs, ys)
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor, *_unused: Tensor) -> tuple[Tensor | None, ...]:
-        x0, u, v, b, xs, hs, ys = ctx.saved_tensors
-        if torch.is_grad_enabled():
-            # create_graph (second order): differentiate the reference, which records a graph.
-            return _reference_backward(ctx, grad_out, (x0, u, v, b))
-        grads = _cross_backward_op(grad_out, x0, u, v, xs, hs, ys)
-        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad, strict=True))
-
-
-def _reference_backward(ctx, grad_out: Tensor, inputs: tuple[Tensor, ...]) -> tuple[Tensor | None, ...]:
-    """The gradients of the reference with a graph, for a backward that is differentiated again."""
-    wanted = [t for t, need in zip(inputs, ctx.needs_input_grad, strict=True) if need]
-    out = dcnv2_cross_reference(*inputs)
-    grads = iter(torch.autograd.grad(out, wanted, grad_out, create_graph=True))
-    return tuple(next(grads) if need else None for need in ctx.needs_input_grad)
+_CrossFn = cross_function(_cross_op, _cross_backward_op, "GEMM-path")
 
 
 def dcnv2_cross_gemm(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> Tensor:
