@@ -30,29 +30,6 @@ from recaccel.bench.train_timeline import (
 from recaccel.cli import bench_main
 from recaccel.errors import ConfigError
 
-TINY = """
-[synth]
-num_dense = 3
-num_sparse = 4
-cardinality = 40
-multi_hot_fields = 1
-max_bag = 3
-rows_per_row_group = 64
-[data]
-batch_size = 32
-[model]
-embedding_dim = 8
-bottom_mlp = [16, 8]
-top_mlp = [16, 1]
-"""
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY)
-    return path
-
 
 def test_the_cli_parses_comma_lists_into_every_combination_baseline_first():
     parser = argparse.ArgumentParser()

@@ -13,29 +13,6 @@ from recaccel.bench.train_data import CPU_TABLE_BYTES, load_preset
 from recaccel.bench.train_steps import CANDIDATES, PHASES
 from recaccel.cli import bench_main
 
-TINY = """
-[synth]
-num_dense = 3
-num_sparse = 4
-cardinality = 40
-multi_hot_fields = 1
-max_bag = 3
-rows_per_row_group = 64
-[data]
-batch_size = 32
-[model]
-embedding_dim = 8
-bottom_mlp = [16, 8]
-top_mlp = [16, 1]
-"""
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY)
-    return path
-
 
 def _argv(tmp_path, preset, *extra):
     return [

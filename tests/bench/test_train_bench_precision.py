@@ -13,29 +13,7 @@ from recaccel.bench.train_report import speedups
 from recaccel.bench.train_steps import parse_precisions
 from recaccel.cli import bench_main
 from recaccel.errors import ConfigError
-
-TINY = """
-[synth]
-num_dense = 3
-num_sparse = 4
-cardinality = 40
-multi_hot_fields = 1
-max_bag = 3
-rows_per_row_group = 64
-[data]
-batch_size = 32
-[model]
-embedding_dim = 8
-bottom_mlp = [16, 8]
-top_mlp = [16, 1]
-"""
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    path = tmp_path / "tiny.toml"
-    path.write_text(TINY)
-    return path
+from tests.bench.conftest import TINY_PRESET
 
 
 def _argv(tmp_path, preset, *extra):
@@ -91,7 +69,7 @@ def test_every_candidate_has_a_row_per_precision_mode_with_the_mode_named(tmp_pa
 
 
 def test_without_precision_each_preset_runs_its_own_mode(tmp_path, tiny):
-    tiny.write_text(TINY + '[train]\nprecision = "bf16"\n')
+    tiny.write_text(TINY_PRESET + '[train]\nprecision = "bf16"\n')
     assert bench_main(_argv(tmp_path, tiny, "--candidates", "eager")) == 0
     assert [r["precision"] for r in _rows(tmp_path)] == ["bf16"]
 
