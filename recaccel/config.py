@@ -74,6 +74,9 @@ InteractionBackend = Literal["auto", "reference", "triton"]
 # dcnv2 on the triton backend: library GEMMs + one fused elementwise kernel per layer | all
 # layers in one fused launch (recaccel.ops.interaction.CROSS_KERNELS)
 DcnKernel = Literal["gemm", "fused"]
+# dot interaction: zero-pad its output row to a multiple of 8 elements for the top MLP's
+# first GEMM (auto: on with the triton interaction on CUDA); parameters are unchanged
+InteractionPad = Literal["auto", "on", "off"]
 Pooling = Literal["sum", "mean"]
 # device: rows and optimizer state on the training device | host: in pinned host memory,
 # a device cache of the rows the next batches need
@@ -261,6 +264,7 @@ class ModelConfig(_Section):
     # triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1)
     embedding_backend: EmbeddingBackend = "auto"
     interaction_backend: InteractionBackend = "auto"
+    interaction_pad: InteractionPad = "auto"  # dot: pad its output row to a multiple of 8
     pooling: Pooling = "sum"
     # bf16/fp16: packed rows stored 16-bit, updated in fp32 with stochastic rounding
     embedding_dtype: EmbeddingDtype = "fp32"

@@ -157,7 +157,9 @@ class TaskHead:
             t, n = pooled.shape[:2]
             # No parameters: one call on all T*N rows, with the model's own backend.
             features = self.model.interaction_arch(hidden.flatten(0, 1), pooled.flatten(0, 1)).view(t, n, -1)
-        return batched_mlp(features, self.over_layers, params).squeeze(-1)
+        # A padded interaction's zero columns meet no weight here (the stored [out, in] is used).
+        width = getattr(self.model.interaction_arch, "output_dim", features.shape[-1])
+        return batched_mlp(features[..., :width], self.over_layers, params).squeeze(-1)
 
     def per_task(self, params: dict[str, Tensor], block: dict[str, Tensor]) -> Tensor:
         """Predictions [N] of one task through the model's own modules (``functional_call``)."""

@@ -12,7 +12,13 @@ from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
 from recaccel.models.fused_linear import dense_layer, fast_path_default
-from recaccel.ops.interaction import CROSS_KERNELS, dcnv2_cross, dot_interaction_pair, init_cross_weights
+from recaccel.ops.interaction import (
+    CROSS_KERNELS,
+    dcnv2_cross,
+    dot_interaction_pair,
+    init_cross_weights,
+    interaction_output_dim,
+)
 from recaccel.sparse import SparseFeatures
 
 
@@ -193,8 +199,13 @@ class InteractionArch(nn.Module):
 
     @property
     def output_dim(self) -> int:
-        f = self.num_sparse + 1
-        return self.dim + f * (f - 1) // 2
+        """The unpadded width D + (F+1)F/2: the in-features of the top MLP's first layer."""
+        return interaction_output_dim(self.num_sparse, self.dim)
+
+    @property
+    def output_width(self) -> int:
+        """Columns :meth:`forward` returns: :attr:`output_dim`, rounded up to a multiple of 8 with ``pad``."""
+        return interaction_output_dim(self.num_sparse, self.dim, pad=self.pad)
 
     def forward(self, dense: Tensor, pooled: Tensor) -> Tensor:
         """Maps dense [B, D] and pooled [B, F, D] to [B, D + (F+1)F/2] (padded if ``pad``)."""
@@ -206,6 +217,9 @@ class InteractionArch(nn.Module):
             # (a custom kernel is not autocast by itself).
             dtype = torch.get_autocast_dtype(device_type)
         return dot_interaction_pair(dense.to(dtype), pooled.to(dtype), self.backend, pad=self.pad)
+
+    def extra_repr(self) -> str:
+        return f"num_sparse={self.num_sparse}, dim={self.dim}, backend={self.backend!r}, pad={self.pad}"
 
 
 class DCNv2InteractionArch(nn.Module):
@@ -276,13 +290,28 @@ class DCNv2InteractionArch(nn.Module):
 
 
 class OverArch(nn.Module):
-    """Top MLP ending in one logit per row."""
+    """Top MLP ending in one logit per row.
 
-    def __init__(self, in_features: int, layer_sizes: list[int]) -> None:
+    Args:
+        in_features: K, the unpadded input width (the first layer's weight is [.., K]).
+        layer_sizes: the layers' widths, ending in 1.
+        padded_input: the input may arrive zero-padded to a multiple of 8 columns (a
+            padded :class:`InteractionArch`). The MLP then runs aligned on every device
+            (:attr:`MLP.align`): the padding meets zero weight columns made at run time,
+            so the parameters, state_dict and output are those of an unpadded arch.
+    """
+
+    def __init__(self, in_features: int, layer_sizes: list[int], *, padded_input: bool = False) -> None:
         super().__init__()
         if not layer_sizes or layer_sizes[-1] != 1:
             raise ValueError(f"top MLP must end in one unit (a logit), got {layer_sizes}")
         self.model = mlp(in_features, layer_sizes, final_activation=False)
+        self.padded_input = padded_input
+        if padded_input:
+            self.model.align = True
+
+    def extra_repr(self) -> str:
+        return f"padded_input={self.padded_input}"
 
     def forward(self, features: Tensor) -> Tensor:
         """Returns logits [B]."""

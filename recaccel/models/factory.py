@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from recaccel.config import EmbeddingPlacement, ModelConfig, OptimConfig
+from recaccel.config import EmbeddingPlacement, InteractionBackend, ModelConfig, OptimConfig
 from recaccel.errors import ConfigError
 from recaccel.models.arches import DCNv2InteractionArch, DenseArch, InteractionArch, OverArch, SparseArch
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import field_embedding
 from recaccel.models.table_memory import check_table_memory
+from recaccel.ops.backend import op_backends, resolve_backend
 
 if TYPE_CHECKING:  # only read by attribute: models do not depend on io at run time
     from recaccel.io.format.schema import FeatureSchema
@@ -113,24 +114,28 @@ def build_model(
         raise ConfigError(
             f"model.bottom_mlp must end in model.embedding_dim={dim} units, got {model_cfg.bottom_mlp}"
         )
-    interaction = build_interaction(model_cfg, schema.num_sparse)
+    interaction = build_interaction(model_cfg, schema.num_sparse, device)
     return DLRM(
         sparse_arch=SparseArch(build_embedding(model_cfg, optim_cfg, schema, device)),
         dense_arch=DenseArch(schema.num_dense, model_cfg.bottom_mlp),
         interaction_arch=interaction,
-        over_arch=OverArch(interaction.output_dim, model_cfg.top_mlp),
+        over_arch=OverArch(
+            interaction.output_dim, model_cfg.top_mlp, padded_input=getattr(interaction, "pad", False)
+        ),
     ).to(device)
 
 
-def build_interaction(model_cfg: ModelConfig, num_sparse: int) -> InteractionArch | DCNv2InteractionArch:
-    """The interaction arch ``model.interaction`` names, for F = ``num_sparse`` fields.
+def build_interaction(
+    model_cfg: ModelConfig, num_sparse: int, device: torch.device | str = "cpu"
+) -> InteractionArch | DCNv2InteractionArch:
+    """The interaction arch ``model.interaction`` names, for F = ``num_sparse`` fields on ``device``.
 
     Raises:
         ConfigError: an unknown interaction.
     """
     dim, backend = model_cfg.embedding_dim, model_cfg.interaction_backend
     if model_cfg.interaction == "dot":
-        return InteractionArch(num_sparse, dim, backend=backend)
+        return InteractionArch(num_sparse, dim, backend=backend, pad=interaction_pads(model_cfg, device))
     if model_cfg.interaction == "dcnv2":
         return DCNv2InteractionArch(
             num_sparse,
@@ -141,6 +146,23 @@ def build_interaction(model_cfg: ModelConfig, num_sparse: int) -> InteractionArc
             kernel=model_cfg.dcn_kernel,
         )
     raise ConfigError(f"model.interaction must be 'dot' or 'dcnv2', got {model_cfg.interaction!r}")
+
+
+def interaction_pads(model_cfg: ModelConfig, device: torch.device | str) -> bool:
+    """Whether the dot interaction pads its output row to a multiple of 8 elements
+    (``model.interaction_pad``; ``auto``: where the Triton kernel runs on CUDA, which
+    writes the padding in the same pass, so the top MLP's first GEMM reads aligned rows
+    at no extra copy; elsewhere padding would only add one)."""
+    if model_cfg.interaction_pad != "auto":
+        return model_cfg.interaction_pad == "on"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    available = op_backends(InteractionBackend)
+    return (
+        resolve_backend(model_cfg.interaction_backend, device, available=available, op="dot_interaction")
+        == "triton"
+    )
 
 
 def build_melu(
