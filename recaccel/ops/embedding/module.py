@@ -36,7 +36,7 @@ from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, chec
 from recaccel.ops.embedding.prepared import PreparedSparse
 from recaccel.ops.embedding.reference import ReferencePack
 from recaccel.ops.embedding.rounding import EMBEDDING_DTYPES, StochasticRounding, torch_dtype
-from recaccel.ops.embedding.specs import SparseOptimConfig, TableSpec
+from recaccel.ops.embedding.specs import InvalidIdError, SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.state import load_tables, save_tables
 from recaccel.sparse import SparseFeatures
 
@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _OP = "PackedEmbeddingBag"
 _MODES = ("fused", "autograd")
+_BOUNDS_CHECKS = (True, False, "eager", "deferred")
 _MAX_CACHED_ROUTES = 16
 # State-dict key (after the module's prefix) of the stochastic-rounding generator of
 # 16-bit rows; it has no dot, so no table's ``<table>.<name>`` key can take it.
@@ -186,8 +187,12 @@ class PackedEmbeddingBag(nn.Module):
             (see :func:`choose_backend`).
         mode: ``"fused"`` or ``"autograd"``.
         optim: Sparse optimizer hyper-parameters (fused mode).
-        bounds_check: Check every batch's ids (one vectorized check and host sync per
-            batch). The reference backend always checks.
+        bounds_check: Check every batch's ids: ``True`` (or ``"eager"``) checks in
+            :meth:`prepare`, one vectorized check and host sync per batch, and raises
+            before any kernel runs; ``"deferred"`` (Triton backend, device-placed tables;
+            elsewhere it is ``True``) checks inside the lookup kernels without a host
+            sync: see :meth:`check_ids` for when the error is raised. ``False`` does not
+            check. The reference backend always checks.
         sparse_grad: Autograd mode: give the packed weights sparse gradients.
         device: Where the rows live. The fbgemm backend's tables stay there (``.to()``
             does not move them); build the module on its final device.
@@ -216,7 +221,7 @@ class PackedEmbeddingBag(nn.Module):
         backend: str = "auto",
         mode: str = "fused",
         optim: SparseOptimConfig | None = None,
-        bounds_check: bool = True,
+        bounds_check: bool | str = True,
         sparse_grad: bool = False,
         device: torch.device | str | None = None,
         seed: int | None = None,
@@ -231,6 +236,10 @@ class PackedEmbeddingBag(nn.Module):
                 raise ConfigError(f"{_OP}: tables must be TableSpec instances, got {type(t).__name__}")
         if mode not in _MODES:
             raise ConfigError(f"{_OP}: mode must be one of {_MODES}, got {mode!r}")
+        if bounds_check not in _BOUNDS_CHECKS:
+            raise ConfigError(
+                f"{_OP}: bounds_check must be True, False, 'eager' or 'deferred', got {bounds_check!r}"
+            )
         if dtype not in EMBEDDING_DTYPES:
             raise ConfigError(f"{_OP}: dtype must be one of {EMBEDDING_DTYPES}, got {dtype!r}")
         if dtype != "fp32" and mode != "fused":
@@ -274,6 +283,9 @@ class PackedEmbeddingBag(nn.Module):
             self._packs.append(pack)
             self._held_names.append(tuple(held))
         self._always_check_ids = pack_class.always_checks_ids or bool(host_packs)
+        # The check in the kernels needs kernels that take it: Triton's, on device-placed packs.
+        self._defer_check = bounds_check == "deferred" and self.backend == "triton" and not host_packs
+        self._pending_checks: list[_PendingCheck] = []
         self._routes: dict[tuple, Routing] = {}
 
     # ----------------------------------------------------------------- lookups
@@ -362,6 +374,7 @@ class PackedEmbeddingBag(nn.Module):
         Raises:
             ValueError: rows outside the batch, or features of different dims.
         """
+        self._check_pending(wait=False)
         sf = self._prepared(sf, training=False)
         routing, batch_size = sf.routing, sf.batch_size
         if not 0 <= lo <= hi <= batch_size:
@@ -378,6 +391,7 @@ class PackedEmbeddingBag(nn.Module):
                 continue
             held = self._held(p)
             outs.append(self._packs[p].lookup_rows(held, sf, route, sf.packs[p], batch_size, lo, hi))
+        self._queue_check(sf)
         return routing.to_batch_order(outs)
 
     def deferred_update_unsupported(self) -> str | None:
@@ -431,10 +445,13 @@ class PackedEmbeddingBag(nn.Module):
             self._packs[p].apply_gradient(self._held(p), sf.packs[p], pack_grad, batch_size)
 
     def _lookup(self, sf: SparseFeatures) -> tuple[Routing, list[Tensor]]:
+        self._check_pending(wait=False)
         train = self.training and torch.is_grad_enabled()
         sf = self._prepared(sf, training=train)
         routing, batch_size = sf.routing, sf.batch_size
-        return routing, [self._lookup_pack(p, sf, r, batch_size, train) for p, r in enumerate(routing.packs)]
+        outs = [self._lookup_pack(p, sf, r, batch_size, train) for p, r in enumerate(routing.packs)]
+        self._queue_check(sf)
+        return routing, outs
 
     def _lookup_pack(
         self, p: int, sf: PreparedSparse, route: PackRoute, batch_size: int, train: bool
@@ -457,7 +474,10 @@ class PackedEmbeddingBag(nn.Module):
         sf = self._validate(sf)
         routing = self._route(sf.keys, sf.values.device)
         batch_size = sf.batch_size
-        if self.bounds_check or self._always_check_ids:
+        given, bad_ids = sf, None
+        if self._defer_check:
+            sf, bad_ids = _defer_batch_check(sf)
+        elif self.bounds_check or self._always_check_ids:
             check_batch(sf, routing, self.plan)
         packs = [
             None
@@ -474,7 +494,53 @@ class PackedEmbeddingBag(nn.Module):
             packs=packs,
             owner=weakref.ref(self),
             training=training,
+            bad_ids=bad_ids,
+            unchecked=given if bad_ids is not None else None,
         )
+
+    def check_ids(self) -> None:
+        """Raises the deferred bounds check's error of any batch looked up so far.
+
+        With ``bounds_check="deferred"`` the lookup kernels count each batch's
+        out-of-range ids on the device (an out-of-range id reads row 0 of its feature's
+        table, and a training step's update then changes that row; malformed offsets are
+        counted by :meth:`prepare`, and the kernels read the batch clamped into a valid
+        CSR). At the end of each lookup the count is copied to the host without waiting;
+        the error is raised, with the eager check's message (feature, id, batch row,
+        ``[0, R)`` and table, or the malformed offsets), by the first of: the module's
+        next lookup once that copy has landed (on CUDA normally the next step's, on CPU
+        always), :meth:`check_ids`, which waits for it, or ``state_dict()`` (so no
+        checkpoint holds a step that read an out-of-range id). It is raised once.
+        Without the deferred check this does nothing.
+
+        Raises:
+            InvalidIdError: a batch looked up since the last check had an id outside its
+                table or malformed offsets.
+        """
+        self._check_pending(wait=True)
+
+    def _queue_check(self, sf: PreparedSparse) -> None:
+        """Starts the host's copy of a looked-up batch's bad-id count (no waiting)."""
+        if sf.bad_ids is None:
+            return
+        # A batch looked up again (micro-batches) replaces its earlier copy: the count grew.
+        self._pending_checks = [c for c in self._pending_checks if c.counter is not sf.bad_ids]
+        self._pending_checks.append(_PendingCheck.start(sf))
+
+    def _check_pending(self, wait: bool) -> None:
+        """Raises for the first pending batch whose count arrived non-zero; keeps the
+        batches whose copy has not landed yet (all of them land when ``wait``)."""
+        pending, self._pending_checks = self._pending_checks, []
+        for i, check in enumerate(pending):
+            if not wait and not check.landed():
+                self._pending_checks.append(check)
+                continue
+            if check.bad():
+                self._pending_checks += [c for c in pending[i + 1 :]]
+                check_batch(check.batch, check.routing, self.plan)
+                raise InvalidIdError(
+                    f"{_OP}: the lookup kernels counted out-of-range ids in features {list(check.batch.keys)}"
+                )
 
     def _held(self, p: int) -> dict[str, Tensor]:
         """This module's tensors of pack ``p``, by name (looked up now: ``.to()`` replaces buffers)."""
@@ -486,7 +552,7 @@ class PackedEmbeddingBag(nn.Module):
         if routing is None:
             if len(self._routes) >= _MAX_CACHED_ROUTES:
                 self._routes.clear()
-            routing = self._routes[key] = self.plan.route(keys, device)
+            routing = self._routes[key] = self.plan.route(keys, device, check_in_kernels=self._defer_check)
         return routing
 
     def _validate(self, sf: SparseFeatures) -> SparseFeatures:
@@ -535,6 +601,7 @@ class PackedEmbeddingBag(nn.Module):
         return {t.name: out[t.name] for t in self.tables}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        self.check_ids()  # no checkpoint holds a step that read an out-of-range id
         save_tables(self.table_states(), destination, prefix)
         if self.rounding is not None:
             destination[prefix + ROUNDING_KEY] = self.rounding.state()
@@ -580,6 +647,60 @@ class PackedEmbeddingBag(nn.Module):
         )
         dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
         return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
+
+
+@dataclasses.dataclass
+class _PendingCheck:
+    """A looked-up batch whose bad-id count is on its way to the host.
+
+    Attributes:
+        batch: The batch as given to :meth:`PackedEmbeddingBag.prepare` (re-checked
+            eagerly, for the message, when the count is non-zero).
+        routing: Its routing.
+        counter: The device counter (the batch's ``bad_ids``).
+        host: The count's host copy (pinned on CUDA; the counter itself on CPU).
+        event: Marks the copy's end on CUDA; None on CPU.
+    """
+
+    batch: SparseFeatures
+    routing: Routing
+    counter: Tensor
+    host: Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, sf: PreparedSparse) -> _PendingCheck:
+        counter = sf.bad_ids
+        if not counter.is_cuda:
+            return cls(sf.unchecked, sf.routing, counter, counter, None)
+        host = torch.empty(counter.shape, dtype=counter.dtype, pin_memory=True)
+        host.copy_(counter, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(sf.unchecked, sf.routing, counter, host, event)
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def bad(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host[0]) > 0
+
+
+def _defer_batch_check(sf: SparseFeatures) -> tuple[SparseFeatures, Tensor]:
+    """The batch with its offsets clamped into a valid CSR (the same tensor's values when
+    they are valid), and an int32 [1] counter holding 1 if they were not. No host sync."""
+    values, offsets = sf.values, sf.offsets
+    n = values.numel()
+    bad = (offsets[0] != 0) | (offsets[-1] != n) | (offsets[1:] < offsets[:-1]).any()
+    counter = bad.to(torch.int32).reshape(1)
+    # Valid offsets are left as they are; malformed ones become non-decreasing in [0, n]
+    # from 0 to n, so that no kernel reads outside the ids before the error is raised.
+    safe = torch.cummax(offsets.clamp(0, n), 0).values
+    safe[0] = 0
+    safe[-1] = n
+    return SparseFeatures(sf.keys, values, safe, sf.weights), counter
 
 
 def _check_one_dim(routing: Routing, method: str) -> None:

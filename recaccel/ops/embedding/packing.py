@@ -10,8 +10,8 @@ features), N ids, D dim.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -70,6 +70,9 @@ class LocalFeatures:
         any_mean: some feature pools by mean.
         any_shift: some row offset is non-zero.
         any_missing: some ``src`` is -1.
+        limit: int64 [S] table size of each local feature when the ids are checked by
+            the kernels (a module's deferred bounds check: an id outside ``[0, limit)``
+            reads row 0 of its table and is counted), else None.
     """
 
     src: Tensor
@@ -80,10 +83,17 @@ class LocalFeatures:
     any_mean: bool
     any_shift: bool
     any_missing: bool
+    limit: Tensor | None = None
 
     @classmethod
     def build(
-        cls, src: list[int], row_offset: list[int], is_mean: list[bool], num_keys: int, device: torch.device
+        cls,
+        src: list[int],
+        row_offset: list[int],
+        is_mean: list[bool],
+        num_keys: int,
+        device: torch.device,
+        limit: list[int] | None = None,
     ) -> LocalFeatures:
         as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
         return cls(
@@ -95,6 +105,7 @@ class LocalFeatures:
             any_mean=any(is_mean),
             any_shift=any(r != 0 for r in row_offset),
             any_missing=any(s < 0 for s in src),
+            limit=None if limit is None else as_long(limit),
         )
 
 
@@ -167,19 +178,49 @@ class PackIds:
     bags: Tensor | None
 
 
-class RowGroups(NamedTuple):
+class RowGroups:
     """A pack's id occurrences grouped by packed row (:func:`group_by_row`).
+
+    Unpacks as ``order, unique_rows, segments``. ``unique_rows`` and ``segments`` have a
+    data-dependent size U (a host synchronization to make): :func:`group_by_row` makes
+    them at once when asked, else on first access, from the sorted keys it keeps.
 
     Attributes:
         order: int64 [N_p] occurrences sorted by row, stable.
+        sorted_rows: int32 or int64 [N_p] the rows in that order (the sort's keys).
         unique_rows: int64 [U] ascending.
         segments: int64 [U+1]: the occurrences of ``unique_rows[u]`` are
             ``order[segments[u]:segments[u+1]]``.
     """
 
-    order: Tensor
-    unique_rows: Tensor
-    segments: Tensor
+    def __init__(self, order: Tensor, sorted_rows: Tensor) -> None:
+        self.order = order
+        self.sorted_rows = sorted_rows
+        self._unique: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def unique_rows(self) -> Tensor:
+        return self._unique_and_segments()[0]
+
+    @property
+    def segments(self) -> Tensor:
+        return self._unique_and_segments()[1]
+
+    def __iter__(self) -> Iterator[Tensor]:
+        yield self.order
+        yield from self._unique_and_segments()
+
+    def tensors(self) -> list[Tensor]:
+        """The tensors made so far (what a consumer stream must mark as used)."""
+        return [self.order, self.sorted_rows, *(self._unique or ())]
+
+    def _unique_and_segments(self) -> tuple[Tensor, Tensor]:
+        if self._unique is None:
+            unique_rows, counts = torch.unique_consecutive(self.sorted_rows, return_counts=True)
+            segments = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=counts.device)
+            torch.cumsum(counts, 0, out=segments[1:])
+            self._unique = (unique_rows.long(), segments)
+        return self._unique
 
 
 class PackingPlan:
@@ -218,8 +259,16 @@ class PackingPlan:
                 total += t.num_rows
             self.packs.append(PackLayout(p, dim, optimizer, tuple(members), tuple(offsets), total, placement))
 
-    def route(self, keys: list[str] | tuple[str, ...], device: torch.device) -> Routing:
+    def route(
+        self, keys: list[str] | tuple[str, ...], device: torch.device, *, check_in_kernels: bool = False
+    ) -> Routing:
         """Routes a batch's features to the packs.
+
+        Args:
+            keys: The batch's feature names.
+            device: Where the routing's tensors live.
+            check_in_kernels: Give each pack's local features their tables' sizes
+                (``LocalFeatures.limit``): the deferred bounds check.
 
         Raises:
             DataError: a key no table declares, or a repeated key.
@@ -245,6 +294,7 @@ class PackingPlan:
                 [self.slots[keys[i]].table.pooling == "mean" for i in feats],
                 len(keys),
                 device,
+                [self.slots[keys[i]].table.num_rows for i in feats] if check_in_kernels else None,
             )
             declared = [f for t in layout.tables for f in t.features]
             slots = LocalFeatures.build(
@@ -316,9 +366,14 @@ def gather_pack_ids(
     bags = None
     if with_bags:
         bags = torch.repeat_interleave(torch.arange(s * b, device=device), lengths, output_size=n)
+    feat_counts = offsets[b::b] - offsets[: s * b : b] if b > 0 else None
+    if local.limit is not None and b > 0:
+        # Deferred bounds check: an id outside its table reads (and updates) the table's
+        # row 0, as the forward kernel does, never another table's row or past the buffer.
+        limit = torch.repeat_interleave(local.limit, feat_counts, output_size=n)
+        values = torch.where((values >= 0) & (values < limit), values, 0)
     rows = values
     if local.any_shift and b > 0:
-        feat_counts = offsets[b::b] - offsets[: s * b : b]
         rows = values + torch.repeat_interleave(local.row_offset, feat_counts, output_size=n)
     scale = None if weights is None else weights.to(torch.float32)
     if local.any_mean:
@@ -329,20 +384,33 @@ def gather_pack_ids(
     return PackIds(rows, offsets, scale, bags)
 
 
-def group_by_row(rows: Tensor) -> RowGroups:
+_INT32_ROWS = 2**31  # packed rows below this fit int32 sort keys
+
+
+def group_by_row(rows: Tensor, num_rows: int | None = None, *, unique: bool = True) -> RowGroups:
     """Groups a pack's id occurrences by packed row (the dedup step of every backward).
 
+    A stable sort of the rows: with ``num_rows`` below 2^31 its keys are int32 (half the
+    radix passes of int64 on CUDA, the same order: a stable sort's permutation depends
+    only on the keys' values). ``unique=False`` leaves the unique rows and segments
+    (whose size U needs a host synchronization) to the first reader, for a backward that
+    reads only the order (the Triton occurrence tiles): the grouping then runs without
+    synchronizing with the host.
+
     Args:
-        rows: int64 [N_p] packed row of each occurrence.
+        rows: int64 [N_p] packed row of each occurrence, in ``[0, num_rows)``.
+        num_rows: The pack's rows, or None when unknown (int64 keys).
+        unique: Make ``unique_rows`` and ``segments`` now.
 
     Returns:
         (order, unique_rows, segments): see :class:`RowGroups`.
     """
-    sorted_rows, order = torch.sort(rows, stable=True)
-    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
-    segments = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=rows.device)
-    torch.cumsum(counts, 0, out=segments[1:])
-    return RowGroups(order, unique_rows, segments)
+    keys = rows.int() if num_rows is not None and num_rows <= _INT32_ROWS else rows
+    sorted_rows, order = torch.sort(keys, stable=True)
+    groups = RowGroups(order, sorted_rows)
+    if unique:
+        groups.unique_rows  # noqa: B018 (made now, on the preparing stream)
+    return groups
 
 
 def slice_pack_ids(ids: PackIds, batch_size: int, num_local: int, lo: int, hi: int) -> PackIds:

@@ -67,16 +67,26 @@ class PreparedSparse(SparseFeatures):
             has no feature in the batch, the batch is empty, or its backend needs nothing.
         owner: A weak reference to the module that prepared it.
         training: Prepared for a training step (the backward's row grouping is there).
+        bad_ids: Under the module's deferred bounds check, an int32 [1] device counter of
+            the batch's malformed offsets and out-of-range ids, which the lookup kernels
+            add to (read later by the module: no host synchronization); else None.
+        unchecked: With ``bad_ids``, the batch as given (its offsets may differ from
+            ``offsets``, clamped into a valid CSR): what the module checks eagerly, for
+            the error's message, when the count is non-zero.
     """
 
     routing: Routing
     packs: list[PreparedPack | None]
     owner: weakref.ref
     training: bool
+    bad_ids: Tensor | None = None
+    unchecked: SparseFeatures | None = None
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the batch and its preparation hold (the routing's included)."""
-        out = [t for t in (self.values, self.offsets, self.weights) if t is not None]
+        out = [t for t in (self.values, self.offsets, self.weights, self.bad_ids) if t is not None]
+        if self.unchecked is not None:
+            out.append(self.unchecked.offsets)
         routing = self.routing
         out += [
             t
@@ -85,12 +95,13 @@ class PreparedSparse(SparseFeatures):
         ]
         for route in routing.packs:
             out += [route.local.src, route.local.row_offset, route.local.is_mean]
+            out += [] if route.local.limit is None else [route.local.limit]
             out += [route.slots.src, route.slots.row_offset, route.slots.is_mean, route.slot_of_local]
         for pack in self.packs:
             if pack is not None:
                 ids = pack.ids
                 out += [t for t in (ids.rows, ids.offsets, ids.scale, ids.bags) if t is not None]
-                out += [] if pack.groups is None else list(pack.groups)
+                out += [] if pack.groups is None else pack.groups.tensors()
         return out
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:

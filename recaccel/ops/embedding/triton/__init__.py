@@ -71,7 +71,9 @@ class TritonPack(HeldPack):
         if not train:
             return None
         ids = gather_pack_ids(sf, route.local, batch_size, with_bags=True)
-        return PreparedPack(ids, group_by_row(ids.rows))
+        # The fused update reads only the sort order: no unique rows, no host sync.
+        groups = group_by_row(ids.rows, self.layout.num_rows, unique=self.mode == "autograd")
+        return PreparedPack(ids, groups)
 
     def lookup_autograd(
         self,

@@ -68,6 +68,8 @@ def _bag_tile_kernel(
     src_ptr,  # int64 [S] batch feature of each local feature, -1 if absent
     row_offset_ptr,  # int64 [S] packed-row shift of each local feature
     is_mean_ptr,  # bool [S] (read only if HAS_MEAN)
+    limit_ptr,  # int64 [S] table size of each local feature (read only if CHECK)
+    bad_ptr,  # int32 [1] count of out-of-range ids (added to only if CHECK)
     out_ptr,  # float32, bfloat16 or float16 [rows, S, D], unit column stride
     batch_size,  # B of the CSR
     row_lo,  # first batch row pooled
@@ -79,6 +81,7 @@ def _bag_tile_kernel(
     DIM: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_MEAN: tl.constexpr,
+    CHECK: tl.constexpr,  # ids outside [0, limit) read row 0 of their table and are counted
     BLOCK_BAGS: tl.constexpr,
     BLOCK_D: tl.constexpr,
     UNROLL: tl.constexpr,
@@ -98,6 +101,9 @@ def _bag_tile_kernel(
     cols = tl.arange(0, BLOCK_D)
     col_mask = cols < DIM
     acc = tl.zeros([BLOCK_BAGS, BLOCK_D], dtype=tl.float32)
+    if CHECK:
+        limit = tl.load(limit_ptr + j)
+        num_bad = tl.zeros([BLOCK_BAGS], dtype=tl.int32)
     max_len = tl.max(walk, axis=0)
     # A while loop, not range(): the interpreter cannot take tensor bounds.
     pos = 0
@@ -106,6 +112,10 @@ def _bag_tile_kernel(
             live = (pos + u) < walk
             at = start + pos + u
             ids = tl.load(values_ptr + at, mask=live, other=0)
+            if CHECK:
+                ok = (ids >= 0) & (ids < limit)
+                num_bad += (live & (ok == 0)).to(tl.int32)
+                ids = tl.where(ok, ids, 0)
             row_off = tl.multiple_of((ids + shift) * stride_w, W_VEC)
             # The row mask is rebuilt, not live[:, None]: Triton 3.6's layout pass fails
             # on one i1 tensor masking both a 1-D and a 2-D load.
@@ -119,6 +129,9 @@ def _bag_tile_kernel(
                 rows = rows * w[:, None]
             acc += rows
         pos += UNROLL
+    if CHECK:
+        bad = tl.sum(num_bad, axis=0)
+        tl.atomic_add(bad_ptr, bad, mask=bad > 0)
     if HAS_MEAN:
         is_mean = tl.load(is_mean_ptr + j)
         denom = tl.where(is_mean, tl.maximum(length, 1), 1).to(tl.float32)
@@ -140,6 +153,8 @@ def _long_bag_kernel(
     src_ptr,
     row_offset_ptr,
     is_mean_ptr,
+    limit_ptr,
+    bad_ptr,
     out_ptr,
     batch_size,
     row_lo,
@@ -151,6 +166,7 @@ def _long_bag_kernel(
     DIM: tl.constexpr,
     HAS_WEIGHTS: tl.constexpr,
     HAS_MEAN: tl.constexpr,
+    CHECK: tl.constexpr,
     SCAN_BAGS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -171,6 +187,8 @@ def _long_bag_kernel(
     chunk = tl.arange(0, CHUNK)
     if HAS_MEAN:
         is_mean = tl.load(is_mean_ptr + j)
+    if CHECK:
+        limit = tl.load(limit_ptr + j)
     while tl.max(pending, axis=0) > 0:
         k = tl.argmax(pending, axis=0)  # the first pending bag
         pick = idx == k
@@ -182,6 +200,12 @@ def _long_bag_kernel(
             live = (pos + chunk) < n
             at = first + pos + chunk
             ids = tl.load(values_ptr + at, mask=live, other=0)
+            if CHECK:
+                ok = (ids >= 0) & (ids < limit)
+                # Counted by the first column block only: each id once.
+                bad = tl.sum((live & (ok == 0)).to(tl.int32), axis=0)
+                tl.atomic_add(bad_ptr, bad, mask=(bad > 0) & (tl.program_id(2) == 0))
+                ids = tl.where(ok, ids, 0)
             row_off = tl.multiple_of((ids + shift) * stride_w, W_VEC)
             rows = tl.load(
                 weight_ptr + row_off[:, None] + cols[None, :],
@@ -314,6 +338,9 @@ def _launch(
     """Runs the tile launch, then the long-bag launch when a bag can be long."""
     num_rows, dim = out.shape[0], weight.shape[1]
     has_weights = sf.weights is not None
+    # The deferred bounds check: the routing carries the tables' sizes, the batch its counter.
+    bad_ids = getattr(sf, "bad_ids", None)
+    check = local.limit is not None and bad_ids is not None
     block_d = triton.next_power_of_2(dim)
     cap = 16 // weight.element_size()  # elements in 16 bytes
     args = (
@@ -324,6 +351,8 @@ def _launch(
         local.src,
         local.row_offset,
         local.is_mean,
+        local.limit if check else local.row_offset,
+        bad_ids if check else local.row_offset,
         out,
         batch_size,
         row_lo,
@@ -333,7 +362,7 @@ def _launch(
         out.stride(0),
         out.stride(1),
     )
-    common = {"DIM": dim, "HAS_WEIGHTS": has_weights, "HAS_MEAN": local.any_mean}
+    common = {"DIM": dim, "HAS_WEIGHTS": has_weights, "HAS_MEAN": local.any_mean, "CHECK": check}
     w_vec = _pow2_divisor([weight.stride(0)], cap)
     _bag_tile_kernel[(triton.cdiv(num_rows, config.block_bags), local.count)](
         *args,
