@@ -397,3 +397,38 @@ def test_tensors_cover_the_preparation(device, sparse_batch):
             assert id(t) in held
     assert id(ready.routing.order) in held and id(ready.values) in held
     ready.record_stream(torch.cuda.current_stream() if device == "cuda" else None)  # CPU: nothing to mark
+
+
+def _grouping_as_before(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row grouping as it was made before int32 keys: int64 sort, unique_consecutive."""
+    sorted_rows, order = torch.sort(rows, stable=True)
+    unique_rows, counts = torch.unique_consecutive(sorted_rows, return_counts=True)
+    return order, unique_rows, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+
+
+@pytest.mark.parametrize("num_rows, n", [(3, 200), (1000, 50), (2**31, 64), (2**31 + 1, 64), (5, 0)])
+@pytest.mark.parametrize("unique", [True, False])
+def test_row_grouping_with_int32_keys_equals_the_int64_grouping(num_rows, n, unique):
+    from recaccel.ops.embedding.packing import group_by_row
+
+    gen = torch.Generator().manual_seed(num_rows + n)
+    rows = torch.randint(0, num_rows, (n,), generator=gen, dtype=torch.int64)
+    groups = group_by_row(rows, num_rows, unique=unique)
+    assert groups.sorted_rows.dtype == (torch.int32 if num_rows <= 2**31 else torch.int64)
+    # Made now only when asked: what the Triton fused update's preparation skips.
+    assert len(groups.tensors()) == (4 if unique else 2)
+    order, unique_rows, segments = groups  # order-only groupings make the rest on access
+    want = _grouping_as_before(rows)
+    for got, expected in zip((order, unique_rows, segments), want):
+        assert got.dtype == torch.int64 and torch.equal(got, expected)
+
+
+@needs_triton
+def test_a_triton_fused_preparation_sorts_without_unique_rows(sparse_batch):
+    tables = _tables()
+    m = PackedEmbeddingBag(tables, backend="triton", seed=5).train()
+    ready = m.prepare(_batch(tables, KEYS, sparse_batch, seed=160))
+    for pack in ready.packs:
+        assert pack.groups.sorted_rows.dtype == torch.int32
+        assert len(pack.groups.tensors()) == 2  # order and keys: no unique_consecutive ran
+        assert torch.equal(pack.groups.order, _grouping_as_before(pack.ids.rows)[0])
