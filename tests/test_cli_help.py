@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,3 +193,24 @@ def test_missing_data_hint_in_preflight_and_none_for_own_data(tmp_path, monkeypa
         own = load_config(None, ['data.schema={label = "y", dense = ["a"]}'])
         assert make_data_hint(own, "data/synth/train") is None
     assert make_data_hint(cfg, "nowhere/else") is None
+
+
+def _console_scripts() -> dict[str, str]:
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    return pyproject["project"]["scripts"]
+
+
+@pytest.mark.parametrize("script", sorted(_console_scripts()))
+def test_every_command_and_subcommand_prints_its_help(script, capsys):
+    """argparse formats help lazily: a stray ``%`` in one help text crashes ``--help`` alone."""
+    module, _, name = _console_scripts()[script].partition(":")
+    main = getattr(importlib.import_module(module), name)
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    listed = capsys.readouterr().out
+    subcommands = re.findall(r"^\s+\{([\w,-]+)\}", listed, flags=re.M)
+    for sub in subcommands[0].split(",") if subcommands else []:
+        with pytest.raises(SystemExit) as done:
+            main([sub, "--help"])
+        assert done.value.code == 0, f"{script} {sub} --help"

@@ -18,7 +18,7 @@ _MODULES = {
         "recaccel.bench.embedding",
     ),
     "kernels": (
-        "Triton embedding kernels: config sweep within a time budget, % of copy bandwidth, tuning table",
+        "Triton embedding kernels: config sweep within a time budget, share of copy bandwidth, tuning table",
         "recaccel.bench.kernels",
     ),
     "interaction": ("fused DLRM dot interaction vs PyTorch eager", "recaccel.bench.interaction"),
