@@ -273,8 +273,9 @@ _COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from recaccel.ops.embedding.triton import forward as F
 
-    PTRS = ["values_ptr", "offsets_ptr", "id_weights_ptr", "src_ptr", "row_offset_ptr", "is_mean_ptr", "out_ptr"]
-    TYPES = ["*i64", "*i64", "*fp32", "*i64", "*i64", "*i1", "*fp32"]
+    PTRS = ["values_ptr", "offsets_ptr", "id_weights_ptr", "src_ptr", "row_offset_ptr", "is_mean_ptr", "out_ptr",
+            "limit_ptr", "bad_ptr"]
+    TYPES = ["*i64", "*i64", "*fp32", "*i64", "*i64", "*i1", "*fp32", "*i64", "*i32"]
     INTS = ["batch_size", "row_lo", "num_rows", "long_threshold", "stride_w", "stride_ob", "stride_of"]
     ALIGNED = {"weight_ptr", "values_ptr", "offsets_ptr", "out_ptr", "stride_w", "stride_ob", "stride_of"}
 
@@ -289,7 +290,7 @@ _COMPILE = textwrap.dedent(
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
         return len(re.findall(r"ld\\.global[.\\w]*\\.v4", k.asm["ptx"]))
 
-    tile = dict(HAS_WEIGHTS=True, HAS_MEAN=True, BLOCK_BAGS=32, BLOCK_D=128, O_VEC=4)
+    tile = dict(HAS_WEIGHTS=True, HAS_MEAN=True, BLOCK_BAGS=32, BLOCK_D=128, O_VEC=4, CHECK=False)
     cases = [
         (F._bag_tile_kernel, "*fp32", dict(tile, DIM=128, UNROLL=1, W_VEC=4), 4, 32 * 128 * 4),
         (F._bag_tile_kernel, "*fp32", dict(tile, DIM=100, UNROLL=2, W_VEC=4), 4, 32 * 128 * 4 * 2),
@@ -297,7 +298,11 @@ _COMPILE = textwrap.dedent(
         (F._bag_tile_kernel, "*fp16", dict(tile, DIM=16, BLOCK_BAGS=128, BLOCK_D=16, UNROLL=4, W_VEC=8), 4,
          128 * 16 * 2 * 4),
         (F._long_bag_kernel, "*fp32", dict(HAS_WEIGHTS=True, HAS_MEAN=True, DIM=128, SCAN_BAGS=128, CHUNK=32,
-                                           BLOCK_D=128, W_VEC=4), 4, 32 * 128 * 4),
+                                           BLOCK_D=128, W_VEC=4, CHECK=False), 4, 32 * 128 * 4),
+        # The deferred bounds check (ids counted on the device) keeps the 16-byte row loads.
+        (F._bag_tile_kernel, "*fp32", dict(tile, DIM=128, UNROLL=1, W_VEC=4, CHECK=True), 4, 32 * 128 * 4),
+        (F._long_bag_kernel, "*fp32", dict(HAS_WEIGHTS=True, HAS_MEAN=True, DIM=128, SCAN_BAGS=128, CHUNK=32,
+                                           BLOCK_D=128, W_VEC=4, CHECK=True), 4, 32 * 128 * 4),
     ]
     for fn, wtype, consts, warps, row_bytes in cases:
         want = row_bytes // 16 // (32 * warps)  # every row byte in a 16-byte load
@@ -325,7 +330,7 @@ def test_kernels_compile_for_sm90_with_16_byte_row_loads(tmp_path):
         cwd=repo,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert re.search(r"^compiled 5$", done.stdout, re.M)
+    assert re.search(r"^compiled 7$", done.stdout, re.M)
 
 
 def test_benchmark_runs_its_cpu_mode_and_writes_json(tmp_path):
