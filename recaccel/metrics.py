@@ -4,12 +4,13 @@ All functions take 1-D tensors of N scores and N labels. Inputs are checked befo
 anything is computed: a non-finite score or probability, a label outside its range, a
 negative weight or mismatched lengths raise :class:`MetricError` (a
 :class:`~recaccel.errors.RecaccelError`, so the CLI prints it as one line). A metric that
-is undefined for valid input (AUC of a single class, no rows) is NaN with an
-:class:`UndefinedMetricWarning`.
+is undefined for valid input (AUC or NE of a single class, calibration without positives,
+no rows) is NaN with an :class:`UndefinedMetricWarning`.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -142,6 +143,22 @@ def binary_auc(scores: Tensor, labels: Tensor, weights: Tensor | None = None) ->
     return auc_of_valid(s, y, w)
 
 
+def _checked_probs(probs: Tensor, labels: Tensor, weights: Tensor | None, fn: str) -> tuple[Tensor, ...]:
+    """Float64 probabilities, labels (soft allowed) and weights, checked for ``fn``."""
+    p = _as_double("probs", probs, None, fn)
+    check_finite(p, f"{fn}: probs")
+    _check_range(p, (p >= 0) & (p <= 1), f"{fn}: probs", "in [0, 1]")
+    y = _labels(labels, p.numel(), fn, binary=False)
+    w = _weights(weights, p.numel(), fn)
+    return p, y, w
+
+
+def _mean_logloss(p: Tensor, y: Tensor, w: Tensor, eps: float) -> float:
+    """Weighted mean cross-entropy of checked inputs whose weights sum to more than 0."""
+    p = p.clamp(eps, 1 - eps)
+    return float(-(w * (y * p.log() + (1 - y) * (1 - p).log())).sum() / w.sum())
+
+
 def binary_logloss(probs: Tensor, labels: Tensor, eps: float = 1e-7, weights: Tensor | None = None) -> float:
     """Mean binary cross-entropy, probabilities clamped to ``[eps, 1 - eps]``.
 
@@ -163,13 +180,68 @@ def binary_logloss(probs: Tensor, labels: Tensor, eps: float = 1e-7, weights: Te
             label lies outside [0, 1], a weight is negative, or the lengths differ.
     """
     fn = "binary_logloss"
-    p = _as_double("probs", probs, None, fn)
-    check_finite(p, f"{fn}: probs")
-    _check_range(p, (p >= 0) & (p <= 1), f"{fn}: probs", "in [0, 1]")
-    y = _labels(labels, p.numel(), fn, binary=False)
-    w = _weights(weights, p.numel(), fn)
+    p, y, w = _checked_probs(probs, labels, weights, fn)
+    if float(w.sum()) == 0:
+        return _undefined(fn, "no rows" if p.numel() == 0 else "weights sum to 0")
+    return _mean_logloss(p, y, w, eps)
+
+
+def normalized_entropy(
+    probs: Tensor, labels: Tensor, eps: float = 1e-7, weights: Tensor | None = None
+) -> float:
+    """Normalized entropy (NE): logloss over the entropy of the base rate of ``labels``.
+
+    NE = logloss / H(p), where p is the (weighted) mean label and
+    H(p) = -(p log p + (1 - p) log(1 - p)), the logloss of always predicting p (He et al.
+    2014, "Practical lessons from predicting clicks on ads at Facebook"). Below 1 the model
+    beats predicting the base rate; lower is better. The logloss is :func:`binary_logloss`'s
+    (same clamp), so NE does not depend on the base rate the way logloss does.
+
+    Args:
+        probs: [N] probabilities in [0, 1].
+        labels: [N] in [0, 1] (soft labels allowed).
+        eps: clamp of the probabilities in the logloss.
+        weights: optional [N] non-negative sample weights (in the logloss and in p).
+
+    Returns:
+        NE; NaN with an :class:`UndefinedMetricWarning` when there are no rows, the weights
+        sum to 0, or p is 0 or 1 (a single class: the entropy is 0).
+
+    Raises:
+        MetricError: as :func:`binary_logloss`.
+    """
+    fn = "normalized_entropy"
+    p, y, w = _checked_probs(probs, labels, weights, fn)
     total = float(w.sum())
     if total == 0:
         return _undefined(fn, "no rows" if p.numel() == 0 else "weights sum to 0")
-    p = p.clamp(eps, 1 - eps)
-    return float(-(w * (y * p.log() + (1 - y) * (1 - p).log())).sum() / total)
+    rate = float((w * y).sum()) / total
+    if rate <= 0 or rate >= 1:
+        return _undefined(fn, f"the base rate of the labels is {rate:g}, its entropy is 0")
+    entropy = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    return _mean_logloss(p, y, w, eps) / entropy
+
+
+def calibration(probs: Tensor, labels: Tensor, weights: Tensor | None = None) -> float:
+    """Predicted over actual CTR: the (weighted) sum of probabilities over that of labels.
+
+    1 is calibrated; above 1 the model over-predicts clicks, below 1 it under-predicts.
+
+    Args:
+        probs: [N] probabilities in [0, 1].
+        labels: [N] in [0, 1] (soft labels allowed).
+        weights: optional [N] non-negative sample weights.
+
+    Returns:
+        The ratio; NaN with an :class:`UndefinedMetricWarning` when the labels (by weight)
+        sum to 0: no rows or no positives.
+
+    Raises:
+        MetricError: as :func:`binary_logloss`.
+    """
+    fn = "calibration"
+    p, y, w = _checked_probs(probs, labels, weights, fn)
+    actual = float((w * y).sum())
+    if actual == 0:
+        return _undefined(fn, "no rows" if p.numel() == 0 else "no positive labels (by weight)")
+    return float((w * p).sum()) / actual

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from recaccel.metrics import binary_auc, binary_logloss
+from recaccel.metrics import binary_auc, binary_logloss, calibration, normalized_entropy
 from recaccel.sparse import Batch
 
 
@@ -35,11 +35,14 @@ def predict_rows(
 
 
 def binary_metrics(logits: Tensor, labels: Tensor) -> dict[str, float]:
-    """AUC, logloss and CTR of click predictions."""
+    """AUC, logloss, normalized entropy (NE), calibration and CTR of click predictions (unweighted,
+    as the logloss and CTR beside them)."""
     probs = torch.sigmoid(logits.double())
     return {
         "auc": binary_auc(logits, labels),
         "logloss": binary_logloss(probs, labels),
+        "ne": normalized_entropy(probs, labels),
+        "calibration": calibration(probs, labels),
         "ctr": float(labels.double().mean()),
         "eval_rows": int(labels.numel()),
     }
