@@ -161,7 +161,30 @@ def print_metrics(metrics: dict[str, Any], out_dir: Path, data_dir: Path | None 
                 shown[f"{state}.{key}"] = values[key]
     width = max(len(k) for k in shown)
     for key in sorted(shown):
-        value = shown[key]
-        text = f"{value:.5f}" if isinstance(value, float) else str(value)
-        print(f"{key:<{width}}  {text}")
+        print(f"{key:<{width}}  {format_metric(key, shown[key])}")
     print(f"metrics written to {out_dir / 'metrics.json'}")
+
+
+# A metric is a count when a word of its name is one of these and none is a rate word.
+_COUNT_WORDS = frozenset(
+    {"rows", "tasks", "steps", "step", "epochs", "epoch", "hits", "misses", "requests", "bytes"}
+    | {"evicted", "fetched", "restarts", "flags", "count", "samples"}
+)
+_RATE_WORDS = frozenset({"per", "rate", "fraction", "ratio", "mean", "avg"})
+
+
+def is_count(key: str) -> bool:
+    """Whether the metric named ``key`` (``state.name`` allowed) counts things, so that an
+    integer value of it is shown without decimals (``tasks 189``, not ``189.00000``)."""
+    words = set(re.split(r"[_.@\s]+", key.rsplit(".", 1)[-1].lower()))
+    return bool(words & _COUNT_WORDS) and not words & _RATE_WORDS
+
+
+def format_metric(key: str, value: Any) -> str:
+    """One metric as the console shows it: counts as integers, other floats with five
+    decimals, NaN as ``nan``, anything else as ``str``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or (is_count(key) and float(value).is_integer()):
+        return str(int(value))
+    return f"{value:.5f}"  # NaN shows as "nan"

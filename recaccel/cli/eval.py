@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recaccel.cli.common import run_command, setup_logging
+from recaccel.cli.common import format_metric, run_command, setup_logging
 from recaccel.output_paths import Read, check_output, run_reads, write_text_atomic
 
 
@@ -104,10 +103,8 @@ def _json_value(value: Any) -> Any:
 
 
 def _print(metrics: dict[str, Any]) -> None:
-    """Numbers one per line, sorted by name (NaN where a metric is undefined)."""
+    """Numbers one per line, sorted by name, counts as integers (NaN where a metric is undefined)."""
     shown = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     width = max(len(k) for k in shown)
     for key in sorted(shown):
-        value = shown[key]
-        text = f"{value:.5f}" if isinstance(value, float) and not math.isnan(value) else str(value)
-        print(f"{key:<{width}}  {text}")
+        print(f"{key:<{width}}  {format_metric(key, shown[key])}")
