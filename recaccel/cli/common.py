@@ -149,6 +149,11 @@ def add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
     )
 
 
+# The metrics of each meta evaluation state that the console shows.
+_STATE_KEYS = ("mae", "rmse", "auc", "gauc", "ne", "calibration", "ndcg@1", "ndcg@3")
+_STATE_KEYS += ("mae_no_adapt", "ndcg@3_no_adapt")
+
+
 def print_metrics(metrics: dict[str, Any], out_dir: Path, data_dir: Path | None = None) -> None:
     shown = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) or v is None}
     planted = data_dir / "synth.json" if data_dir is not None else None
@@ -156,7 +161,7 @@ def print_metrics(metrics: dict[str, Any], out_dir: Path, data_dir: Path | None 
         # Synthetic data: show how far the model is from the planted (Bayes-optimal) one.
         shown["bayes_auc (planted model)"] = json.loads(planted.read_text())["report"]["bayes_auc"]
     for state, values in metrics.get("states", {}).items():
-        for key in ("mae", "rmse", "auc", "gauc", "ndcg@1", "ndcg@3", "mae_no_adapt", "ndcg@3_no_adapt"):
+        for key in _STATE_KEYS:
             if key in values:
                 shown[f"{state}.{key}"] = values[key]
     width = max(len(k) for k in shown)

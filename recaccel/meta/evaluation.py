@@ -6,7 +6,7 @@ with the suffix ``_no_adapt``. Padded rows (mask 0) are excluded everywhere.
 
 - ratings (``loss="mse"``): ``mae`` and ``rmse`` over all real query rows;
 - clicks (``loss="bce"``): ``auc`` over all real query rows, ``gauc`` (per-task AUC
-  averaged over the tasks that have both classes) and ``logloss``;
+  averaged over the tasks that have both classes), ``logloss``, ``ne`` and ``calibration``;
 - both: ``ndcg@k`` of each task's query ranking averaged over tasks (see
   :mod:`recaccel.meta.ranking` for the exact definition and which tasks count).
 
@@ -27,7 +27,7 @@ from recaccel.config import Loss
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.learner import MetaLearner
 from recaccel.meta.ranking import auc_per_task, ndcg_per_task
-from recaccel.metrics import binary_auc, binary_logloss, check_finite
+from recaccel.metrics import binary_auc, binary_logloss, calibration, check_finite, normalized_entropy
 from recaccel.sparse import TaskBatch
 
 _DIVERGED = "the model has diverged (a lower optim.lr or meta.inner_lr may help)"
@@ -89,6 +89,8 @@ class TaskMetrics:
         else:
             out["auc"] = math.nan if empty else binary_auc(pred, label)
             out["logloss"] = math.nan if empty else binary_logloss(torch.sigmoid(pred), label)
+            out["ne"] = math.nan if empty else normalized_entropy(torch.sigmoid(pred), label)
+            out["calibration"] = math.nan if empty else calibration(torch.sigmoid(pred), label)
             out["gauc"], gauc_tasks = _nanmean(self._auc)
             out["gauc_tasks"] = float(gauc_tasks)
         for k in self.ks:
