@@ -92,6 +92,7 @@ Precision = Literal["fp32", "tf32", "bf16"]
 PipelineMode = Literal["off", "sync", "semi_sync"]
 LRSchedule = Literal["constant", "linear", "cosine", "polynomial"]
 Logger = Literal["jsonl", "tensorboard"]
+BestMode = Literal["max", "min", "auto"]  # is a larger or a smaller train.best_metric better
 DenseOptimizer = Literal["adam", "sgd", "adagrad"]
 SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
 TrainMode = Literal["dlrm", "meta"]
@@ -315,6 +316,13 @@ class TrainConfig(_Section):
     loss: Literal["auto", Loss] = "auto"  # auto: from the data's label_kind
     eval_every: NonNegative = 0  # steps; 0 = only at the end
     checkpoint_every: NonNegative = 0  # steps; 0 = only at the end
+    keep_checkpoints: Count = 2  # the newest step checkpoints kept (older ones are deleted)
+    # A metric of the periodic evaluations ("auc", "logloss"): the checkpoint of its best
+    # evaluation is kept as checkpoints/best.pt; "" = none
+    best_metric: str = ""
+    best_mode: BestMode = "auto"  # auto: min for names with loss, ne, mae, mse or rmse, else max
+    # > 0: stop after this many periodic evaluations without a better best_metric; 0 = off
+    early_stop_patience: NonNegative = 0
     log_every: Count = 50  # steps (the first step is always logged)
     seed: Seed = 0
     device: Annotated[str, Pattern(r"auto|cpu|cuda(:[0-9]+)?", "must be auto, cpu, cuda or cuda:N")] = "auto"
@@ -342,6 +350,20 @@ class TrainConfig(_Section):
             raise ConfigError(
                 f"config keys train.pipeline=semi_sync and train.micro_batches={self.micro_batches} do not "
                 "combine; use train.pipeline=sync with micro-batches"
+            )
+        self._check_best()
+
+    def _check_best(self) -> None:
+        """best_metric needs periodic evaluations; early stopping needs best_metric."""
+        if self.early_stop_patience > 0 and not self.best_metric:
+            raise ConfigError(
+                f"config key train.early_stop_patience={self.early_stop_patience} needs train.best_metric "
+                '(the metric that must improve, e.g. "auc")'
+            )
+        if self.best_metric and self.eval_every == 0:
+            raise ConfigError(
+                f"config key train.best_metric={self.best_metric} needs periodic evaluations; "
+                "set train.eval_every > 0"
             )
 
 

@@ -11,6 +11,10 @@ fails its check: at worst a digest file without its checkpoint (removed at the n
 save). Re-saving a step lists the old file's digest beside the new one until the new file
 is in place. A checkpoint without a digest file (written before recaccel recorded them,
 or copied without it) is accepted once its zip CRC-32s pass, with a warning.
+
+``train.keep_checkpoints`` step checkpoints stay (the newest). ``best.pt`` (with
+``train.best_metric``) is written the same way, digest file first, and replaced at each
+better evaluation (:mod:`recaccel.train.best`).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from recaccel.train.checkpoint_io import (
 from recaccel.train.checkpoint_paths import DIGEST_SUFFIX, digest_file, list_checkpoints, newest_checkpoint
 from recaccel.train.runlog import CHECKPOINT_DIR
 
+BEST_FILE = "best.pt"  # in checkpoints/: the checkpoint of train.best_metric's best evaluation
+
 
 @dataclass
 class TrainState:
@@ -62,6 +68,53 @@ class TrainState:
     reader: dict[str, Any] | None = None
     data: dict[str, int] | None = None
     last_loss: float = math.nan
+    best: BestRecord | None = None  # train.best_metric's best evaluation so far
+
+
+@dataclass
+class BestRecord:
+    """The best periodic evaluation so far (``train.best_metric``) and the early-stopping
+    count: evaluations since it, and the step the run stopped early at (None: it did not)."""
+
+    value: float
+    step: int
+    evals_since: int = 0
+    stopped_at: int | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "value": self.value,
+                "step": self.step,
+                "evals_since": self.evals_since,
+                "stopped_at": self.stopped_at,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: Any) -> BestRecord | None:
+        """The record of a ``best`` entry (JSON text of null or of the object ``to_json`` writes).
+
+        Raises:
+            ValueError: malformed.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"entry 'best' must be JSON text, got {type(text).__name__}")
+        value = json.loads(text)
+        if value is None:
+            return None
+        if not isinstance(value, dict) or set(value) != {"value", "step", "evals_since", "stopped_at"}:
+            raise ValueError(
+                f"entry 'best' must hold value, step, evals_since and stopped_at, got {text[:80]!r}"
+            )
+        counts = [value["step"], value["evals_since"]] + (
+            [] if value["stopped_at"] is None else [value["stopped_at"]]
+        )
+        if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+            raise ValueError(f"entry 'best' must hold non-negative step counts, got {text[:80]!r}")
+        if isinstance(value["value"], bool) or not isinstance(value["value"], (int, float)):
+            raise ValueError(f"entry 'best' must hold a numeric value, got {text[:80]!r}")
+        return cls(float(value["value"]), value["step"], value["evals_since"], value["stopped_at"])
 
 
 def rng_state() -> dict[str, Any]:
@@ -95,18 +148,22 @@ def state_entries(state: TrainState) -> dict[str, Any]:
         "data": json.dumps(state.data),
         "last_loss": float(state.last_loss),
         "rng": rng_state(),
+        # only with train.best_metric: a run without it writes what older recaccel wrote
+        **({"best": state.best.to_json()} if state.best is not None else {}),
     }
 
 
 def restore_state(entries: dict[str, Any]) -> TrainState:
     """Restores the RNG state of :func:`state_entries`' output and returns its TrainState.
 
-    Checkpoints written before ``data`` and ``last_loss`` existed load with None and NaN.
+    Checkpoints written before ``data``, ``last_loss`` and ``best`` existed load with None,
+    NaN and None.
 
     Raises:
         ValueError: a malformed ``data`` or ``last_loss`` entry (checked before any state is set).
     """
     data = _saved_data(entries.get("data", "null"))
+    best = BestRecord.from_json(entries.get("best", "null"))
     last_loss = entries.get("last_loss", math.nan)
     if isinstance(last_loss, bool) or not isinstance(last_loss, (int, float)):
         raise ValueError(f"entry 'last_loss' must be a number, got {type(last_loss).__name__}")
@@ -123,6 +180,7 @@ def restore_state(entries: dict[str, Any]) -> TrainState:
         reader=json.loads(entries["reader"]),
         data=data,
         last_loss=float(last_loss),
+        best=best,
     )
 
 
@@ -151,10 +209,29 @@ def save_checkpoint(
     run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState, keep: int = 2
 ) -> Path:
     """Writes ``run_dir/checkpoints/step-<step>.pt`` and its digest file atomically, and
-    prunes old ones (see the module docstring for the order)."""
+    keeps the newest ``keep`` of them (see the module docstring for the order)."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
     folder = Path(run_dir) / CHECKPOINT_DIR
+    path = _write_checkpoint(folder / f"step-{state.step:09d}.pt", model, optimizer, state)
+    _prune(folder, list_checkpoints(run_dir)[:-keep])
+    return path
+
+
+def save_best(
+    run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+) -> Path:
+    """Writes ``run_dir/checkpoints/best.pt`` (a checkpoint like ``step-<step>.pt``, with its
+    digest file, atomically), replacing the previous best."""
+    return _write_checkpoint(Path(run_dir) / CHECKPOINT_DIR / BEST_FILE, model, optimizer, state)
+
+
+def _write_checkpoint(
+    path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+) -> Path:
+    """Writes the checkpoint file ``path`` and its digest file atomically (module docstring)."""
+    folder = path.parent
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{state.step:09d}.pt"
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), **state_entries(state)}
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
@@ -168,7 +245,6 @@ def save_checkpoint(
     fsync_path(folder)  # and so is the rename
     if previous:
         write_digests(path, [digest])
-    _prune(folder, list_checkpoints(run_dir)[:-keep])
     return path
 
 

@@ -81,7 +81,12 @@ class Parallelism(Protocol):
         ...
 
     def save_checkpoint(
-        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+        self,
+        run_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        keep: int = 2,
     ) -> Path | None: ...
 
     def load_checkpoint(
@@ -151,9 +156,14 @@ class SingleProcess:
         return pending_signal()
 
     def save_checkpoint(
-        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+        self,
+        run_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        keep: int = 2,
     ) -> Path:
-        return save_checkpoint(run_dir, model, optimizer, state)
+        return save_checkpoint(run_dir, model, optimizer, state, keep)
 
     def load_checkpoint(
         self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer

@@ -31,8 +31,9 @@ _OWN_FILES = (CONFIG_FILE, LOG_FILE, _LOG_TMP, METRICS_FILE)
 _TOP_NAMES = re.compile(
     "^(" + "|".join(map(re.escape, _OWN_FILES)) + r"|eval-\d+\.json|\.eval-\d+\.\d+\.tmp\.json)$"
 )
-# step-<n>.pt and its sidecars and .tmp, step-<n>.dcp folders, their .step-<n>.dcp.partial
-_CHECKPOINT_NAMES = re.compile(r"^\.?step-\d+\..+$")
+# step-<n>.pt and its sidecars and .tmp, step-<n>.dcp folders, their .step-<n>.dcp.partial;
+# best.pt (train.best_metric), its digest file and their .tmp files
+_CHECKPOINT_NAMES = re.compile(r"^(\.?step-\d+\..+|best\.(pt|tmp)(\.sha256)?(\.tmp)?)$")
 _TENSORBOARD_NAMES = re.compile(r"^events\.out\.tfevents\..+$")
 _RUN_FOLDERS = ((CHECKPOINT_DIR, _CHECKPOINT_NAMES), (TENSORBOARD_DIR, _TENSORBOARD_NAMES))
 
@@ -65,8 +66,8 @@ def clear_run(run_dir: Path) -> list[Path]:
     """Deletes what recaccel wrote into ``run_dir`` and nothing else, for ``--overwrite``.
 
     Deleted: config.toml, log.jsonl, metrics.json, ``eval-<step>.json``; in checkpoints/
-    every ``step-<step>.*`` file or folder (checkpoints, their sidecars, ``.tmp`` files)
-    and ``.step-<step>.dcp.partial`` folders; in tensorboard/ the ``events.out.tfevents.*``
+    every ``step-<step>.*`` file or folder (checkpoints, their sidecars, ``.tmp`` files),
+    ``.step-<step>.dcp.partial`` folders and ``best.pt`` with its sidecar; in tensorboard/ the ``events.out.tfevents.*``
     files. Those two folders go only when nothing else is left in them. The ``.lock``
     file stays (:mod:`recaccel.train.run_lock`): the caller holds it.
 

@@ -20,8 +20,9 @@ from recaccel.io.loader import DeviceLoader
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
 from recaccel.models.factory import build_model, places_tables_on_host
+from recaccel.train.best import next_record, summary
 from recaccel.train.cache_meter import CacheMeter
-from recaccel.train.checkpoint import TrainState, load_reader_position
+from recaccel.train.checkpoint import TrainState, load_reader_position, save_best
 from recaccel.train.checkpoint_paths import all_checkpoints
 from recaccel.train.data_wait import DataWait
 from recaccel.train.dense_head import build_head, check_head_options
@@ -67,6 +68,12 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
     """
     if cfg.parallel.mode == "hybrid":
         from recaccel.train.distributed.hybrid import HybridParallel
+
+        if cfg.train.best_metric:
+            raise ConfigError(
+                f"config key train.best_metric={cfg.train.best_metric} (best.pt, early stopping) runs "
+                "parallel.mode=single"
+            )
 
         return HybridParallel(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -204,6 +211,8 @@ class Trainer:
 
     def _reached_end(self) -> bool:
         t = self.cfg.train
+        if self._stopped_early():
+            return True
         return self.state.step >= t.steps if t.steps > 0 else self.state.epoch >= t.epochs
 
     def _total_steps(self) -> int | None:
@@ -222,8 +231,12 @@ class Trainer:
         return LRSchedule(self.cfg.optim, total, self.optimizer, setters)
 
     def _checkpoint(self) -> None:
-        self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state)
+        keep = self.cfg.train.keep_checkpoints
+        self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state, keep)
         self._saved_at = self.state.step
+
+    def _stopped_early(self) -> bool:
+        return self.state.best is not None and self.state.best.stopped_at is not None
 
     # ------------------------------------------------------------------ fit
 
@@ -307,15 +320,16 @@ class Trainer:
             self._log(done.loss, bar, wait)
             if not self._reached_end():
                 self.schedule.apply(self.state.step)
+            self._maybe_evaluate()  # first: the checkpoint of this step holds its best record
             self._maybe_checkpoint()
-            self._maybe_evaluate()
             if self._reached_end():
                 break
             self._stop_if_requested(bar)
         self._stop_clock()
         if self.state.step == steps_before and self.state.reader is None:
             raise DataError(f"no training batch could be formed from {self.cfg.data.train}")
-        if not (self.cfg.train.steps > 0 and self.state.step >= self.cfg.train.steps):
+        stopped_at_steps = self.cfg.train.steps > 0 and self.state.step >= self.cfg.train.steps
+        if not (stopped_at_steps or self._stopped_early()):
             self.state.epoch += 1
             self.state.reader = None
 
@@ -399,9 +413,31 @@ class Trainer:
         if every <= 0 or self.state.step % every:
             return
         self._stop_clock()
-        self._event("eval", step=self.state.step, **self.evaluate())
+        metrics = self.evaluate()
+        self._event("eval", step=self.state.step, **metrics)
+        if self.cfg.train.best_metric:
+            self._judge(metrics)
         self.module.train()
         self._clock = time.perf_counter()
+
+    def _judge(self, metrics: dict[str, Any]) -> None:
+        """Records this evaluation against train.best_metric's best: a better one is saved as
+        best.pt; the patience-th evaluation in a row without one stops the run early."""
+        self.state.best = next_record(self.state.best, metrics, self.cfg.train, self.state.step)
+        best = self.state.best
+        if best.step == self.state.step and best.evals_since == 0:
+            save_best(self.run_dir, self.objective.module, self.optimizer, self.state)
+            self._event("best", step=self.state.step, metric=self.cfg.train.best_metric, value=best.value)
+        elif best.stopped_at is not None:
+            logger.info(
+                "early stop at step %d: %s has not improved on step %d's %.6g in %d evaluations",
+                self.state.step,
+                self.cfg.train.best_metric,
+                best.step,
+                best.value,
+                best.evals_since,
+            )
+            self._event("early_stop", step=self.state.step, best_step=best.step, best_value=best.value)
 
     def _stop_if_requested(self, bar: tqdm) -> None:
         """After a step: on a stop signal (agreed by every rank), checkpoints this step,
@@ -438,6 +474,7 @@ class Trainer:
             data_wait_fraction=wait.fraction(self.state.train_seconds - seconds_before),
             data=dict(self.state.data) if self.state.data is not None else dict(self.reader.counters),
             **self.cache_meter.totals(),
+            **summary(self.state.best, self.cfg.train),
         )
         monitor = getattr(self.parallel, "monitor", None)
         if monitor is not None and monitor.enabled and self.parallel.is_main:

@@ -569,15 +569,20 @@ class HybridParallel:
     # ------------------------------------------------------------ checkpoints
 
     def save_checkpoint(
-        self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, state: TrainState
+        self,
+        run_dir: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        state: TrainState,
+        keep: int = 2,
     ) -> Path:
-        """Writes a sharded checkpoint of the run (every rank calls it)."""
+        """Writes a sharded checkpoint of the run (every rank calls it), keeping the newest ``keep``."""
         from recaccel.train.distributed.dist_checkpoint import save_sharded
 
         with self.collectives("writing a checkpoint"):
             if self.cfg.parallel.data == "dynamic" and state.reader is not None:
                 state = self._merged_ledger(state)
-            return save_sharded(run_dir, self, model, optimizer, state)
+            return save_sharded(run_dir, self, model, optimizer, state, keep)
 
     def _merged_ledger(self, state: TrainState) -> TrainState:
         """``state`` with every rank's dynamic shard ledger merged into its reader position
