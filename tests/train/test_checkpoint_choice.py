@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from recaccel.cli import train_main
+from recaccel.errors import RecaccelError
 from recaccel.train.best import lower_is_better
-from recaccel.train.checkpoint import list_checkpoints
+from recaccel.train.checkpoint import BestRecord, list_checkpoints
 from recaccel.train.checkpoint_io import verify_file
 from recaccel.train.runlog import clear_run
 from tests.train.test_resume_matrix import (
@@ -134,3 +135,24 @@ def test_overwrite_deletes_best_pt_and_its_digest_file(tmp_path):
 )
 def test_best_mode_auto_minimises_losses_and_errors(metric, mode, lower):
     assert lower_is_better(metric, mode) is lower
+
+
+def test_a_changed_best_pt_fails_its_digest_check(tiny_data, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    assert (
+        train_main(_sets(tiny_data, run, "train.eval_every=7", "train.best_metric=auc", "train.steps=7")) == 0
+    )
+    best_pt = run / "checkpoints" / "best.pt"
+    data = bytearray(best_pt.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    best_pt.write_bytes(bytes(data))
+    with pytest.raises(RecaccelError, match="best.pt"):
+        verify_file(best_pt)
+
+
+def test_a_malformed_best_entry_is_refused_in_one_line():
+    for text in ('{"value": 1.0}', '{"value": 1.0, "step": -1, "evals_since": 0, "stopped_at": null}', "3"):
+        with pytest.raises(ValueError, match="entry 'best'"):
+            BestRecord.from_json(text)
+    record = BestRecord(value=0.7, step=4, evals_since=1, stopped_at=None)
+    assert BestRecord.from_json(record.to_json()) == record
