@@ -257,9 +257,9 @@ def test_resumed_from_warmup_and_decay_checkpoints_equals_uninterrupted(tiny_dat
     saved.mkdir()
     save = SingleProcess.save_checkpoint
 
-    def keep_every_checkpoint(self, run_dir, model, optimizer, state):
-        path = save(self, run_dir, model, optimizer, state)
-        shutil.copy(path, saved / path.name)  # the run itself keeps only the newest two
+    def keep_every_checkpoint(self, run_dir, model, optimizer, state, *keep):
+        path = save(self, run_dir, model, optimizer, state, *keep)
+        shutil.copy(path, saved / path.name)  # the run itself keeps only the newest train.keep_checkpoints
         return path
 
     monkeypatch.setattr(SingleProcess, "save_checkpoint", keep_every_checkpoint)
