@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.common import measure_copy_bandwidth, time_interleaved
-from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
+from recaccel.ops.embedding.packing import gather_pack_ids
 from recaccel.ops.embedding.reference import reference_lookup
-from recaccel.sparse import SparseFeatures
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +78,12 @@ def candidate_configs(dim: int):
 
 
 def make_case(case: ForwardCase, device: torch.device, seed: int = 0):
-    """(weight [T*R, D], batch, local features) of a case, seeded."""
-    gen = torch.Generator().manual_seed(seed)
-    bags = case.tables * case.batch
-    if case.length:
-        lengths = torch.full((bags,), case.length, dtype=torch.int64)
-    else:
-        lengths = torch.randint(0, 41, (bags,), generator=gen)
-    ids = torch.randint(0, case.rows, (int(lengths.sum()),), generator=gen)
-    keys = [f"t{i}" for i in range(case.tables)]
-    sf = SparseFeatures.from_lengths(keys, ids, lengths).to(device)
-    weight = torch.randn(case.tables * case.rows, case.dim, generator=gen).to(
-        device, getattr(torch, case.dtype)
-    )
-    offsets = [t * case.rows for t in range(case.tables)]
-    local = LocalFeatures.build(list(range(case.tables)), offsets, [False] * case.tables, case.tables, device)
-    return weight, sf, local
+    """(weight [T*R, D], batch, local features) of a case, seeded: the tuning run's batch
+    (:func:`recaccel.bench.kernels.make_batch`) with uniform ids."""
+    from recaccel.bench.kernels import KernelCase, make_batch
+
+    shape = KernelCase("forward", case.tables, case.batch, case.dim, case.length, case.dtype, rows=case.rows)
+    return make_batch(shape, device, seed)
 
 
 def bytes_moved(case: ForwardCase, num_ids: int, element_size: int) -> int:

@@ -29,8 +29,8 @@ from recaccel.errors import RecaccelError
 from recaccel.train.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from recaccel.train.checkpoint_io import CheckpointError, read_payload
 from recaccel.train.checkpoint_paths import INFO_FILE, digest_file
-from tests.conftest import gloo_group_of_one
 from tests.train.test_checkpoint_fsync import events  # noqa: F401  (a fixture)
+from tests.train.test_checkpoint_untrusted import _dcp, group, hybrid_run  # noqa: F401  (fixtures)
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (tiny_data: a fixture)
 
 STEPS = 5
@@ -301,36 +301,11 @@ def test_digest_file_left_by_a_kill_before_its_checkpoint_is_removed_at_the_next
 # ------------------------------------------------------------ hybrid (DCP)
 
 
-@pytest.fixture(scope="module")
-def group():
-    """A one-process gloo group for the hybrid tests: hybrid runs in this process."""
-    pytest.importorskip("torchrec", exc_type=ImportError)
-    with gloo_group_of_one():
-        yield
-
-
-@pytest.fixture(scope="module")
-def hybrid_run(group, tiny_data, tmp_path_factory) -> Path:  # noqa: F811
-    out = tmp_path_factory.mktemp("hybrid") / "run"
-    extra = [
-        "parallel.mode=hybrid",
-        "optim.sparse=rowwise_adagrad",
-        'parallel.table_sharding=["C4=data_parallel"]',
-        f"train.steps={STEPS}",
-    ]
-    assert train_main(_argv(_overrides(tiny_data, out, *extra))) == 0
-    return out
-
-
-def _dcp(run: Path) -> Path:
-    return next((run / "checkpoints").glob("step-*.dcp"))
-
-
 def _evaluate(run: Path) -> dict:
     return recaccel.evaluate(load_config(run / "config.toml", [f'train.out_dir="{run}"']))
 
 
-def test_dcp_info_records_the_sha256_of_every_other_file(hybrid_run):
+def test_dcp_info_records_the_sha256_of_every_other_file(hybrid_run):  # noqa: F811
     folder = _dcp(hybrid_run)
     recorded = json.loads((folder / INFO_FILE).read_text())["sha256"]
     files = {
@@ -340,7 +315,7 @@ def test_dcp_info_records_the_sha256_of_every_other_file(hybrid_run):
 
 
 @pytest.mark.parametrize("which", ["shard", "metadata"])
-def test_flipped_byte_in_a_dcp_file_fails_resume_eval_and_export(hybrid_run, tmp_path, capsys, which):
+def test_flipped_byte_in_a_dcp_file_fails_resume_eval_and_export(hybrid_run, tmp_path, capsys, which):  # noqa: F811
     run = _copy(hybrid_run, tmp_path)
     folder = _dcp(run)
     shard = max(folder.glob("*.distcp"), key=lambda p: p.stat().st_size)
@@ -359,7 +334,7 @@ def test_flipped_byte_in_a_dcp_file_fails_resume_eval_and_export(hybrid_run, tmp
     assert _snapshot(run) == files
 
 
-def test_missing_dcp_file_listed_in_its_info_is_one_line(hybrid_run, tmp_path):
+def test_missing_dcp_file_listed_in_its_info_is_one_line(hybrid_run, tmp_path):  # noqa: F811
     run = _copy(hybrid_run, tmp_path)
     shard = next(_dcp(run).glob("*.distcp"))
     shard.unlink()
@@ -368,7 +343,7 @@ def test_missing_dcp_file_listed_in_its_info_is_one_line(hybrid_run, tmp_path):
     _one_line(str(caught.value), _dcp(run).name, f"{shard.name} is missing")
 
 
-def test_old_dcp_folder_without_digests_loads_with_a_warning(hybrid_run, tmp_path, caplog):
+def test_old_dcp_folder_without_digests_loads_with_a_warning(hybrid_run, tmp_path, caplog):  # noqa: F811
     run = _copy(hybrid_run, tmp_path)
     info_file = _dcp(run) / INFO_FILE
     info = json.loads(info_file.read_text())

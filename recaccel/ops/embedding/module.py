@@ -30,6 +30,7 @@ from recaccel.ops.embedding.cache import CacheOptions
 from recaccel.ops.embedding.cache.host_store import check_host_memory
 from recaccel.ops.embedding.cache.options import check_host_placement
 from recaccel.ops.embedding.cache.pack import CachedPack, merge_stats
+from recaccel.ops.embedding.deferred_check import PendingCheck, defer_batch_check
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
 from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch
@@ -285,7 +286,7 @@ class PackedEmbeddingBag(nn.Module):
         self._always_check_ids = pack_class.always_checks_ids or bool(host_packs)
         # The check in the kernels needs kernels that take it: Triton's, on device-placed packs.
         self._defer_check = bounds_check == "deferred" and self.backend == "triton" and not host_packs
-        self._pending_checks: list[_PendingCheck] = []
+        self._pending_checks: list[PendingCheck] = []
         self._routes: dict[tuple, Routing] = {}
 
     # ----------------------------------------------------------------- lookups
@@ -476,7 +477,7 @@ class PackedEmbeddingBag(nn.Module):
         batch_size = sf.batch_size
         given, bad_ids = sf, None
         if self._defer_check:
-            sf, bad_ids = _defer_batch_check(sf)
+            sf, bad_ids = defer_batch_check(sf)
         elif self.bounds_check or self._always_check_ids:
             check_batch(sf, routing, self.plan)
         packs = [
@@ -525,7 +526,7 @@ class PackedEmbeddingBag(nn.Module):
             return
         # A batch looked up again (micro-batches) replaces its earlier copy: the count grew.
         self._pending_checks = [c for c in self._pending_checks if c.counter is not sf.bad_ids]
-        self._pending_checks.append(_PendingCheck.start(sf))
+        self._pending_checks.append(PendingCheck.start(sf))
 
     def _check_pending(self, wait: bool) -> None:
         """Raises for the first pending batch whose count arrived non-zero; keeps the
@@ -536,7 +537,7 @@ class PackedEmbeddingBag(nn.Module):
                 self._pending_checks.append(check)
                 continue
             if check.bad():
-                self._pending_checks += [c for c in pending[i + 1 :]]
+                self._pending_checks += pending[i + 1 :]
                 check_batch(check.batch, check.routing, self.plan)
                 raise InvalidIdError(
                     f"{_OP}: the lookup kernels counted out-of-range ids in features {list(check.batch.keys)}"
@@ -647,60 +648,6 @@ class PackedEmbeddingBag(nn.Module):
         )
         dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
         return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
-
-
-@dataclasses.dataclass
-class _PendingCheck:
-    """A looked-up batch whose bad-id count is on its way to the host.
-
-    Attributes:
-        batch: The batch as given to :meth:`PackedEmbeddingBag.prepare` (re-checked
-            eagerly, for the message, when the count is non-zero).
-        routing: Its routing.
-        counter: The device counter (the batch's ``bad_ids``).
-        host: The count's host copy (pinned on CUDA; the counter itself on CPU).
-        event: Marks the copy's end on CUDA; None on CPU.
-    """
-
-    batch: SparseFeatures
-    routing: Routing
-    counter: Tensor
-    host: Tensor
-    event: torch.cuda.Event | None
-
-    @classmethod
-    def start(cls, sf: PreparedSparse) -> _PendingCheck:
-        counter = sf.bad_ids
-        if not counter.is_cuda:
-            return cls(sf.unchecked, sf.routing, counter, counter, None)
-        host = torch.empty(counter.shape, dtype=counter.dtype, pin_memory=True)
-        host.copy_(counter, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(sf.unchecked, sf.routing, counter, host, event)
-
-    def landed(self) -> bool:
-        return self.event is None or self.event.query()
-
-    def bad(self) -> bool:
-        if self.event is not None:
-            self.event.synchronize()
-        return int(self.host[0]) > 0
-
-
-def _defer_batch_check(sf: SparseFeatures) -> tuple[SparseFeatures, Tensor]:
-    """The batch with its offsets clamped into a valid CSR (the same tensor's values when
-    they are valid), and an int32 [1] counter holding 1 if they were not. No host sync."""
-    values, offsets = sf.values, sf.offsets
-    n = values.numel()
-    bad = (offsets[0] != 0) | (offsets[-1] != n) | (offsets[1:] < offsets[:-1]).any()
-    counter = bad.to(torch.int32).reshape(1)
-    # Valid offsets are left as they are; malformed ones become non-decreasing in [0, n]
-    # from 0 to n, so that no kernel reads outside the ids before the error is raised.
-    safe = torch.cummax(offsets.clamp(0, n), 0).values
-    safe[0] = 0
-    safe[-1] = n
-    return SparseFeatures(sf.keys, values, safe, sf.weights), counter
 
 
 def _check_one_dim(routing: Routing, method: str) -> None:

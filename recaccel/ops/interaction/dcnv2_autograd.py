@@ -20,6 +20,17 @@ from recaccel.ops.interaction.dcnv2_reference import dcnv2_cross_reference
 CrossOp = Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]]
 
 
+def empty_gradients(x0: Tensor, u: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Uninitialised (dx0 [B, K], dU [L, K, r], dV [L, r, K], db [L, K]): the shapes both paths'
+    backward ops return, for their fake (meta) implementations."""
+    return (
+        x0.new_empty(x0.shape),
+        u.new_empty(u.shape),
+        v.new_empty(v.shape),
+        u.new_empty(u.shape[0], u.shape[1]),
+    )
+
+
 def cross_function(forward_op: CrossOp, backward_op: CrossOp, what: str) -> type[torch.autograd.Function]:
     """An autograd Function over one path's forward and backward custom ops.
 

@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.ops.backend import check_triton_launchable
-from recaccel.ops.interaction.dcnv2_autograd import cross_function
+from recaccel.ops.interaction.dcnv2_autograd import cross_function, empty_gradients
 from recaccel.ops.interaction.dcnv2_reference import (
     CROSS_TRITON_DTYPES,
     check_cross_input,
@@ -179,12 +179,7 @@ def _cross_backward_op(
 
 @_cross_backward_op.register_fake
 def _cross_backward_fake(grad_out, x0, u, v, xs, hs, ys) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return (
-        x0.new_empty(x0.shape),
-        u.new_empty(u.shape),
-        v.new_empty(v.shape),
-        u.new_empty(u.shape[0], u.shape[1]),
-    )
+    return empty_gradients(x0, u, v)
 
 
 _CrossFn = cross_function(_cross_op, _cross_backward_op, "GEMM-path")

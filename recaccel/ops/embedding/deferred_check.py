@@ -1,0 +1,69 @@
+"""The deferred bounds check's host side (``bounds_check="deferred"`` of
+:class:`~recaccel.ops.embedding.module.PackedEmbeddingBag`): the batch's offsets made safe
+for the kernels without a host sync, and the bad-id count on its way to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from recaccel.ops.embedding.packing import Routing
+from recaccel.ops.embedding.prepared import PreparedSparse
+from recaccel.sparse import SparseFeatures
+
+
+@dataclasses.dataclass
+class PendingCheck:
+    """A looked-up batch whose bad-id count is on its way to the host.
+
+    Attributes:
+        batch: The batch as given to :meth:`PackedEmbeddingBag.prepare` (re-checked
+            eagerly, for the message, when the count is non-zero).
+        routing: Its routing.
+        counter: The device counter (the batch's ``bad_ids``).
+        host: The count's host copy (pinned on CUDA; the counter itself on CPU).
+        event: Marks the copy's end on CUDA; None on CPU.
+    """
+
+    batch: SparseFeatures
+    routing: Routing
+    counter: Tensor
+    host: Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, sf: PreparedSparse) -> PendingCheck:
+        counter = sf.bad_ids
+        if not counter.is_cuda:
+            return cls(sf.unchecked, sf.routing, counter, counter, None)
+        host = torch.empty(counter.shape, dtype=counter.dtype, pin_memory=True)
+        host.copy_(counter, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(sf.unchecked, sf.routing, counter, host, event)
+
+    def landed(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def bad(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host[0]) > 0
+
+
+def defer_batch_check(sf: SparseFeatures) -> tuple[SparseFeatures, Tensor]:
+    """The batch with its offsets clamped into a valid CSR (the same tensor's values when
+    they are valid), and an int32 [1] counter holding 1 if they were not. No host sync."""
+    values, offsets = sf.values, sf.offsets
+    n = values.numel()
+    bad = (offsets[0] != 0) | (offsets[-1] != n) | (offsets[1:] < offsets[:-1]).any()
+    counter = bad.to(torch.int32).reshape(1)
+    # Valid offsets are left as they are; malformed ones become non-decreasing in [0, n]
+    # from 0 to n, so that no kernel reads outside the ids before the error is raised.
+    safe = torch.cummax(offsets.clamp(0, n), 0).values
+    safe[0] = 0
+    safe[-1] = n
+    return SparseFeatures(sf.keys, values, safe, sf.weights), counter
