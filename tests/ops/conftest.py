@@ -8,6 +8,9 @@ loads this file before it imports any test module of this folder.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -45,3 +48,20 @@ def random_sparse_batch(
 def sparse_batch():
     """Factory of random :class:`SparseFeatures` (see :func:`random_sparse_batch`)."""
     return random_sparse_batch
+
+
+def compile_in_subprocess(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Runs ``script`` (which calls Triton's compiler, never run by the interpreter) in a
+    process with the interpreter off and a fresh kernel cache under ``tmp_path``."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
+    repo = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=repo,
+    )

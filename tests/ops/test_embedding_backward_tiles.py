@@ -19,10 +19,7 @@ import torch
 if not torch.cuda.is_available():  # before the kernel module is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -33,6 +30,7 @@ from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.ops.embedding.reference import fused_backward
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.sparse import SparseFeatures
+from tests.ops.conftest import compile_in_subprocess
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),
@@ -358,18 +356,7 @@ _COMPILE = textwrap.dedent(
 
 def test_tile_kernels_compile_for_sm90_without_atomics(tmp_path):
     """The interpreter never runs Triton's compiler: compile every mode for an H100/H200."""
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    repo = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=repo,
-    )
+    done = compile_in_subprocess(_COMPILE, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "compiled 8" in done.stdout
 

@@ -18,10 +18,7 @@ if not torch.cuda.is_available():  # before the kernel module is first imported
 
 import json
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -32,6 +29,7 @@ from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
 from recaccel.ops.embedding.reference import reference_lookup
 from recaccel.ops.embedding.triton import forward as fwd
 from recaccel.sparse import SparseFeatures
+from tests.ops.conftest import compile_in_subprocess
 
 pytestmark = [
     pytest.mark.numeric,
@@ -317,18 +315,7 @@ _COMPILE = textwrap.dedent(
 def test_kernels_compile_for_sm90_with_16_byte_row_loads(tmp_path):
     """Triton's compiler (never run by the interpreter) builds every variant for sm_90,
     and each thread's share of the rows is loaded by ld.global.v4 (16 bytes)."""
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path))
-    repo = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(repo), env.get("PYTHONPATH")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _COMPILE],
-        check=False,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=repo,
-    )
+    done = compile_in_subprocess(_COMPILE, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert re.search(r"^compiled 7$", done.stdout, re.M)
 
