@@ -245,3 +245,190 @@ def calibration(probs: Tensor, labels: Tensor, weights: Tensor | None = None) ->
     if actual == 0:
         return _undefined(fn, "no rows" if p.numel() == 0 else "no positive labels (by weight)")
     return float((w * p).sum()) / actual
+
+
+def float32_keys(scores: Tensor) -> Tensor:
+    """Order-preserving int64 keys of scores rounded to float32: equal keys are equal
+    float32 values (``-0.0`` and ``0.0`` included), and keys sort as the scores do."""
+    s = scores.detach().cpu().float().flatten() + 0.0  # -0.0 + 0.0 is +0.0
+    bits = s.view(torch.int32).long()
+    # Negative floats order backwards by their bits: flip all but the sign bit.
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+
+
+class StreamingBinaryMetrics:
+    """Bounded-memory AUC, logloss, NE and calibration, updated batch by batch.
+
+    Scores are compared as float32 (the evaluation's logits are float32). Each distinct
+    score's positive and negative weight is kept in a sorted table; the table holds at most
+    ``max_entries`` distinct scores. Beyond that, the score range's fine bins
+    (``2**bin_bits`` of them, by the top bits of the float32 value) that hold the most
+    distinct scores are coarsened: their rows count as one tie group. A fixed histogram of
+    every bin's weights is always kept, so memory is at most ``17 * 2**bin_bits + 24 * (2 *
+    max_entries + B)`` bytes for batches of B rows, whatever the number of rows.
+
+    Exactness: :meth:`compute`'s ``auc`` equals :func:`binary_auc` of all the rows' float32
+    scores (ties counted as one half) whenever no coarsened bin holds both classes, and
+    always while the rows have at most ``max_entries`` distinct scores; ``auc_exact`` says
+    which, and ``auc_error_bound`` bounds the difference otherwise (half the mixed-pair
+    weight inside coarsened bins, over all positive-negative pairs). Logloss, NE,
+    calibration and CTR are running float64 sums: exact up to rounding.
+
+    Args:
+        max_entries: the most distinct scores kept exactly (memory: 24 bytes each).
+        bin_bits: fine bins of the score range, ``2**bin_bits`` of them (16 bytes each).
+        eps: the probability clamp of the logloss, as :func:`binary_logloss`.
+    """
+
+    def __init__(self, max_entries: int = 1 << 21, bin_bits: int = 16, eps: float = 1e-7) -> None:
+        if max_entries < 1 or not 1 <= bin_bits <= 24:
+            raise MetricError(f"StreamingBinaryMetrics: max_entries={max_entries}, bin_bits={bin_bits}")
+        self.max_entries = max_entries
+        self.eps = eps
+        self._shift = 32 - bin_bits
+        self.bins = torch.zeros(1 << bin_bits, 2, dtype=torch.float64)  # [bin, (neg, pos)] weight
+        self.coarse = torch.zeros(1 << bin_bits, dtype=torch.bool)
+        self.keys = torch.empty(0, dtype=torch.int64)  # sorted, distinct
+        self.weights = torch.empty(0, 2, dtype=torch.float64)  # [entry, (neg, pos)]
+        self._pending: list[tuple[Tensor, Tensor]] = []
+        self._pending_rows = 0
+        # rows, sum w, sum w*y, sum w*p, sum w*logloss
+        self.sums = torch.zeros(5, dtype=torch.float64)
+
+    def update(self, logits: Tensor, labels: Tensor, weights: Tensor | None = None) -> None:
+        """Adds a batch: ``logits`` [B] (their sigmoid is the probability), binary ``labels``
+        [B], optional non-negative ``weights`` [B].
+
+        Raises:
+            MetricError: a NaN or infinite logit, label or weight, a label not 0 or 1, a
+                negative weight, or mismatched lengths.
+        """
+        fn = "StreamingBinaryMetrics.update"
+        s = _as_double("logits", logits, None, fn)
+        check_finite(s, f"{fn}: logits")
+        y = _labels(labels, s.numel(), fn, binary=True)
+        w = _weights(weights, s.numel(), fn)
+        p = torch.sigmoid(s).clamp(self.eps, 1 - self.eps)
+        loss = -(y * p.log() + (1 - y) * (1 - p).log())
+        torch.sigmoid(s, out=p)  # calibration uses the unclamped probability
+        self.sums += torch.stack(
+            [
+                torch.tensor(float(s.numel()), dtype=torch.float64),
+                w.sum(),
+                (w * y).sum(),
+                (w * p).sum(),
+                (w * loss).sum(),
+            ]
+        )
+        keys = float32_keys(logits)
+        classes = torch.stack([w * (1 - y), w * y], 1)
+        self.bins.index_add_(0, keys >> self._shift, classes)
+        self._pending.append((keys, classes))
+        self._pending_rows += keys.numel()
+        if self._pending_rows >= self.max_entries:
+            self._compact()
+
+    def merge(self, other: StreamingBinaryMetrics) -> None:
+        """Adds ``other``'s rows (e.g. another rank's), as if they had been updated here."""
+        if other.bins.shape != self.bins.shape:
+            raise MetricError("StreamingBinaryMetrics.merge: the two accumulators have different bin_bits")
+        other._compact()
+        self.sums += other.sums
+        self.bins += other.bins
+        self.coarse |= other.coarse
+        self._pending.append((other.keys, other.weights))
+        self._pending_rows += other.keys.numel()
+        self._compact()
+
+    def state(self) -> dict[str, Tensor]:
+        """The accumulator as tensors (compacted), for gathering over ranks."""
+        self._compact()
+        return {
+            "sums": self.sums,
+            "bins": self.bins,
+            "coarse": self.coarse,
+            "keys": self.keys,
+            "weights": self.weights,
+        }
+
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        """Replaces this accumulator's rows with a :meth:`state`'s."""
+        self.sums, self.bins, self.coarse = state["sums"], state["bins"], state["coarse"]
+        self.keys, self.weights = state["keys"], state["weights"]
+        self._pending, self._pending_rows = [], 0
+
+    def memory_bytes(self) -> int:
+        """Bytes held in tensors now (at most the bound in the class docstring)."""
+        held = [self.bins, self.coarse, self.keys, self.weights, self.sums]
+        held += [t for pair in self._pending for t in pair]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def _compact(self) -> None:
+        """Merges pending rows into the sorted table of distinct scores; coarsens the fullest
+        bins while the table is larger than ``max_entries``."""
+        if not self._pending:
+            return
+        keys = torch.cat([self.keys, *(k for k, _ in self._pending)])
+        weights = torch.cat([self.weights, *(w for _, w in self._pending)])
+        self._pending, self._pending_rows = [], 0
+        keep = ~self.coarse[keys >> self._shift]
+        keys, weights = keys[keep], weights[keep]
+        self.keys, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+        self.weights = torch.zeros(self.keys.numel(), 2, dtype=torch.float64).index_add_(0, inverse, weights)
+        if self.keys.numel() > self.max_entries:
+            self._coarsen()
+
+    def _coarsen(self) -> None:
+        """Coarsens the bins with the most distinct scores until the table is at most half
+        full (halving leaves room, so coarsening is rare)."""
+        bin_of = self.keys >> self._shift
+        per_bin = torch.bincount(bin_of, minlength=self.coarse.numel())
+        order = torch.argsort(per_bin, descending=True)
+        removed = torch.cumsum(per_bin[order], 0)
+        need = self.keys.numel() - self.max_entries // 2
+        count = int(torch.searchsorted(removed, torch.tensor([need]))[0]) + 1
+        self.coarse[order[:count]] = True
+        keep = ~self.coarse[bin_of]
+        self.keys, self.weights = self.keys[keep], self.weights[keep]
+
+    def compute(self) -> dict[str, float | int | bool]:
+        """The metrics of all rows so far.
+
+        Returns:
+            ``auc``, ``auc_exact``, ``auc_error_bound``, ``logloss``, ``ne``,
+            ``calibration``, ``ctr`` (all weighted when weights were given) and
+            ``eval_rows``. Undefined metrics are NaN (no rows, a single class), silently:
+            the caller reports them.
+        """
+        self._compact()
+        rows, total, pos, pred, loss = (float(v) for v in self.sums)
+        nan = float("nan")
+        rate = pos / total if total > 0 else nan
+        entropy = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)) if 0 < rate < 1 else nan
+        auc, bound = self._auc()
+        return {
+            "auc": auc,
+            "auc_exact": bound == 0,
+            "auc_error_bound": bound,
+            "logloss": loss / total if total > 0 else nan,
+            "ne": loss / total / entropy if total > 0 else nan,
+            "calibration": pred / pos if pos > 0 else nan,
+            "ctr": rate,
+            "eval_rows": int(rows),
+        }
+
+    def _auc(self) -> tuple[float, float]:
+        """(AUC, bound on its error): exact tie groups from the table, one group per coarse bin."""
+        coarse = self.coarse.nonzero().flatten()
+        keys = torch.cat([self.keys, coarse << self._shift])
+        groups = torch.cat([self.weights, self.bins[coarse]])
+        order = torch.argsort(keys, stable=True)
+        neg, pos = groups[order, 0], groups[order, 1]
+        total_neg, total_pos = float(neg.sum()), float(pos.sum())
+        if total_neg == 0 or total_pos == 0:
+            return float("nan"), 0.0
+        neg_below = torch.cumsum(neg, 0) - neg
+        pairs = total_neg * total_pos
+        mixed = self.bins[coarse]
+        bound = float((mixed[:, 0] * mixed[:, 1]).sum()) / 2 / pairs
+        return float((pos * (neg_below + 0.5 * neg)).sum()) / pairs, bound
