@@ -34,19 +34,23 @@ def train(
             with ``embed(sparse) -> [B, F, D]``, ``head(dense, pooled) -> logits [B]`` and
             ``prepare_sparse(sparse)``, or a callable ``(schema, device) -> such a module``
             (see docs/own_model.md and :mod:`recaccel.train.user_model`). Pass the same
-            model again to :func:`resume` and :func:`evaluate`.
+            model again to :func:`resume` and :func:`evaluate`. A config naming its model
+            by ``model.class_path`` needs none: the run's config.toml names it again.
 
     Raises:
         RunDirInUseError: another process trains in ``cfg.train.out_dir`` (it holds
             ``RUN/.lock``, see :mod:`recaccel.train.run_lock`), whatever ``overwrite`` says.
         RecaccelError: a run directory that already holds a run (neither ``resume`` nor
-            ``overwrite``), bad config or input, a model without the methods a run calls,
+            ``overwrite``), bad config or input, a model without the methods a run calls
+            (or a ``model.class_path`` that does not import or take its ``init_args``),
             a checkpoint that cannot be resumed.
     """
     from recaccel.preflight import preflight
     from recaccel.train.run_lock import for_training
     from recaccel.train.trainer import Trainer
+    from recaccel.train.user_model import model_source
 
+    model = model_source(cfg, model)  # model.class_path imported and its init_args checked now
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
     with for_training(Path(cfg.train.out_dir)):  # before anything there is read or written
         trainer = Trainer(
@@ -120,7 +124,9 @@ def evaluate(
     """
     from recaccel.preflight import preflight
     from recaccel.train.eval_checkpoint import evaluate_run
+    from recaccel.train.user_model import model_source
 
+    model = model_source(cfg, model)  # the run's model.class_path, as training built it
     preflight(cfg, training=False, test_path=path)
     return evaluate_run(cfg, path, checkpoint=checkpoint, predictions=predictions, model=model)
 

@@ -77,6 +77,9 @@ DcnKernel = Literal["gemm", "fused"]
 # dot interaction: zero-pad its output row to a multiple of 8 elements for the top MLP's
 # first GEMM (auto: on with the triton interaction on CUDA); parameters are unchanged
 InteractionPad = Literal["auto", "on", "off"]
+ClassPath = Annotated[
+    str, Pattern(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "must look like package.module:Class")
+]
 Pooling = Literal["sum", "mean"]
 # device: rows and optimizer state on the training device | host: in pinned host memory,
 # a device cache of the rows the next batches need
@@ -276,6 +279,10 @@ class ModelConfig(_Section):
     cache_rows: NonNegative = 0  # > 0: the cache's rows per pack (instead of cache_fraction)
     cache_lookahead: Count = 1  # k: batches whose rows are resident before the first's lookup
     cache_policy: CachePolicy = "lru"  # victims among rows no batch of the window needs
+    # A model of your own, "package.module:Class" (importable: installed or on PYTHONPATH), built
+    # as Class(cfg, schema, device, **init_args) instead of the DLRM above (docs/own_model.md)
+    class_path: ClassPath | None = None
+    init_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of class_path
 
 
 @dataclass

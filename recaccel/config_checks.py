@@ -164,6 +164,8 @@ def _check_table(key: str, value: Any, cls: type[Section]) -> Section:
 
 
 def _check_scalar(key: str, value: Any, hint: Any) -> Any:
+    if hint is Any:  # passed on as given (model.init_args: the model's own arguments)
+        return value
     if hint is bool:
         if not isinstance(value, bool):
             raise _bad(key, value, "must be true or false")

@@ -101,8 +101,14 @@ def build_model(
     """A DLRM (or MeLU) for ``schema``'s fields.
 
     Raises:
-        ConfigError: on an unknown arch or inconsistent layer sizes.
+        ConfigError: on an unknown arch or inconsistent layer sizes, or a config naming a
+            model of one's own (``model.class_path``: training and evaluation build it).
     """
+    if model_cfg.class_path is not None:
+        raise ConfigError(
+            f"config key model.class_path={model_cfg.class_path} names a model of your own, which "
+            "training and evaluation build; this command builds recaccel's DLRM and MeLU only"
+        )
     if not model_cfg.top_mlp or model_cfg.top_mlp[-1] != 1:
         raise ConfigError(
             f"model.top_mlp must end in 1 unit (the top MLP outputs a logit), got {model_cfg.top_mlp}"

@@ -18,17 +18,24 @@ objectives (``train.mode = "meta"``, ``train.eval_tasks``) adapt ``dense_arch``,
 a :class:`~recaccel.models.DLRM`; ``parallel.mode = "hybrid"`` shards the model's one
 SparseArch. Everything the model holds is checkpointed (``state_dict``); a resumed or
 evaluated run is given the same model again.
+
+From a config (and so from the CLI), ``model.class_path = "package.module:Class"`` names
+the model: ``Class(cfg, schema, device, **model.init_args)`` is built where recaccel
+would build its DLRM, checked against the same contract. The name is in the run's
+config.toml, so a resume or an evaluation of the run builds the same class again.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from recaccel.config import Config
+from recaccel.config import Config, show_value
 from recaccel.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -39,6 +46,92 @@ ModelSource = nn.Module | Callable[["FeatureSchema", torch.device], nn.Module]
 
 CONTRACT = "embed(sparse) -> [B, F, D], head(dense, pooled) -> logits [B], prepare_sparse(sparse)"
 META_ARCHES = ("sparse_arch", "dense_arch", "interaction_arch", "over_arch")
+
+
+def model_source(cfg: Config, model: ModelSource | None) -> ModelSource | None:
+    """The run's own model: ``model=`` as given, else the one ``model.class_path`` names,
+    resolved and its ``model.init_args`` checked now, before any work (None: recaccel's).
+
+    Raises:
+        ConfigError: both name a model, or one line on what is wrong with the class path.
+    """
+    if cfg.model.class_path is None:
+        if cfg.model.init_args:
+            raise ConfigError(
+                f"config key model.init_args={show_value(cfg.model.init_args)} is for model.class_path, "
+                "which is unset"
+            )
+        return model
+    if model is not None:
+        raise ConfigError(
+            f"model= and config key model.class_path={cfg.model.class_path} both name the model; give one"
+        )
+    return ClassPathModel(cfg)
+
+
+class ClassPathModel:
+    """Builds ``model.class_path``'s model: ``Class(cfg, schema, device, **init_args)``.
+
+    Args:
+        cfg: the run's config; its class path is imported and the init args bound to
+            the class's signature here, so a bad one is refused before any data is read.
+
+    Raises:
+        ConfigError: the module does not import, has no such attribute, names no
+            callable, or the init args do not fit its signature.
+    """
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.key = f"config key model.class_path={cfg.model.class_path}"
+        self.target = _resolve(self.key, cfg.model.class_path)
+        _bind(self.key, self.target, cfg)
+
+    def __call__(self, schema: FeatureSchema, device: torch.device) -> nn.Module:
+        module = self.target(self.cfg, schema, device, **self.cfg.model.init_args)
+        if not isinstance(module, nn.Module):
+            raise ConfigError(f"{self.key} built a {type(module).__name__}, not a torch nn.Module")
+        try:
+            check_user_model(module, self.cfg)
+        except ConfigError as e:
+            raise ConfigError(f"{self.key}: {e}") from None
+        return module
+
+
+def _resolve(key: str, class_path: str) -> Callable[..., Any]:
+    """The callable ``package.module:Name`` names (``Name`` may be dotted: ``Outer.Inner``)."""
+    module_name, _, qualname = class_path.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        where = "" if e.name == module_name else f" (importing it: {e})"
+        raise ConfigError(
+            f"{key}: no module {module_name!r}{where}; is it installed or its folder on PYTHONPATH?"
+        ) from None
+    except Exception as e:  # the user's module failed while importing: say how, in one line
+        raise ConfigError(f"{key}: importing {module_name!r} failed: {type(e).__name__}: {e}") from None
+    for part in qualname.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(f"{key}: {getattr(target, '__name__', module_name)!r} has no {part!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"{key} names a {type(target).__name__}, not a class")
+    return target
+
+
+def _bind(key: str, target: Callable[..., Any], cfg: Config) -> None:
+    """Refuses init args the class does not take (or lacks required ones), before it is built."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):  # no introspectable signature (a builtin): found out when called
+        return
+    try:
+        signature.bind(cfg, None, None, **cfg.model.init_args)
+    except TypeError as e:
+        raise ConfigError(
+            f"config key model.init_args={show_value(cfg.model.init_args)} does not fit "
+            f"{cfg.model.class_path}{signature}, called as (cfg, schema, device, **init_args): {e}"
+        ) from None
 
 
 def build_user_model(
