@@ -352,10 +352,13 @@ class StreamingBinaryMetrics:
         }
 
     def load_state(self, state: dict[str, Tensor]) -> None:
-        """Replaces this accumulator's rows with a :meth:`state`'s."""
-        self.sums, self.bins, self.coarse = state["sums"], state["bins"], state["coarse"]
-        self.keys, self.weights = state["keys"], state["weights"]
-        self._pending, self._pending_rows = [], 0
+        """Replaces this accumulator's rows with a :meth:`state`'s (or with several states'
+        tensors concatenated: keys may repeat, they are merged)."""
+        self.sums, self.bins, self.coarse = state["sums"], state["bins"], state["coarse"].bool()
+        self.keys = torch.empty(0, dtype=torch.int64)
+        self.weights = torch.empty(0, 2, dtype=torch.float64)
+        self._pending, self._pending_rows = [(state["keys"], state["weights"])], state["keys"].numel()
+        self._compact()
 
     def memory_bytes(self) -> int:
         """Bytes held in tensors now (at most the bound in the class docstring)."""

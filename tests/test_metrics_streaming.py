@@ -18,6 +18,7 @@ from recaccel.metrics import (
     float32_keys,
     normalized_entropy,
 )
+from tests.train.test_resume_matrix import tiny_data  # noqa: F401  (fixture)
 
 
 def _stream(logits, labels, weights=None, batch=1000, **kwargs) -> dict:
@@ -135,3 +136,22 @@ def test_bad_batches_are_refused_in_one_line():
     with pytest.raises(MetricError, match="labels must be 0 or 1"):
         acc.update(torch.tensor([0.0, 1.0]), torch.tensor([0.0, 2.0]))
     assert acc.compute()["eval_rows"] == 0
+
+
+def test_trainer_evaluation_streams_the_metrics_of_the_in_memory_path(tiny_data, tmp_path):  # noqa: F811
+    from recaccel.config import load_config
+    from recaccel.train.evaluation import binary_metrics
+    from recaccel.train.trainer import Trainer
+    from tests.train.test_resume_matrix import _sets
+
+    argv = _sets(tiny_data, tmp_path / "run", "train.steps=6")
+    cfg = load_config(None, [s for s in argv if s != "--set"])
+    trainer = Trainer(cfg)
+    trainer.fit()
+    streamed = trainer.evaluate()
+    reader = trainer._reader(trainer.evaluator, cfg.data.test, train=False)
+    logits, labels = trainer.objective.predictions(trainer._loader(reader))
+    in_memory = binary_metrics(logits, labels)
+    assert streamed.keys() == in_memory.keys()
+    for key, value in in_memory.items():
+        assert streamed[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

@@ -1,13 +1,25 @@
-"""Evaluation of a model over a reader: logits collected, metrics computed exactly."""
+"""Evaluation of a model over a reader: click metrics streamed batch by batch in bounded
+memory (:class:`~recaccel.metrics.StreamingBinaryMetrics`), or logits collected where every
+row is needed (rating metrics, ``--predictions``), metrics computed exactly."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from recaccel.metrics import binary_auc, binary_logloss, calibration, normalized_entropy
+from recaccel.metrics import (
+    StreamingBinaryMetrics,
+    UndefinedMetricWarning,
+    binary_auc,
+    binary_logloss,
+    calibration,
+    check_finite,
+    normalized_entropy,
+)
 from recaccel.sparse import Batch
 
 
@@ -56,3 +68,57 @@ def rating_metrics(preds: Tensor, labels: Tensor) -> dict[str, float]:
         "rmse": float(err.pow(2).mean().sqrt()),
         "eval_rows": int(labels.numel()),
     }
+
+
+# Why model outputs can be NaN or infinite, appended to the one-line error.
+DIVERGED_HINT = "the model has diverged (a lower optim.lr may help)"
+
+
+@torch.no_grad()
+def stream_binary(model: Callable[[Batch], Tensor], batches: Iterable[Batch]) -> StreamingBinaryMetrics:
+    """The click metrics' accumulator over all batches (unweighted, as :func:`binary_metrics`).
+
+    Raises:
+        MetricError: a NaN or infinite logit (the model diverged).
+    """
+    acc = StreamingBinaryMetrics()
+    for batch in batches:
+        logits = model(batch).float().cpu()
+        check_finite(logits, "evaluation: model predictions", DIVERGED_HINT)
+        acc.update(logits, batch.labels.float().cpu())
+    return acc
+
+
+def gather_streaming(
+    acc: StreamingBinaryMetrics, gather: Callable[[Tensor], Tensor]
+) -> StreamingBinaryMetrics:
+    """One accumulator of every rank's rows: each part of the state concatenated over ranks
+    (``gather``) and summed; the identity in one process."""
+    state = acc.state()
+    bins = state["bins"].shape[0]
+    merged = StreamingBinaryMetrics(max_entries=acc.max_entries, bin_bits=bins.bit_length() - 1, eps=acc.eps)
+    merged.load_state(
+        {
+            "sums": gather(state["sums"].view(1, -1)).cpu().sum(0),
+            "bins": gather(state["bins"]).cpu().view(-1, bins, 2).sum(0),
+            "coarse": gather(state["coarse"].to(torch.uint8)).cpu().view(-1, bins).amax(0).bool(),
+            "keys": gather(state["keys"]).cpu(),
+            "weights": gather(state["weights"]).cpu(),
+        }
+    )
+    return merged
+
+
+def streamed_metrics(acc: StreamingBinaryMetrics) -> dict[str, Any]:
+    """:func:`binary_metrics`' keys from an accumulator (``auc_error_bound`` too when the AUC
+    is not exact); an undefined metric warns, as there."""
+    out = acc.compute()
+    exact, bound = out.pop("auc_exact"), out.pop("auc_error_bound")
+    if not exact:
+        out["auc_error_bound"] = bound
+    for name in ("auc", "ne", "calibration"):
+        if out[name] != out[name]:  # NaN
+            warnings.warn(
+                f"evaluation: {name} is undefined on these rows; NaN", UndefinedMetricWarning, stacklevel=2
+            )
+    return out

@@ -21,7 +21,15 @@ from recaccel.io.readers.rows import BatchReader
 from recaccel.metrics import check_finite
 from recaccel.models.factory import places_tables_on_host
 from recaccel.sparse import Batch, TaskBatch
-from recaccel.train.evaluation import binary_metrics, predict, predict_rows, rating_metrics
+from recaccel.train.evaluation import (
+    binary_metrics,
+    gather_streaming,
+    predict,
+    predict_rows,
+    rating_metrics,
+    stream_binary,
+    streamed_metrics,
+)
 from recaccel.train.precision import matmul_precision
 from recaccel.train.predictions import PredictionSink, concat_columns, row_columns, task_columns
 
@@ -226,6 +234,12 @@ class DLRMObjective:
         Raises:
             DataError: no rank had an evaluation row.
         """
+        if predictions is None and self.loss == "bce":  # bounded memory: no row is kept
+            with matmul_precision(self.cfg.train.precision):
+                acc = gather_streaming(stream_binary(self._forward, batches), gather)
+            if acc.compute()["eval_rows"] == 0:
+                raise DataError(f"evaluation data {source} has no rows")
+            return streamed_metrics(acc)
         with matmul_precision(self.cfg.train.precision):
             logits, labels, weights = predict_rows(self._forward, batches)
         logits, labels = gather(logits), gather(labels)

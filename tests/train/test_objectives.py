@@ -11,7 +11,7 @@ from recaccel.cli import train_main
 from recaccel.config import Config, load_config
 from recaccel.errors import DataError
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.metrics import MetricError
+from recaccel.metrics import MetricError, StreamingBinaryMetrics
 from recaccel.sparse import Batch, SparseFeatures
 from recaccel.train.objectives import DLRMObjective
 
@@ -77,8 +77,18 @@ def test_dlrm_evaluation_scores_the_gathered_predictions_of_all_ranks():
     # returns (here: another rank's rows appended), not over this rank's rows.
     objective = DLRMObjective(Config(), _Scores(), "bce")
     local = [_rows([0.9, 0.1], [1.0, 0.0])]
-    other = (torch.tensor([0.8, 0.7]), torch.tensor([0.0, 1.0]))
-    calls = iter([other[0], other[1]])
+    # The other rank's accumulator, its state in the order evaluation gathers it.
+    other = StreamingBinaryMetrics()
+    other.update(torch.tensor([0.8, 0.7]), torch.tensor([0.0, 1.0]))
+    state = other.state()
+    parts = (
+        state["sums"].view(1, -1),
+        state["bins"],
+        state["coarse"].to(torch.uint8),
+        state["keys"],
+        state["weights"],
+    )
+    calls = iter(parts)
 
     def gather(tensor):
         return torch.cat([tensor, next(calls)])
