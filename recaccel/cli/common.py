@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from recaccel.errors import RecaccelError
+from recaccel.train.console import is_count
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
@@ -124,11 +125,17 @@ def handed_to_launcher(error: BaseException) -> bool:
     return report_rank_error(error)
 
 
-def setup_logging(verbose: bool) -> None:
+def setup_logging(verbose: bool, *, quiet: bool = False) -> None:
+    """Logs at INFO with ``verbose`` (WARNING otherwise) and shows the run's console lines
+    (:mod:`recaccel.train.console`): none when ``quiet``, their verbose ones too with
+    ``verbose``."""
+    from recaccel.train.console import show_console
+
     logging.basicConfig(
-        level=logging.INFO if verbose else logging.WARNING,
+        level=logging.INFO if verbose else logging.ERROR if quiet else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    show_console(logging.CRITICAL + 1 if quiet else logging.DEBUG if verbose else logging.INFO)
 
 
 def add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
@@ -168,21 +175,6 @@ def print_metrics(metrics: dict[str, Any], out_dir: Path, data_dir: Path | None 
     for key in sorted(shown):
         print(f"{key:<{width}}  {format_metric(key, shown[key])}")
     print(f"metrics written to {out_dir / 'metrics.json'}")
-
-
-# A metric is a count when a word of its name is one of these and none is a rate word.
-_COUNT_WORDS = frozenset(
-    {"rows", "tasks", "steps", "step", "epochs", "epoch", "hits", "misses", "requests", "bytes"}
-    | {"evicted", "fetched", "restarts", "flags", "count", "samples"}
-)
-_RATE_WORDS = frozenset({"per", "rate", "fraction", "ratio", "mean", "avg"})
-
-
-def is_count(key: str) -> bool:
-    """Whether the metric named ``key`` (``state.name`` allowed) counts things, so that an
-    integer value of it is shown without decimals (``tasks 189``, not ``189.00000``)."""
-    words = set(re.split(r"[_.@\s]+", key.rsplit(".", 1)[-1].lower()))
-    return bool(words & _COUNT_WORDS) and not words & _RATE_WORDS
 
 
 def format_metric(key: str, value: Any) -> str:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from recaccel.cli.common import add_config_args, print_metrics, run_command, setup_logging
 from recaccel.errors import RecaccelError
@@ -41,8 +42,22 @@ def train_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print the resolved config (defaults included) as TOML and exit",
     )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="hide the progress bars (evaluation, restart and monitor lines and the final metrics still print)",
+    )
+    loudness = parser.add_mutually_exclusive_group()
+    loudness.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at INFO level; at each log step print the time per step (data wait, step) and the data "
+        "counters (rows read, skipped, bad ids); show third-party warnings",
+    )
+    loudness.add_argument(
+        "-q", "--quiet", action="store_true", help="print only one final line (the main metrics), no bar"
+    )
     parser.add_argument(
         "--nproc",
         type=int,
@@ -63,7 +78,7 @@ def train_parser() -> argparse.ArgumentParser:
 
 def train_main(argv: Sequence[str] | None = None) -> int:
     args = train_parser().parse_args(argv)
-    setup_logging(args.verbose)
+    setup_logging(args.verbose, quiet=args.quiet)
 
     def body() -> int:
         import os
@@ -73,7 +88,8 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         from recaccel.preflight import preflight
         from recaccel.train.distributed.launch import restart_count, strip_nproc, under_torchrun
 
-        overrides = list(args.overrides) + (["train.progress=false"] if args.no_progress else [])
+        hide_bar = args.no_progress or args.quiet
+        overrides = list(args.overrides) + (["train.progress=false"] if hide_bar else [])
         # A rank that torchrun's agent restarted after a failure continues the run, never
         # starts (or overwrites) it again.
         restarted = under_torchrun() and restart_count() > 0
@@ -104,12 +120,35 @@ def train_main(argv: Sequence[str] | None = None) -> int:
             forwarded = strip_nproc(sys.argv[1:] if argv is None else argv)
             return _launch(cfg, args, forwarded)
         resume = bool(args.resume) or restarted
-        metrics = api.train(cfg, resume=resume, overwrite=args.overwrite and not restarted)
-        if os.environ.get("RANK", "0") == "0":  # under torchrun, rank 0 reports
-            print_metrics(metrics, Path(cfg.train.out_dir), Path(cfg.data.test).parent)
+        main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 reports
+        with third_party_warnings(verbose=args.verbose, quiet=args.quiet, main_rank=main_rank):
+            metrics = api.train(cfg, resume=resume, overwrite=args.overwrite and not restarted)
+        if main_rank:
+            _report(metrics, cfg, quiet=args.quiet)
         return 0
 
     return run_command("recaccel-train", body)
+
+
+def third_party_warnings(*, verbose: bool, quiet: bool, main_rank: bool) -> AbstractContextManager[object]:
+    """Third-party warnings (torch, torchrec, ...) summed up in one line unless ``verbose``;
+    ranks other than 0 show none of them (each rank would repeat rank 0's)."""
+    from recaccel.train.console import hidden_warnings
+
+    if verbose and main_rank:
+        return nullcontext()
+    return hidden_warnings(show_summary=main_rank and not quiet)
+
+
+def _report(metrics: dict[str, Any], cfg: Config, *, quiet: bool) -> None:
+    """The run's metrics: one line with ``quiet``, else the table."""
+    out_dir = Path(cfg.train.out_dir)
+    if quiet:
+        from recaccel.train.console import final_line
+
+        print(final_line(metrics, str(out_dir / "metrics.json")))
+    else:
+        print_metrics(metrics, out_dir, Path(cfg.data.test).parent)
 
 
 def _launch(cfg: Config, args: argparse.Namespace, forwarded: list[str]) -> int:

@@ -24,6 +24,7 @@ from recaccel.train.best import next_record, summary
 from recaccel.train.cache_meter import CacheMeter
 from recaccel.train.checkpoint import TrainState, load_reader_position, save_best
 from recaccel.train.checkpoint_paths import all_checkpoints
+from recaccel.train.console import PhaseTimer, show_eval, show_event
 from recaccel.train.data_wait import DataWait
 from recaccel.train.dense_head import build_head, check_head_options
 from recaccel.train.distributed.monitor import check_faults, kill_if_due
@@ -32,7 +33,7 @@ from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
 from recaccel.train.precision import log_fallback, matmul_precision
 from recaccel.train.preemption import Preempted, StopSignals
-from recaccel.train.runlog import RunLog, check_run_dir, clear_run
+from recaccel.train.runlog import RunLog, check_run_dir, clear_run, read_events
 from recaccel.train.schedule import LRSchedule, sparse_rate_setters
 from recaccel.train.user_model import ModelSource, build_user_model
 
@@ -148,6 +149,7 @@ class Trainer:
         self.schedule: LRSchedule | None = None  # made by fit(): it needs the run's length
         self._logged = (0, 0.0)  # (samples, training seconds) at the previous train event
         self._saved_at = -1  # the step of the last checkpoint this fit wrote
+        self._phases = PhaseTimer()  # -v: time per step between log steps
 
     def _seed(self) -> None:
         """Seeds every generator a checkpoint saves, so runs (and their checkpoints) repeat
@@ -299,6 +301,23 @@ class Trainer:
             clear_run(self.run_dir)
         self.log = RunLog(self.run_dir, loggers=self.cfg.train.loggers, resumed_at=self.state.step)
         self.log.write_config(self.cfg)
+        self._note_restart()
+
+    def _note_restart(self) -> None:
+        """A rank restarted by the launcher's agent after a failure (``--max-restarts``):
+        a ``restart`` event and one console line."""
+        from recaccel.train.distributed.launch import restart_count, under_torchrun
+
+        count = restart_count() if under_torchrun() else 0
+        if count == 0:
+            return
+        self._event("restart", step=self.state.step, restart=count)
+        show_event(
+            "restart %d: a rank failed; every rank restarted, resuming at step %d",
+            count,
+            self.state.step,
+            warning=True,
+        )
 
     def _run_epoch(self, loader: DeviceLoader, wait: DataWait, bar: tqdm) -> None:
         """Trains on the rest of ``state.epoch`` (or up to ``train.steps``).
@@ -363,6 +382,7 @@ class Trainer:
         change = splitter.take_event() if splitter is not None else None
         if change is not None and self.parallel.is_main:
             self._event("straggler", step=self.state.step, **change)
+            show_event("straggler at step %d: %s", self.state.step, _straggler_text(change))
         monitor = getattr(self.parallel, "monitor", None)
         event = monitor.take_event() if monitor is not None else None
         if event is None:
@@ -374,7 +394,8 @@ class Trainer:
                 )
             else:
                 what = f"rank {flag['rank']} is slow ({flag['kind']} {flag['ratio']:.2f}x the other ranks' median)"
-            logger.warning("monitor: %s at step %d", what, self.state.step)
+            self._event("flag", **flag)
+            show_event("monitor: %s at step %d", what, self.state.step, warning=True)
         self._event("monitor", step=self.state.step, **event)
 
     def _log(self, loss: torch.Tensor, bar: tqdm, wait: DataWait) -> None:
@@ -389,6 +410,8 @@ class Trainer:
         seconds = self.state.train_seconds + time.perf_counter() - self._clock
         samples, since = self._logged
         self._logged = (self.state.samples, seconds)
+        if self.parallel.is_main:
+            self._phases.show(step, seconds, wait.seconds, self.state.data or self.reader.counters)
         elapsed = max(seconds - since, 1e-9)
         self._event(
             "train",
@@ -415,6 +438,8 @@ class Trainer:
         self._stop_clock()
         metrics = self.evaluate()
         self._event("eval", step=self.state.step, **metrics)
+        if self.parallel.is_main:
+            show_eval(self.state.step, metrics)
         if self.cfg.train.best_metric:
             self._judge(metrics)
         self.module.train()
@@ -463,6 +488,8 @@ class Trainer:
     def _finish(self, wait: DataWait, seconds_before: float) -> dict[str, Any]:
         """Evaluates, writes the final event and metrics.json, closes the run."""
         metrics = self.evaluate_all()
+        if self.parallel.is_main:
+            show_eval(self.state.step, metrics, final=True)
         metrics.update(
             steps=self.state.step,
             epochs=self.state.epoch,
@@ -482,12 +509,21 @@ class Trainer:
         splitter = getattr(self.parallel, "splitter", None)
         if splitter is not None and self.parallel.is_main:
             metrics["straggler"] = splitter.summary()
+        metrics.update(self._incidents())
         self._event("final", **metrics)
         if self.log is not None:
             self.log.write_metrics(metrics)
             self.log.close()
         self.parallel.close()  # hybrid: leaves the process group only if it started it
         return metrics
+
+    def _incidents(self) -> dict[str, int]:
+        """Rank 0: how many times the ranks were restarted and how many monitor flags were
+        raised over the whole run (resumed stretches included), from its log."""
+        if self.log is None:
+            return {}
+        kinds = [event.get("event") for event in read_events(self.run_dir)]
+        return {"restarts": kinds.count("restart"), "flags": kinds.count("flag")}
 
     def _counters(self, position: dict[str, Any]) -> dict[str, int]:
         """The reader counters as of the last trained batch: those paired with its position
@@ -502,7 +538,20 @@ class Trainer:
         path = path or self.cfg.data.test
         reader = self._reader(self.evaluator, path, train=False)
         self.module.eval()
-        return self.evaluator.evaluate(self._loader(reader), gather=self.parallel.gather, source=path)
+        with self._eval_bar(reader) as bar:
+            return self.evaluator.evaluate(bar, gather=self.parallel.gather, source=path)
+
+    def _eval_bar(self, reader: Reader) -> tqdm:
+        """The evaluation's batches behind a progress bar (total: the reader's batches when
+        known), gone when it ends."""
+        return tqdm(
+            self._loader(reader),
+            total=reader.num_batches,
+            desc="eval",
+            unit="batch",
+            leave=False,
+            disable=not (self.cfg.train.progress and self.parallel.is_main),
+        )
 
     def evaluate_all(self) -> dict[str, Any]:
         """Metrics on data.test at the top level; with ``meta.eval_states`` (``name=path``)
@@ -515,3 +564,11 @@ class Trainer:
                 states[name] = self.evaluate(path)
             metrics["states"] = states
         return metrics
+
+
+def _straggler_text(change: dict[str, Any]) -> str:
+    """A straggler decision in words: each rank's share of the batch and the ranks found slow."""
+    shares = ", ".join(f"rank {r} {share:.0%}" for r, share in enumerate(change.get("shares", [])))
+    slow = change.get("stragglers") or []
+    found = f"slow: {', '.join(f'rank {r}' for r in slow)}" if slow else "no rank slow"
+    return f"{found}; shares {shares}"
