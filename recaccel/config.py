@@ -94,7 +94,9 @@ Precision = Literal["fp32", "tf32", "bf16"]
 # (one step stale, opt-in)
 PipelineMode = Literal["off", "sync", "semi_sync"]
 LRSchedule = Literal["constant", "linear", "cosine", "polynomial"]
-Logger = Literal["jsonl", "tensorboard"]
+# jsonl: log.jsonl (always written) | tensorboard: scalars and the hyperparameters |
+# csv: metrics.csv, a row per log step | wandb, mlflow: need their packages installed
+Logger = Literal["jsonl", "tensorboard", "csv", "wandb", "mlflow"]
 BestMode = Literal["max", "min", "auto"]  # is a larger or a smaller train.best_metric better
 DenseOptimizer = Literal["adam", "sgd", "adagrad"]
 SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
@@ -341,6 +343,9 @@ class TrainConfig(_Section):
     cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
     compile: bool = False  # torch.compile the dense arches
     loggers: list[Logger] = field(default_factory=lambda: ["jsonl"])  # jsonl (log.jsonl) always written
+    metric_window: NonNegative = 0  # > 0: train AUC and logloss over the last this many rows, at log steps
+    # [first, last]: a profiler trace and timeline of these steps in the run directory; [] = off
+    profile_steps: list[Count] = field(default_factory=list)
 
     def check_consistency(self) -> None:
         if self.mode == "meta" and self.pipeline == "semi_sync":
@@ -359,6 +364,15 @@ class TrainConfig(_Section):
                 "combine; use train.pipeline=sync with micro-batches"
             )
         self._check_best()
+        self._check_profile()
+
+    def _check_profile(self) -> None:
+        """profile_steps is empty or [first, last] with first <= last."""
+        steps = self.profile_steps
+        if steps and (len(steps) != 2 or steps[0] > steps[1]):
+            raise ConfigError(
+                f"config key train.profile_steps={steps} must be [first, last] with first <= last, or []"
+            )
 
     def _check_best(self) -> None:
         """best_metric needs periodic evaluations; early stopping needs best_metric."""
