@@ -29,8 +29,12 @@ class SparseFeatures:
 
     Attributes:
         keys: F field names.
-        values: int64 [N] ids.
-        offsets: int64 [F*B+1], starting at 0 and non-decreasing.
+        values: integer [N] ids: int64, or int32 when every table's ids fit (consumers
+            widen them with ``.long()``).
+        offsets: int64 [F*B+1], starting at 0 and non-decreasing. Given as None, every
+            bag holds exactly one id (one-hot: N = F*B) and the offsets are implicit:
+            ``arange(F*B+1)`` is made on the values' device the first time it is read,
+            and :meth:`to` / :meth:`pin_memory` move no offsets (see :attr:`one_hot`).
         weights: optional float32 [N] per-id weights.
 
     Example::
@@ -66,11 +70,13 @@ class SparseFeatures:
 
     keys: list[str]
     values: Tensor
-    offsets: Tensor
+    offsets: Tensor | None  # a property below: None = one-hot, implicit offsets
     weights: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.offsets.dim() != 1 or self.offsets.numel() < 1:
+        if self._offsets is None:
+            self._check_one_hot()
+        elif self._offsets.dim() != 1 or self._offsets.numel() < 1:
             raise ValueError(
                 f"offsets must be 1-D with at least one element, got shape {tuple(self.offsets.shape)}"
             )
@@ -83,22 +89,57 @@ class SparseFeatures:
                 f"weights shape {tuple(self.weights.shape)} != values shape {tuple(self.values.shape)}"
             )
 
+    def _check_one_hot(self) -> None:
+        if not self.keys:
+            raise ValueError("implicit (None) offsets need at least one field")
+        if self.values.dim() != 1 or self.values.numel() % len(self.keys) != 0:
+            raise ValueError(
+                f"implicit (None) offsets need one id per bag: values of shape {tuple(self.values.shape)} "
+                f"is not F*B for F={len(self.keys)} fields"
+            )
+
+    def _get_offsets(self) -> Tensor:
+        if self._offsets is None:  # made once, where the values are: nothing to copy there
+            n = self.values.numel()
+            self._offsets = torch.arange(n + 1, dtype=torch.int64, device=self.values.device)
+        return self._offsets
+
+    def _set_offsets(self, offsets: Tensor | None) -> None:
+        self._offsets = offsets
+        self._one_hot = offsets is None
+
+    @property
+    def one_hot(self) -> bool:
+        """Whether the offsets are implicit (every bag holds one id; built without offsets).
+
+        Stays True once :attr:`offsets` has been materialised, so packing and moving the
+        batch still skip them.
+        """
+        return self._one_hot
+
     @property
     def num_fields(self) -> int:
         return len(self.keys)
 
     @property
     def batch_size(self) -> int:
-        return (self.offsets.numel() - 1) // max(len(self.keys), 1)
+        if self._one_hot:
+            return self.values.numel() // len(self.keys)
+        return (self._offsets.numel() - 1) // max(len(self.keys), 1)
 
     def lengths(self) -> Tensor:
         """int64 [F*B] bag lengths."""
+        if self._one_hot:
+            return torch.ones(self.values.numel(), dtype=torch.int64, device=self.values.device)
         return self.offsets[1:] - self.offsets[:-1]
 
     def field(self, name: str) -> tuple[Tensor, Tensor, Tensor | None]:
         """Ids of one field as (values [n], offsets [B+1] starting at 0, weights [n] or None)."""
         f = self.keys.index(name)
         b = self.batch_size
+        if self._one_hot:
+            w = None if self.weights is None else self.weights[f * b : (f + 1) * b]
+            return self.values[f * b : (f + 1) * b], self.offsets[: b + 1], w
         off = self.offsets[f * b : (f + 1) * b + 1]
         start, end = int(off[0]), int(off[-1])
         w = None if self.weights is None else self.weights[start:end]
@@ -176,6 +217,8 @@ class SparseFeatures:
     def _gather_fields(self, src: list[int]) -> SparseFeatures:
         """Fields ``src`` (indices into :attr:`keys`, distinct) as a new field-major CSR."""
         f, b = self.num_fields, self.batch_size
+        if self._one_hot:  # each field's ids are one run of B: a row gather of the [F, B] view
+            return self._one_hot_rows(list(src), 0, b)
         device = self.offsets.device
         offsets = self.offsets.long()
         pick = torch.tensor(src, dtype=torch.int64, device=device)
@@ -207,6 +250,8 @@ class SparseFeatures:
         """
         f, b = self.num_fields, self.batch_size
         _check_rows(lo, hi, b, "rows")
+        if self._one_hot:
+            return self._one_hot_rows(list(range(f)), lo, hi)
         device = self.offsets.device
         rows = torch.arange(f, device=device) * b
         starts, ends = self.offsets[rows + lo], self.offsets[rows + hi]
@@ -240,6 +285,8 @@ class SparseFeatures:
                 f"batches are on different devices: {first.values.device} vs {second.values.device}"
             )
         num_fields = first.num_fields
+        if first.one_hot and second.one_hot and num_fields:
+            return _concat_one_hot(first, second)
         device = first.offsets.device
         if num_fields == 0:
             return SparseFeatures([], first.values[:0], torch.zeros(1, dtype=torch.int64, device=device))
@@ -272,13 +319,28 @@ class SparseFeatures:
             weights[pos_b] = w_b.to(weights.dtype)
         return SparseFeatures(list(first.keys), values, offsets, weights)
 
+    def _one_hot_rows(self, fields: list[int], lo: int, hi: int) -> SparseFeatures:
+        """Fields ``fields`` (indices), rows ``[lo, hi)`` of a one-hot batch, still one-hot."""
+        f, b = self.num_fields, self.batch_size
+        pick = slice(None) if fields == list(range(f)) else torch.tensor(fields, device=self.values.device)
+        take = lambda t: t.view(f, b)[pick, lo:hi].reshape(-1)  # noqa: E731
+        weights = None if self.weights is None else take(self.weights)
+        return SparseFeatures([self.keys[i] for i in fields], take(self.values), None, weights)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
+        """This batch on ``device``; implicit offsets stay implicit (nothing copied for them)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return SparseFeatures(self.keys, move(self.values), move(self.offsets), move(self.weights))
+        return SparseFeatures(self.keys, move(self.values), move(self.explicit_offsets), move(self.weights))
 
     def pin_memory(self) -> SparseFeatures:
+        """This batch in pinned memory; implicit offsets stay implicit."""
         pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        return SparseFeatures(self.keys, pin(self.values), pin(self.offsets), pin(self.weights))
+        return SparseFeatures(self.keys, pin(self.values), pin(self.explicit_offsets), pin(self.weights))
+
+    @property
+    def explicit_offsets(self) -> Tensor | None:
+        """The offsets to store or copy: None when they are implicit (:attr:`one_hot`)."""
+        return None if self._one_hot else self._offsets
 
     @classmethod
     def from_lengths(
@@ -290,16 +352,18 @@ class SparseFeatures:
         return cls(keys, values, offsets, weights)
 
     def to_kjt(self):
-        """Converts to a TorchRec KeyedJaggedTensor sharing this object's tensors (no copy).
+        """Converts to a TorchRec KeyedJaggedTensor sharing this object's tensors (no copy
+        of int64 ids; int32 ids are widened to the offsets' int64).
 
         Raises:
             ImportError: if torchrec is not installed.
         """
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+        # TorchRec's kernels want ids and offsets of one dtype: int32 ids are widened.
         return KeyedJaggedTensor(
             keys=list(self.keys),
-            values=self.values,
+            values=self.values.to(self.offsets.dtype),
             weights=self.weights,
             offsets=self.offsets,
             stride=self.batch_size,
@@ -326,6 +390,34 @@ class SparseFeatures:
                 "field-major CSR form: expand it to one batch size for every key first"
             )
         return cls(keys, kjt.values().long(), kjt.offsets().long(), kjt.weights_or_none())
+
+
+# The dataclass's __init__ assigns ``offsets`` through this property: None stays implicit.
+SparseFeatures.offsets = property(  # type: ignore[assignment]
+    SparseFeatures._get_offsets, SparseFeatures._set_offsets, doc="int64 [F*B+1] (made when implicit)."
+)
+
+
+def _concat_one_hot(first: SparseFeatures, second: SparseFeatures) -> SparseFeatures:
+    """Rows of ``first`` then ``second`` (same fields, same order, both one-hot), one-hot."""
+    f = first.num_fields
+    if first.values.device != second.values.device:
+        raise ValueError(f"batches are on different devices: {first.values.device} vs {second.values.device}")
+    dtype = torch.promote_types(first.values.dtype, second.values.dtype)
+    join = lambda a, b: torch.cat([a.view(f, -1), b.to(a.dtype).view(f, -1)], dim=1).reshape(-1)  # noqa: E731
+    values = join(first.values.to(dtype), second.values)
+    weights = None
+    if first.weights is not None or second.weights is not None:
+        w_a = (
+            first.weights if first.weights is not None else torch.ones_like(first.values, dtype=torch.float32)
+        )
+        w_b = (
+            second.weights
+            if second.weights is not None
+            else torch.ones_like(second.values, dtype=torch.float32)
+        )
+        weights = join(w_a, w_b)
+    return SparseFeatures(list(first.keys), values, None, weights)
 
 
 def _names(fields: list[str]) -> str:

@@ -53,7 +53,8 @@ def batch_tensors(batch: Batch | TaskBatch) -> tuple[str, list[tuple[str, ...]],
     tensors: list[Tensor | None] = []
     for b in parts:
         s = b.sparse
-        tensors += [b.dense, b.labels, b.weights, s.values, s.offsets, s.weights]
+        # Implicit (one-hot) offsets are no slot: unpack makes them on the device.
+        tensors += [b.dense, b.labels, b.weights, s.values, s.explicit_offsets, s.weights]
     return kind, [tuple(b.sparse.keys) for b in parts], tensors + extra
 
 

@@ -27,14 +27,15 @@ class Columns:
         dense: float32 [n, Dd].
         labels: float32 [n].
         keys: F sparse field names.
-        values: F arrays, int64 [N_f], the ids of field f for all rows.
+        values: F arrays, int32 or int64 [N_f], the ids of field f for all rows (int32
+            where the field's table fits, see :func:`id_dtype`).
         offsets: F arrays, int64 [n+1], starting at 0: row i of field f holds
             ``values[f][offsets[f][i]:offsets[f][i+1]]``.
         side: side columns by name (task key, timestamp), int64 [n] each.
         single: F flags, True where every bag of the field holds exactly one id (then
             ``offsets`` is ``arange(n+1)`` and gathers skip the CSR work); None =
             computed from the offsets.
-        ids: None, or int64 [n, Fs] row-major ids of the Fs single-hot fields whose
+        ids: None, or int [n, Fs] row-major ids of the Fs single-hot fields whose
             ``values`` are its columns (views), in field order. One row's ids then
             share cache lines, which makes a random row gather (``take_batch``) several
             times faster than gathering Fs separate arrays.
@@ -183,7 +184,7 @@ class Columns:
             dense=np.zeros((0, num_dense), dtype=np.float32),
             labels=np.zeros(0, dtype=np.float32),
             keys=list(keys),
-            values=[np.zeros(0, dtype=np.int64) for _ in keys],
+            values=[np.zeros(0, dtype=np.int32) for _ in keys],  # joins any id dtype unchanged
             offsets=[np.zeros(1, dtype=np.int64) for _ in keys],
             side={k: np.zeros(0, dtype=np.int64) for k in side},
         )
@@ -192,7 +193,8 @@ class Columns:
         """A CPU :class:`Batch` owning fresh memory (it never aliases this object).
 
         The sparse part is field-major: bag ``(f, b)`` is
-        ``values[offsets[f*B+b] : offsets[f*B+b+1]]`` with offsets int64 [F*B+1].
+        ``values[offsets[f*B+b] : offsets[f*B+b+1]]`` (see :func:`take_batch` for the
+        dtypes and the one-hot case).
         """
         return take_batch(self, slice(0, self.num_rows))
 
@@ -200,8 +202,11 @@ class Columns:
 def take_batch(cols: Columns, rows: np.ndarray | slice) -> Batch:
     """Rows of ``cols`` as a CPU Batch, gathered once into the batch's own arrays.
 
-    Same result as ``cols.take(rows).to_batch()`` (field-major CSR, offsets int64
-    [F*B+1]) without the intermediate copy; the batch never aliases ``cols``.
+    Same result as ``cols.take(rows).to_batch()`` without the intermediate copy; the
+    batch never aliases ``cols``. The sparse part is field-major CSR: values int32 when
+    every field's ids are int32, else int64 (one dtype per batch); offsets int64
+    [F*B+1], or none at all (implicit, see :class:`SparseFeatures`) when every field
+    is single-hot, which saves their copy to the device.
 
     Args:
         cols: the rows.
@@ -233,9 +238,11 @@ def take_batch(cols: Columns, rows: np.ndarray | slice) -> Batch:
         # One gather of whole rows, then per-field copies from cache.
         ids = None if cols.ids is None else np.take(cols.ids, idx, axis=0)
     sizes = [b if off is None else bag.shape[0] for bag, off in bags]
-    values = np.empty(sum(sizes), dtype=np.int64)
-    offsets = np.empty(len(bags) * b + 1, dtype=np.int64)
-    offsets[0] = 0
+    values = np.empty(sum(sizes), dtype=batch_id_dtype(cols.values))
+    one_hot = bool(bags) and all(cols.single)
+    offsets = None if one_hot else np.empty(len(bags) * b + 1, dtype=np.int64)
+    if offsets is not None:
+        offsets[0] = 0
     base = 0
     k = 0  # column of the next single-hot field in ``ids``
     f = 0
@@ -252,14 +259,19 @@ def take_batch(cols: Columns, rows: np.ndarray | slice) -> Batch:
             dst[...] = bag
         elif ids is not None:
             np.copyto(dst.reshape(r, b), ids[:, k : k + r].T)
-        else:  # a single-hot field gathered straight into the batch
+        elif cols.values[f].dtype == dst.dtype:  # a single-hot field gathered straight into the batch
             np.take(cols.values[f], idx, out=dst)
-        ends = np.arange(1, r * b + 1, dtype=np.int64) if off is None else off[1:]
-        np.add(ends, base, out=offsets[f * b + 1 : (f + r) * b + 1])
+        else:  # int32 ids of a batch whose ids are int64
+            dst[...] = np.take(cols.values[f], idx)
+        if offsets is not None:
+            ends = np.arange(1, r * b + 1, dtype=np.int64) if off is None else off[1:]
+            np.add(ends, base, out=offsets[f * b + 1 : (f + r) * b + 1])
         k += sum(cols.single[f : f + r])
         base += dst.shape[0]
         f += r
-    sparse = SparseFeatures(list(cols.keys), torch.from_numpy(values), torch.from_numpy(offsets))
+    sparse = SparseFeatures(
+        list(cols.keys), torch.from_numpy(values), None if offsets is None else torch.from_numpy(offsets)
+    )
     return Batch(torch.from_numpy(dense), sparse, torch.from_numpy(labels))
 
 
@@ -267,12 +279,12 @@ def take_csr(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[
     """Gathers CSR rows without a Python loop.
 
     Args:
-        values: int64 [N] ids.
+        values: int [N] ids.
         offsets: int64 [n+1], starting at 0.
         idx: int64 [m] rows to gather.
 
     Returns:
-        (values int64 [M], offsets int64 [m+1]) of the gathered rows.
+        (values [M] in the ids' dtype, offsets int64 [m+1]) of the gathered rows.
     """
     lengths = (offsets[1:] - offsets[:-1])[idx]
     new_off = np.zeros(idx.shape[0] + 1, dtype=np.int64)
@@ -287,9 +299,9 @@ def take_csr(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[
 
 
 def _stack_ids(parts: list[Columns], single: list[bool], n: int) -> np.ndarray:
-    """int64 [n, Fs]: the single-hot ids of ``parts`` one after another, row-major."""
+    """int [n, Fs]: the single-hot ids of ``parts`` one after another, row-major."""
     fields = [f for f, s in enumerate(single) if s]
-    ids = np.empty((n, len(fields)), dtype=np.int64)
+    ids = np.empty((n, len(fields)), dtype=batch_id_dtype([v for p in parts for v in p.values]))
     row = 0
     for p in parts:
         block = ids[row : row + p.num_rows]
@@ -297,6 +309,16 @@ def _stack_ids(parts: list[Columns], single: list[bool], n: int) -> np.ndarray:
             block[:, k] = p.values[f]
         row += p.num_rows
     return ids
+
+
+def id_dtype(cardinality: int) -> np.dtype:
+    """The id dtype of a table of ``cardinality`` rows: int32 when every id fits, else int64."""
+    return np.dtype(np.int32) if cardinality <= 2**31 else np.dtype(np.int64)
+
+
+def batch_id_dtype(values: list[np.ndarray]) -> np.dtype:
+    """One id dtype for arrays of ids: int64 if any of them is wider than int32."""
+    return np.dtype(np.int32) if values and all(v.dtype == np.int32 for v in values) else np.dtype(np.int64)
 
 
 def single_hot_offsets(n: int) -> np.ndarray:

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from recaccel.config import InvalidDensePolicy, InvalidIdsPolicy, InvalidLabelsPolicy, choices
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.columns import Columns, single_hot_offsets
+from recaccel.io.format.columns import Columns, id_dtype, single_hot_offsets
 from recaccel.io.format.schema import FeatureSchema, SparseField
 
 logger = logging.getLogger(__name__)
@@ -159,7 +159,8 @@ def row_group_to_columns(
         stats: counters to update (see module docstring); None = do not count.
 
     Returns:
-        The kept rows: dense float32 [n, Dd], labels float32 [n], one CSR per field.
+        The kept rows: dense float32 [n, Dd], labels float32 [n], one CSR per field
+        (ids int32 where the field's cardinality allows, else int64).
 
     Raises:
         DataError: under an ``error`` policy, or for a null side column value.
@@ -295,9 +296,11 @@ def _decode_ids(
     stats: dict[str, int],
     steps: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Returns (values int64 [N], offsets int64 [n+1], bad-row mask [n] or None when no
-    row is bad); ``steps`` is ``arange(n+1)``, the offsets of a single-hot field."""
+    """Returns (values [N] in the field's :func:`id_dtype`, offsets int64 [n+1], bad-row
+    mask [n] or None when no row is bad); ``steps`` is ``arange(n+1)``, the offsets of a
+    single-hot field."""
     n = len(arr)
+    dtype = id_dtype(sf.cardinality)
     if sf.multi_hot:
         lengths = _numbers(pc.list_value_length(arr)).astype(np.int64)  # null list -> 0
         flat = arr.flatten()  # skips the contents of null lists
@@ -311,14 +314,14 @@ def _decode_ids(
     # Compare in the stored dtype so uint64 ids beyond int64 range are still caught;
     # nulls were filled with 0 (in range). A range check first: no mask in the common case.
     if arr.null_count == 0 and flat.null_count == 0 and _all_in_range(raw, sf.cardinality):
-        return raw.astype(np.int64, copy=False), offsets, None
+        return raw.astype(dtype, copy=False), offsets, None
     row_null = _null_mask(arr)
     elem_null = _null_mask(flat)
     out_of_range = (raw < 0) | (raw >= sf.cardinality)
     null_rows = row_null.copy() if sf.multi_hot else row_null
     has_bad_elem = out_of_range | elem_null
     if not (has_bad_elem.any() or null_rows.any()):
-        return raw.astype(np.int64, copy=False), offsets, None
+        return raw.astype(dtype, copy=False), offsets, None
 
     parent = (
         np.repeat(np.arange(n, dtype=np.int64), lengths) if sf.multi_hot else np.arange(n, dtype=np.int64)
@@ -330,14 +333,14 @@ def _decode_ids(
     if policies.invalid_ids == "skip":
         bad = null_rows.copy()
         bad[parent[out_of_range]] = True
-        return raw.astype(np.int64), offsets, bad
-    vals = raw.astype(np.int64)
+        return raw.astype(dtype), offsets, bad  # a bad id may wrap: its row is dropped
+    vals = raw.astype(dtype)  # a bad id may wrap here: it is replaced below
     if out_of_range.any():
         if policies.invalid_ids == "clip":
-            vals[out_of_range] = np.clip(raw[out_of_range], 0, sf.cardinality - 1).astype(np.int64)
+            vals[out_of_range] = np.clip(raw[out_of_range], 0, sf.cardinality - 1).astype(dtype)
             _count(stats, "ids_clipped", int(out_of_range.sum()))
         else:
-            vals[out_of_range] = np.mod(raw[out_of_range], sf.cardinality).astype(np.int64)
+            vals[out_of_range] = np.mod(raw[out_of_range], sf.cardinality).astype(dtype)
             _count(stats, "ids_hashed", int(out_of_range.sum()))
     return vals, offsets, null_rows  # a null cannot be repaired: drop its row
 
