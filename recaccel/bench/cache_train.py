@@ -67,7 +67,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block", type=int, default=4, help="consecutive steps per timed sample")
     parser.add_argument("--repeats", type=int, default=10, help="timed blocks per candidate")
     parser.add_argument("--warmup", type=int, default=2, help="untimed blocks per candidate")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data and the model")
     parser.add_argument("--json", help="also write the results as JSON here")
     add_output_args(parser, "cache_train")
 

@@ -149,17 +149,23 @@ def add_args(parser) -> None:
     parser.add_argument("--cases", nargs="*", metavar="T:B:D:L", help="extra single cases (by device)")
     parser.add_argument("--rows", type=int, help="rows per table (10k CPU / 100k CUDA, memory-capped)")
     parser.add_argument("--ids", choices=ID_DISTRIBUTIONS, default="uniform", help="id distribution per bag")
-    parser.add_argument("--zipf-alpha", type=float, default=1.05)
+    parser.add_argument("--zipf-alpha", type=float, default=1.05, help="skew of --ids zipf")
     parser.add_argument("--lengths", choices=LENGTHS, default="fixed", help="fixed L, or uniform in 0..2L")
-    parser.add_argument("--optimizer", choices=tuple(BASELINE_OPTIMIZERS), default="sgd")
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument(
+        "--optimizer", choices=tuple(BASELINE_OPTIMIZERS), default="sgd", help="fused sparse optimizer"
+    )
+    parser.add_argument("--lr", type=float, default=0.01, help="its learning rate")
     parser.add_argument("--repeats", type=int, help="timed calls per candidate and mode (20 CPU, 100 CUDA)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per candidate and mode")
     parser.add_argument("--batches", type=int, default=4, help="distinct batches per case, cycled")
     parser.add_argument("--with-autograd", action="store_true", help="also time the packed autograd mode")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda if present)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the generated ids and tables")
     parser.add_argument("--note", action="append", default=[], help="free text for the notes (repeatable)")
     parser.add_argument("--json", help="write machine-readable results here")
     add_output_args(parser, "embedding", plot="speedup vs T")

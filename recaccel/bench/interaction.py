@@ -409,8 +409,12 @@ def add_args(parser) -> None:
         help="dot: issue 24's shapes (B=65536 F=26 D=128; B=4096 F=500 D=32) in bf16 and tf32, "
         "padded, with their bars; ignores --batch/--fields/--dim/--dtype",
     )
-    parser.add_argument("--repeats", type=int, default=50)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=50, help="timed calls per candidate (median)")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda if present)",
+    )
     parser.add_argument("--json", help="write machine-readable results here")
     add_output_args(parser, "interaction", plot="the speedups")
 

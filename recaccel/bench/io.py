@@ -73,21 +73,23 @@ def add_args(parser) -> None:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows to generate")
     parser.add_argument("--task-rows", type=int, default=64, help="mean rows per task when generating")
     parser.add_argument("--zipf-a", type=float, default=0.5, help="id skew of the generated fields")
-    parser.add_argument("--rows-per-row-group", type=int, default=8192)
+    parser.add_argument(
+        "--rows-per-row-group", type=int, default=8192, help="rows per row group of generated files"
+    )
     parser.add_argument(
         "--compression", default="snappy", help="Parquet codec of the generated (or grouped) files"
     )
     parser.add_argument("--batch-size", type=int, default=4096, help="plain batch size and raw batch size")
-    parser.add_argument("--tasks-per-batch", type=int, default=32)
-    parser.add_argument("--support-size", type=int, default=64)
-    parser.add_argument("--query-size", type=int, default=32)
+    parser.add_argument("--tasks-per-batch", type=int, default=32, help="tasks per meta batch")
+    parser.add_argument("--support-size", type=int, default=64, help="support rows per task")
+    parser.add_argument("--query-size", type=int, default=32, help="query rows per task")
     parser.add_argument(
         "--read-ahead",
         type=int,
         default=2,
         help="buffers (plain) and units (tasks) loaded ahead, one thread each",
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes per reader (median)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     parser.add_argument(
         "--train-steps", type=int, default=300, help="debug DLRM steps for data wait; 0 = skip"

@@ -422,11 +422,17 @@ def _fields(figures: dict, kernel: str) -> dict[str, int]:
 
 def add_args(parser) -> None:
     """The benchmark's options."""
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda if present)",
+    )
     parser.add_argument(
         "--budget-s", type=float, default=330.0, help="whole run's time budget (default %(default)s)"
     )
-    parser.add_argument("--json", default="runs/bench/kernels.json", help="JSON, rewritten after every case")
+    parser.add_argument(
+        "--json", default="runs/bench/kernels.json", help="results file, rewritten after every case"
+    )
     parser.add_argument(
         "--write-table", help="merge the winners into this tuning-table module, keyed by device"
     )

@@ -242,18 +242,32 @@ def add_args(parser) -> None:
     parser.add_argument("--support", type=int, default=d.support, help="S support rows per task")
     parser.add_argument("--query", type=int, default=d.query, help="Q query rows per task")
     parser.add_argument("--repeats", type=int, default=30, help="timed steps per candidate (median)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per candidate")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda if present)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU intra-op threads (0: torch's default)")
-    parser.add_argument("--engines", default="batched,vmap,loop")
-    parser.add_argument("--orders", default="first,second")
-    parser.add_argument("--adapt", default=d.adapt, choices=("top_mlp", "head", "head_and_embedding_shift"))
-    parser.add_argument("--inner-steps", type=int, default=d.inner_steps)
-    parser.add_argument("--fields", type=int, default=d.num_fields)
-    parser.add_argument("--dense", type=int, default=d.num_dense)
-    parser.add_argument("--dim", type=int, default=d.embedding_dim)
-    parser.add_argument("--cardinality", type=int, default=d.cardinality)
-    parser.add_argument("--embedding", default=d.embedding, choices=("packed", "per_table"))
+    parser.add_argument("--engines", default="batched,vmap,loop", help="meta engines timed, comma-separated")
+    parser.add_argument("--orders", default="first,second", help="MAML orders timed, comma-separated")
+    parser.add_argument(
+        "--adapt",
+        default=d.adapt,
+        choices=("top_mlp", "head", "head_and_embedding_shift"),
+        help="the parameters the inner loop adapts (as meta.adapt)",
+    )
+    parser.add_argument("--inner-steps", type=int, default=d.inner_steps, help="inner-loop steps per task")
+    parser.add_argument("--fields", type=int, default=d.num_fields, help="F sparse fields")
+    parser.add_argument("--dense", type=int, default=d.num_dense, help="dense features per row")
+    parser.add_argument("--dim", type=int, default=d.embedding_dim, help="D embedding dim")
+    parser.add_argument("--cardinality", type=int, default=d.cardinality, help="rows per table")
+    parser.add_argument(
+        "--embedding",
+        default=d.embedding,
+        choices=("packed", "per_table"),
+        help="one packed table or one table per field",
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes")
     parser.add_argument("--json", default=None, help="also write results as JSON here")
     add_output_args(parser, "meta")

@@ -75,7 +75,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}"
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds for all scenarios together")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data and the model")
     parser.add_argument("--json", help="also write the results as JSON here")
     add_output_args(parser, "straggler", plot="samples/s per scenario and step times of the slowed runs")
 

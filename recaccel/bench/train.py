@@ -116,7 +116,11 @@ def add_args(parser) -> None:
         action="append",
         help=f"a config under configs/ by name, or a config path (repeatable; default: {' '.join(DEFAULT_PRESETS)})",
     )
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda or cpu (default: cuda if present)",
+    )
     parser.add_argument("--steps", type=int, help="timed steps per candidate (default: 20 on CUDA, 5 on CPU)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default: 5 on CUDA, 2 on CPU)")
     parser.add_argument(
@@ -131,7 +135,13 @@ def add_args(parser) -> None:
         "(default: 5 on CUDA, 1 on CPU)",
     )
     parser.add_argument("--mode", choices=[*MODES, "both"], default="both", help="where batches come from")
-    parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
+    parser.add_argument(
+        "--candidates",
+        nargs="+",
+        choices=CANDIDATES,
+        default=list(CANDIDATES),
+        help="the training loops timed",
+    )
     parser.add_argument(
         "--pipeline",
         default="off",
@@ -168,7 +178,7 @@ def add_args(parser) -> None:
         help="train.precision modes every candidate is timed under, comma-separated (fp32,tf32,bf16; "
         "default: each preset's own)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data and the model")
     parser.add_argument("--json", help="write machine-readable results here")
     add_output_args(parser, "train", plot="samples/s per candidate and the phase breakdown")
 

@@ -40,8 +40,15 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     criteo.add_argument(
         "--test-fraction", type=float, default=0.2, help="last fraction of rows kept for test"
     )
-    criteo.add_argument("--rows-per-row-group", type=int, default=65_536)
-    criteo.add_argument("--bad-rows", choices=choices(BadRowsPolicy), default="error")
+    criteo.add_argument(
+        "--rows-per-row-group", type=int, default=65_536, help="rows per Parquet row group written"
+    )
+    criteo.add_argument(
+        "--bad-rows",
+        choices=choices(BadRowsPolicy),
+        default="error",
+        help="a malformed TSV line stops the conversion (error) or is dropped and counted (skip)",
+    )
     criteo.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(criteo)
 
@@ -54,8 +61,10 @@ def data_main(argv: Sequence[str] | None = None) -> int:
         choices=choices(MovieLensScenario),
         help="cold-start split: held-out users, items, both, or the latest ratings",
     )
-    movielens.add_argument("--test-fraction", type=float, default=0.2)
-    movielens.add_argument("--seed", type=int, default=0)
+    movielens.add_argument(
+        "--test-fraction", type=float, default=0.2, help="share of users, items or ratings held out"
+    )
+    movielens.add_argument("--seed", type=int, default=0, help="seeds the held-out draw")
     movielens.add_argument("--binarize", action="store_true", help="label = rating >= 4 (clicks)")
     movielens.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(movielens)
@@ -91,10 +100,12 @@ def data_main(argv: Sequence[str] | None = None) -> int:
 
     tasks = sub.add_parser("tasks", help="rewrite a recaccel Parquet dataset grouped by a task key")
     tasks.add_argument("src", help="recaccel Parquet file or folder")
-    tasks.add_argument("out_dir")
+    tasks.add_argument("out_dir", help="output folder of the task-grouped Parquet files")
     tasks.add_argument("--task-key", required=True, help="column whose value names a row's task")
     tasks.add_argument("--timestamp", help="column ordering rows within a task")
-    tasks.add_argument("--rows-per-row-group", type=int, default=8192)
+    tasks.add_argument(
+        "--rows-per-row-group", type=int, default=8192, help="rows per Parquet row group written"
+    )
     tasks.add_argument("--memory-rows", type=int, default=1_000_000, help="rows sorted in memory per run")
     tasks.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(tasks)
