@@ -113,11 +113,13 @@ def clip_before_step(optimizer: torch.optim.Optimizer, max_norm: float) -> None:
     every pipeline and micro-batch mode) and in hybrid mode after the dense gradients'
     allreduce, so every rank clips the same summed gradients the same way. Only the
     dense optimizer's parameters count; the sparse rows are updated inside backward.
+    The norm before clipping is kept as ``optimizer.grad_norm`` (a 0-d tensor, not synced:
+    the trainer reads it at log steps only).
     """
 
     def clip(opt: torch.optim.Optimizer, args, kwargs) -> None:
         params = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
         if params:
-            torch.nn.utils.clip_grad_norm_(params, max_norm)
+            opt.grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
 
     optimizer.register_step_pre_hook(clip)
