@@ -11,7 +11,7 @@ from typing import Any
 
 from recaccel.cli.common import add_config_args, run_command, setup_logging
 from recaccel.config import BadRowsPolicy, MovieLensScenario, ParquetCodec, choices
-from recaccel.errors import DataError
+from recaccel.errors import ConfigError, DataError
 from recaccel.output_paths import Read, check_output, check_output_dir, write_text_atomic
 
 _OVERWRITE_HELP = (
@@ -98,15 +98,31 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     melu.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(melu)
 
-    tasks = sub.add_parser("tasks", help="rewrite a recaccel Parquet dataset grouped by a task key")
-    tasks.add_argument("src", help="recaccel Parquet file or folder")
+    tasks = sub.add_parser(
+        "tasks",
+        help="rewrite a Parquet dataset grouped by a task key (any Parquet with a [data.schema] config)",
+    )
+    tasks.add_argument(
+        "src", help="Parquet file or folder (recaccel's, or any with --config's [data.schema])"
+    )
     tasks.add_argument("out_dir", help="output folder of the task-grouped Parquet files")
-    tasks.add_argument("--task-key", required=True, help="column whose value names a row's task")
-    tasks.add_argument("--timestamp", help="column ordering rows within a task")
+    add_config_args(tasks, required=False)
+    tasks.add_argument(
+        "--task-key", help="column whose value names a row's task (default: data.schema.task_key)"
+    )
+    tasks.add_argument(
+        "--timestamp", help="column ordering rows within a task (default: the schema's timestamp)"
+    )
     tasks.add_argument(
         "--rows-per-row-group", type=int, default=8192, help="rows per Parquet row group written"
     )
-    tasks.add_argument("--memory-rows", type=int, default=1_000_000, help="rows sorted in memory per run")
+    tasks.add_argument(
+        "--memory-rows",
+        "--memory",
+        type=int,
+        default=1_000_000,
+        help="rows sorted in memory at once; more rows are sorted in runs spilled to disk and merged",
+    )
     tasks.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(tasks)
 
@@ -225,14 +241,22 @@ def _melu(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _tasks(args: argparse.Namespace) -> dict[str, Any]:
+    from recaccel.config import load_config
     from recaccel.io.convert.group_by_task import group_by_task
 
-    _check_out_dir(args, (".",), Read(Path(args.src), "the data this command reads"))
+    mapping = load_config(args.config, args.overrides).data.schema if args.config or args.overrides else None
+    task_key = args.task_key or (mapping.task_key if mapping is not None else None)
+    if task_key is None:
+        raise ConfigError("recaccel-data tasks needs --task-key (or data.schema.task_key in --config)")
+    reads = [Read(Path(args.src), "the data this command reads")]
+    reads += [Read(Path(c), "a config file this command reads") for c in args.config or ()]
+    check_output_dir(args.out_dir, (".",), flag="out_dir", force=args.overwrite, reads=reads)
     return group_by_task(
         args.src,
         args.out_dir,
-        task_key=args.task_key,
+        task_key=task_key,
         timestamp=args.timestamp,
+        schema=mapping,
         rows_per_row_group=args.rows_per_row_group,
         memory_rows=args.memory_rows,
         overwrite=args.overwrite,

@@ -9,12 +9,15 @@ an external merge sort:
 2. merge: the runs are merged k-way, one row group of each run in memory. Each round
    emits, from every run, the rows not greater than the smallest *last* (key, time)
    among the runs that still have unread row groups; every later row is at least that
-   large, so the output stays sorted. Each round sorts its block stably, so ties keep
+   large, so the output stays sorted. Rows equal to that bound leave only from runs up
+   to the first one ending on it, and each round sorts its block stably, so ties keep
    run order and the whole rewrite is deterministic.
 
-When everything fits in ``memory_rows`` no run is spilled. Memory holds about
-``memory_rows`` rows while making runs and ``k`` run row groups of
-``max(1024, memory_rows // (2k))`` rows while merging (``k`` runs).
+When everything fits in ``memory_rows`` no run is spilled. Memory holds at most
+``memory_rows`` rows (or one source row group, if larger) while making runs, and at
+most ``memory_rows`` while merging: a merge reads ``fan_in`` runs at once, one row group
+of ``memory_rows // (2 fan_in)`` rows each (:func:`merge_plan`); with more runs than
+that, groups of runs are first merged into longer runs (several passes).
 
 What marks a file as grouped: the claim of :mod:`recaccel.io.format.grouping` in the
 output schema (stored in every file's metadata). The task reader reads the task key column of
@@ -24,6 +27,12 @@ a file that claims to be grouped is still verified (:mod:`recaccel.io.readers.ta
 The task key may be the schema's task key column or a single-hot sparse field (a user
 id field, say): then its ids are copied into a new int64 task column (``task_column``,
 default ``"task"``). A previous task key column that is not the new key is dropped.
+
+Any Parquet file is read through a ``[data.schema]`` mapping (``schema``), the decode
+path training uses (:mod:`recaccel.io.format.mapping`): string categoricals are hashed
+as the mapping says, a string task key becomes its 63-bit hash
+(:func:`recaccel.io.format.grouping.task_id`; the output's grouped claim records
+``key_hash = "string63"``), and the output is a recaccel dataset needing no mapping.
 """
 
 from __future__ import annotations
@@ -36,12 +45,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from recaccel.config import SchemaMapping
 from recaccel.errors import ConfigError
 from recaccel.io.format.columns import Columns
-from recaccel.io.format.dataset import RowGroupReader, RowGroupRef, open_dataset
+from recaccel.io.format.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.format.decode import Policies, Projection, new_decode_stats
 from recaccel.io.format.grouping import grouped_schema, task_order
 from recaccel.io.format.schema import FeatureSchema
@@ -103,7 +114,14 @@ class GroupReport:
 class _KeySource:
     """Extracts the (task key, timestamp) of decoded rows of the source."""
 
-    def __init__(self, schema: FeatureSchema, task_key: str, timestamp: str | None, task_column: str | None):
+    def __init__(
+        self,
+        schema: FeatureSchema,
+        task_key: str,
+        timestamp: str | None,
+        task_column: str | None,
+        key_hash: str | None = None,
+    ):
         single = {f.name: i for i, f in enumerate(schema.sparse) if not f.multi_hot}
         if task_key == schema.task_key:
             self.field = None
@@ -131,7 +149,7 @@ class _KeySource:
         taken = set(base.column_names())
         if out_key in taken:
             raise ConfigError(f"task column name {out_key!r} is already a column; pass another task_column")
-        self.out_schema = grouped_schema(base, out_key, timestamp)
+        self.out_schema = grouped_schema(base, out_key, timestamp, key_hash if self.field is None else None)
 
     def keys(self, cols: Columns) -> tuple[np.ndarray, np.ndarray | None]:
         keys = cols.side[self.task_key] if self.field is None else cols.values[self.field]
@@ -193,7 +211,7 @@ def group_by_task(
     src_dir = Path(src) if Path(src).is_dir() else Path(src).parent
     if src_dir.resolve() == Path(out_dir).resolve():
         raise ConfigError(f"out_dir {out_dir} is the source directory; write the grouped copy elsewhere")
-    ks = _KeySource(info.schema, task_key, timestamp, task_column)
+    ks = _KeySource(info.schema, task_key, timestamp, task_column, _key_hash(info, task_key))
     stats = new_decode_stats()
     reader = RowGroupReader(
         info.schema, Projection.select(info.schema, None, ks.side), policies or Policies(), stats
@@ -227,11 +245,10 @@ def group_by_task(
         else:
             work = Path(tempfile.mkdtemp(prefix=".recaccel-sort-", dir=tmp_dir or out_dir))
             try:
-                k = -(-info.num_rows // memory_rows)
-                merge_rows = max(_MIN_MERGE_ROWS, memory_rows // (2 * k))
+                fan_in, merge_rows = merge_plan(-(-info.num_rows // memory_rows), memory_rows)
                 run_dirs = _spill_runs(info.row_groups, reader, ks, memory_rows, merge_rows, work, out, bar)
                 runs = len(run_dirs)
-                _merge(run_dirs, ks.out_schema, out)
+                _merge_passes(run_dirs, ks.out_schema, out, fan_in, merge_rows, work)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
         paths = out.writer.close()
@@ -255,6 +272,18 @@ def group_by_task(
         paths=[str(p) for p in paths],
         schema=ks.out_schema,
     )
+
+
+def _key_hash(info: DatasetInfo, task_key: str) -> str | None:
+    """``"string63"`` when a mapped source's task key column holds strings (read from the
+    first file's footer), so the grouped claim says its ids are
+    :func:`~recaccel.io.format.grouping.task_id` hashes."""
+    if info.schema.source is None or task_key != info.schema.task_key or not info.files:
+        return None
+    typ = pq.read_schema(info.files[0]).field(task_key).type
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    return None if pa.types.is_integer(typ) else "string63"
 
 
 class _Sink:
@@ -372,22 +401,60 @@ class _Run:
         k, t = self.keys()
         return int(k[-1]), (0 if t is None else int(t[-1]))
 
-    def count_le(self, bound: tuple[int, int] | None) -> int:
-        """Buffered rows (from ``pos``) whose (key, time) <= ``bound`` (a prefix: runs are sorted)."""
+    def count_le(self, bound: tuple[int, int] | None, inclusive: bool = True) -> int:
+        """Buffered rows (from ``pos``) whose (key, time) <= ``bound`` (< when not
+        ``inclusive``); a prefix, as runs are sorted."""
         k, t = self.keys()
         if bound is None:
             return k.shape[0]
+        side = "right" if inclusive else "left"
         lo = int(np.searchsorted(k, bound[0], "left"))
-        hi = int(np.searchsorted(k, bound[0], "right"))
         if t is None:
-            return hi
-        return lo + int(np.searchsorted(t[lo:hi], bound[1], "right"))
+            return int(np.searchsorted(k, bound[0], side))
+        hi = int(np.searchsorted(k, bound[0], "right"))
+        return lo + int(np.searchsorted(t[lo:hi], bound[1], side))
 
     def pop(self, n: int) -> Columns:
         part = self.cols.slice(self.pos, self.pos + n)
         self.pos += n
         self._fill()
         return part
+
+
+def merge_plan(num_runs: int, memory_rows: int) -> tuple[int, int]:
+    """``(fan_in, merge_rows)``: runs merged at once and rows per run row group, so that a
+    merge holds at most ``memory_rows`` rows (``fan_in`` row groups buffered, as many
+    rows again in the block being written). Up to ``memory_rows // 2048`` runs merge in
+    one pass with row groups of at least 1024 rows; more runs (or less memory) take
+    several passes, each merging ``fan_in`` runs into one."""
+    fan_in = max(2, min(num_runs, memory_rows // (2 * _MIN_MERGE_ROWS)))
+    return fan_in, max(1, memory_rows // (2 * fan_in))
+
+
+def _merge_passes(
+    run_dirs: list[Path], schema: FeatureSchema, out: _Sink, fan_in: int, merge_rows: int, work: Path
+) -> None:
+    """Merges groups of ``fan_in`` consecutive runs into longer runs until ``fan_in`` or
+    fewer remain, then those into ``out``. Consecutive groups keep ties in source order."""
+    level = 0
+    while len(run_dirs) > fan_in:
+        level += 1
+        merged: list[Path] = []
+        for i in range(0, len(run_dirs), fan_in):
+            group = run_dirs[i : i + fan_in]
+            if len(group) == 1:
+                merged.append(group[0])
+                continue
+            run_dir = work / f"pass-{level:02d}-run-{len(merged):05d}"
+            sink = _Sink(DatasetWriter(run_dir, schema, merge_rows, prefix="run"))
+            _merge(group, schema, sink)
+            sink.writer.close()
+            out.high(sink.max_rows)
+            for done in group:
+                shutil.rmtree(done, ignore_errors=True)
+            merged.append(run_dir)
+        run_dirs = merged
+    _merge(run_dirs, schema, out)
 
 
 def _merge(run_dirs: list[Path], schema: FeatureSchema, out: _Sink) -> None:
@@ -397,9 +464,11 @@ def _merge(run_dirs: list[Path], schema: FeatureSchema, out: _Sink) -> None:
         live = [r for r in runs if r.live]
         if not live:
             return
-        bounded = [r.last() for r in live if r.more]
-        bound = min(bounded) if bounded else None
-        parts = [r.pop(n) for r in live if (n := r.count_le(bound)) > 0]
+        # Rows equal to the bound may still be unread in the first run ending on it: later
+        # runs hold theirs back, so ties leave in run order whatever the row group sizes.
+        bounded = [(r.last(), i) for i, r in enumerate(live) if r.more]
+        bound, first = min(bounded) if bounded else (None, len(live))
+        parts = [r.pop(n) for i, r in enumerate(live) if (n := r.count_le(bound, i <= first)) > 0]
         cols = Columns.concat(parts)
         out.high(sum(r.cols.num_rows for r in runs if r.live) + cols.num_rows)
         keys = cols.side[schema.task_key]

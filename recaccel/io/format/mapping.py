@@ -14,7 +14,7 @@ dense          integer, floating, boolean                      float
 sparse         integer, boolean, whole-number floating         int64 ids (``cardinality``)
 sparse + hash  integer, floating, string, binary, dictionary    int64 bucket (``hash``)
 any sparse     a list of the above                             a multi-hot bag
-task_key       integer (rows sorted by it)                     int64
+task_key       integer, string, binary, dictionary of strings  int64 (strings: 63-bit hash)
 timestamp      integer, timestamp, date                        int64 (the column's unit)
 =============  ==============================================  ===========================
 
@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 
 from recaccel.config import SchemaMapping
 from recaccel.errors import DataError
+from recaccel.io.format.grouping import TASK_ID_BUCKETS
 from recaccel.io.format.id_hash import hash_int_ids, hash_strings
 from recaccel.io.format.schema import FeatureSchema, SparseField, field_index
 
@@ -188,7 +189,8 @@ def _accepts(plan: ColumnPlan, typ: pa.DataType) -> tuple[bool, str]:
     if plan.role in _ROLES_NUMERIC:
         return _is_number(typ), f"a {plan.role} column must be integer, floating or boolean"
     if plan.role == "task_key":
-        return pa.types.is_integer(typ), "a task key must be an integer column (rows sorted by it)"
+        item = typ.value_type if pa.types.is_dictionary(typ) else typ
+        return pa.types.is_integer(typ) or _is_text(item), "a task key must be an integer or string column"
     if plan.role == "timestamp":
         ok = pa.types.is_integer(typ) or pa.types.is_timestamp(typ) or pa.types.is_date(typ)
         return ok, "a timestamp must be an integer, timestamp or date column"
@@ -207,7 +209,7 @@ def _convert(arr: pa.Array, plan: ColumnPlan, path: str, row_group: int) -> pa.A
     if plan.role == "timestamp":
         return arr if pa.types.is_integer(typ) else arr.cast(pa.int64())
     if plan.role == "task_key":
-        return arr
+        return _task_ids(arr)
     if not _is_list(typ):
         return _ids(arr, plan, path, row_group, None)
     parent = np.repeat(np.arange(len(arr)), pc.list_value_length(arr).fill_null(0).to_numpy())
@@ -217,6 +219,17 @@ def _convert(arr: pa.Array, plan: ColumnPlan, path: str, row_group: int) -> pa.A
     cls = pa.ListArray if pa.types.is_list(typ) else pa.LargeListArray
     mask = arr.is_null() if arr.null_count else None
     return cls.from_arrays(pa.array(offsets), flat, mask=mask)
+
+
+def _task_ids(arr: pa.Array) -> pa.Array:
+    """A task key column as int64: integers as they are, strings hashed as
+    :func:`recaccel.io.format.grouping.task_id` hashes one (nulls stay nulls)."""
+    if pa.types.is_integer(arr.type):
+        return arr
+    if pa.types.is_dictionary(arr.type):
+        arr = arr.dictionary_decode()
+    nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+    return pa.array(hash_strings(arr, TASK_ID_BUCKETS), pa.int64(), mask=nulls)
 
 
 def _ids(arr: pa.Array, plan: ColumnPlan, path: str, row_group: int, parent: np.ndarray | None) -> pa.Array:

@@ -172,7 +172,9 @@ class DatasetWriter:
 
     def _drain(self, final: bool) -> None:
         rg = self.rows_per_row_group
-        while self._pending_rows >= rg or (final and self._pending_rows > 0):
+        # Strictly more than a row group pending: the row after it shows whether a task
+        # continues past the cut, whatever the sizes of the writes.
+        while self._pending_rows > rg or (final and self._pending_rows > 0):
             room = rg if self.rows_per_file is None else min(rg, self.rows_per_file - self._rows_in_file)
             n = min(room, self._pending_rows)
             if self._aligned and n < self._pending_rows:
