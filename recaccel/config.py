@@ -103,6 +103,7 @@ SparseOptimizer = Literal["sgd", "rowwise_adagrad", "adam"]
 TrainMode = Literal["dlrm", "meta"]
 Loss = Literal["bce", "mse"]  # BCE on logits (binary labels) | squared error (ratings)
 LabelKind = Literal["binary", "rating"]  # a dataset's labels: clicks {0, 1} | real-valued ratings
+DenseTransformKind = Literal["none", "log1p", "standardize"]  # a [data.schema] dense column, as read
 TaskSplit = Literal["random", "time"]
 AdaptMode = Literal["top_mlp", "head", "head_and_embedding_shift"]
 MetaEngine = Literal["batched", "vmap", "loop"]  # stacked bmm | torch.func | per-task baseline
@@ -175,14 +176,32 @@ class SparseColumn(_Section):
     or a list of ids per row (a multi-hot bag; read from the column's Arrow type).
 
     Exactly one of ``cardinality`` (integer ids ``0 .. cardinality-1``; others follow
-    ``data.invalid_ids``) and ``hash`` (integer or string ids hashed into that many
-    buckets) is set.
+    ``data.invalid_ids``), ``hash`` (integer or string ids hashed into that many
+    buckets) and ``vocabulary`` (an exact map of every value ``recaccel-data inspect``
+    saw to its own row, unseen values to row 0) is set.
     """
 
     SECTION: ClassVar[str] = "data.schema.sparse.COLUMN"
 
-    cardinality: NonNegative = 0
-    hash: NonNegative = 0
+    cardinality: NonNegative = 0  # integer ids 0..N-1, a table of N rows
+    hash: NonNegative = 0  # ids (integers or strings) hashed into N rows
+    # exact map value -> row 1..K from data.schema.vocabulary_file; unseen values share row 0
+    vocabulary: bool = False
+    min_count: Count = 1  # vocabulary: values seen fewer times in the inspected files go to row 0
+
+
+@dataclass
+class DenseTransform(_Section):
+    """How one dense column of a ``[data.schema]`` mapping is transformed as it is read, in
+    training, evaluation and serving alike: ``log1p`` is sign(x) log(1 + |x|),
+    ``standardize`` is (x - mean) / std with the statistics recaccel-data inspect computed.
+    """
+
+    SECTION: ClassVar[str] = "data.schema.transforms.COLUMN"
+
+    transform: DenseTransformKind = "none"  # log1p, standardize, or none (the value as read)
+    mean: float = 0.0  # standardize: the column's mean
+    std: Rate = 1.0  # standardize: the column's standard deviation
 
 
 @dataclass
@@ -202,15 +221,27 @@ class SchemaMapping(_Section):
     sparse: dict[str, SparseColumn] = field(default_factory=dict)
     task_key: Name | None = None  # meta data: integer column grouping rows into tasks
     timestamp: Name | None = None  # meta data: integer or timestamp column ordering rows in time
+    # the vocabularies (JSON) recaccel-data inspect --write-schema wrote, for vocabulary = true
+    vocabulary_file: PathText | None = None
+    # dense column -> {transform = "log1p" or "standardize" (with mean, std) or "none"}
+    transforms: dict[str, DenseTransform] = field(default_factory=dict)
 
     def check_consistency(self) -> None:
         for name, col in self.sparse.items():
             key = f"config key data.schema.sparse.{name}"
-            if (col.cardinality > 0) == (col.hash > 0):
+            if (col.cardinality > 0) + (col.hash > 0) + col.vocabulary != 1:
                 raise ConfigError(
                     f"{key}={show_value(dataclasses.asdict(col))} needs exactly one of cardinality = N "
-                    "(integer ids 0..N-1) and hash = N (ids hashed into N buckets)"
+                    "(integer ids 0..N-1), hash = N (ids hashed into N buckets) and vocabulary = true"
                 )
+            if col.vocabulary and self.vocabulary_file is None:
+                raise ConfigError(
+                    f"{key} has vocabulary = true but data.schema.vocabulary_file is not set "
+                    "(recaccel-data inspect --write-schema writes both)"
+                )
+        unknown = sorted(set(self.transforms) - set(self.dense))
+        if unknown:
+            raise ConfigError(f"config key data.schema.transforms names {unknown}, not data.schema.dense columns")
         if not self.dense and not self.sparse:
             raise ConfigError(
                 "config key data.schema maps no feature: give data.schema.dense or data.schema.sparse"

@@ -129,15 +129,30 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     inspect = sub.add_parser(
         "inspect", help="any Parquet's columns (type, nulls, distinct) and a suggested [data.schema]"
     )
-    inspect.add_argument("path", help="a .parquet file or a folder of them")
+    inspect.add_argument(
+        "path",
+        nargs="+",
+        help=".parquet files or folders of them, read together (give the train and test data)",
+    )
     inspect.add_argument("--label", help="the label column (default: a column named like one)")
-    inspect.add_argument("--write-schema", metavar="FILE", help="write the suggested [data.schema] TOML here")
+    inspect.add_argument(
+        "--write-schema",
+        metavar="FILE",
+        help="write the suggested [data.schema] TOML here, and its columns' vocabularies to FILE's .vocab.json",
+    )
     inspect.add_argument("--force", action="store_true", help="replace an existing --write-schema file")
     inspect.add_argument(
         "--exact-limit",
         type=int,
         default=100_000,
         help="distinct values counted exactly per column; beyond, an estimate (shown with ~)",
+    )
+    inspect.add_argument(
+        "--vocabulary-limit",
+        type=int,
+        default=100_000,
+        help="columns with at most this many distinct values get an exact vocabulary (with --write-schema); "
+        "more: a hash",
     )
 
     args = parser.parse_args(argv)
@@ -156,17 +171,26 @@ def data_main(argv: Sequence[str] | None = None) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     """Prints each column's statistics and the suggested mapping (written to --write-schema)."""
-    from recaccel.io.format.inspect import format_table, inspect_dataset, suggest_mapping
+    from recaccel.io.format.inspect import format_table, inspect_dataset, suggest_mapping, vocabularies
+    from recaccel.io.format.vocabulary import vocabulary_text
 
+    vocab_file = None
     if args.write_schema:
-        reads = [Read(Path(args.path), "the data this command reads")]
+        vocab_file = str(Path(args.write_schema).with_suffix(".vocab.json").resolve())
+        reads = [Read(Path(p), "the data this command reads") for p in args.path]
         check_output(args.write_schema, flag="--write-schema", force=args.force, reads=reads)
-    stats = inspect_dataset(args.path, exact_limit=max(1, args.exact_limit))
-    fragment = suggest_mapping(stats, args.label)
+        check_output(vocab_file, flag="--write-schema's vocabulary file", force=args.force, reads=reads)
+    stats = inspect_dataset(
+        args.path, exact_limit=max(1, args.exact_limit), vocabulary_limit=max(0, args.vocabulary_limit)
+    )
+    fragment = suggest_mapping(stats, args.label, vocabulary_file=vocab_file)
     print(format_table(stats))
     print()
     print(fragment, end="")
     if args.write_schema:
+        found = vocabularies(stats, args.label)
+        if found:
+            write_text_atomic(vocab_file, vocabulary_text(found))
         write_text_atomic(args.write_schema, fragment)
         print(
             f"\n# written to {args.write_schema}: review it, then train with --config YOUR.toml --config {args.write_schema}"

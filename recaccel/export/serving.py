@@ -9,6 +9,10 @@ KeyedJaggedTensor, fields in the order the JSON beside the program lists them):
 - ``offsets``: int64 [F*B + 1], bag (f, b) is ``values[offsets[f*B + b] : offsets[f*B + b + 1]]``;
   ``offsets[0] = 0`` and ``offsets[-1] = N``; an empty bag pools to zeros.
 
+``model.json`` (the ``.json`` beside the program) records how each raw column became
+its input (hash, vocabulary, dense transform); :func:`recaccel.export.encode.encode`
+applies it to raw rows.
+
 Output: float32 [B], the click probability (sigmoid of the logit) for binary labels,
 the predicted rating for rating labels. B and N are dynamic.
 
@@ -113,7 +117,11 @@ def example_inputs(loaded: LoadedRun, batch: int, seed: int = 0) -> tuple[Tensor
 
 
 def serving_spec(loaded: LoadedRun) -> dict[str, Any]:
-    """What a serving client needs to call the program (JSON-ready)."""
+    """What a serving client needs to call the program (JSON-ready), with how each raw
+    column becomes an input (``dense``, ``fields``: see :func:`recaccel.export.encode.encode`)."""
+    from recaccel.export.encode import describe_inputs
+    from recaccel.export.load import run_schema
+
     return {
         "format": FORMAT,
         "arch": loaded.arch,
@@ -122,7 +130,7 @@ def serving_spec(loaded: LoadedRun) -> dict[str, Any]:
             "values": "int64 [N]: every field's ids, field-major (field 0's bags for rows 0..B-1, then field 1's, ...)",
             "offsets": f"int64 [{len(loaded.fields)}*B + 1]: bag (f, b) = values[offsets[f*B+b]:offsets[f*B+b+1]]",
         },
-        "fields": [{"name": name, "cardinality": rows} for name, rows in loaded.fields],
+        **describe_inputs(loaded.cfg, run_schema(loaded.cfg)),
         "num_dense": loaded.num_dense,
         "pooling": loaded.cfg.model.pooling,
         "output": "float32 [B] click probability" if loaded.label_kind == "binary" else "float32 [B] rating",

@@ -13,6 +13,7 @@ label          integer, floating, boolean                      float
 dense          integer, floating, boolean                      float
 sparse         integer, boolean, whole-number floating         int64 ids (``cardinality``)
 sparse + hash  integer, floating, string, binary, dictionary    int64 bucket (``hash``)
+sparse + vocab integer, whole-number floating, string, dict.    int64 row, 0 = unseen (``vocabulary``)
 any sparse     a list of the above                             a multi-hot bag
 task_key       integer, string, binary, dictionary of strings  int64 (strings: 63-bit hash)
 timestamp      integer, timestamp, date                        int64 (the column's unit)
@@ -20,7 +21,9 @@ timestamp      integer, timestamp, date                        int64 (the column
 
 A null stays a null (so ``data.invalid_ids`` decides: error, or drop the row), a
 floating id that is not a whole number is an error naming the file, row group, column
-and row. Hashing is :mod:`recaccel.io.format.id_hash`.
+and row. Hashing is :mod:`recaccel.io.format.id_hash`, vocabularies
+:mod:`recaccel.io.format.vocabulary`, dense transforms :mod:`recaccel.io.format.transforms`
+(applied here, so every reader of the mapping sees the same numbers).
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recaccel.config import SchemaMapping
+from recaccel.config import DenseTransform, SchemaMapping
 from recaccel.errors import DataError
 from recaccel.io.format.grouping import TASK_ID_BUCKETS
 from recaccel.io.format.id_hash import hash_int_ids, hash_strings
 from recaccel.io.format.schema import FeatureSchema, SparseField, field_index
+from recaccel.io.format.transforms import apply_transform
+from recaccel.io.format.vocabulary import load_vocabularies, lookup
 
 _ROLES_NUMERIC = ("label", "dense")
 
@@ -49,12 +54,17 @@ class ColumnPlan:
         role: label, dense, sparse, task_key or timestamp.
         key: the config key naming it, for messages (``data.schema.sparse.item``).
         buckets: > 0: ids are hashed into this many buckets.
+        vocabulary: the kept values of a ``vocabulary = true`` column (row ``i + 1`` holds
+            ``vocabulary[i]``, row 0 every other value); None = no vocabulary.
+        transform: a dense column's transform; None = as it is.
     """
 
     name: str
     role: str
     key: str
     buckets: int = 0
+    vocabulary: pa.Array | None = None
+    transform: DenseTransform | None = None
 
 
 @dataclass(frozen=True)
@@ -104,19 +114,23 @@ class MappedColumns:
         return table
 
 
-def resolve_mapping(mapping: SchemaMapping, schema: pa.Schema, path: str) -> FeatureSchema:
+def resolve_mapping(
+    mapping: SchemaMapping, schema: pa.Schema, path: str, vocabularies: dict[str, pa.Array] | None = None
+) -> FeatureSchema:
     """The dataset schema a mapping gives a file with this Arrow schema.
 
     Args:
         mapping: the ``[data.schema]`` table.
         schema: the Arrow schema of the dataset's first file.
         path: that file, for messages and the schema's ``origin``.
+        vocabularies: the kept values of each vocabulary column; None = read them from
+            ``mapping.vocabulary_file`` (a model.json passes its recorded ones).
 
     Raises:
         DataError: naming the file, the column and the config key for a missing column
             or a column of a type its role cannot take.
     """
-    plans = _plans(mapping)
+    plans = _plans(mapping, vocabularies)
     multi_hot = set()
     for plan in plans.values():
         typ = _field_type(schema, plan, path)
@@ -124,7 +138,7 @@ def resolve_mapping(mapping: SchemaMapping, schema: pa.Schema, path: str) -> Fea
         if plan.role == "sparse" and _is_list(typ):
             multi_hot.add(plan.name)
     sparse = tuple(
-        SparseField(name, col.cardinality or col.hash, name in multi_hot)
+        SparseField(name, _table_rows(col, plans[name]), name in multi_hot)
         for name, col in mapping.sparse.items()
     )
     source = MappedColumns(mapping, plans, frozenset(multi_hot))
@@ -140,10 +154,47 @@ def resolve_mapping(mapping: SchemaMapping, schema: pa.Schema, path: str) -> Fea
     )
 
 
-def _plans(mapping: SchemaMapping) -> dict[str, ColumnPlan]:
+def _table_rows(col, plan: ColumnPlan) -> int:
+    """A sparse field's table size: its cardinality, buckets, or vocabulary rows (+ row 0)."""
+    if plan.vocabulary is not None:
+        return len(plan.vocabulary) + 1
+    return col.cardinality or col.hash
+
+
+def _vocabulary_sets(mapping: SchemaMapping) -> dict[str, pa.Array]:
+    """The kept values of each ``vocabulary = true`` column, from ``vocabulary_file``.
+
+    Raises:
+        DataError: naming the vocabulary file and config key of a column it lacks.
+    """
+    names = [n for n, c in mapping.sparse.items() if c.vocabulary]
+    if not names:
+        return {}
+    path = str(mapping.vocabulary_file)
+    vocabularies = load_vocabularies(path)
+    sets = {}
+    for name in names:
+        if name not in vocabularies:
+            raise DataError(
+                f"no vocabulary of column {name!r} (config key data.schema.sparse.{name}.vocabulary): "
+                "rerun recaccel-data inspect --write-schema over the data",
+                path=path,
+            )
+        sets[name] = vocabularies[name].value_set(mapping.sparse[name].min_count)
+    return sets
+
+
+def _plans(mapping: SchemaMapping, vocab: dict[str, pa.Array] | None) -> dict[str, ColumnPlan]:
+    vocab = _vocabulary_sets(mapping) if vocab is None else vocab
     plans = [ColumnPlan(mapping.label, "label", "data.schema.label")]
-    plans += [ColumnPlan(d, "dense", f"data.schema.dense[{i}]") for i, d in enumerate(mapping.dense)]
-    plans += [ColumnPlan(n, "sparse", f"data.schema.sparse.{n}", c.hash) for n, c in mapping.sparse.items()]
+    plans += [
+        ColumnPlan(d, "dense", f"data.schema.dense[{i}]", transform=mapping.transforms.get(d))
+        for i, d in enumerate(mapping.dense)
+    ]
+    plans += [
+        ColumnPlan(n, "sparse", f"data.schema.sparse.{n}", c.hash, vocab.get(n))
+        for n, c in mapping.sparse.items()
+    ]
     for role in ("task_key", "timestamp"):
         name = getattr(mapping, role)
         if name is not None:
@@ -198,13 +249,19 @@ def _accepts(plan: ColumnPlan, typ: pa.DataType) -> tuple[bool, str]:
     if pa.types.is_dictionary(item):
         item = item.value_type
     if _is_text(item):
-        return plan.buckets > 0, f"string ids need hash = N buckets ({plan.key}.hash), not a cardinality"
+        ok = plan.buckets > 0 or plan.vocabulary is not None
+        return (
+            ok,
+            f"string ids need hash = N buckets ({plan.key}.hash) or vocabulary = true, not a cardinality",
+        )
     return _is_number(item), "a sparse column must hold integer or string ids (or a list of them)"
 
 
 def _convert(arr: pa.Array, plan: ColumnPlan, path: str, row_group: int) -> pa.Array:
     typ = arr.type
     if plan.role in _ROLES_NUMERIC:
+        if plan.transform is not None and plan.transform.transform != "none":
+            return _transformed(arr, plan.transform)
         return arr if pa.types.is_integer(typ) or pa.types.is_floating(typ) else arr.cast(pa.float32())
     if plan.role == "timestamp":
         return arr if pa.types.is_integer(typ) else arr.cast(pa.int64())
@@ -232,9 +289,42 @@ def _task_ids(arr: pa.Array) -> pa.Array:
     return pa.array(hash_strings(arr, TASK_ID_BUCKETS), pa.int64(), mask=nulls)
 
 
+def _transformed(arr: pa.Array, transform: DenseTransform) -> pa.Array:
+    """A dense column through its transform, as float32 (nulls stay nulls)."""
+    if not pa.types.is_floating(arr.type):
+        arr = arr.cast(pa.float64())
+    nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+    values = apply_transform(arr.fill_null(0).to_numpy(zero_copy_only=False), transform)
+    return pa.array(values, pa.float32(), mask=nulls)
+
+
+def _vocabulary_rows(
+    arr: pa.Array, plan: ColumnPlan, path: str, row_group: int, parent: np.ndarray | None
+) -> pa.Array:
+    """Vocabulary rows (int64, 0 = out of vocabulary) of one id column; nulls stay nulls."""
+    nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+    typ = arr.type.value_type if pa.types.is_dictionary(arr.type) else arr.type
+    if _is_text(typ) != pa.types.is_string(plan.vocabulary.type):
+        kind = "strings" if pa.types.is_string(plan.vocabulary.type) else "integers"
+        raise DataError(
+            f"column has type {arr.type} but its vocabulary holds {kind} (config key {plan.key})",
+            path=path,
+            column=plan.name,
+            row_group=row_group,
+        )
+    if pa.types.is_floating(typ):
+        whole = _whole(arr.fill_null(0).to_numpy(zero_copy_only=False), plan, path, row_group, parent)
+        arr = pa.array(whole.astype(np.int64))
+    elif pa.types.is_boolean(typ):
+        arr = arr.cast(pa.int64())
+    return pa.array(lookup(arr, plan.vocabulary), pa.int64(), mask=nulls)
+
+
 def _ids(arr: pa.Array, plan: ColumnPlan, path: str, row_group: int, parent: np.ndarray | None) -> pa.Array:
     """One id column (or a list column's flattened ids; ``parent`` = their rows) as
-    int64, hashed into ``plan.buckets`` when set; nulls stay nulls."""
+    int64, hashed into ``plan.buckets`` when set, or its vocabulary rows; nulls stay nulls."""
+    if plan.vocabulary is not None:
+        return _vocabulary_rows(arr, plan, path, row_group, parent)
     typ = arr.type
     if not plan.buckets and pa.types.is_integer(typ):
         return arr
