@@ -28,11 +28,13 @@ from recaccel.train.console import PhaseTimer, show_eval, show_event
 from recaccel.train.data_wait import DataWait
 from recaccel.train.dense_head import build_head, check_head_options
 from recaccel.train.distributed.monitor import check_faults, kill_if_due
+from recaccel.train.evaluation import MetricWindow
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
 from recaccel.train.precision import log_fallback, matmul_precision
 from recaccel.train.preemption import Preempted, StopSignals
+from recaccel.train.profiling import StepProfiler
 from recaccel.train.runlog import RunLog, check_run_dir, clear_run, read_events
 from recaccel.train.schedule import LRSchedule, sparse_rate_setters
 from recaccel.train.user_model import ModelSource, build_user_model
@@ -149,6 +151,9 @@ class Trainer:
         self.schedule: LRSchedule | None = None  # made by fit(): it needs the run's length
         self._logged = (0, 0.0)  # (samples, training seconds) at the previous train event
         self._saved_at = -1  # the step of the last checkpoint this fit wrote
+        steps = cfg.train.profile_steps if self.parallel.is_main else []
+        self._profiler = StepProfiler(self.run_dir, steps, self.device)
+        self._window = self._metric_window()
         self._phases = PhaseTimer()  # -v: time per step between log steps
 
     def _seed(self) -> None:
@@ -168,11 +173,6 @@ class Trainer:
         task's support rows, and as is), on the same query rows: the meta baselines.
         """
         cfg = self.cfg
-        if cfg.train.precision != "fp32" and (cfg.train.mode == "meta" or cfg.train.eval_tasks):
-            raise ConfigError(
-                f"train.precision={cfg.train.precision} runs train.mode=dlrm without train.eval_tasks only "
-                "(the meta engines adapt in float32); use train.precision=fp32"
-            )
         if places_tables_on_host(cfg.model) and cfg.parallel.mode == "hybrid":
             raise ConfigError(
                 "model.embedding_placement=host (or a table_placement of host) runs parallel.mode=single: hybrid "
@@ -286,8 +286,10 @@ class Trainer:
             set_counters(self.reader.counters, self.state.data)
         self._logged = (self.state.samples, self.state.train_seconds)
         self.module.train()
+        self._profiler.at(self.state.step)
         while not self._reached_end():
             self._run_epoch(loader, wait, bar)
+        self._profiler.close()
         bar.close()
         self._checkpoint()
         self._stop_if_requested(bar)  # stopped during the last step: evaluation waits for --resume
@@ -333,6 +335,7 @@ class Trainer:
         # Hybrid: every rank agrees before each step that all ranks have a batch.
         for done in self.parallel.steps(source, self.objective, self.optimizer, self.cfg.train):
             self._record_step(done)
+            self._profiler.at(self.state.step)
             self._monitor_events()
             kill_if_due(self.cfg.fault, self.parallel.rank, self.state.step)  # fault injection
             bar.update(1)
@@ -394,7 +397,8 @@ class Trainer:
                 )
             else:
                 what = f"rank {flag['rank']} is slow ({flag['kind']} {flag['ratio']:.2f}x the other ranks' median)"
-            self._event("flag", **flag)
+            fields = {key: value for key, value in flag.items() if key != "kind"}
+            self._event("flag", slow=flag["kind"], **fields)  # "kind" names the event's own field
             show_event("monitor: %s at step %d", what, self.state.step, warning=True)
         self._event("monitor", step=self.state.step, **event)
 
@@ -423,7 +427,35 @@ class Trainer:
             samples_per_s=(self.state.samples - samples) / elapsed,
             data_wait_s=wait.seconds,
             **cache,
+            **self._train_extras(),
         )
+
+    def _metric_window(self) -> MetricWindow | None:
+        """train.metric_window's window over the training logits (this rank's rows), hooked
+        into the objective; None when off.
+
+        Raises:
+            ConfigError: a window in meta mode.
+        """
+        rows = self.cfg.train.metric_window
+        if rows == 0:
+            return None
+        if not isinstance(self.objective, DLRMObjective):
+            raise ConfigError(
+                f"config key train.metric_window={rows} runs train.mode=dlrm (a meta step scores tasks); use 0"
+            )
+        window = MetricWindow(rows, self.objective.loss)
+        self.objective.watch = window.add
+        return window
+
+    def _train_extras(self) -> dict[str, Any]:
+        """The window's metrics and the dense gradients' norm before clipping (with
+        optim.grad_clip_norm), for a train event."""
+        extras = self._window.metrics() if self._window is not None else {}
+        norm = getattr(self.optimizer, "grad_norm", None)
+        if norm is not None:
+            extras["grad_norm"] = float(norm)
+        return extras
 
     def _maybe_checkpoint(self) -> None:
         every = self.cfg.train.checkpoint_every
@@ -474,6 +506,7 @@ class Trainer:
             self._stop_clock()  # the checkpoint carries the training time so far
             self._checkpoint()
         bar.close()
+        self._profiler.close()
         logger.info("%s: stopped at step %d, checkpoint saved", signal_name, self.state.step)
         self._event("stopped", signal=signal_name, step=self.state.step, epoch=self.state.epoch)
         if self.log is not None:

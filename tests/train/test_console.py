@@ -188,3 +188,44 @@ def test_a_rank_other_than_0_hides_third_party_warnings_without_a_summary(capsys
         with hidden_warnings(show_summary=False) as tally:
             _third_party_warning("torch")
     assert (shown, dict(tally.by_package), capsys.readouterr().err) == ([], {"torch": 1}, "")
+
+
+@pytest.fixture
+def two_ranks(monkeypatch) -> None:
+    pytest.importorskip("torchrec", exc_type=ImportError)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+HYBRID = ["parallel.mode=hybrid", "train.progress=false", "parallel.timeout_s=60"]
+
+
+def test_an_elastic_restart_prints_one_line_and_is_recorded(tiny_data, tmp_path, two_ranks, capfd):
+    """Rank 1 is killed after step 5; the launcher restarts both ranks, which resume from
+    the checkpoint of step 4."""
+    out = tmp_path / "run"
+    faults = ["fault.kill_rank=1", "fault.kill_rank_at_step=5", "train.checkpoint_every=2", "train.steps=8"]
+    argv = [*_argv(tiny_data, out, *HYBRID, *faults), "--nproc", "2", "--max-restarts", "1"]
+    assert train_main(argv) == 0
+    err = capfd.readouterr().err
+    assert err.count("restart 1: a rank failed; every rank restarted, resuming at step 4") == 1
+    restarts = [e for e in read_events(out) if e["event"] == "restart"]
+    assert [(e["step"], e["restart"]) for e in restarts] == [(4, 1)]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert (metrics["restarts"], metrics["steps"]) == (1, 8)
+
+
+def test_a_monitor_flag_prints_one_line_and_is_counted(tiny_data, tmp_path, two_ranks, capfd):
+    out = tmp_path / "run"
+    slow = [
+        "monitor.every=2",
+        "monitor.slow_steps=2",
+        "fault.slow_rank=1",
+        "fault.slow_factor=5",
+        "train.steps=8",
+    ]
+    assert train_main([*_argv(tiny_data, out, *HYBRID, *slow), "--nproc", "2"]) == 0
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("monitor: ")]
+    assert len(lines) == 1 and lines[0].startswith("monitor: rank 1 is slow (compute "), lines
+    flags = [e for e in read_events(out) if e["event"] == "flag"]
+    assert [(e["rank"], e["slow"]) for e in flags] == [(1, "compute")]
+    assert json.loads((out / "metrics.json").read_text())["flags"] == 1
