@@ -63,13 +63,16 @@ class ReadOptions:
         policies: what to do with bad ids, dense values and labels.
         read_ahead: buffers (or units) decoded in advance, each on its own worker thread
             (0 = inline); batches, order and state do not depend on it.
+        workers: processes decoding shuffle buffers (or units), buffer i on worker
+            i % workers, handed back through shared memory; 0 = in this process
+            (with ``read_ahead`` threads). Batches, order and state do not depend on it.
         shard: this process's rank and the world size.
         unreadable_files: a data folder's unreadable ``*.parquet`` entries: skipped with a
             warning (``"warn"``) or refused (``"error"``); see
             :func:`~recaccel.io.format.dataset.list_files`.
 
     Raises:
-        ConfigError: on a negative seed or read_ahead.
+        ConfigError: on a negative seed, read_ahead or workers.
     """
 
     shuffle: bool = True
@@ -79,12 +82,15 @@ class ReadOptions:
     read_ahead: int = 2
     shard: Shard = field(default_factory=Shard)
     unreadable_files: UnreadableFilesPolicy = "warn"
+    workers: int = 0
 
     def __post_init__(self) -> None:
         if self.seed < 0:
             raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if self.read_ahead < 0:
             raise ConfigError(f"read_ahead must be >= 0, got {self.read_ahead}")
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}")
 
     @classmethod
     def from_config(
@@ -100,4 +106,5 @@ class ReadOptions:
             read_ahead=data_cfg.read_ahead if read_ahead is None else read_ahead,
             shard=shard,
             unreadable_files=data_cfg.unreadable_files,
+            workers=data_cfg.workers,
         )

@@ -37,7 +37,8 @@ resumed from any state ends an epoch with the counters of an uninterrupted one;
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +47,17 @@ from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns, take_batch
 from recaccel.io.format.dataset import RowGroupReader, RowGroupRef
-from recaccel.io.format.decode import Projection, add_counts, counter_increments, new_decode_stats
+from recaccel.io.format.decode import (
+    Policies,
+    Projection,
+    add_counts,
+    counter_increments,
+    new_decode_stats,
+)
 from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.readers.engine import Position, ShardedReader
 from recaccel.io.readers.options import ReadOptions, Shard
+from recaccel.io.readers.processes import ProcessLoader
 from recaccel.io.readers.read_ahead import WorkerLoader
 from recaccel.io.readers.state import counters_at
 from recaccel.sparse import Batch
@@ -245,31 +253,58 @@ class BatchReader(ShardedReader):
         finally:
             loader.close()
 
-    def _loader(self, buffers: list[list[RowGroupRef]]) -> WorkerLoader:
-        """Decodes the shuffle buffers of one iteration, ``read_ahead`` in advance.
+    def _loader(self, buffers: list[list[RowGroupRef]]) -> WorkerLoader | ProcessLoader:
+        """Decodes the shuffle buffers of one iteration, ``read_ahead`` in advance, on
+        threads, or on ``workers`` processes when set.
 
-        Each worker thread has its own file handles and counters; Arrow decoding and
+        Each thread (or process) has its own file handles and counters; Arrow decoding and
         numpy's large-array work release the GIL. Buffers come back in order with their
         counter increments, and a decode error is raised when its buffer is asked for,
         so results, counters and errors are those of an inline read (a first-occurrence
         warning may be logged once per thread).
         """
-        shuffle = self.options.shuffle
-
-        def new_source() -> RowGroupReader:
-            return RowGroupReader(self.schema, self.projection, self.policies, new_decode_stats())
-
-        def load(source: RowGroupReader, b: int) -> tuple[Columns, dict[str, int]]:
-            before = dict(source.stats)
-            # Shuffled rows are gathered at random: row-major ids make that cache-friendly.
-            cols = Columns.concat([source.read(ref) for ref in buffers[b]], row_major_ids=shuffle)
-            return cols, counter_increments(before, source.stats)
-
-        return WorkerLoader(new_source, load, len(buffers), self.options.read_ahead)
+        job = _BufferJob(self.schema, self.projection, self.policies, self.options.shuffle, buffers)
+        if self.options.workers:
+            return ProcessLoader(job, len(buffers), self.options.read_ahead, self.options.workers)
+        return WorkerLoader(job.new_worker, job.load, len(buffers), self.options.read_ahead)
 
     def _count(self, batch: Batch) -> None:
         self.counters["rows_yielded"] += batch.batch_size
         self.counters["batches_yielded"] += 1
+
+
+@dataclass(frozen=True)
+class _BufferJob:
+    """Decoding shuffle buffers: what a reader thread or worker process runs (picklable)."""
+
+    schema: FeatureSchema
+    projection: Projection
+    policies: Policies
+    shuffle: bool
+    buffers: list[list[RowGroupRef]]
+
+    def new_worker(self) -> RowGroupReader:
+        """A row-group reader with its own file handles and counters."""
+        return RowGroupReader(self.schema, self.projection, self.policies, new_decode_stats())
+
+    def load(
+        self, source: RowGroupReader, b: int, note: Callable[[int], None] = lambda _: None
+    ) -> tuple[Columns, dict[str, int]]:
+        """Buffer ``b``'s rows and the counter increments; ``note(k)`` before its k-th row group."""
+        before = dict(source.stats)
+        parts = []
+        for k, ref in enumerate(self.buffers[b]):
+            note(k)
+            parts.append(source.read(ref))
+        # Shuffled rows are gathered at random: row-major ids make that cache-friendly.
+        cols = Columns.concat(parts, row_major_ids=self.shuffle)
+        return cols, counter_increments(before, source.stats)
+
+    def where(self, b: int, k: int) -> str:
+        """The row group(s) of buffer ``b`` (its k-th; -1 = any)."""
+        refs = self.buffers[b]
+        chosen = [refs[k]] if 0 <= k < len(refs) else refs
+        return ", ".join(f"{ref.path} row group {ref.row_group}" for ref in chosen)
 
 
 def _rows_of(cols: Columns, order: np.ndarray | None, start: int, stop: int) -> Columns:

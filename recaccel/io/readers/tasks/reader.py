@@ -68,7 +68,7 @@ from recaccel.io.readers.state import counters_at
 from recaccel.io.readers.tasks.pool import TaskPool, build_task_batch
 from recaccel.io.readers.tasks.split import SPLIT_COUNTERS, SplitSpec
 from recaccel.io.readers.tasks.stream import HeadStash, check_order, key_bounds, wanted_heads
-from recaccel.io.readers.tasks.units import UnitLoader, UnitWorker
+from recaccel.io.readers.tasks.units import UnitJob, UnitLoader, UnitWorker
 from recaccel.sparse import TaskBatch
 
 __all__ = ["TaskReader"]
@@ -277,13 +277,15 @@ class TaskReader(ShardedReader):
         seed_words = (seed, 1, start.epoch) if self.train else (seed, 0)
         # A unit read before the unit its last task runs into gets that head from there.
         heads = HeadStash(wanted_heads(units[start.fields[1] :]))
-        args = (self.info, self.projection, self.policies, self._bounds, self.spec, seed_words, heads)
+        args = (self.info, self.projection, self.policies, self._bounds, self.spec, seed_words)
+        workers = self.options.workers
         loader = UnitLoader(
-            lambda: UnitWorker(*args),
+            lambda: UnitWorker(*args, heads),
             units,
             [sum(self.info.row_groups[g].num_rows for g in unit) for unit in units],
             self.options.read_ahead,
-            heads,
+            None if workers else heads,
+            (UnitJob(*args, units), workers) if workers else None,
         )
         try:
             yield from self._batches(start, units, loader, shard[0])

@@ -17,9 +17,12 @@ shared :class:`HeadStash`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from recaccel.io.format.dataset import DatasetInfo, RowGroupReader
 from recaccel.io.format.decode import Policies, Projection, add_counts, counter_increments, new_decode_stats
+from recaccel.io.readers.processes import ProcessLoader
 from recaccel.io.readers.read_ahead import WorkerLoader
 from recaccel.io.readers.tasks.pool import TaskPool
 from recaccel.io.readers.tasks.split import SPLIT_COUNTERS, SplitSpec, split_tasks
@@ -59,12 +62,15 @@ class UnitWorker:
         self.spec = spec
         self.seed_words = seed_words
 
-    def load(self, unit: range) -> tuple[TaskPool | None, dict[str, int]]:
+    def load(
+        self, unit: range, note: Callable[[int], None] = lambda _: None
+    ) -> tuple[TaskPool | None, dict[str, int]]:
         """The split (and, training, sampled) tasks the unit's row groups own, and the
-        counter increments."""
+        counter increments; ``note(g)`` before reading the tasks row group ``g`` owns."""
         before = dict(self.stats)
         pools = []
         for g in unit:
+            note(g)
             for part in self.stream.owned(g):
                 split = split_tasks(part.keys, part.times, self.spec, self.seed_words)
                 add_counts(self.stats, split.counters)
@@ -80,6 +86,37 @@ class UnitWorker:
         self.source.close()
 
 
+@dataclass(frozen=True)
+class UnitJob:
+    """Loading units in a worker process (see :mod:`recaccel.io.readers.processes`):
+    :class:`UnitWorker` arguments, without a shared head stash (processes share no
+    memory), so a task crossing into a unit read elsewhere decodes that row group again."""
+
+    info: DatasetInfo
+    projection: Projection
+    policies: Policies
+    bounds: Any
+    spec: SplitSpec
+    seed_words: tuple[int, ...]
+    units: list[range]
+
+    def new_worker(self) -> UnitWorker:
+        """A worker with its own row-group reader and counters."""
+        return UnitWorker(self.info, self.projection, self.policies, self.bounds, self.spec, self.seed_words)
+
+    def load(
+        self, worker: UnitWorker, u: int, note: Callable[[int], None]
+    ) -> tuple[TaskPool | None, dict[str, int]]:
+        """Unit ``u``'s tasks and counter increments."""
+        return worker.load(self.units[u], note)
+
+    def where(self, u: int, g: int) -> str:
+        """Row group ``g`` (or, -1, all of unit ``u``'s row groups), with their files."""
+        refs = self.info.row_groups
+        chosen = [g] if g >= 0 else list(self.units[u])
+        return ", ".join(f"{refs[i].path} row group {refs[i].row_group}" for i in chosen)
+
+
 class UnitLoader:
     """Loads units ``0 .. count-1`` on request, in order, ``ahead`` of them in advance.
 
@@ -89,6 +126,7 @@ class UnitLoader:
         unit_rows: rows of each unit (footer counts), for memory accounting.
         ahead: units loaded in advance on that many threads; 0 = load on request.
         heads: the workers' shared row-group heads (counted in ``held_rows``), or None.
+        processes: a job for worker processes, and how many (instead of threads).
     """
 
     def __init__(
@@ -98,11 +136,16 @@ class UnitLoader:
         unit_rows: list[int],
         ahead: int,
         heads: HeadStash | None = None,
+        processes: tuple[UnitJob, int] | None = None,
     ) -> None:
         self._unit_rows = unit_rows
-        self._loads = WorkerLoader(
-            new_worker, lambda w, u: w.load(units[u]), len(units), ahead, name="recaccel-tasks"
-        )
+        self._loads: WorkerLoader | ProcessLoader
+        if processes is not None:
+            self._loads = ProcessLoader(processes[0], len(units), ahead, processes[1])
+        else:
+            self._loads = WorkerLoader(
+                new_worker, lambda w, u: w.load(units[u]), len(units), ahead, name="recaccel-tasks"
+            )
         self._heads = heads
 
     def get(self, u: int) -> tuple[TaskPool | None, dict[str, int]]:
@@ -111,9 +154,11 @@ class UnitLoader:
 
     def held_rows(self) -> int:
         """Rows of units being loaded ahead (footer counts), of the workers' caches and
-        of the kept heads."""
+        of the kept heads (those in worker processes not counted)."""
         ahead = sum(self._unit_rows[v] for v in self._loads.pending())
         heads = self._heads.rows if self._heads is not None else 0
+        if isinstance(self._loads, ProcessLoader):
+            return ahead + heads
         return ahead + heads + sum(w.stream.cached_rows for w in self._loads.workers.all())
 
     def close(self) -> None:

@@ -1,0 +1,246 @@
+"""Reader worker processes (``data.workers``): the same batches, order and resume for every
+worker count, worker deaths as one error line, and no processes or shared memory left."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
+from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
+from recaccel.io.readers.rows import _BufferJob
+from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
+from tests.io.test_parquet import small_dataset
+from tests.io.test_tasks import cfg, write_tasks
+
+ROOT = Path(__file__).resolve().parents[2]
+# Decode counters of the task reader count row groups decoded again to complete a task,
+# which depends on which units share a process (as it depends on read_ahead threads).
+TASK_DECODE_COUNTERS = ("rows_read", "row_groups_read", "max_buffered_rows")
+
+
+def tensors(value) -> list:
+    """Every tensor of a Batch / TaskBatch (None fields as None), in field order."""
+    if isinstance(value, torch.Tensor) or value is None:
+        return [value]
+    if dataclasses.is_dataclass(value):
+        return [t for f in dataclasses.fields(value) for t in tensors(getattr(value, f.name))]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors(v)]
+    if isinstance(value, dict):
+        return [t for k in sorted(value) for t in tensors(value[k])]
+    return []
+
+
+def assert_same_batches(a: list, b: list) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b, strict=True):
+        tx, ty = tensors(x), tensors(y)
+        assert len(tx) == len(ty)
+        for u, v in zip(tx, ty, strict=True):
+            assert (u is None) == (v is None)
+            if u is not None:
+                assert u.dtype == v.dtype and u.shape == v.shape and torch.equal(u, v)
+
+
+def without(state: dict, counters: tuple[str, ...]) -> dict:
+    return {**state, "counters": {k: v for k, v in state["counters"].items() if k not in counters}}
+
+
+def our_segments() -> list[str]:
+    return glob.glob(f"/dev/shm/rca{os.getpid()}x*")
+
+
+@pytest.fixture(scope="module")
+def rows_data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("rows")
+    small_dataset(path, n=300, rg=25, per_file=120)
+    return path
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tasks")
+    write_tasks(path, [int(n) for n in np.random.default_rng(5).integers(2, 14, 40)], rg=16)
+    return path
+
+
+def rows_reader(path: Path, workers: int) -> BatchReader:
+    return BatchReader(path, 16, ReadOptions(seed=3, workers=workers), shuffle_buffer_rows=40)
+
+
+def task_reader(path: Path, workers: int) -> TaskReader:
+    return TaskReader(path, cfg(unit_row_groups=1), ReadOptions(seed=4, workers=workers))
+
+
+def test_shared_memory_round_trip_keeps_dtypes_shapes_order_and_none():
+    value = {
+        "f": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "i": np.asfortranarray(np.arange(12, dtype=np.int32).reshape(3, 4)),
+        "b": torch.tensor([True, False]),
+        "e": np.zeros((0, 5), np.int64),
+        "n": None,
+        "t": (1, "x", [np.float32(2.5)]),
+    }
+    writer, reader = SlotWriter(f"rca{os.getpid()}xtest", 1), SlotReader()
+    try:
+        out = reader.read(writer.write(0, value))
+        again = reader.read(writer.write(0, {**value, "f": torch.ones(40, 40)}))  # grows the slot
+    finally:
+        reader.close()
+        writer.close()
+    assert torch.equal(out["f"], value["f"]) and out["f"].dtype == torch.bfloat16
+    assert np.array_equal(out["i"], value["i"]) and out["i"].dtype == np.int32 and out["i"].flags.f_contiguous
+    assert torch.equal(out["b"], value["b"]) and out["e"].shape == (0, 5)
+    assert out["n"] is None and out["t"] == (1, "x", [np.float32(2.5)])
+    assert torch.equal(again["f"], torch.ones(40, 40))
+    assert our_segments() == []
+
+
+def test_batch_streams_and_states_are_identical_for_0_to_3_workers(rows_data):
+    runs = {n: list(rows_reader(rows_data, n).iter_with_state()) for n in (0, 1, 2, 3)}
+    base = runs[0]
+    for n in (1, 2, 3):
+        assert_same_batches([b for b, _ in base], [b for b, _ in runs[n]])
+        # max_buffered_rows counts the buffers decoded ahead: max(read_ahead, workers) of them.
+        same = () if n <= 2 else ("max_buffered_rows",)
+        assert [without(s, same) for _, s in runs[n]] == [without(s, same) for _, s in base]
+    assert our_segments() == []
+
+
+def test_task_batch_streams_are_identical_for_0_to_3_workers(task_data):
+    runs = {n: list(task_reader(task_data, n).iter_with_state()) for n in (0, 1, 2, 3)}
+    base = runs[0]
+    for n in (1, 2, 3):
+        assert_same_batches([b for b, _ in base], [b for b, _ in runs[n]])
+        want = [without(s, TASK_DECODE_COUNTERS) for _, s in base]
+        assert [without(s, TASK_DECODE_COUNTERS) for _, s in runs[n]] == want
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 0), (0, 3), (3, 1)])
+def test_resume_mid_epoch_with_another_worker_count_yields_the_same_rest(rows_data, before, after):
+    full = list(rows_reader(rows_data, 0))
+    first = rows_reader(rows_data, before)
+    it = first.iter_with_state()
+    for _ in range(7):
+        _, state = next(it)
+    it.close()
+    resumed = rows_reader(rows_data, after)
+    resumed.load_state_dict(state)
+    assert_same_batches(full[7:], list(resumed))
+
+
+def test_task_reader_resumes_mid_epoch_with_another_worker_count(task_data):
+    full = list(task_reader(task_data, 0))
+    it = task_reader(task_data, 2).iter_with_state()
+    for _ in range(3):
+        _, state = next(it)
+    it.close()
+    resumed = task_reader(task_data, 0)
+    resumed.load_state_dict(state)
+    assert_same_batches(full[3:], list(resumed))
+
+
+def test_breaking_out_of_the_loop_stops_the_workers_and_frees_shared_memory(rows_data):
+    reader = rows_reader(rows_data, 2)
+    it = reader.iter_with_state()
+    next(it)
+    assert our_segments() != []  # the workers' slots exist while iterating
+    it.close()
+    assert our_segments() == []
+    # Garbage collection of an abandoned loop does the same.
+    for _ in zip(range(2), rows_reader(rows_data, 2), strict=False):
+        pass
+    assert our_segments() == []
+
+
+def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(rows_data):
+    reader = rows_reader(rows_data, 0)
+    buffers = reader.buffers(0)
+    job = _BufferJob(reader.schema, reader.projection, reader.policies, True, buffers)
+    loader = ProcessLoader(job, len(buffers), 0, 2)
+    try:
+        loader.get(0)
+        os.kill(loader.pids[1], signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(ReaderWorkerError) as err:
+            loader.get(1)
+            loader.get(2)
+            loader.get(3)
+        assert time.monotonic() - started < 10
+    finally:
+        loader.close()
+    message = str(err.value)
+    assert "\n" not in message and "died" in message
+    assert ".parquet row group " in message
+    assert our_segments() == []
+
+
+def test_a_decode_exception_in_a_worker_is_raised_for_its_buffer(tmp_path):
+    small_dataset(tmp_path, n=100, rg=25, per_file=None)
+    reader = BatchReader(tmp_path, 16, ReadOptions(shuffle=False, workers=2), shuffle_buffer_rows=25)
+    it = iter(reader)
+    next(it)
+    victim = sorted(tmp_path.glob("*.parquet"))[0]
+    victim.write_bytes(b"not parquet any more")  # later row groups cannot be read
+    with pytest.raises(Exception) as err:  # noqa: PT011 (whatever the in-process read raises)
+        list(it)
+    assert "\n" not in str(err.value).strip()
+    assert our_segments() == []
+
+
+SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import multiprocessing as mp
+    from recaccel.io.readers import BatchReader, ReadOptions
+
+    if __name__ == "__main__":
+        reader = BatchReader(Path(sys.argv[1]), 4, ReadOptions(seed=1, workers=2), shuffle_buffer_rows=25)
+        while True:
+            for i, _ in enumerate(reader):
+                if i == 0:
+                    pids = [p.pid for p in mp.active_children() if p.name.startswith("recaccel-reader")]
+                    print(" ".join(map(str, pids)), flush=True)
+    """
+)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
+def test_sigterm_to_a_process_iterating_a_reader_leaves_no_workers(rows_data, tmp_path):
+    script = tmp_path / "iterate.py"
+    script.write_text(SIGTERM_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, str(script), str(rows_data)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == -signal.SIGTERM
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in pids)
+    finally:
+        proc.kill()
+        proc.wait()
