@@ -124,6 +124,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
         with third_party_warnings(verbose=args.verbose, quiet=args.quiet, main_rank=main_rank):
             metrics = api.train(cfg, resume=resume, overwrite=args.overwrite and not restarted)
         if main_rank:
+            _draw_profile(cfg)
             _report(metrics, cfg, quiet=args.quiet)
         return 0
 
@@ -138,6 +139,17 @@ def third_party_warnings(*, verbose: bool, quiet: bool, main_rank: bool) -> Abst
     if verbose and main_rank:
         return nullcontext()
     return hidden_warnings(show_summary=main_rank and not quiet)
+
+
+def _draw_profile(cfg: Config) -> None:
+    """The timeline picture next to the run's profile trace (train.profile_steps), if written."""
+    from recaccel.train.profiling import trace_path
+
+    steps = cfg.train.profile_steps
+    if steps and trace_path(Path(cfg.train.out_dir), steps).is_file():
+        from recaccel.bench.profile_timeline import draw_profile
+
+        draw_profile(trace_path(Path(cfg.train.out_dir), steps))
 
 
 def _report(metrics: dict[str, Any], cfg: Config, *, quiet: bool) -> None:

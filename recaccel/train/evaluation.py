@@ -5,6 +5,7 @@ row is needed (rating metrics, ``--predictions``), metrics computed exactly."""
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import Tensor
 from recaccel.metrics import (
     StreamingBinaryMetrics,
     UndefinedMetricWarning,
+    auc_of_valid,
     binary_auc,
     binary_logloss,
     calibration,
@@ -122,3 +124,47 @@ def streamed_metrics(acc: StreamingBinaryMetrics) -> dict[str, Any]:
                 f"evaluation: {name} is undefined on these rows; NaN", UndefinedMetricWarning, stacklevel=2
             )
     return out
+
+
+class MetricWindow:
+    """The logits and labels of the last ``rows`` training rows (``train.metric_window``),
+    kept where they were computed (no device sync per step), scored at log steps.
+
+    Args:
+        rows: the window's length in rows.
+        loss: the run's loss kind: ``bce`` gives ``window_auc`` and ``window_logloss``,
+            ``mse`` gives ``window_rmse``.
+    """
+
+    def __init__(self, rows: int, loss: str) -> None:
+        self.rows = rows
+        self.loss = loss
+        self._parts: deque[tuple[Tensor, Tensor]] = deque()
+        self._count = 0
+
+    def add(self, logits: Tensor, labels: Tensor) -> None:
+        """Appends a batch's rows; drops whole old batches the window no longer needs.
+
+        Copies: a CUDA-graphed head reuses its output buffer every step."""
+        self._parts.append(
+            (logits.detach().float().flatten().clone(), labels.detach().float().flatten().clone())
+        )
+        self._count += logits.numel()
+        while self._count - self._parts[0][0].numel() >= self.rows:
+            self._count -= self._parts.popleft()[0].numel()
+
+    def metrics(self) -> dict[str, float | int]:
+        """The window's metrics (NaN AUC for a single class; nothing before the first row)."""
+        if not self._parts:
+            return {}
+        logits = torch.cat([p[0] for p in self._parts])[-self.rows :].double().cpu()
+        labels = torch.cat([p[1] for p in self._parts])[-self.rows :].double().cpu()
+        if self.loss != "bce":
+            return {
+                "window_rmse": float((logits - labels).pow(2).mean().sqrt()),
+                "window_rows": logits.numel(),
+            }
+        probs = torch.sigmoid(logits).clamp(1e-7, 1 - 1e-7)
+        logloss = -(labels * probs.log() + (1 - labels) * (1 - probs).log()).mean()
+        auc = auc_of_valid(logits, labels, torch.ones_like(labels))
+        return {"window_auc": auc, "window_logloss": float(logloss), "window_rows": logits.numel()}

@@ -142,6 +142,8 @@ class DLRMObjective:
         self.loss = loss
         self._head = head
         self.batches_ahead = cache_batches_ahead(cfg)
+        # Called with each training batch's (or part's) logits and labels (train.metric_window).
+        self.watch: Callable[[Tensor, Tensor], None] | None = None
 
     @property
     def head(self) -> Callable[[Tensor, Tensor], Tensor]:
@@ -180,6 +182,8 @@ class DLRMObjective:
         return self._loss(self._forward(batch).float(), batch.labels, batch.weights)
 
     def _loss(self, logits: Tensor, labels: Tensor, weights: Tensor | None) -> Tensor:
+        if self.watch is not None:
+            self.watch(logits, labels)
         if self.loss == "bce":
             return nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weights)
         err = (logits - labels).pow(2)
@@ -200,6 +204,8 @@ class DLRMObjective:
         weights = None if batch.weights is None else batch.weights[rows]
         with autocast(self.cfg.train.precision, labels.device):
             logits = self.head(batch.dense[rows], pooled).float()
+        if self.watch is not None:
+            self.watch(logits, labels)
         if self.loss == "bce":
             terms = nn.functional.binary_cross_entropy_with_logits(
                 logits, labels, weight=weights, reduction="sum"
@@ -252,7 +258,12 @@ class DLRMObjective:
 
 
 class MetaObjective:
-    """MAML query loss after per-task adaptation on the support rows."""
+    """MAML query loss after per-task adaptation on the support rows.
+
+    Under ``train.precision = "bf16"`` the learner runs its step under bfloat16 autocast
+    (:class:`~recaccel.meta.learner.MetaLearner`): the matmuls of the shared work and
+    of the whole inner loop in bfloat16; losses and adapted parameters in float32.
+    """
 
     def __init__(self, cfg: Config, model: nn.Module, loss: Loss) -> None:
         from recaccel.meta.learner import MetaLearner
@@ -260,7 +271,9 @@ class MetaObjective:
         self.cfg = cfg
         self.loss = loss
         self.batches_ahead = cache_batches_ahead(cfg)
-        self.module = MetaLearner(model, cfg.meta, loss=loss, engine=cfg.meta.engine)
+        self.module = MetaLearner(
+            model, cfg.meta, loss=loss, engine=cfg.meta.engine, precision=cfg.train.precision
+        )
 
     def reader(self, path: str, *, train: bool, rank: int = 0, world_size: int = 1) -> Reader:
         from recaccel.io.readers.tasks.reader import TaskReader

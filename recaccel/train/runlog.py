@@ -9,27 +9,28 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from recaccel.config import Config, config_to_toml
 from recaccel.errors import ConfigError, RecaccelError
+from recaccel.train.loggers import CSV_FILE, Logger, TensorBoardHParams, build_loggers, scalars
 
 CONFIG_FILE = "config.toml"
 LOG_FILE = "log.jsonl"
 METRICS_FILE = "metrics.json"
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
-RUN_FILES = (CONFIG_FILE, LOG_FILE, METRICS_FILE, CHECKPOINT_DIR, TENSORBOARD_DIR)
-# Event fields that place a record rather than measure something.
-_PLACE_FIELDS = frozenset({"event", "time", "step", "epoch"})
+RUN_FILES = (CONFIG_FILE, LOG_FILE, METRICS_FILE, CSV_FILE, CHECKPOINT_DIR, TENSORBOARD_DIR)
 _LOG_TMP = LOG_FILE + ".tmp"  # log.jsonl's rewrite on resume, renamed over it
 # What recaccel writes, by folder: --overwrite deletes these names and nothing else.
-_OWN_FILES = (CONFIG_FILE, LOG_FILE, _LOG_TMP, METRICS_FILE)
-# eval-<step>.json of recaccel-eval, and its temporary file while it writes it
+_OWN_FILES = (CONFIG_FILE, LOG_FILE, _LOG_TMP, METRICS_FILE, CSV_FILE)
+# eval-<step>.json of recaccel-eval, and its temporary file while it writes it; the
+# train.profile_steps trace and picture
 _TOP_NAMES = re.compile(
-    "^(" + "|".join(map(re.escape, _OWN_FILES)) + r"|eval-\d+\.json|\.eval-\d+\.\d+\.tmp\.json)$"
+    "^(" + "|".join(map(re.escape, _OWN_FILES)) + r"|eval-\d+\.json|\.eval-\d+\.\d+\.tmp\.json"
+    r"|profile-steps-\d+-\d+\.(json|png))$"
 )
 # step-<n>.pt and its sidecars and .tmp, step-<n>.dcp folders, their .step-<n>.dcp.partial;
 # best.pt (train.best_metric), its digest file and their .tmp files
@@ -111,14 +112,16 @@ class RunLog:
     Args:
         run_dir: the run directory.
         loggers: ``train.loggers``; log.jsonl is always written, ``"tensorboard"`` also
-            writes each event's numbers as scalars under ``run_dir/tensorboard/``.
+            writes each event's numbers as scalars under ``run_dir/tensorboard/`` (and the
+            config as hyperparameters); ``"csv"``, ``"wandb"`` and ``"mlflow"`` are
+            :mod:`recaccel.train.loggers`' loggers.
         resumed_at: the step a resumed run continues from: log.jsonl keeps only what
             was logged up to it (:func:`trim_log`), so each step appears once, and
             TensorBoard drops what an earlier writer logged after it. None: append to
             the log as it is (a torn last line is ended first).
 
     Raises:
-        ConfigError: ``tensorboard`` without the tensorboard package.
+        ConfigError: ``tensorboard``, ``wandb`` or ``mlflow`` without its package.
     """
 
     def __init__(
@@ -131,6 +134,9 @@ class RunLog:
             if "tensorboard" in loggers
             else None
         )
+        self._loggers: list[Logger] = build_loggers(self.run_dir, list(loggers), resumed_at)
+        if self._tensorboard is not None:
+            self._loggers.append(TensorBoardHParams(self._tensorboard.writer))
         path = self.run_dir / LOG_FILE
         if resumed_at is not None:
             trim_log(path, resumed_at)
@@ -140,12 +146,16 @@ class RunLog:
 
     def write_config(self, cfg: Config) -> None:
         (self.run_dir / CONFIG_FILE).write_text(config_to_toml(cfg))
+        for sink in self._loggers:
+            sink.config(cfg)
 
     def event(self, kind: str, **fields: Any) -> None:
         record = {"event": kind, "time": round(time.time(), 3), **fields}
         self._log.write(json.dumps(_finite(record)) + "\n")
         if self._tensorboard is not None:
             self._tensorboard.event(record)
+        for sink in self._loggers:
+            sink.event(record)
 
     def write_metrics(self, metrics: dict[str, Any]) -> Path:
         path = self.run_dir / METRICS_FILE
@@ -154,6 +164,8 @@ class RunLog:
 
     def close(self) -> None:
         self._log.close()
+        for sink in self._loggers:
+            sink.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
 
@@ -190,18 +202,6 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
-
-
-def scalars(record: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
-    """The finite numbers of an event (nested dicts as ``a/b``), without the fields that
-    place it (event, time, step, epoch)."""
-    for key, value in record.items():
-        if not prefix and key in _PLACE_FIELDS:
-            continue
-        if isinstance(value, dict):
-            yield from scalars(value, f"{prefix}{key}/")
-        elif isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
-            yield f"{prefix}{key}", float(value)
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:

@@ -122,3 +122,84 @@ def test_missing_tensorboard_is_a_config_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="train.loggers=tensorboard needs the tensorboard package"):
         RunLog(tmp_path, loggers=["jsonl", "tensorboard"])
     assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_csv_logger_writes_one_row_per_log_step_with_a_stable_header(tiny_data, tmp_path):  # noqa: F811
+    import csv
+
+    from recaccel.train.loggers import CSV_COLUMNS
+
+    run = tmp_path / "run"
+    sets = ['train.loggers=["jsonl", "csv"]', "train.steps=6", "train.log_every=2", "train.metric_window=300"]
+    assert train_main(_sets(tiny_data, run, *sets)) == 0
+    with open(run / "metrics.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == CSV_COLUMNS
+    train = [e for e in read_events(run) if e["event"] == "train"]
+    assert [int(r["step"]) for r in rows] == [e["step"] for e in train] == [1, 2, 4, 6]
+    assert [float(r["loss"]) for r in rows] == pytest.approx([e["loss"] for e in train])
+    assert [r["grad_norm"] for r in rows] == [""] * 4  # clipping is off: no norm
+    assert [int(r["window_rows"]) for r in rows] == [128, 256, 300, 300]
+
+
+def test_metric_window_scores_exactly_the_last_rows_of_the_training_logits():
+    import torch
+
+    from recaccel.metrics import binary_auc, binary_logloss
+    from recaccel.train.evaluation import MetricWindow
+
+    g = torch.Generator().manual_seed(11)
+    window = MetricWindow(250, "bce")
+    logits, labels = torch.randn(1000, generator=g), (torch.rand(1000, generator=g) < 0.4).float()
+    for start in range(0, 1000, 96):
+        window.add(logits[start : start + 96], labels[start : start + 96])
+    got = window.metrics()
+    assert got["window_rows"] == 250
+    assert got["window_auc"] == pytest.approx(binary_auc(logits[-250:], labels[-250:]), abs=1e-12)
+    expected = binary_logloss(torch.sigmoid(logits[-250:].double()), labels[-250:])
+    assert got["window_logloss"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_gradient_norm_is_logged_when_clipping_is_on(tiny_data, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    sets = ["train.steps=4", "train.log_every=2", "optim.grad_clip_norm=0.01"]
+    assert train_main(_sets(tiny_data, run, *sets)) == 0
+    norms = [e["grad_norm"] for e in read_events(run) if e["event"] == "train"]
+    assert len(norms) == 3 and all(n > 0 for n in norms)
+
+
+@pytest.mark.parametrize("name", ["wandb", "mlflow"])
+def test_wandb_and_mlflow_without_their_package_are_one_line_errors(
+    name,
+    tiny_data,  # noqa: F811
+    tmp_path,
+    capsys,
+    monkeypatch,
+):
+    import sys
+
+    monkeypatch.setitem(sys.modules, name, None)  # absent even where it is installed
+    run = tmp_path / "run"
+    assert train_main(_sets(tiny_data, run, f'train.loggers=["jsonl", "{name}"]', "train.steps=2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"recaccel-train: error: config key train.loggers has '{name}' but the {name} package is not "
+        f"installed (pip install {name}), or leave '{name}' out"
+    )
+
+
+def test_tensorboard_holds_the_hyperparameters_and_the_config(tiny_data, tmp_path):  # noqa: F811
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    run = tmp_path / "run"
+    sets = ['train.loggers=["jsonl", "tensorboard"]', "train.steps=2", "optim.lr=0.0125"]
+    assert train_main(_sets(tiny_data, run, *sets)) == 0
+    acc = EventAccumulator(str(run / TENSORBOARD_DIR), size_guidance={"tensors": 0})
+    acc.Reload()
+    content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+    start = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
+    assert start.hparams["optim.lr"].number_value == pytest.approx(0.0125)
+    assert start.hparams["train.loggers"].string_value == '["jsonl", "tensorboard"]'
+    text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "lr = 0.0125" in text
