@@ -19,6 +19,7 @@ directory, the backends) before a run starts.
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,9 +78,7 @@ DcnKernel = Literal["gemm", "fused"]
 # dot interaction: zero-pad its output row to a multiple of 8 elements for the top MLP's
 # first GEMM (auto: on with the triton interaction on CUDA); parameters are unchanged
 InteractionPad = Literal["auto", "on", "off"]
-ClassPath = Annotated[
-    str, Pattern(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*", "must look like package.module:Class")
-]
+CLASS_PATH = r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*"  # model.class_path: package.module:Class
 Pooling = Literal["sum", "mean"]
 # device: rows and optimizer state on the training device | host: in pinned host memory,
 # a device cache of the rows the next batches need
@@ -131,24 +130,24 @@ class SynthConfig(_Section):
 
     SECTION: ClassVar[str] = "synth"
 
-    out_dir: PathText = "data/synth"
-    train_rows: Count = 200_000
-    test_rows: Count = 20_000
-    num_dense: NonNegative = 13
-    num_sparse: NonNegative = 26
-    cardinality: Count = 1000
-    cardinalities: list[Count] = field(default_factory=list)  # per field; [] = `cardinality` for all
+    out_dir: PathText = "data/synth"  # train/ and test/ are written inside
+    train_rows: Count = 200_000  # rows of the training split
+    test_rows: Count = 20_000  # rows of the test split (the same whatever train_rows)
+    num_dense: NonNegative = 13  # dense features per row
+    num_sparse: NonNegative = 26  # sparse fields per row
+    cardinality: Count = 1000  # ids per sparse field
+    cardinalities: list[Count] = field(default_factory=list)  # per field; [] = cardinality for all
     multi_hot_fields: NonNegative = 0  # the last k fields are multi-hot bags
-    max_bag: Count = 5
+    max_bag: Count = 5  # multi-hot fields: bags of 1..max_bag ids
     # per multi-hot field, a fixed bag size (as MLPerf's multi-hot Criteo); [] = uniform in 1..max_bag
     bag_sizes: list[Count] = field(default_factory=list)
-    zipf_a: NonNegativeFloat = 1.2
-    signal_dim: Count = 4
+    zipf_a: NonNegativeFloat = 1.2  # skew of the ids (Zipf exponent; 0 = uniform)
+    signal_dim: Count = 4  # width of the planted model's latent vectors
     signal_scale: NonNegativeFloat = 1.0  # scale of the planted logit; larger = easier task
-    rows_per_row_group: Count = 8192
-    rows_per_file: Count = 100_000
-    compression: ParquetCodec = "snappy"
-    seed: Seed = 0
+    rows_per_row_group: Count = 8192  # rows per Parquet row group
+    rows_per_file: Count = 100_000  # rows per Parquet file
+    compression: ParquetCodec = "snappy"  # Parquet codec of the files written
+    seed: Seed = 0  # the data is a deterministic function of the config and this seed
 
     def check_consistency(self) -> None:
         if self.num_dense + self.num_sparse == 0:
@@ -215,10 +214,10 @@ class SchemaMapping(_Section):
 
     SECTION: ClassVar[str] = "data.schema"
 
-    label: Name = "label"
-    label_kind: LabelKind = "binary"
-    dense: list[Name] = field(default_factory=list)
-    sparse: dict[str, SparseColumn] = field(default_factory=dict)
+    label: Name = "label"  # the label column
+    label_kind: LabelKind = "binary"  # clicks in {0, 1} (binary) or real-valued ratings
+    dense: list[Name] = field(default_factory=list)  # the dense feature columns, in order
+    sparse: dict[str, SparseColumn] = field(default_factory=dict)  # sparse column -> how its ids map to rows
     task_key: Name | None = None  # meta data: integer column grouping rows into tasks
     timestamp: Name | None = None  # meta data: integer or timestamp column ordering rows in time
     # the vocabularies (JSON) recaccel-data inspect --write-schema wrote, for vocabulary = true
@@ -265,22 +264,22 @@ class DataConfig(_Section):
     SECTION: ClassVar[str] = "data"
 
     train: PathText = "data/synth/train"  # a .parquet file or a folder of them
-    test: PathText = "data/synth/test"
-    batch_size: Count = 512
-    eval_batch_size: Count = 4096
-    shuffle: bool = True
-    shuffle_buffer_rows: Count = 65_536
-    seed: Seed = 0
-    invalid_ids: InvalidIdsPolicy = "error"
-    invalid_dense: InvalidDensePolicy = "error"
-    invalid_labels: InvalidLabelsPolicy = "error"
+    test: PathText = "data/synth/test"  # the evaluation data: a .parquet file or a folder of them
+    batch_size: Count = 512  # training rows per step (the global batch in hybrid mode, data = "global")
+    eval_batch_size: Count = 4096  # rows per evaluation batch (memory only: metrics do not depend on it)
+    shuffle: bool = True  # visit row groups in a seeded random order and mix rows in a shuffle buffer
+    shuffle_buffer_rows: Count = 65_536  # rows mixed at a time when shuffle is on (more: better mixing)
+    seed: Seed = 0  # seeds the shuffle order (each epoch draws its own from it)
+    invalid_ids: InvalidIdsPolicy = "error"  # a sparse id outside its table: see the policies above
+    invalid_dense: InvalidDensePolicy = "error"  # a NaN or infinite dense value: see the policies above
+    invalid_labels: InvalidLabelsPolicy = "error"  # a missing or out-of-range label: see the policies above
     unreadable_files: UnreadableFilesPolicy = "warn"  # unreadable *.parquet in a folder: skip, warn | refuse
-    drop_last: bool = True
+    drop_last: bool = True  # drop an epoch's last batch when it has fewer than batch_size rows
     read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
     prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline
     loader_backend: LoaderBackend = "torch"  # host-to-device stage
     shard_row_groups: Count = 1  # parallel.data=dynamic: row groups per shard handed out
-    # columns of files without recaccel schema metadata (see SchemaMapping); None = the metadata's
+    # columns of files without recaccel schema metadata ([data.schema] below); unset = the metadata's
     schema: SchemaMapping | None = None
 
 
@@ -290,19 +289,19 @@ class ModelConfig(_Section):
 
     SECTION: ClassVar[str] = "model"
 
-    arch: Arch = "dlrm"
-    embedding_dim: Count = 16
-    bottom_mlp: list[Count] = field(default_factory=lambda: [64, 16])
-    top_mlp: list[Count] = field(default_factory=lambda: [64, 32, 1])
-    interaction: Interaction = "dot"
+    arch: Arch = "dlrm"  # DLRM, or MeLU (item and user embeddings into one MLP; needs item_fields)
+    embedding_dim: Count = 16  # D: width of every embedding row
+    bottom_mlp: list[Count] = field(default_factory=lambda: [64, 16])  # dense MLP widths; the last is D
+    top_mlp: list[Count] = field(default_factory=lambda: [64, 32, 1])  # after the interaction; ends in 1
+    interaction: Interaction = "dot"  # pairwise dot products, or the DCN-v2 cross network
     dcn_layers: Count = 3  # dcnv2: cross layers
     dcn_rank: Count = 512  # dcnv2: rank r of each layer's U [K, r] V [r, K]
     dcn_kernel: DcnKernel = "gemm"  # dcnv2 on the triton backend: "gemm" | "fused" (one launch)
     # triton runs on CUDA, or on CPU under Triton's interpreter (TRITON_INTERPRET=1)
     embedding_backend: EmbeddingBackend = "auto"
-    interaction_backend: InteractionBackend = "auto"
+    interaction_backend: InteractionBackend = "auto"  # the interaction's kernels (auto: fastest available)
     interaction_pad: InteractionPad = "auto"  # dot: pad its output row to a multiple of 8
-    pooling: Pooling = "sum"
+    pooling: Pooling = "sum"  # how a multi-hot field's rows combine into one vector
     # bf16/fp16: packed rows stored 16-bit, updated in fp32 with stochastic rounding
     embedding_dtype: EmbeddingDtype = "fp32"
     item_fields: list[Name] = field(default_factory=list)  # melu: the item attribute fields
@@ -313,9 +312,19 @@ class ModelConfig(_Section):
     cache_lookahead: Count = 1  # k: batches whose rows are resident before the first's lookup
     cache_policy: CachePolicy = "lru"  # victims among rows no batch of the window needs
     # A model of your own, "package.module:Class" (importable: installed or on PYTHONPATH), built
-    # as Class(cfg, schema, device, **init_args) instead of the DLRM above (docs/own_model.md)
-    class_path: ClassPath | None = None
-    init_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of class_path
+    # as Class(cfg, schema, device, **init_args) instead of the DLRM above; "" = recaccel's model
+    class_path: str = ""
+    init_args: dict[str, Any] = field(default_factory=dict)  # class_path's keyword arguments: {hidden = 64}
+
+    def check_consistency(self) -> None:
+        if self.class_path and re.fullmatch(CLASS_PATH, self.class_path) is None:
+            raise ConfigError(
+                f"config key model.class_path={show_value(self.class_path)} must look like package.module:Class"
+            )
+        if self.init_args and not self.class_path:
+            raise ConfigError(
+                f"config key model.init_args={show_value(self.init_args)} is for model.class_path, which is unset"
+            )
 
 
 @dataclass
@@ -324,21 +333,21 @@ class OptimConfig(_Section):
 
     SECTION: ClassVar[str] = "optim"
 
-    dense: DenseOptimizer = "adam"
-    lr: Rate = 1e-3
-    weight_decay: NonNegativeFloat = 0.0
-    sparse: SparseOptimizer = "rowwise_adagrad"
-    sparse_lr: Rate = 0.05
-    eps: NonNegativeFloat = 1e-8
+    dense: DenseOptimizer = "adam"  # optimizer of the MLPs and every parameter outside the embeddings
+    lr: Rate = 1e-3  # the dense optimizer's learning rate
+    weight_decay: NonNegativeFloat = 0.0  # the dense optimizer's L2 penalty
+    sparse: SparseOptimizer = "rowwise_adagrad"  # optimizer of the embeddings, fused into their backward
+    sparse_lr: Rate = 0.05  # the sparse optimizer's learning rate
+    eps: NonNegativeFloat = 1e-8  # the denominators' epsilon of adam and adagrad
     # Learning-rate schedule of both optimizers (dense and sparse): linear warmup from 0
     # over warmup_steps, constant, then decay from decay_start over decay_steps to
     # final_lr_ratio * lr (linear, cosine, or polynomial of power poly_power as MLPerf's DLRM)
     schedule: LRSchedule = "constant"
-    warmup_steps: NonNegative = 0
+    warmup_steps: NonNegative = 0  # steps of linear warmup from 0 (0 = none)
     decay_start: NonNegative = 0  # the step decay begins (0 = right after warmup)
     decay_steps: NonNegative = 0  # 0 = until the run's last step
-    final_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0
-    poly_power: Rate = 2.0
+    final_lr_ratio: Annotated[float, Range(ge=0, le=1)] = 0.0  # the decay ends at this times lr
+    poly_power: Rate = 2.0  # the exponent of the polynomial decay
     grad_clip_norm: NonNegativeFloat = 0.0  # > 0: clip the dense gradients' global L2 norm; 0 = off
 
 
@@ -348,11 +357,11 @@ class TrainConfig(_Section):
 
     SECTION: ClassVar[str] = "train"
 
-    out_dir: PathText = "runs/debug"
-    mode: TrainMode = "dlrm"
+    out_dir: PathText = "runs/debug"  # the run directory: config, log, metrics, checkpoints
+    mode: TrainMode = "dlrm"  # plain training on rows, or meta-learning on tasks ([meta], [tasks])
     eval_tasks: bool = False  # dlrm mode: evaluate on task batches like a meta-learner
     epochs: Count = 1  # ignored when steps > 0
-    steps: NonNegative = 0  # > 0: stop after this many steps (overrides epochs); 0 = run `epochs`
+    steps: NonNegative = 0  # > 0: stop after this many steps (overrides epochs); 0 = run train.epochs
     loss: Literal["auto", Loss] = "auto"  # auto: from the data's label_kind
     eval_every: NonNegative = 0  # steps; 0 = only at the end
     checkpoint_every: NonNegative = 0  # steps; 0 = only at the end
@@ -364,12 +373,18 @@ class TrainConfig(_Section):
     # > 0: stop after this many periodic evaluations without a better best_metric; 0 = off
     early_stop_patience: NonNegative = 0
     log_every: Count = 50  # steps (the first step is always logged)
-    seed: Seed = 0
+    seed: Seed = 0  # seeds the model's initialization and every generator a run draws from
+    # auto: CUDA when present, else the CPU
     device: Annotated[str, Pattern(r"auto|cpu|cuda(:[0-9]+)?", "must be auto, cpu, cuda or cuda:N")] = "auto"
-    progress: bool = True
-    deterministic: bool = False
-    precision: Precision = "fp32"  # see Precision; loss, metrics, optimizer and embeddings stay fp32
-    pipeline: PipelineMode = "off"  # see PipelineMode; sync gives the results of off
+    progress: bool = True  # a progress bar on the console
+    deterministic: bool = False  # deterministic kernels only (slower; same results on the same machine)
+    # fp32: float32 math (TF32 off) | tf32: CUDA matmuls on TF32 tensor cores (fp32 on CPU) | bf16:
+    # autocast for the MLPs and the interaction; loss, metrics, optimizer and embeddings stay fp32
+    precision: Precision = "fp32"
+    # off: one batch at a time | sync: the next batch prepared on a side stream while one trains
+    # (the results of off) | semi_sync: also its embedding lookup, before this step's sparse update
+    # (one step stale, opt-in)
+    pipeline: PipelineMode = "off"
     micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
     cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
     compile: bool = False  # torch.compile the dense arches
@@ -429,12 +444,12 @@ class TasksConfig(_Section):
     support_size: Count = 32  # S (rows beyond it are sampled away; fewer are padded)
     query_size: Count = 32  # Q
     min_task_rows: Count = 4  # smaller tasks are skipped and counted
-    split: TaskSplit = "random"
+    split: TaskSplit = "random"  # a task's query rows: drawn at random, or its latest by time
     # Share of a task's rows that goes to the query set; 0 = query_size rows (used only
     # when query_count is 0).
     query_fraction: Annotated[float, Range(ge=0, lt=1)] = 0.5
     query_count: NonNegative = 0  # > 0: exactly this many query rows, the rest support (MeLU: 10)
-    shuffle_buffer_tasks: Count = 1024
+    shuffle_buffer_tasks: Count = 1024  # tasks mixed at a time when data.shuffle is on
     unit_row_groups: Count = 4  # consecutive row groups dealt to a rank together
     read_ahead: NonNegative = 2  # units decoded ahead, one worker thread each; 0 = inline
 
@@ -446,11 +461,13 @@ class MetaConfig(_Section):
     SECTION: ClassVar[str] = "meta"
 
     inner_steps: NonNegative = 1  # 0 = no adaptation (the model as trained)
-    inner_lr: Rate = 0.01
-    first_order: bool = False
+    inner_lr: Rate = 0.01  # the inner loop's learning rate
+    first_order: bool = False  # first-order MAML (no second derivatives: faster, less memory)
     meta_sgd: bool = False  # learn per-parameter inner learning rates
+    # adapted per task: the top MLP (top_mlp), the dense and top MLPs (head), or those and a
+    # per-task shift of the pooled embeddings (head_and_embedding_shift)
     adapt: AdaptMode = "top_mlp"
-    engine: MetaEngine = "batched"
+    engine: MetaEngine = "batched"  # how the tasks run: stacked matmuls, torch.func, one by one
     eval_states: list[NamedPath] = field(default_factory=list)  # extra test sets, "name=path"
 
 
@@ -482,28 +499,27 @@ class ParallelConfig(_Section):
 
     SECTION: ClassVar[str] = "parallel"
 
-    mode: ParallelMode = "single"
-    sharding: Literal["auto", ShardingKind] = "auto"
+    mode: ParallelMode = "single"  # one process, or hybrid (see above)
+    sharding: Literal["auto", ShardingKind] = "auto"  # every table's layout (see above)
     table_sharding: list[str] = field(default_factory=list)  # "name=kind" per table
-    data: DataSharding = "global"
+    data: DataSharding = "global"  # how ranks read the data (see above)
     backend: DistBackend = "auto"  # auto: nccl on CUDA, else gloo
     timeout_s: Rate = 300.0  # a collective waiting longer than this fails the run
-    straggler: StragglerPolicy = "off"
+    straggler: StragglerPolicy = "off"  # slow ranks: see above
     straggler_every: Count = 5  # steps between the straggler controller's decisions
     backup_factor: Annotated[float, Range(gt=1)] = 1.5  # backup: slower than this x the others' median
 
 
 @dataclass
 class MonitorConfig(_Section):
-    """The communication monitor of hybrid runs (as C4): each rank times its steps' compute,
-    its collectives and the bytes they move; every ``every`` steps rank 0 gathers them and
+    """The communication monitor of hybrid runs: each rank times its steps' compute, its
+    collectives and the bytes they move; every ``monitor.every`` steps rank 0 gathers them and
     flags a rank whose compute (or own collective time) exceeds ``slow_factor`` times the
     median of the other ranks' in ``slow_steps`` gathers in a row (a ``monitor`` event in
     log.jsonl, ``monitor`` in metrics.json). While it runs, a collective that fails names the
     ranks that never arrived at it. Every ``probe_every`` gathers, each pair of ranks times a
     ping-pong alone and a pair slower than ``slow_factor`` times the median pair in
-    ``slow_steps`` probes in a row is flagged as a slow link
-    (:mod:`recaccel.train.distributed.pair_probe`).
+    ``slow_steps`` probes in a row is flagged as a slow link.
     """
 
     SECTION: ClassVar[str] = "monitor"

@@ -110,6 +110,8 @@ def describe_type(hint: Any) -> str:
         return "tables, below" if dataclasses.is_dataclass(item) else "table of " + describe_type(item)
     if dataclasses.is_dataclass(hint):
         return "table"
+    if hint is Any:
+        return "any value"
     return getattr(hint, "__name__", str(hint))
 
 

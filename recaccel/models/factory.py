@@ -104,7 +104,7 @@ def build_model(
         ConfigError: on an unknown arch or inconsistent layer sizes, or a config naming a
             model of one's own (``model.class_path``: training and evaluation build it).
     """
-    if model_cfg.class_path is not None:
+    if model_cfg.class_path:
         raise ConfigError(
             f"config key model.class_path={model_cfg.class_path} names a model of your own, which "
             "training and evaluation build; this command builds recaccel's DLRM and MeLU only"

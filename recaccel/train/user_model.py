@@ -55,12 +55,7 @@ def model_source(cfg: Config, model: ModelSource | None) -> ModelSource | None:
     Raises:
         ConfigError: both name a model, or one line on what is wrong with the class path.
     """
-    if cfg.model.class_path is None:
-        if cfg.model.init_args:
-            raise ConfigError(
-                f"config key model.init_args={show_value(cfg.model.init_args)} is for model.class_path, "
-                "which is unset"
-            )
+    if not cfg.model.class_path:
         return model
     if model is not None:
         raise ConfigError(
