@@ -8,7 +8,8 @@ Layout:
 
 - :mod:`~recaccel.ops.embedding.module`: :class:`PackedEmbeddingBag` and the backend
   dispatch (:func:`choose_backend`, :func:`pack_backend_class`).
-- :mod:`~recaccel.ops.embedding.specs`: :class:`TableSpec`, :class:`SparseOptimConfig`.
+- :mod:`~recaccel.ops.embedding.specs`: :class:`TableSpec`, :class:`SparseOptimConfig`;
+  :mod:`~recaccel.ops.embedding.options`: :class:`EmbeddingOptions`, the module's settings.
 - :mod:`~recaccel.ops.embedding.packing`: the packing plan and the routing of a batch.
 - :mod:`~recaccel.ops.embedding.prepared`: :class:`PreparedSparse`, a batch with its
   lookup's input preparation (made ahead by a pipeline).
@@ -27,6 +28,7 @@ from recaccel.ops.embedding.module import (
     init_table_weights,
     pack_backend_class,
 )
+from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, PackLayout
 from recaccel.ops.embedding.prepared import PreparedSparse
@@ -43,6 +45,7 @@ __all__ = [
     "OPTIMIZERS",
     "OPTIMIZER_STATES",
     "POOLINGS",
+    "EmbeddingOptions",
     "InvalidIdError",
     "PackBackend",
     "PackLayout",

@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
-from recaccel.ops.embedding.packing import PackLayout, PackRoute, gather_pack_ids
+from recaccel.ops.embedding.packing import PackLayout, gather_pack_ids
+from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, OPTIMIZERS, SparseOptimConfig, TableSpec
-from recaccel.sparse import SparseFeatures
 
 if TYPE_CHECKING:
     from recaccel.ops.embedding.pack_backend import PackOptions
-    from recaccel.ops.embedding.prepared import PreparedPack
 
 # The sparse optimizers this backend runs, by name, with FBGEMM's rule for each.
 _FBGEMM_RULES = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD"}
@@ -174,60 +173,41 @@ class FbgemmPack:
     def set_learning_rate(self, lr: float) -> None:
         self.tbe.set_learning_rate(lr)
 
-    def prepare(
-        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
-    ) -> PreparedPack | None:
+    def prepare(self, batch: PackBatch) -> PreparedPack | None:
         """Nothing: :meth:`lookup` builds the TBE's input itself."""
         return None
 
-    def lookup(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        train: bool,
-    ) -> Tensor:
+    def lookup(self, held: Mapping[str, Tensor], batch: PackBatch) -> Tensor:
         """Pools the pack's features of a batch.
 
         Args:
             held: Unused (empty).
-            sf: The batch.
-            route: The pack's route for the batch's keys.
-            prepared: Unused (None).
-            batch_size: B.
-            train: Let backward update the rows (training); otherwise no graph is built.
+            batch: The batch (``prepared`` unused); ``batch.train``: let backward update the
+                rows (training), otherwise no graph is built.
 
         Returns:
             float32 [B, F_p, D] in the batch's feature order.
         """
+        sf, route, batch_size = batch.sf, batch.route, batch.batch_size
         if sf.values.device != self.device:
             raise ValueError(
                 f"the fbgemm backend's tables live on {self.device} (fixed at construction) but the batch is "
                 f"on {sf.values.device}; build the module with device={sf.values.device}"
             )
+        # The TBE takes int32 or int64 indices and offsets, both of one dtype: gather_pack_ids' contract.
         ids = gather_pack_ids(sf, route.slots, batch_size)
-        with torch.set_grad_enabled(train and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(batch.train and torch.is_grad_enabled()):
             pooled = self.tbe(ids.rows, ids.offsets, ids.scale)
         out = pooled.view(batch_size, route.slots.count, self.dim)
         if route.slots.identity:
             return out
         return out.index_select(1, route.slot_of_local)
 
-    def lookup_rows(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        lo: int,
-        hi: int,
-    ) -> Tensor:
+    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
         """Rows ``lo:hi`` of :meth:`lookup`, without a graph: the TBE looks up those rows of
         the batch (one host synchronization to cut them out)."""
-        return self.lookup(held, sf.slice_rows(lo, hi), route, None, hi - lo, train=False)
+        rows = PackBatch(batch.sf.slice_rows(lo, hi), batch.route, hi - lo, train=False)
+        return self.lookup(held, rows)
 
     def deferred_update_unsupported(self) -> str | None:
         return (
@@ -235,7 +215,5 @@ class FbgemmPack:
             "handed to; use backend='reference' or 'triton')"
         )
 
-    def apply_gradient(
-        self, held: Mapping[str, Tensor], prepared: PreparedPack | None, grad: Tensor, batch_size: int
-    ) -> None:
+    def apply_gradient(self, held: Mapping[str, Tensor], batch: PackBatch, grad: Tensor) -> None:
         raise ValueError(f"cannot apply a deferred update: {self.deferred_update_unsupported()}")

@@ -20,23 +20,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from recaccel.errors import ConfigError, DataError
 from recaccel.ops.backend import BACKENDS, resolve_backend
-from recaccel.ops.embedding.cache import CacheOptions
 from recaccel.ops.embedding.cache.host_store import check_host_memory
 from recaccel.ops.embedding.cache.options import check_host_placement
 from recaccel.ops.embedding.cache.pack import CachedPack, merge_stats
 from recaccel.ops.embedding.deferred_check import PendingCheck, defer_batch_check
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
+from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
-from recaccel.ops.embedding.packing import PackingPlan, PackRoute, Routing, check_batch
-from recaccel.ops.embedding.prepared import PreparedSparse
+from recaccel.ops.embedding.packing import PackingPlan, Routing, check_batch
+from recaccel.ops.embedding.prepared import PackBatch, PreparedSparse
 from recaccel.ops.embedding.reference import ReferencePack
-from recaccel.ops.embedding.rounding import EMBEDDING_DTYPES, StochasticRounding, torch_dtype
+from recaccel.ops.embedding.rounding import StochasticRounding, torch_dtype
 from recaccel.ops.embedding.specs import InvalidIdError, SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.state import load_tables, save_tables
 from recaccel.sparse import SparseFeatures
@@ -44,8 +45,6 @@ from recaccel.sparse import SparseFeatures
 logger = logging.getLogger(__name__)
 
 _OP = "PackedEmbeddingBag"
-_MODES = ("fused", "autograd")
-_BOUNDS_CHECKS = (True, False, "eager", "deferred")
 _MAX_CACHED_ROUTES = 16
 # State-dict key (after the module's prefix) of the stochastic-rounding generator of
 # 16-bit rows; it has no dot, so no table's ``<table>.<name>`` key can take it.
@@ -184,24 +183,25 @@ class PackedEmbeddingBag(nn.Module):
 
     Args:
         tables: The tables.
-        backend: ``"auto"``, ``"reference"``, ``"triton"`` or ``"fbgemm"``
-            (see :func:`choose_backend`).
-        mode: ``"fused"`` or ``"autograd"``.
-        optim: Sparse optimizer hyper-parameters (fused mode).
-        bounds_check: Check every batch's ids: ``True`` (or ``"eager"``) checks in
+        options: The module's settings (:class:`EmbeddingOptions`: backend, mode, sparse
+            optimizer, bounds check, sparse gradients, row dtype, cache); default
+            ``EmbeddingOptions()``. ``bounds_check``: ``True`` (or ``"eager"``) checks in
             :meth:`prepare`, one vectorized check and host sync per batch, and raises
             before any kernel runs; ``"deferred"`` (Triton backend, device-placed tables;
             elsewhere it is ``True``) checks inside the lookup kernels without a host
             sync: see :meth:`check_ids` for when the error is raised. ``False`` does not
-            check. The reference backend always checks.
-        sparse_grad: Autograd mode: give the packed weights sparse gradients.
-        device: Where the rows live. The fbgemm backend's tables stay there (``.to()``
-            does not move them); build the module on its final device.
+            check. The reference backend always checks. The fbgemm backend's tables stay
+            on ``device`` (``.to()`` does not move them); build the module on its final
+            device.
+        device: Where the rows live.
         seed: Seed of the initial rows.
         generator: A CPU generator for the initial rows (instead of ``seed``).
-        dtype: The packed rows' dtype: ``"fp32"``, or ``"bf16"`` / ``"fp16"`` (fused mode).
-        cache: The device cache of the packs of host-placed tables
-            (``TableSpec.placement == "host"``; default :class:`CacheOptions`()).
+        **settings: Fields of :class:`EmbeddingOptions` by keyword (``backend="reference"``,
+            ``mode="autograd"``, ...), replacing those of ``options``: a shorthand.
+
+    Ids: int32 or int64 ids and offsets are read as given (int32 stays int32 through the
+    preparation to every kernel that reads it: the reference's ``embedding_bag``, the
+    Triton kernels, FBGEMM's TBE); any other integer dtype is widened to int64.
 
     Host placement: a pack of host-placed tables keeps its rows and optimizer state in
     host memory (pinned on CUDA) behind a device cache (see
@@ -218,64 +218,51 @@ class PackedEmbeddingBag(nn.Module):
     def __init__(
         self,
         tables: list[TableSpec],
+        options: EmbeddingOptions | None = None,
         *,
-        backend: str = "auto",
-        mode: str = "fused",
-        optim: SparseOptimConfig | None = None,
-        bounds_check: bool | str = True,
-        sparse_grad: bool = False,
         device: torch.device | str | None = None,
         seed: int | None = None,
         generator: torch.Generator | None = None,
-        dtype: str = "fp32",
-        cache: CacheOptions | None = None,
+        **settings: Any,
     ) -> None:
         super().__init__()
         tables = list(tables)
         for t in tables:
             if not isinstance(t, TableSpec):
                 raise ConfigError(f"{_OP}: tables must be TableSpec instances, got {type(t).__name__}")
-        if mode not in _MODES:
-            raise ConfigError(f"{_OP}: mode must be one of {_MODES}, got {mode!r}")
-        if bounds_check not in _BOUNDS_CHECKS:
-            raise ConfigError(
-                f"{_OP}: bounds_check must be True, False, 'eager' or 'deferred', got {bounds_check!r}"
-            )
-        if dtype not in EMBEDDING_DTYPES:
-            raise ConfigError(f"{_OP}: dtype must be one of {EMBEDDING_DTYPES}, got {dtype!r}")
-        if dtype != "fp32" and mode != "fused":
-            raise ConfigError(
-                f"{_OP}: dtype={dtype!r} needs mode='fused' (16-bit rows are updated only by the fused "
-                "optimizer, in float32 with stochastic rounding)"
-            )
+        options = options if options is not None else EmbeddingOptions()
+        if settings:
+            options = dataclasses.replace(options, **settings)
+        self.options = options
+        mode, dtype = options.mode, options.dtype
         device = torch.device(device if device is not None else "cpu")
         self.tables = tuple(tables)
         self.plan = PackingPlan(tables)
         self.mode = mode
-        self.optim = optim if optim is not None else SparseOptimConfig()
-        self.bounds_check = bounds_check
-        self.sparse_grad = sparse_grad
+        self.optim = options.optim
+        self.bounds_check = options.bounds_check
+        self.sparse_grad = options.sparse_grad
         self.dtype = dtype
-        self.backend = choose_backend(backend, device, tables, mode, self.optim, dtype)
+        self.backend = choose_backend(options.backend, device, tables, mode, self.optim, dtype)
         host_packs = [layout for layout in self.plan.packs if layout.placement == "host"]
         if host_packs:
             check_host_placement(host_packs, self.backend, mode, dtype)
             check_host_memory(host_packs)
-        self.cache_options = cache if cache is not None else CacheOptions()
+        self.cache_options = options.cache
         pack_class = pack_backend_class(self.backend)
         init = init_table_weights(tables, seed, generator)
         self.rounding = None if dtype == "fp32" else StochasticRounding(_rounding_seed(seed, generator))
         self._packs: list[PackBackend] = []
         self._held_names: list[tuple[str, ...]] = []  # per pack: what this module holds for it
-        options = PackOptions(mode, self.optim, sparse_grad, torch_dtype(dtype), self.rounding)
+        pack_options = PackOptions(mode, self.optim, self.sparse_grad, torch_dtype(dtype), self.rounding)
         for layout in self.plan.packs:
             weights = [init[t.name] for t in layout.tables]
             if layout.placement == "host":
                 pack, held = CachedPack.create(
-                    layout, weights, options, device, inner_class=pack_class, cache=self.cache_options
+                    layout, weights, pack_options, device, inner_class=pack_class, cache=self.cache_options
                 )
             else:
-                pack, held = pack_class.create(layout, weights, options, device)
+                pack, held = pack_class.create(layout, weights, pack_options, device)
             for name, tensor in held.items():
                 if isinstance(tensor, nn.Parameter):
                     self.register_parameter(f"{name}_{layout.index}", tensor)
@@ -285,7 +272,7 @@ class PackedEmbeddingBag(nn.Module):
             self._held_names.append(tuple(held))
         self._always_check_ids = pack_class.always_checks_ids or bool(host_packs)
         # The check in the kernels needs kernels that take it: Triton's, on device-placed packs.
-        self._defer_check = bounds_check == "deferred" and self.backend == "triton" and not host_packs
+        self._defer_check = self.bounds_check == "deferred" and self.backend == "triton" and not host_packs
         self._pending_checks: list[PendingCheck] = []
         self._routes: dict[tuple, Routing] = {}
 
@@ -390,8 +377,7 @@ class PackedEmbeddingBag(nn.Module):
                     torch.zeros(hi - lo, route.local.count, self.plan.packs[p].dim, device=sf.values.device)
                 )
                 continue
-            held = self._held(p)
-            outs.append(self._packs[p].lookup_rows(held, sf, route, sf.packs[p], batch_size, lo, hi))
+            outs.append(self._packs[p].lookup_rows(self._held(p), sf.pack_batch(p, train=False), lo, hi))
         self._queue_check(sf)
         return routing.to_batch_order(outs)
 
@@ -443,24 +429,22 @@ class PackedEmbeddingBag(nn.Module):
             if count == 0 or batch_size == 0:
                 continue  # no lookup, hence no backward
             pack_grad = grad.narrow(1, starts[p], count)
-            self._packs[p].apply_gradient(self._held(p), sf.packs[p], pack_grad, batch_size)
+            self._packs[p].apply_gradient(self._held(p), sf.pack_batch(p, train=True), pack_grad)
 
     def _lookup(self, sf: SparseFeatures) -> tuple[Routing, list[Tensor]]:
         self._check_pending(wait=False)
         train = self.training and torch.is_grad_enabled()
         sf = self._prepared(sf, training=train)
-        routing, batch_size = sf.routing, sf.batch_size
-        outs = [self._lookup_pack(p, sf, r, batch_size, train) for p, r in enumerate(routing.packs)]
+        routing = sf.routing
+        outs = [self._lookup_pack(p, sf, train) for p in range(len(routing.packs))]
         self._queue_check(sf)
         return routing, outs
 
-    def _lookup_pack(
-        self, p: int, sf: PreparedSparse, route: PackRoute, batch_size: int, train: bool
-    ) -> Tensor:
-        layout = self.plan.packs[p]
-        if route.local.count == 0 or batch_size == 0:
-            return torch.zeros(batch_size, route.local.count, layout.dim, device=sf.values.device)
-        return self._packs[p].lookup(self._held(p), sf, route, sf.packs[p], batch_size, train)
+    def _lookup_pack(self, p: int, sf: PreparedSparse, train: bool) -> Tensor:
+        count, batch_size = sf.routing.packs[p].local.count, sf.batch_size
+        if count == 0 or batch_size == 0:
+            return torch.zeros(batch_size, count, self.plan.packs[p].dim, device=sf.values.device)
+        return self._packs[p].lookup(self._held(p), sf.pack_batch(p, train))
 
     def _prepared(self, sf: SparseFeatures, training: bool) -> PreparedSparse:
         """``sf`` itself when this module prepared it (for training if ``training``), else
@@ -483,7 +467,7 @@ class PackedEmbeddingBag(nn.Module):
         packs = [
             None
             if route.local.count == 0 or batch_size == 0
-            else self._packs[p].prepare(sf, route, batch_size, training)
+            else self._packs[p].prepare(PackBatch(sf, route, batch_size, training))
             for p, route in enumerate(routing.packs)
         ]
         return PreparedSparse(
@@ -564,8 +548,9 @@ class PackedEmbeddingBag(nn.Module):
                 f"{_OP}: sparse ids must be integers, got {sf.values.dtype} for features {sf.keys}"
             )
         self._packs[0].check_batch_device(self._held(0), sf.values.device)
-        # The kernels read flat int64 ids/offsets and float32 weights (constants: no gradient).
-        values, offsets = sf.values.long().contiguous(), sf.offsets.long().contiguous()
+        # The kernels read flat int32 or int64 ids/offsets (every backend takes either; a
+        # narrower integer is widened) and float32 weights (constants: no gradient).
+        values, offsets = _index_tensor(sf.values), _index_tensor(sf.offsets)
         weights = None if sf.weights is None else sf.weights.detach().float().contiguous()
         if values is sf.values and offsets is sf.offsets and weights is sf.weights:
             return sf
@@ -576,6 +561,7 @@ class PackedEmbeddingBag(nn.Module):
     def set_learning_rate(self, lr: float) -> None:
         """Changes the sparse optimizer's learning rate (e.g. from a schedule)."""
         self.optim = dataclasses.replace(self.optim, lr=lr)
+        self.options = dataclasses.replace(self.options, optim=self.optim)
         for pack in self._packs:
             pack.set_learning_rate(lr)
 
@@ -648,6 +634,11 @@ class PackedEmbeddingBag(nn.Module):
         )
         dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
         return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
+
+
+def _index_tensor(t: Tensor) -> Tensor:
+    """``t`` contiguous, int32 or int64 as given, any other integer dtype as int64."""
+    return (t if t.dtype in (torch.int32, torch.int64) else t.long()).contiguous()
 
 
 def _check_one_dim(routing: Routing, method: str) -> None:

@@ -14,7 +14,8 @@ non-persistent buffers), so ``.to()``, ``parameters()`` and ``buffers()`` see th
 name) at every call instead of the pack keeping them. The FBGEMM pack keeps its tables
 in its TBE and holds nothing on the module.
 
-Shapes: B batch, F_p features of the pack in a batch, D dim, R_t rows of a table.
+Shapes: B batch, F features of a batch, F_p (= S) of them in the pack, D dim, N ids, R_t rows
+of a table, R of the pack.
 """
 
 from __future__ import annotations
@@ -28,11 +29,10 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.ops.embedding.optimizers import PackState, init_states
-from recaccel.ops.embedding.packing import LocalFeatures, PackLayout, PackRoute
-from recaccel.ops.embedding.prepared import PreparedPack
+from recaccel.ops.embedding.packing import PackLayout
+from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.rounding import StochasticRounding
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, SparseOptimConfig
-from recaccel.sparse import SparseFeatures
 
 _OP = "PackedEmbeddingBag"
 
@@ -78,6 +78,12 @@ class PackBackend(Protocol):
     :meth:`lookup_rows`); a fused pack's update runs in the lookup's backward or, for a
     batch whose dense work ran in micro-batches, once from :meth:`apply_gradient`.
 
+    Every call after :meth:`create` takes the batch as one :class:`PackBatch` (the batch,
+    the pack's route, B, the training flag and the pack's preparation), so a new kernel
+    or a new per-call input changes that record, not these signatures. ``held`` is the
+    module's tensors of the pack, by name (looked up at every call: ``.to()`` replaces
+    buffers).
+
     Attributes:
         always_checks_ids: Check every batch's ids whatever ``bounds_check`` says (the
             reference: its gathers would fail with an opaque message otherwise).
@@ -105,58 +111,33 @@ class PackBackend(Protocol):
     def check_batch_device(self, held: Mapping[str, Tensor], device: torch.device) -> None:
         """Raises ValueError when a batch on ``device`` cannot be looked up by this pack."""
 
-    def prepare(
-        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
-    ) -> PreparedPack | None:
-        """The pack's input preparation for a batch (its features are not all absent, B > 0).
+    def prepare(self, batch: PackBatch) -> PreparedPack | None:
+        """The pack's input preparation for a batch.
 
         Args:
-            sf: The batch, validated (int64 ids and offsets, float32 weights or None),
-                its ids checked when the module checks them.
-            route: The pack's route for the batch's keys.
-            batch_size: B.
-            train: For a training step: include what the backward needs.
+            batch: The batch (its ids checked when the module checks them; int32 or
+                int64 ids and offsets [N], [F*B+1]), ``batch.train`` true to include
+                what the backward needs; ``batch.prepared`` is None.
 
         Returns:
-            What :meth:`lookup`, :meth:`lookup_rows` and :meth:`apply_gradient` take as
-            ``prepared``, or None when the pack needs nothing.
+            What the later calls read as ``batch.prepared``, or None when the pack needs
+            nothing.
         """
 
-    def lookup(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        train: bool,
-    ) -> Tensor:
-        """Pools the pack's features of a batch (they are not all absent, B > 0).
+    def lookup(self, held: Mapping[str, Tensor], batch: PackBatch) -> Tensor:
+        """Pools the pack's features of a batch.
 
         Args:
             held: The module's tensors of this pack, by name.
-            sf: The batch (int64 ids and offsets, float32 weights or None).
-            route: The pack's route for the batch's keys.
-            prepared: :meth:`prepare`'s result for this batch, made with ``train`` true
-                when ``train`` is.
-            batch_size: B.
-            train: The lookup is part of a training step (module in training mode, grad
-                enabled): a fused pack's backward updates its rows.
+            batch: The batch with its preparation; ``batch.train``: the lookup is part of
+                a training step (module in training mode, grad enabled), so a fused
+                pack's backward updates its rows.
 
         Returns:
             float32 [B, F_p, D] in the batch's feature order.
         """
 
-    def lookup_rows(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        lo: int,
-        hi: int,
-    ) -> Tensor:
+    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
         """Pools rows ``lo .. hi-1`` of a prepared batch, without a graph (``0 <= lo < hi <= B``).
 
         Returns:
@@ -166,16 +147,13 @@ class PackBackend(Protocol):
     def deferred_update_unsupported(self) -> str | None:
         """Why :meth:`apply_gradient` cannot run on this pack, or None when it can."""
 
-    def apply_gradient(
-        self, held: Mapping[str, Tensor], prepared: PreparedPack | None, grad: Tensor, batch_size: int
-    ) -> None:
+    def apply_gradient(self, held: Mapping[str, Tensor], batch: PackBatch, grad: Tensor) -> None:
         """Applies the update a fused lookup's backward would, for this output gradient.
 
         Args:
             held: The module's tensors of this pack, by name.
-            prepared: :meth:`prepare`'s result for the batch, made with ``train`` true.
+            batch: The batch, its preparation made for training.
             grad: [B, F_p, D] gradient of the pack's pooled output.
-            batch_size: B.
         """
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -228,42 +206,23 @@ class HeldPack(ABC):
             raise ValueError(f"{_OP}: the batch is on {device} but the tables are on {held['weight'].device}")
 
     @abstractmethod
-    def prepare(
-        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
-    ) -> PreparedPack | None:
+    def prepare(self, batch: PackBatch) -> PreparedPack | None:
         """See :meth:`PackBackend.prepare`."""
 
-    def lookup(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        train: bool,
-    ) -> Tensor:
+    def lookup(self, held: Mapping[str, Tensor], batch: PackBatch) -> Tensor:
         weight = held["weight"]
         if self.mode == "autograd":
-            return self.lookup_autograd(weight, sf, route.local, prepared, batch_size)
-        if not train:
-            return self.lookup_frozen(weight, sf, route.local, prepared, batch_size)
+            return self.lookup_autograd(weight, batch)
+        if not batch.train:
+            return self.lookup_frozen(weight, batch)
         # The rows are buffers: an empty input that requires grad makes autograd call the
         # fused backward.
         anchor = torch.empty(0, device=weight.device, requires_grad=True)
-        return self.lookup_fused(anchor, self._state(held), sf, route.local, prepared, batch_size)
+        return self.lookup_fused(anchor, self._state(held), batch)
 
     @torch.no_grad()
-    def lookup_rows(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        lo: int,
-        hi: int,
-    ) -> Tensor:
-        return self.pool_rows(held["weight"].detach(), sf, route.local, prepared, batch_size, lo, hi)
+    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
+        return self.pool_rows(held["weight"].detach(), batch, lo, hi)
 
     def deferred_update_unsupported(self) -> str | None:
         if self.mode == "autograd":
@@ -273,62 +232,32 @@ class HeldPack(ABC):
             )
         return None
 
-    def apply_gradient(
-        self, held: Mapping[str, Tensor], prepared: PreparedPack | None, grad: Tensor, batch_size: int
-    ) -> None:
-        self.update(self._state(held), grad, prepared, batch_size)
+    def apply_gradient(self, held: Mapping[str, Tensor], batch: PackBatch, grad: Tensor) -> None:
+        self.update(self._state(held), grad, batch)
 
     @abstractmethod
-    def lookup_autograd(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        """Autograd mode: [B, S, D], differentiable w.r.t. the Parameter ``weight``."""
+    def lookup_autograd(self, weight: Tensor, batch: PackBatch) -> Tensor:
+        """Autograd mode: float32 [B, S, D], differentiable w.r.t. the Parameter ``weight`` [R, D]."""
 
     @abstractmethod
-    def lookup_frozen(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        """Fused mode outside training: [B, S, D], no graph."""
+    def lookup_frozen(self, weight: Tensor, batch: PackBatch) -> Tensor:
+        """Fused mode outside training: float32 [B, S, D] from ``weight`` [R, D], no graph."""
 
     @abstractmethod
-    def lookup_fused(
-        self,
-        anchor: Tensor,
-        state: PackState,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        """Fused mode in training: [B, S, D] whose backward runs :meth:`update`."""
+    def lookup_fused(self, anchor: Tensor, state: PackState, batch: PackBatch) -> Tensor:
+        """Fused mode in training: float32 [B, S, D] whose backward runs :meth:`update`
+        (``anchor``: an empty tensor that requires grad)."""
 
     @abstractmethod
-    def pool_rows(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        lo: int,
-        hi: int,
-    ) -> Tensor:
-        """Rows ``lo:hi`` of the pooled batch: [hi-lo, S, D], ``weight`` detached, no graph."""
+    def pool_rows(self, weight: Tensor, batch: PackBatch, lo: int, hi: int) -> Tensor:
+        """Rows ``lo:hi`` of the pooled batch: float32 [hi-lo, S, D], ``weight`` [R, D]
+        detached, no graph."""
 
     @abstractmethod
-    def update(self, state: PackState, grad: Tensor, prepared: PreparedPack | None, batch_size: int) -> None:
+    def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
         """Fused mode: the sparse update of one batch's output gradient ``grad`` [B, S, D]
-        (the body of the fused backward, which :meth:`apply_gradient` runs too)."""
+        (the body of the fused backward, which :meth:`apply_gradient` runs too);
+        ``batch.prepared`` was made for training."""
 
     def _optimizer_states(self, held: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}

@@ -73,6 +73,8 @@ class LocalFeatures:
         limit: int64 [S] table size of each local feature when the ids are checked by
             the kernels (a module's deferred bounds check: an id outside ``[0, limit)``
             reads row 0 of its table and is counted), else None.
+        wide_rows: The pack has more than 2^31 rows: its packed rows need int64 even
+            when the batch's ids are int32.
     """
 
     src: Tensor
@@ -84,6 +86,7 @@ class LocalFeatures:
     any_shift: bool
     any_missing: bool
     limit: Tensor | None = None
+    wide_rows: bool = False
 
     @classmethod
     def build(
@@ -94,6 +97,8 @@ class LocalFeatures:
         num_keys: int,
         device: torch.device,
         limit: list[int] | None = None,
+        *,
+        wide_rows: bool = False,
     ) -> LocalFeatures:
         as_long = lambda x: torch.tensor(x, dtype=torch.int64, device=device)
         return cls(
@@ -106,6 +111,7 @@ class LocalFeatures:
             any_shift=any(r != 0 for r in row_offset),
             any_missing=any(s < 0 for s in src),
             limit=None if limit is None else as_long(limit),
+            wide_rows=wide_rows,
         )
 
 
@@ -164,9 +170,14 @@ class Routing:
 class PackIds:
     """One pack's ids in CSR over its S local features, ready for an embedding bag.
 
+    ``rows`` and ``offsets`` share one index dtype (what ``embedding_bag`` and FBGEMM's
+    TBE ask): int32 when the batch's ids and offsets are both int32 and the pack's rows
+    fit, else int64 (:func:`gather_pack_ids`).
+
     Attributes:
-        rows: int64 [N_p] packed row of each id.
-        offsets: int64 [S*B+1] bag ``j*B + b`` holds ``rows[offsets[j*B+b]:offsets[j*B+b+1]]``.
+        rows: int32 or int64 [N_p] packed row of each id.
+        offsets: [S*B+1], the dtype of ``rows``: bag ``j*B + b`` holds
+            ``rows[offsets[j*B+b]:offsets[j*B+b+1]]``.
         scale: float32 [N_p] per-id multiplier (the id's weight, times ``1/L`` under mean
             pooling), or None for all ones.
         bags: int64 [N_p] bag of each id, or None when not asked for.
@@ -295,6 +306,7 @@ class PackingPlan:
                 len(keys),
                 device,
                 [self.slots[keys[i]].table.num_rows for i in feats] if check_in_kernels else None,
+                wide_rows=layout.num_rows > _INT32_ROWS,
             )
             declared = [f for t in layout.tables for f in t.features]
             slots = LocalFeatures.build(
@@ -337,23 +349,24 @@ def gather_pack_ids(
         with_bags: Also return each id's bag.
 
     Returns:
-        The pack's ids in CSR over ``S*B`` bags.
+        The pack's ids in CSR over ``S*B`` bags, rows and offsets in :func:`index_dtype`.
     """
     b, s = batch_size, local.count
     device = sf.values.device
-    values, weights = sf.values, sf.weights
+    index = index_dtype(sf, local)
+    values, batch_offsets, weights = sf.values.to(index), sf.offsets.to(index), sf.weights
     if local.identity:
-        offsets = sf.offsets
+        offsets = batch_offsets
         lengths = offsets[1:] - offsets[:-1]
         n = values.numel()
     else:
         # Bag j*B + b of the pack is bag src[j]*B + b of the batch.
         bag_src = (local.src.clamp(min=0)[:, None] * b + torch.arange(b, device=device)).reshape(-1)
-        starts = sf.offsets.index_select(0, bag_src)
-        lengths = sf.offsets.index_select(0, bag_src + 1) - starts
+        starts = batch_offsets.index_select(0, bag_src)
+        lengths = batch_offsets.index_select(0, bag_src + 1) - starts
         if local.any_missing:
             lengths = lengths * (local.src >= 0).repeat_interleave(b)
-        offsets = torch.zeros(s * b + 1, dtype=torch.int64, device=device)
+        offsets = torch.zeros(s * b + 1, dtype=index, device=device)
         torch.cumsum(lengths, 0, out=offsets[1:])
         n = int(offsets[-1])
         # Each id moves by (its bag's start in the batch) - (its bag's start in the pack).
@@ -374,7 +387,7 @@ def gather_pack_ids(
         values = torch.where((values >= 0) & (values < limit), values, 0)
     rows = values
     if local.any_shift and b > 0:
-        rows = values + torch.repeat_interleave(local.row_offset, feat_counts, output_size=n)
+        rows = values + torch.repeat_interleave(local.row_offset.to(index), feat_counts, output_size=n)
     scale = None if weights is None else weights.to(torch.float32)
     if local.any_mean:
         inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
@@ -385,6 +398,13 @@ def gather_pack_ids(
 
 
 _INT32_ROWS = 2**31  # packed rows below this fit int32 sort keys
+
+
+def index_dtype(sf: SparseFeatures, local: LocalFeatures) -> torch.dtype:
+    """The dtype of a pack's ids and offsets: int32 when the batch's ids and offsets are
+    both int32 and the pack's rows fit (no cast on the way to the kernels), else int64."""
+    narrow = sf.values.dtype == torch.int32 and sf.offsets.dtype == torch.int32 and not local.wide_rows
+    return torch.int32 if narrow else torch.int64
 
 
 def group_by_row(rows: Tensor, num_rows: int | None = None, *, unique: bool = True) -> RowGroups:
@@ -398,8 +418,8 @@ def group_by_row(rows: Tensor, num_rows: int | None = None, *, unique: bool = Tr
     synchronizing with the host.
 
     Args:
-        rows: int64 [N_p] packed row of each occurrence, in ``[0, num_rows)``.
-        num_rows: The pack's rows, or None when unknown (int64 keys).
+        rows: int32 or int64 [N_p] packed row of each occurrence, in ``[0, num_rows)``.
+        num_rows: The pack's rows, or None when unknown (keys of the rows' dtype).
         unique: Make ``unique_rows`` and ``segments`` now.
 
     Returns:
@@ -428,7 +448,8 @@ def slice_pack_ids(ids: PackIds, batch_size: int, num_local: int, lo: int, hi: i
         hi: One past the last row.
 
     Returns:
-        The pack's ids over ``S*(hi-lo)`` bags, feature-major; ``bags`` None.
+        The pack's ids over ``S*(hi-lo)`` bags, feature-major, in the ids' index dtype;
+        ``bags`` None.
     """
     rows = hi - lo
     device = ids.rows.device
@@ -444,7 +465,7 @@ def slice_pack_ids(ids: PackIds, batch_size: int, num_local: int, lo: int, hi: i
     gather = torch.repeat_interleave(bounds[:, 0] - base[:-1], counts, output_size=n)
     gather += torch.arange(n, device=device)
     scale = None if ids.scale is None else ids.scale.index_select(0, gather)
-    return PackIds(ids.rows.index_select(0, gather), offsets, scale, None)
+    return PackIds(ids.rows.index_select(0, gather), offsets.to(ids.offsets.dtype), scale, None)
 
 
 def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None:
@@ -466,7 +487,7 @@ def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None
     else:
         # id_feat[i] = number of features 1..F-1 starting at or before id i: a count, not a
         # search, so it is linear and stays in [0, F-1] even if the offsets are malformed.
-        feat_start = offsets[b : f * b : b].clamp(0, n)
+        feat_start = offsets[b : f * b : b].clamp(0, n).long()
         marks = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
         marks.index_add_(0, feat_start, torch.ones_like(feat_start))
         id_feat = marks[:n].cumsum(0)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recaccel.ops.embedding.packing import PackIds, Routing, RowGroups
+from recaccel.ops.embedding.packing import LocalFeatures, PackIds, PackRoute, Routing, RowGroups
 from recaccel.sparse import SparseFeatures
 
 
@@ -50,12 +50,43 @@ class PreparedPack:
     groups: RowGroups | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class PackBatch:
+    """One pack's inputs for one call of its backend: everything a
+    :class:`~recaccel.ops.embedding.pack_backend.PackBackend` method reads about the batch.
+
+    Attributes:
+        sf: The batch (F features, B rows): validated, its ids and offsets int32 or int64
+            (each contiguous; the two may differ), weights float32 or None; with the
+            deferred bounds check, its offsets clamped into a valid CSR.
+        route: The pack's route for the batch's keys (its S = F_p local features).
+        batch_size: B (> 0, and the pack has a feature in the batch).
+        train: For :meth:`~recaccel.ops.embedding.pack_backend.PackBackend.prepare`:
+            prepare what a training step's backward needs; for a lookup: the lookup is
+            part of a training step (a fused pack's backward updates its rows).
+        prepared: The pack's own preparation of the batch (what ``prepare`` returned,
+            made for training when ``train`` is), or None (before ``prepare``, or when
+            the pack needs none).
+    """
+
+    sf: SparseFeatures
+    route: PackRoute
+    batch_size: int
+    train: bool
+    prepared: PreparedPack | None = None
+
+    @property
+    def local(self) -> LocalFeatures:
+        """The pack's S local features (the reference and Triton kernels' view)."""
+        return self.route.local
+
+
 @dataclasses.dataclass(eq=False, repr=False, kw_only=True)
 class PreparedSparse(SparseFeatures):
     """A :class:`~recaccel.sparse.SparseFeatures` with one module's lookup preparation.
 
-    Its ``keys``, ``values``, ``offsets`` and ``weights`` are the validated batch (int64
-    contiguous ids and offsets, float32 weights without gradient). Any SparseFeatures
+    Its ``keys``, ``values``, ``offsets`` and ``weights`` are the validated batch (int32
+    or int64 contiguous ids and offsets, as given; float32 weights without gradient). Any SparseFeatures
     operation that builds a new batch (``slice_rows``, ``to``, a ``reorder`` that moves
     fields, ...) returns a plain SparseFeatures, which a module prepares again: a
     preparation never outlives its tensors. ``reorder`` and ``select`` to the same order
@@ -81,6 +112,10 @@ class PreparedSparse(SparseFeatures):
     training: bool
     bad_ids: Tensor | None = None
     unchecked: SparseFeatures | None = None
+
+    def pack_batch(self, p: int, train: bool) -> PackBatch:
+        """Pack ``p``'s inputs of a lookup (or deferred update) of this batch."""
+        return PackBatch(self, self.routing.packs[p], self.batch_size, train, self.packs[p])
 
     def tensors(self) -> list[Tensor]:
         """Every tensor the batch and its preparation hold (the routing's included)."""

@@ -28,17 +28,14 @@ from torch import Tensor
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
 from recaccel.ops.embedding.pack_backend import HeldPack
 from recaccel.ops.embedding.packing import (
-    LocalFeatures,
     PackIds,
-    PackRoute,
     RowGroups,
     gather_pack_ids,
     group_by_row,
     slice_pack_ids,
 )
-from recaccel.ops.embedding.prepared import PreparedPack
+from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.specs import SparseOptimConfig
-from recaccel.sparse import SparseFeatures
 
 
 def reference_lookup(
@@ -66,7 +63,7 @@ def reference_lookup(
     if sixteen_bit:
         # 16-bit rows: gather and upcast the ids' rows, then pool them in float32.
         weight = weight.index_select(0, rows).float()
-        rows = torch.arange(rows.numel(), device=rows.device)
+        rows = torch.arange(rows.numel(), dtype=ids.offsets.dtype, device=rows.device)
     pooled = F.embedding_bag(
         rows,
         weight,
@@ -154,24 +151,16 @@ class ReferenceFusedLookup(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        anchor: Tensor,
-        state: PackState,
-        optim: SparseOptimConfig,
-        prepared: PreparedPack,
-        batch_size: int,
-        num_local: int,
-    ) -> Tensor:
+    def forward(ctx, anchor: Tensor, state: PackState, optim: SparseOptimConfig, batch: PackBatch) -> Tensor:
         with torch.no_grad():
-            out = reference_lookup(state.weight, prepared.ids, batch_size, num_local)
-        ctx.prepared, ctx.state, ctx.optim = prepared, state, optim
+            out = reference_lookup(state.weight, batch.prepared.ids, batch.batch_size, batch.local.count)
+        ctx.prepared, ctx.state, ctx.optim = batch.prepared, state, optim
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         fused_backward(ctx.state, ctx.optim, grad_out, ctx.prepared)
-        return None, None, None, None, None, None
+        return None, None, None, None
 
 
 class ReferencePack(HeldPack):
@@ -179,51 +168,30 @@ class ReferencePack(HeldPack):
 
     It checks every batch's ids: ``embedding_bag`` would index out of range otherwise.
     Its preparation is the pack's ids (with their bags and row grouping for a fused
-    training step), which its forward, backward and :meth:`pool_rows` all read.
+    training step), which its forward, backward and :meth:`pool_rows` all read. int32
+    ids and offsets stay int32 (``embedding_bag`` takes either, both of one dtype).
     """
 
     always_checks_ids = True
 
-    def prepare(self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool) -> PreparedPack:
-        backward = train and self.mode == "fused"  # autograd mode: embedding_bag's own backward
-        ids = gather_pack_ids(sf, route.local, batch_size, with_bags=backward)
+    def prepare(self, batch: PackBatch) -> PreparedPack:
+        backward = batch.train and self.mode == "fused"  # autograd mode: embedding_bag's own backward
+        ids = gather_pack_ids(batch.sf, batch.local, batch.batch_size, with_bags=backward)
         return PreparedPack(ids, group_by_row(ids.rows) if backward else None)
 
-    def lookup_autograd(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        return reference_lookup(weight, prepared.ids, batch_size, local.count, sparse_grad=self.sparse_grad)
+    def lookup_autograd(self, weight: Tensor, batch: PackBatch) -> Tensor:
+        ids, count = batch.prepared.ids, batch.local.count
+        return reference_lookup(weight, ids, batch.batch_size, count, sparse_grad=self.sparse_grad)
 
     lookup_frozen = lookup_autograd  # a buffer: no gradient, hence no graph
 
-    def lookup_fused(
-        self,
-        anchor: Tensor,
-        state: PackState,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        return ReferenceFusedLookup.apply(anchor, state, self.optim, prepared, batch_size, local.count)
+    def lookup_fused(self, anchor: Tensor, state: PackState, batch: PackBatch) -> Tensor:
+        return ReferenceFusedLookup.apply(anchor, state, self.optim, batch)
 
-    def pool_rows(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        lo: int,
-        hi: int,
-    ) -> Tensor:
-        ids = slice_pack_ids(prepared.ids, batch_size, local.count, lo, hi)
-        return reference_lookup(weight, ids, hi - lo, local.count)
+    def pool_rows(self, weight: Tensor, batch: PackBatch, lo: int, hi: int) -> Tensor:
+        count = batch.local.count
+        ids = slice_pack_ids(batch.prepared.ids, batch.batch_size, count, lo, hi)
+        return reference_lookup(weight, ids, hi - lo, count)
 
-    def update(self, state: PackState, grad: Tensor, prepared: PreparedPack | None, batch_size: int) -> None:
-        fused_backward(state, self.optim, grad, prepared)
+    def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
+        fused_backward(state, self.optim, grad, batch.prepared)

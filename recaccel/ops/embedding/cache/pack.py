@@ -61,7 +61,7 @@ from recaccel.ops.embedding.cache.policy import victim_order
 from recaccel.ops.embedding.cache.slots import LockWindow, SlotTable, Ticket
 from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions, table_views
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, PackLayout, PackRoute, gather_pack_ids
-from recaccel.ops.embedding.prepared import PreparedPack
+from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.sparse import SparseFeatures
 
 _OP = "PackedEmbeddingBag"
@@ -123,10 +123,8 @@ class CachedPrepared(PreparedPack):
         route: ``batch``'s route: identity, no row shift.
         inner: The inner pack's preparation of ``batch``, or None.
         ticket: The lock on the batch's slots.
-        source: The batch as the module gave it (to prepare it again).
-        source_route: Its route.
-        batch_size: B.
-        train: Prepared for training.
+        source: The pack's inputs as the module gave them to ``prepare`` (to prepare
+            them again); ``source.train``: prepared for training.
         ready: CUDA: the event after the preparation's copies; None on the CPU.
     """
 
@@ -134,11 +132,17 @@ class CachedPrepared(PreparedPack):
     route: PackRoute
     inner: PreparedPack | None
     ticket: Ticket
-    source: SparseFeatures
-    source_route: PackRoute
-    batch_size: int
-    train: bool
+    source: PackBatch
     ready: Any = None
+
+    @property
+    def train(self) -> bool:
+        """Prepared for training."""
+        return self.source.train
+
+    def inner_batch(self, train: bool) -> PackBatch:
+        """The inner pack's inputs: the slot batch with its preparation."""
+        return PackBatch(self.batch, self.route, self.source.batch_size, train, self.inner)
 
     def own_tensors(self) -> Iterator[Tensor]:
         """The tensors this preparation made (what a consumer stream must mark used)."""
@@ -258,49 +262,42 @@ class CachedPack:
         if not same_device(device, self.device):
             raise ValueError(f"{_OP}: the batch is on {device} but the tables' cache is on {self.device}")
 
-    def prepare(self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool) -> CachedPrepared:
+    def prepare(self, batch: PackBatch) -> CachedPrepared:
         """Makes the batch's rows resident and locked, and rewrites its ids as slots."""
+        sf, route, batch_size = batch.sf, batch.route, batch.batch_size
         with torch.no_grad(), self._on_copy_stream(sf):
             self._refresh_if_stale()
             # Raw per-id weights: the inner pack applies a mean's 1/L itself, as on the device.
             base = gather_pack_ids(sf, dataclasses.replace(route.local, any_mean=False), batch_size)
             unique, inverse = torch.unique(base.rows, sorted=True, return_inverse=True)
-            slots, ticket = self._acquire(unique, train)
+            slots, ticket = self._acquire(unique.long(), batch.train)
             keys = [sf.keys[i] for i in route.features]
-            batch = SparseFeatures(keys, slots.index_select(0, inverse), base.offsets, base.scale)
+            # Slots < C <= R: they keep the ids' dtype, so int32 ids stay int32 in the cache.
+            slot_ids = slots.index_select(0, inverse).to(base.rows.dtype)
+            slot_batch = SparseFeatures(keys, slot_ids, base.offsets, base.scale)
             vroute = PackRoute(
                 route.features, self._virtual_local(route.local), route.slots, route.slot_of_local
             )
-            inner = self.inner.prepare(batch, vroute, batch_size, train)
+            inner = self.inner.prepare(PackBatch(slot_batch, vroute, batch_size, batch.train))
             ready = None
             if self._stream is not None:
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
         return CachedPrepared(
-            ids=PackIds(batch.values, batch.offsets, batch.weights, None),
+            ids=PackIds(slot_batch.values, slot_batch.offsets, slot_batch.weights, None),
             groups=None if inner is None else inner.groups,
-            batch=batch,
+            batch=slot_batch,
             route=vroute,
             inner=inner,
             ticket=ticket,
-            source=sf,
-            source_route=route,
-            batch_size=batch_size,
-            train=train,
+            source=dataclasses.replace(batch, prepared=None),
             ready=ready,
         )
 
-    def lookup(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        train: bool,
-    ) -> Tensor:
-        ready = self._usable(prepared, sf, route, batch_size, train)
-        out = self.inner.lookup(self.cache, ready.batch, ready.route, ready.inner, batch_size, train)
+    def lookup(self, held: Mapping[str, Tensor], batch: PackBatch) -> Tensor:
+        train = batch.train
+        ready = self._usable(batch)
+        out = self.inner.lookup(self.cache, ready.inner_batch(train))
         if train and out.grad_fn is not None:
             # The fused update runs in this node's backward: its slots must still be this
             # batch's rows then, and they are dirty after it.
@@ -311,30 +308,20 @@ class CachedPack:
         self._used()
         return out
 
-    def lookup_rows(
-        self,
-        held: Mapping[str, Tensor],
-        sf: SparseFeatures,
-        route: PackRoute,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        lo: int,
-        hi: int,
-    ) -> Tensor:
+    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
+        prepared = batch.prepared
         train = isinstance(prepared, CachedPrepared) and prepared.train
-        ready = self._usable(prepared, sf, route, batch_size, train)
-        out = self.inner.lookup_rows(self.cache, ready.batch, ready.route, ready.inner, batch_size, lo, hi)
+        ready = self._usable(dataclasses.replace(batch, train=train))
+        out = self.inner.lookup_rows(self.cache, ready.inner_batch(False), lo, hi)
         self._used()
         return out
 
     def deferred_update_unsupported(self) -> str | None:
         return self.inner.deferred_update_unsupported()
 
-    def apply_gradient(
-        self, held: Mapping[str, Tensor], prepared: PreparedPack | None, grad: Tensor, batch_size: int
-    ) -> None:
-        ready = self._usable(prepared, prepared.source, prepared.source_route, batch_size, True)
-        self.inner.apply_gradient(self.cache, ready.inner, grad, batch_size)
+    def apply_gradient(self, held: Mapping[str, Tensor], batch: PackBatch, grad: Tensor) -> None:
+        ready = self._usable(dataclasses.replace(batch, train=True))
+        self.inner.apply_gradient(self.cache, ready.inner_batch(True), grad)
         self._after_update(ready)
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -432,29 +419,23 @@ class CachedPack:
         self.counters.fetched += rows.numel()
         self.table.dirty.fill_(False)
 
-    def _usable(
-        self,
-        prepared: PreparedPack | None,
-        sf: SparseFeatures,
-        route: PackRoute,
-        batch_size: int,
-        train: bool,
-    ) -> CachedPrepared:
-        """``prepared`` when its rows are still locked (and made for training if ``train``),
-        else the batch prepared again; the current stream then waits for it."""
+    def _usable(self, batch: PackBatch) -> CachedPrepared:
+        """``batch.prepared`` when its rows are still locked (and made for training if
+        ``batch.train``), else the batch prepared again; the current stream then waits for it."""
+        prepared = batch.prepared
         usable = (
             isinstance(prepared, CachedPrepared)
             and not prepared.ticket.released
-            and (prepared.train or not train)
+            and (prepared.train or not batch.train)
         )
-        ready = prepared if usable else self.prepare(sf, route, batch_size, train)
+        ready = prepared if usable else self.prepare(dataclasses.replace(batch, prepared=None))
         self._wait(ready)
         return ready
 
     def _before_update(self, prepared: CachedPrepared, grad_outputs: Any) -> None:
         """Just before a fused backward's update: the batch's rows must still be in its slots."""
         if prepared.ticket.released:
-            fresh = self.prepare(prepared.source, prepared.source_route, prepared.batch_size, True)
+            fresh = self.prepare(dataclasses.replace(prepared.source, train=True))
             # The backward reads the inner preparation it was given: update it in place.
             prepared.inner.ids, prepared.inner.groups = fresh.inner.ids, fresh.inner.groups
             prepared.ticket, prepared.ready, prepared.batch = fresh.ticket, fresh.ready, fresh.batch

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions
-from recaccel.ops.embedding.packing import LocalFeatures, PackLayout, PackRoute, gather_pack_ids, group_by_row
-from recaccel.ops.embedding.prepared import PreparedPack
+from recaccel.ops.embedding.packing import PackLayout, gather_pack_ids, group_by_row
+from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.triton.autograd import (
     TritonEmbeddingBagFunction,
     TritonFusedEmbeddingBagFunction,
@@ -35,7 +35,6 @@ from recaccel.ops.embedding.triton.forward import (
     embedding_bag_forward,
     embedding_bag_forward_rows,
 )
-from recaccel.sparse import SparseFeatures
 
 __all__ = [
     "TritonEmbeddingBagFunction",
@@ -49,8 +48,8 @@ class TritonPack(HeldPack):
     """One pack on the Triton backend (see :class:`~recaccel.ops.embedding.pack_backend.HeldPack`).
 
     Ids are checked only when the module's ``bounds_check`` is on. The forward reads the
-    batch's CSR directly, so only a training step is prepared: the ids with their bags
-    and their grouping by row, for the backward.
+    batch's CSR directly (int32 or int64 ids and offsets alike), so only a training step
+    is prepared: the ids with their bags and their grouping by row, for the backward.
     """
 
     @classmethod
@@ -65,61 +64,27 @@ class TritonPack(HeldPack):
         check_forward_launchable(device)  # every kernel of the backend runs where the forward does
         return super().create(layout, weights, options, device)
 
-    def prepare(
-        self, sf: SparseFeatures, route: PackRoute, batch_size: int, train: bool
-    ) -> PreparedPack | None:
-        if not train:
+    def prepare(self, batch: PackBatch) -> PreparedPack | None:
+        if not batch.train:
             return None
-        ids = gather_pack_ids(sf, route.local, batch_size, with_bags=True)
+        ids = gather_pack_ids(batch.sf, batch.local, batch.batch_size, with_bags=True)
         # The fused update reads only the sort order: no unique rows, no host sync.
         groups = group_by_row(ids.rows, self.layout.num_rows, unique=self.mode == "autograd")
         return PreparedPack(ids, groups)
 
-    def lookup_autograd(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        return TritonEmbeddingBagFunction.apply(weight, sf, local, prepared, batch_size, self.sparse_grad)
+    def lookup_autograd(self, weight: Tensor, batch: PackBatch) -> Tensor:
+        return TritonEmbeddingBagFunction.apply(weight, batch, self.sparse_grad)
 
-    def lookup_frozen(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        return embedding_bag_forward(weight, sf, local, batch_size)
+    def lookup_frozen(self, weight: Tensor, batch: PackBatch) -> Tensor:
+        return embedding_bag_forward(weight, batch.sf, batch.local, batch.batch_size)
 
-    def lookup_fused(
-        self,
-        anchor: Tensor,
-        state: PackState,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        return TritonFusedEmbeddingBagFunction.apply(
-            anchor, state, self.optim, sf, local, prepared, batch_size
-        )
+    def lookup_fused(self, anchor: Tensor, state: PackState, batch: PackBatch) -> Tensor:
+        return TritonFusedEmbeddingBagFunction.apply(anchor, state, self.optim, batch)
 
-    def pool_rows(
-        self,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        lo: int,
-        hi: int,
-    ) -> Tensor:
-        return embedding_bag_forward_rows(weight, sf, local, batch_size, lo, hi)
+    def pool_rows(self, weight: Tensor, batch: PackBatch, lo: int, hi: int) -> Tensor:
+        return embedding_bag_forward_rows(weight, batch.sf, batch.local, batch.batch_size, lo, hi)
 
-    def update(self, state: PackState, grad: Tensor, prepared: PreparedPack | None, batch_size: int) -> None:
+    def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
         # What TritonFusedEmbeddingBagFunction.backward runs, on this gradient.
-        fused_update(state, self.optim, grad, prepared.ids, batch_size, prepared.groups)
+        prepared = batch.prepared
+        fused_update(state, self.optim, grad, prepared.ids, batch.batch_size, prepared.groups)

@@ -22,54 +22,44 @@ import torch
 from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
-from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids, group_by_row
-from recaccel.ops.embedding.prepared import PreparedPack
+from recaccel.ops.embedding.packing import gather_pack_ids, group_by_row
+from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton.backward import embedding_bag_backward, fused_update
 from recaccel.ops.embedding.triton.forward import embedding_bag_forward
-from recaccel.sparse import SparseFeatures
 
 
-def backward_ids(
-    prepared: PreparedPack | None, sf: SparseFeatures, local: LocalFeatures, batch_size: int
-) -> PreparedPack:
+def backward_ids(batch: PackBatch) -> PreparedPack:
     """The ids with bags and row grouping of a pack's backward: the preparation's when it
     was made for training, else made now from the batch's CSR."""
+    prepared = batch.prepared
     if prepared is not None and prepared.groups is not None:
         return prepared
-    ids = gather_pack_ids(sf, local, batch_size, with_bags=True)
+    ids = gather_pack_ids(batch.sf, batch.local, batch.batch_size, with_bags=True)
     return PreparedPack(ids, group_by_row(ids.rows))
 
 
 class TritonEmbeddingBagFunction(torch.autograd.Function):
-    """Pooled lookup of one pack with a gradient for its packed weight."""
+    """Pooled lookup of one pack with a gradient for its packed weight [R, D]."""
 
     @staticmethod
-    def forward(
-        ctx,
-        weight: Tensor,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-        sparse_grad: bool,
-    ) -> Tensor:
-        ctx.sf, ctx.local, ctx.prepared = sf, local, prepared
-        ctx.batch_size, ctx.sparse_grad = batch_size, sparse_grad
+    def forward(ctx, weight: Tensor, batch: PackBatch, sparse_grad: bool) -> Tensor:
+        ctx.batch, ctx.sparse_grad = batch, sparse_grad
         ctx.weight_shape = weight.shape
-        return embedding_bag_forward(weight, sf, local, batch_size)
+        return embedding_bag_forward(weight, batch.sf, batch.local, batch.batch_size)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        prepared = backward_ids(ctx.prepared, ctx.sf, ctx.local, ctx.batch_size)
-        rows, grad_rows = embedding_bag_backward(grad_out, prepared.ids, ctx.batch_size, prepared.groups)
+        batch = ctx.batch
+        prepared = backward_ids(batch)
+        rows, grad_rows = embedding_bag_backward(grad_out, prepared.ids, batch.batch_size, prepared.groups)
         if ctx.sparse_grad:
             grad = torch.sparse_coo_tensor(
                 rows[None], grad_rows, ctx.weight_shape, is_coalesced=True, check_invariants=False
             )
         else:
             grad = grad_rows.new_zeros(ctx.weight_shape).index_copy_(0, rows, grad_rows)
-        return grad, None, None, None, None, None
+        return grad, None, None
 
 
 class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
@@ -80,22 +70,13 @@ class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        anchor: Tensor,
-        state: PackState,
-        optim: SparseOptimConfig,
-        sf: SparseFeatures,
-        local: LocalFeatures,
-        prepared: PreparedPack | None,
-        batch_size: int,
-    ) -> Tensor:
-        ctx.state, ctx.optim, ctx.sf, ctx.local = state, optim, sf, local
-        ctx.prepared, ctx.batch_size = prepared, batch_size
-        return embedding_bag_forward(state.weight, sf, local, batch_size)
+    def forward(ctx, anchor: Tensor, state: PackState, optim: SparseOptimConfig, batch: PackBatch) -> Tensor:
+        ctx.state, ctx.optim, ctx.batch = state, optim, batch
+        return embedding_bag_forward(state.weight, batch.sf, batch.local, batch.batch_size)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        prepared = backward_ids(ctx.prepared, ctx.sf, ctx.local, ctx.batch_size)
-        fused_update(ctx.state, ctx.optim, grad_out, prepared.ids, ctx.batch_size, prepared.groups)
-        return None, None, None, None, None, None, None
+        batch = ctx.batch
+        prepared = backward_ids(batch)
+        fused_update(ctx.state, ctx.optim, grad_out, prepared.ids, batch.batch_size, prepared.groups)
+        return None, None, None, None

@@ -87,7 +87,7 @@ def _apply_rows(
     weight_ptr,
     m1_ptr,
     m2_ptr,
-    key,  # int64 [M] destination row of each gradient row
+    key,  # int32 or int64 [M] destination row of each gradient row
     g,  # float32 [M, BLOCK_D] summed gradient (0 in padded columns)
     live,  # bool [M] rows to update
     cols,
@@ -109,6 +109,7 @@ def _apply_rows(
 ):
     """Applies the sparse optimizer (or stores the gradient) to ``M`` rows at once: the
     rules of the reference optimizer, :func:`~recaccel.ops.embedding.optimizers.update_rows`'s semantics."""
+    key = key.to(tl.int64)  # int32 keys (int32 ids): row * D and the rounding hash need int64
     mask = live[:, None] & col_mask[None, :]
     w_ptrs = weight_ptr + key[:, None] * stride_w + cols[None, :]
     if MODE == 3:

@@ -62,8 +62,8 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 @triton.jit
 def _bag_tile_kernel(
     weight_ptr,  # float32, bfloat16 or float16 [R, D], unit column stride
-    values_ptr,  # int64 [N] the batch's ids
-    offsets_ptr,  # int64 [F*B+1] the batch's CSR, feature-major
+    values_ptr,  # int32 or int64 [N] the batch's ids
+    offsets_ptr,  # int32 or int64 [F*B+1] the batch's CSR, feature-major
     id_weights_ptr,  # float32 [N] (read only if HAS_WEIGHTS)
     src_ptr,  # int64 [S] batch feature of each local feature, -1 if absent
     row_offset_ptr,  # int64 [S] packed-row shift of each local feature
@@ -111,7 +111,8 @@ def _bag_tile_kernel(
         for u in tl.static_range(UNROLL):
             live = (pos + u) < walk
             at = start + pos + u
-            ids = tl.load(values_ptr + at, mask=live, other=0)
+            # int32 or int64 ids alike: the row arithmetic is int64 either way.
+            ids = tl.load(values_ptr + at, mask=live, other=0).to(tl.int64)
             if CHECK:
                 ok = (ids >= 0) & (ids < limit)
                 num_bad += (live & (ok == 0)).to(tl.int32)
@@ -199,7 +200,8 @@ def _long_bag_kernel(
         while pos < n:
             live = (pos + chunk) < n
             at = first + pos + chunk
-            ids = tl.load(values_ptr + at, mask=live, other=0)
+            # int32 or int64 ids alike: the row arithmetic is int64 either way.
+            ids = tl.load(values_ptr + at, mask=live, other=0).to(tl.int64)
             if CHECK:
                 ok = (ids >= 0) & (ids < limit)
                 # Counted by the first column block only: each id once.
@@ -403,7 +405,7 @@ def embedding_bag_forward(
     Args:
         weight: [R, D] packed rows with unit column stride: float32, bfloat16 or
             float16 (pooled in float32).
-        sf: The batch (int64 ids and offsets); ``sf.weights`` float32 or None.
+        sf: The batch (int32 or int64 ids and offsets); ``sf.weights`` float32 or None.
         local: The pack's S features (``src = -1`` pools to zeros).
         batch_size: B.
         out: Where to write, e.g. a strided view into an interaction's [B, F+1, D]
