@@ -13,6 +13,7 @@ crafted one is refused in the same line.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import re
 from pathlib import Path
@@ -68,6 +69,8 @@ def evaluate_run(
         RecaccelError: no such checkpoint (one line listing the steps there are), or one
             that does not fit the model.
     """
+    from tqdm.auto import tqdm
+
     from recaccel.io.loader import DeviceLoader
     from recaccel.train.trainer import Trainer, resolve_device
 
@@ -81,9 +84,12 @@ def evaluate_run(
     loader = DeviceLoader(reader, trainer.device, cfg.data.prefetch, backend=cfg.data.loader_backend)
     columns: dict[str, Tensor] = {}
     trainer.module.eval()
-    metrics = trainer.evaluator.evaluate(
-        loader, gather=process.gather, source=source, predictions=columns.update if predictions else None
-    )
+    # A bar on a terminal only (total: the reader's batches when known), gone when done.
+    bar = tqdm(loader, total=reader.num_batches, desc="eval", unit="batch", leave=False, disable=None)
+    with bar:
+        metrics = trainer.evaluator.evaluate(
+            bar, gather=process.gather, source=source, predictions=columns.update if predictions else None
+        )
     metrics["checkpoint_step"] = trainer.state.step
     if predictions:
         info = {"run": str(cfg.train.out_dir), "checkpoint_step": trainer.state.step, "data": source}
@@ -124,6 +130,25 @@ def pick_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
         steps = ", ".join(str(s) for s in found)
         raise RecaccelError(f"run {run_dir} has no checkpoint at step {step}; available steps: {steps}")
     return found[step]
+
+
+def eval_file_name(step: int, data: str | Path, run_test: str | Path) -> str:
+    """The file recaccel-eval writes a checkpoint's metrics to in the run directory.
+
+    ``eval-<step>.json`` for the run's own ``data.test``; for other data
+    ``eval-<step>-<hash>.json``, ``<hash>`` the first 8 hex digits of the SHA-256 of the
+    data's absolute path: evaluations of one step on different data keep a file each, and
+    the same data again is refused without --force, as any existing output is.
+
+    Args:
+        step: the checkpoint's training step.
+        data: the data scored.
+        run_test: the run's ``data.test``.
+    """
+    where = Path(data).resolve()
+    if where == Path(run_test).resolve():
+        return f"eval-{step}.json"
+    return f"eval-{step}-{hashlib.sha256(str(where).encode()).hexdigest()[:8]}.json"
 
 
 def checkpoint_step(path: Path) -> int:

@@ -29,7 +29,9 @@ ending the run: the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0
 (from step 0 when none was written yet), whatever the command line said: a restart is
 never a new run, so ``--overwrite`` deletes nothing then (with ``--max-restarts`` the
 launcher itself clears the old run before any rank starts). Only when the K restarts
-are spent does the run fail as above. Each attempt's rank 0 then hosts the process
+are spent does the run fail as above. The restarted rank 0 records each restart: a
+``restart`` event in log.jsonl, one console line, and the count in metrics.json's
+``restarts`` (see the trainer). Each attempt's rank 0 then hosts the process
 group's store (the agent's shared store would hand the restarted ranks the previous
 attempt's keys, pytorch/pytorch#135712); under your own ``torchrun --max-restarts`` set
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for the same reason. A run may also continue
