@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import signal
 import subprocess
@@ -17,12 +18,16 @@ import numpy as np
 import pytest
 import torch
 
+from recaccel.config import load_config
+from recaccel.io.convert.synth import generate_synthetic
+from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
 from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
 from recaccel.io.readers.rows import _BufferJob
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
-from tests.io.test_parquet import small_dataset
+from tests.io.test_parquet import make_columns, make_schema, small_dataset
 from tests.io.test_tasks import cfg, write_tasks
+from tests.train.test_trainer import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 # Decode counters of the task reader count row groups decoded again to complete a task,
@@ -187,16 +192,27 @@ def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(r
     assert our_segments() == []
 
 
-def test_a_decode_exception_in_a_worker_is_raised_for_its_buffer(tmp_path):
-    small_dataset(tmp_path, n=100, rg=25, per_file=None)
-    reader = BatchReader(tmp_path, 16, ReadOptions(shuffle=False, workers=2), shuffle_buffer_rows=25)
-    it = iter(reader)
-    next(it)
-    victim = sorted(tmp_path.glob("*.parquet"))[0]
-    victim.write_bytes(b"not parquet any more")  # later row groups cannot be read
-    with pytest.raises(Exception) as err:  # noqa: PT011 (whatever the in-process read raises)
-        list(it)
-    assert "\n" not in str(err.value).strip()
+def read_until_error(path: Path, workers: int) -> tuple[int, Exception]:
+    reader = BatchReader(path, 16, ReadOptions(shuffle=False, workers=workers), shuffle_buffer_rows=25)
+    batches = 0
+    try:
+        for _ in reader:
+            batches += 1
+    except Exception as exc:  # noqa: BLE001 (compared below)
+        return batches, exc
+    raise AssertionError("no error")
+
+
+def test_a_bad_value_in_a_worker_raises_the_in_process_error_at_the_same_batch(tmp_path):
+    schema = make_schema(2, [False, True, False], [50, 20, 7])
+    cols = make_columns(schema, 100, 0)
+    cols[schema.sparse[0].name][80] = 999  # past the cardinality: an error under invalid_ids="error"
+    write_parquet(tmp_path, schema, cols, rows_per_row_group=25)
+    inline, threaded = read_until_error(tmp_path, 0), read_until_error(tmp_path, 2)
+    # Batches are cut one ahead: the 4th waits for the 5th, which needs the bad row group.
+    assert threaded[0] == inline[0] == 3
+    assert type(threaded[1]) is type(inline[1]) and str(threaded[1]) == str(inline[1])
+    assert "\n" not in str(inline[1]) and "row group 3" in str(inline[1])
     assert our_segments() == []
 
 
@@ -244,3 +260,26 @@ def test_sigterm_to_a_process_iterating_a_reader_leaves_no_workers(rows_data, tm
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.numeric
+def test_training_with_2_workers_matches_0_workers_bit_for_bit_and_resumes_with_0(tmp_path):
+    from recaccel.cli import train_main
+    from tests.train.test_trainer import _argv, _final_state, _overrides
+
+    data = tmp_path / "synth"
+    cfg = load_config(None, [*TINY, f'synth.out_dir="{data}"'])
+    generate_synthetic(cfg.synth)
+    common = ["train.epochs=2", "train.steps=30"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train_main(_argv(_overrides(data, full, *common, "data.workers=0"))) == 0
+    # Stopped mid-epoch with 2 workers, then resumed in-process.
+    assert train_main(_argv(_overrides(data, part, *common, "data.workers=2", "train.steps=17"))) == 0
+    assert train_main(["--resume", str(part), "--set", "train.steps=30", "--set", "data.workers=0"]) == 0
+    a, b = _final_state(full), _final_state(part)
+    assert a["step"] == b["step"] == 30
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    ma = json.loads((full / "metrics.json").read_text())
+    mb = json.loads((part / "metrics.json").read_text())
+    assert ma["auc"] == mb["auc"] and ma["logloss"] == mb["logloss"]
