@@ -18,7 +18,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         description=(
             "Score a run's newest (or --checkpoint STEP) checkpoint on its data.test (or --data) in one "
             "process; a hybrid run's sharded checkpoint is read whole. Prints the metrics and writes "
-            "them to RUN_DIR/eval-<step>.json (or --out); the run's metrics.json is never touched. An "
+            "them to RUN_DIR/eval-<step>.json (other --data: eval-<step>-<hash>.json, <hash> 8 hex digits of "
+            "the SHA-256 of the data's absolute path; or --out); the run's metrics.json is never touched. An "
             "existing --out / --predictions file is refused unless --force; the run's own files and the "
             "data it reads are never replaced."
         ),
@@ -35,7 +36,10 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         "weight if any, and for meta runs task and query (support rows: null prediction)",
     )
     parser.add_argument(
-        "--out", metavar="FILE", help="where to write the metrics (default RUN_DIR/eval-<step>.json)"
+        "--out",
+        metavar="FILE",
+        help="where to write the metrics (default RUN_DIR/eval-<step>.json, or eval-<step>-<hash>.json for other "
+        "--data)",
     )
     parser.add_argument(
         "--force",
@@ -58,13 +62,14 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from recaccel import api
-    from recaccel.train.eval_checkpoint import checkpoint_step, pick_checkpoint
+    from recaccel.train.eval_checkpoint import checkpoint_step, eval_file_name, pick_checkpoint
 
     run_dir = Path(args.run_dir)
     chosen = pick_checkpoint(run_dir, args.checkpoint)  # one line listing the steps
     step = checkpoint_step(chosen)
     cfg = api.run_config(run_dir, args.overrides)
-    out = _check_outputs(args, run_dir, chosen, cfg, step)  # before the evaluation, not after it
+    default = run_dir / eval_file_name(step, args.data or cfg.data.test, cfg.data.test)
+    out = _check_outputs(args, run_dir, chosen, cfg, default)  # before the evaluation, not after it
     metrics = api.evaluate(cfg, args.data, checkpoint=step, predictions=args.predictions)
     record = {**metrics, "run": str(run_dir), "data": str(args.data or cfg.data.test)}
     write_text_atomic(out, json.dumps(record, indent=2, default=_json_value) + "\n")
@@ -75,7 +80,9 @@ def _evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_outputs(args: argparse.Namespace, run_dir: Path, checkpoint: Path, cfg: Any, step: int) -> Path:
+def _check_outputs(
+    args: argparse.Namespace, run_dir: Path, checkpoint: Path, cfg: Any, default: Path
+) -> Path:
     """The metrics file, once it and ``--predictions`` are known to replace neither an
     input (the run's own files, the checkpoint, the data) nor, without --force, a file.
 
@@ -91,7 +98,7 @@ def _check_outputs(args: argparse.Namespace, run_dir: Path, checkpoint: Path, cf
         Read(Path(cfg.data.train), "the run's training data"),
     ]
     flag = "--out" if args.out else "the metrics file"
-    out = check_output(args.out or run_dir / f"eval-{step}.json", flag=flag, force=args.force, reads=reads)
+    out = check_output(args.out or default, flag=flag, force=args.force, reads=reads)
     if args.predictions:
         reads.append(Read(out, "the metrics file this command writes"))
         check_output(args.predictions, flag="--predictions", force=args.force, reads=reads)

@@ -26,10 +26,11 @@ RUN_FILES = (CONFIG_FILE, LOG_FILE, METRICS_FILE, CSV_FILE, CHECKPOINT_DIR, TENS
 _LOG_TMP = LOG_FILE + ".tmp"  # log.jsonl's rewrite on resume, renamed over it
 # What recaccel writes, by folder: --overwrite deletes these names and nothing else.
 _OWN_FILES = (CONFIG_FILE, LOG_FILE, _LOG_TMP, METRICS_FILE, CSV_FILE)
-# eval-<step>.json of recaccel-eval, and its temporary file while it writes it; the
+# eval-<step>.json and eval-<step>-<hash>.json of recaccel-eval, and their temporary files; the
 # train.profile_steps trace and picture
 _TOP_NAMES = re.compile(
-    "^(" + "|".join(map(re.escape, _OWN_FILES)) + r"|eval-\d+\.json|\.eval-\d+\.\d+\.tmp\.json"
+    "^(" + "|".join(map(re.escape, _OWN_FILES)) + r"|eval-\d+(-[0-9a-f]{8})?\.json"
+    r"|\.eval-\d+(-[0-9a-f]{8})?\.\d+\.tmp\.json"
     r"|profile-steps-\d+-\d+\.(json|png))$"
 )
 # step-<n>.pt and its sidecars and .tmp, step-<n>.dcp folders, their .step-<n>.dcp.partial;
