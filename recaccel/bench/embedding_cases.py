@@ -22,6 +22,7 @@ from recaccel.errors import ConfigError, RecaccelError
 from recaccel.models.embedding import PerTableEmbeddingBag
 from recaccel.ops.embedding import (
     OPTIMIZER_STATES,
+    EmbeddingOptions,
     PackedEmbeddingBag,
     SparseOptimConfig,
     TableSpec,
@@ -221,9 +222,8 @@ def _torch_optim_candidate(name: str, module: torch.nn.Module, case: EmbeddingCa
 
 
 def _packed(case: EmbeddingCase, device: torch.device, backend: str, seed: int) -> PackedEmbeddingBag:
-    return PackedEmbeddingBag(
-        case.table_specs(), backend=backend, mode="fused", optim=case.optim_config(), device=device, seed=seed
-    )
+    options = EmbeddingOptions(backend=backend, mode="fused", optim=case.optim_config())
+    return PackedEmbeddingBag(case.table_specs(), options, device=device, seed=seed)
 
 
 def packed_candidate(backend: str, seed: int) -> CandidateFactory:
@@ -257,14 +257,8 @@ def packed_autograd_candidate(seed: int) -> CandidateFactory:
     """
 
     def build(case: EmbeddingCase, init: Mapping[str, Tensor], device: torch.device) -> Candidate:
-        module = PackedEmbeddingBag(
-            case.table_specs(),
-            backend="reference",
-            mode="autograd",
-            sparse_grad=True,
-            device=device,
-            seed=seed,
-        )
+        options = EmbeddingOptions(backend="reference", mode="autograd", sparse_grad=True)
+        module = PackedEmbeddingBag(case.table_specs(), options, device=device, seed=seed)
         return _torch_optim_candidate("reference_autograd", module, case)
 
     return build

@@ -144,7 +144,7 @@ def field_embedding(
     if backend == "per_table":
         names, rows = [f.name for f in fields], [f.cardinality for f in fields]
         return PerTableEmbeddingBag(names, rows, dim, pooling).to(device)
-    from recaccel.ops.embedding import PackedEmbeddingBag, TableSpec
+    from recaccel.ops.embedding import EmbeddingOptions, PackedEmbeddingBag, TableSpec
 
     tables = [
         TableSpec(
@@ -157,6 +157,5 @@ def field_embedding(
         )
         for f in fields
     ]
-    return PackedEmbeddingBag(
-        tables, backend=backend, mode=mode, optim=optim, device=device, seed=seed, dtype=dtype, cache=cache
-    )
+    options = EmbeddingOptions(backend=backend, mode=mode, optim=optim, dtype=dtype, cache=cache)
+    return PackedEmbeddingBag(tables, options, device=device, seed=seed)
