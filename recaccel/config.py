@@ -86,7 +86,7 @@ EmbeddingPlacement = Literal["device", "host"]
 CachePolicy = Literal["lru", "lfu"]  # victims beyond the lookahead window
 EmbeddingDtype = Literal["fp32", "bf16", "fp16"]  # packed embedding rows (optimizer state stays fp32)
 # fp32: float32 math (TF32 off) | tf32: float32 tensors, CUDA matmuls on TF32 tensor cores (fp32
-# on CPU) | bf16: autocast for the MLPs and the interaction
+# on CPU) | bf16: autocast for the MLPs and the interaction (meta mode: the inner loop too)
 Precision = Literal["fp32", "tf32", "bf16"]
 # off: one batch at a time | sync: the next batch prepared on a side stream while one trains
 # (same results) | semi_sync: also its embedding lookup, before this step's sparse update

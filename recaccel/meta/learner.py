@@ -8,6 +8,11 @@ and Meta-SGD rates get ``.grad`` for a dense optimizer; the embeddings get their
 gradient through the pooled output (a fused packed embedding applies its sparse update
 inside its backward; an autograd one gets ``.grad``).
 
+Under ``precision = "bf16"`` the shared work and the whole inner loop (support
+forward, inner gradients, query forward) run under ``torch.autocast`` to bfloat16: the
+matmuls in bfloat16, the losses and the adapted parameters (``p - lr * g``) in float32,
+so first and second order, every engine and Meta-SGD keep their float32 parameters.
+
 Shapes: T tasks, S support and Q query rows per task, F fields, D embedding dim.
 """
 
@@ -16,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from recaccel.config import Loss, MetaConfig, MetaEngine
+from recaccel.config import Loss, MetaConfig, MetaEngine, Precision
 from recaccel.errors import ConfigError
 from recaccel.meta.functional import LOSSES
 from recaccel.meta.heads import SHIFT, TaskHead, adapt_plan, initial_params, shift_shape
@@ -40,13 +45,20 @@ class MetaLearner(nn.Module):
         loss: ``"bce"`` (binary labels, logits) or ``"mse"`` (ratings).
         engine: ``"batched"`` (stacked batched matmuls; needs Linear/ReLU MLP arches),
             ``"vmap"`` (torch.func over the model's modules) or ``"loop"`` (baseline).
+        precision: ``train.precision``; ``"bf16"`` runs the step under bfloat16
+            autocast (``fp32`` / ``tf32`` need nothing here: TF32 is a process switch).
 
     Raises:
         ConfigError: bad config values or a model that cannot be meta-learned.
     """
 
     def __init__(
-        self, model: nn.Module, cfg: MetaConfig, loss: Loss = "bce", engine: MetaEngine = "batched"
+        self,
+        model: nn.Module,
+        cfg: MetaConfig,
+        loss: Loss = "bce",
+        engine: MetaEngine = "batched",
+        precision: Precision = "fp32",
     ) -> None:
         super().__init__()
         if loss not in LOSSES:
@@ -61,6 +73,7 @@ class MetaLearner(nn.Module):
         self.cfg = cfg
         self.loss = loss
         self.engine = engine
+        self.bf16 = precision == "bf16"
         self.plan = adapt_plan(model, cfg.adapt)
         try:
             self.head = TaskHead(model, self.plan, batched=engine == "batched")
@@ -118,8 +131,13 @@ class MetaLearner(nn.Module):
         query["mask"] = tb.query_mask.to(pooled.dtype)
         return initial_params(self.model, self.plan, pooled), support, query
 
+    def _autocast(self, device: torch.device) -> torch.autocast:
+        """bfloat16 autocast on ``device`` under ``precision = "bf16"``, else a no-op."""
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
     def _run(self, tb: TaskBatch, steps: int, first_order: bool) -> MetaOutput:
-        return self._adapt(self._blocks(tb), steps, first_order)
+        with self._autocast(tb.support.labels.device):
+            return self._adapt(self._blocks(tb), steps, first_order)
 
     def _adapt(
         self, blocks: tuple[dict[str, Tensor], Block, Block], steps: int, first_order: bool
@@ -127,17 +145,22 @@ class MetaLearner(nn.Module):
         init, support, query = blocks
         # Without grad mode there is no outer graph; first order gives the same values.
         first_order = first_order or not torch.is_grad_enabled()
-        return run_engine(
-            self.engine,
-            self.head,
-            init,
-            self.inner_rates(),
-            support,
-            query,
-            steps=steps,
-            first_order=first_order,
-            loss=self.loss,
-        )
+        with self._autocast(support["labels"].device):
+            out = run_engine(
+                self.engine,
+                self.head,
+                init,
+                self.inner_rates(),
+                support,
+                query,
+                steps=steps,
+                first_order=first_order,
+                loss=self.loss,
+            )
+        if not self.bf16:
+            return out
+        # Losses and predictions leave in float32 (autocast's matmuls give bfloat16).
+        return MetaOutput(out.loss.float(), out.query_pred.float(), out.support_loss.float())
 
     def step_loss(self, tb: TaskBatch) -> tuple[Tensor, dict[str, Tensor]]:
         """The meta step up to the scalar outer loss.
@@ -180,7 +203,8 @@ class MetaLearner(nn.Module):
     @torch.no_grad()
     def predict(self, tb: TaskBatch) -> tuple[Tensor, Tensor]:
         """``(adapted, unadapted)`` query predictions [T, Q] from one embedding lookup."""
-        blocks = self._blocks(tb)
+        with self._autocast(tb.support.labels.device):
+            blocks = self._blocks(tb)
         adapted = self._adapt(blocks, int(self.cfg.inner_steps), True)
         base = self._adapt(blocks, 0, True)
         return adapted.query_pred.detach(), base.query_pred.detach()

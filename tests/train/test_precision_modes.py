@@ -17,7 +17,6 @@ import torch
 
 from recaccel.cli import train_main
 from recaccel.config import load_config
-from recaccel.errors import ConfigError
 from recaccel.io.convert.synth import generate_synthetic
 from recaccel.train.precision import matmul_precision, runs_as
 from recaccel.train.trainer import Trainer
@@ -166,12 +165,6 @@ def test_tf32_on_cpu_trains_exactly_as_fp32_and_says_so_once(switches, tiny_data
         fp32["logloss"],
         fp32["train_loss"],
     )
-
-
-def test_meta_mode_with_tf32_is_one_line_error(tiny_data, tmp_path):
-    with pytest.raises(ConfigError, match="train.precision=tf32 runs train.mode=dlrm") as e:
-        Trainer(_config(tiny_data, tmp_path / "meta", "train.precision=tf32", "train.eval_tasks=true"))
-    assert "\n" not in str(e.value)
 
 
 def test_an_unknown_precision_is_one_line_naming_the_key_and_exit_2(tiny_data, tmp_path, capsys):
