@@ -72,7 +72,8 @@ def resume(
     Args:
         run_dir: the run directory.
         overrides: ``section.key=value`` items applied to the run's config.
-        model: the run's own model, as given to :func:`train` (None: recaccel's model).
+        model: the run's own model, as given to :func:`train` (None: the one the run's
+            config names, ``model.class_path`` or recaccel's).
     """
     return train(run_config(run_dir, overrides), resume=True, model=model)
 
