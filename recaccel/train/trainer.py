@@ -470,10 +470,10 @@ class Trainer:
         self._stop_clock()
         metrics = self.evaluate()
         self._event("eval", step=self.state.step, **metrics)
+        if self.cfg.train.best_metric:
+            self._judge(metrics)  # first: a metric it refuses is the only line
         if self.parallel.is_main:
             show_eval(self.state.step, metrics)
-        if self.cfg.train.best_metric:
-            self._judge(metrics)
         self.module.train()
         self._clock = time.perf_counter()
 
