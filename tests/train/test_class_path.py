@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import recaccel
+from recaccel.api import run_config
 from recaccel.cli import eval_main, train_main
 from recaccel.cli.export import export_main
 from recaccel.config import load_config
+from recaccel.errors import ConfigError
 from recaccel.train.checkpoint import list_checkpoints
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (fixture)
 
@@ -81,6 +84,10 @@ def test_export_refuses_a_class_path_run_in_one_line(own_runs, tmp_path, capsys)
     [
         (['model.class_path="no_such_module_xyz:Model"'], "no module 'no_such_module_xyz'"),
         ([f'model.class_path="{MODELS}:Missing"'], "has no 'Missing'"),
+        (
+            ['model.class_path="tests.train.class_path_broken:Model"'],
+            "importing 'tests.train.class_path_broken' failed: RuntimeError: this module needs a GPU driver",
+        ),
         ([f'model.class_path="{MODELS}:NOT_CALLABLE"'], "names a int, not a class"),
         (['model.class_path="ConcatMLP"'], "must look like package.module:Class"),
         ([*OWN[:1], "model.init_args={width = 3}"], "init_args={width = 3} does not fit"),
@@ -97,3 +104,20 @@ def test_a_bad_class_path_is_one_line_and_exit_2(tiny_data, tmp_path, capsys, se
     assert code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("recaccel-train: error: ") and expected in err, err
     assert not list_checkpoints(run)
+
+
+def test_model_argument_and_class_path_together_are_refused(tiny_data, tmp_path):  # noqa: F811
+    from tests.train.class_path_models import ConcatMLP
+
+    cfg = load_config(None, _overrides(tiny_data, tmp_path / "run", *OWN, "train.steps=2"))
+    with pytest.raises(ConfigError, match=r"model= and config key model.class_path=.* both name the model"):
+        recaccel.train(cfg, model=lambda schema, device: ConcatMLP(cfg, schema, device))
+    assert not list_checkpoints(tmp_path / "run")
+
+
+def test_the_python_api_trains_a_class_path_config_alone(tiny_data, tmp_path):  # noqa: F811
+    cfg = load_config(None, _overrides(tiny_data, tmp_path / "run", *OWN, "train.steps=3"))
+    assert recaccel.train(cfg)["steps"] == 3
+    assert "mlp.0.weight" in _final_model(tmp_path / "run")
+    scored = recaccel.evaluate(run_config(tmp_path / "run"))
+    assert scored["checkpoint_step"] == 3
