@@ -197,3 +197,17 @@ def test_host_placed_tables_take_int32_ids() -> None:
     ):
         assert torch.equal(w, n)
     _assert_same_tables(wide, narrow)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_300_id_bag_of_int32_ids_pools_and_trains_like_int64(backend: str) -> None:
+    gen = torch.Generator().manual_seed(12)
+    lengths = torch.randint(0, 3, (2 * BATCH,), generator=gen)
+    lengths[BATCH + 1] = 300  # a mean-pooled bag long enough for the Triton long-bag path
+    counts = [int(part.sum()) for part in lengths.split(BATCH)]
+    ids = torch.cat([torch.randint(0, ROWS[k], (n,), generator=gen) for k, n in zip(["a", "b"], counts)])
+    sf = SparseFeatures.from_lengths(["a", "b"], ids, lengths).to(DEVICE)
+    wide, narrow = _module(backend), _module(backend)
+    outs = _train_steps(wide, [sf, sf]) + _train_steps(narrow, [_narrow(sf), _narrow(sf)])
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+    _assert_same_tables(wide, narrow)

@@ -17,6 +17,8 @@ bytes per id for training, 12 (rows and scale) for the reference backend's evalu
 nothing for the Triton backend's evaluation (its forward reads the batch's CSR) and for
 FBGEMM. The Triton backward used to recompute the ids from the CSR instead, to spare
 that memory between the passes; a pipeline trades it for a backward with no id work.
+With int32 ids and offsets (kept as given: see :class:`PackBatch`), rows and offsets
+take 4 bytes instead of 8.
 
 Shapes: B batch, S features of a pack, N_p ids of a pack, U unique rows.
 """
