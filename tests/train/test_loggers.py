@@ -203,3 +203,20 @@ def test_tensorboard_holds_the_hyperparameters_and_the_config(tiny_data, tmp_pat
     assert start.hparams["train.loggers"].string_value == '["jsonl", "tensorboard"]'
     text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "lr = 0.0125" in text
+
+
+def test_resumed_csv_keeps_the_rows_up_to_its_checkpoint_once(tmp_path):
+    import csv
+
+    log = RunLog(tmp_path, loggers=["jsonl", "csv"])
+    for step in (1, 2, 3, 4):
+        log.event("train", step=step, loss=float(step))
+    log.close()
+    log = RunLog(tmp_path, loggers=["jsonl", "csv"], resumed_at=2)  # steps 3, 4 trained again
+    for step in (3, 4):
+        log.event("train", step=step, loss=10.0 * step)
+    log.event("eval", step=4, auc=0.7)  # not a log step: no row
+    log.close()
+    with open(tmp_path / "metrics.csv", newline="") as f:
+        rows = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+    assert rows == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
