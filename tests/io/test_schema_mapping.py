@@ -214,8 +214,8 @@ def test_bad_mappings_are_one_line_errors_naming_file_column_and_key(tmp_path):
             r"buckets \(data\.schema\.sparse\.user\.hash\)",
         ),
         (
-            dict(label="clicked", dense=["price"], task_key="user"),
-            r"column 'user'.*a task key must be an integer",
+            dict(label="clicked", dense=["age"], task_key="price"),  # floats are not keys
+            r"column 'price'.*a task key must be an integer or string column",
         ),
         (dict(label="clicked", dense=["tags"]), r"column 'tags'.*a dense column must be"),
     ]
@@ -385,13 +385,25 @@ def test_meta_dataset_with_task_key_and_timestamp(tmp_path):
         assert movies == sorted(string_bucket(m, 64) for m in latest.movie)
 
 
-def test_string_task_keys_are_refused(tmp_path):
+@pytest.mark.parametrize("categorical", [False, True])
+def test_string_task_keys_decode_to_their_63_bit_task_ids(tmp_path, categorical):
+    from recaccel.io.format.dataset import RowGroupReader
+    from recaccel.io.format.decode import Policies, Projection, new_decode_stats
+    from recaccel.io.format.grouping import task_id
+
     path = tmp_path / "s.parquet"
-    pd.DataFrame({"u": ["a", "b"], "y": [1.0, 0.0], "i": [1, 2]}).to_parquet(path)
-    with pytest.raises(
-        DataError, match=r"column 'u': column has type (large_)?string; a task key must be an integer"
-    ):
-        open_dataset(path, _mapping(label="y", task_key="u", sparse={"i": {"cardinality": 3}}))
+    keys = ["alice", "bob", "alice"]
+    frame = pd.DataFrame(
+        {"u": pd.Categorical(keys) if categorical else keys, "y": [1.0, 0.0, 1.0], "i": [1, 2, 0]}
+    )
+    frame.to_parquet(path)
+    info = open_dataset(path, _mapping(label="y", task_key="u", sparse={"i": {"cardinality": 3}}))
+    reader = RowGroupReader(
+        info.schema, Projection.select(info.schema, None, ("u",)), Policies(), new_decode_stats()
+    )
+    cols = reader.read(info.row_groups[0])
+    reader.close()
+    assert cols.side["u"].tolist() == [task_id(k) for k in keys]
 
 
 # ---------------------------------------------------------------- training end to end
