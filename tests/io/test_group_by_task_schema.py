@@ -181,3 +181,18 @@ def test_without_a_task_key_the_command_says_which_flag_to_give(foreign, tmp_pat
 def test_task_id_of_an_integer_key_is_the_key():
     assert task_id(17) == 17
     assert 0 <= task_id("user-001") < 2**63 and task_id("user-001") != task_id("user-002")
+
+
+def test_training_on_ungrouped_string_keys_says_to_group_them_first(foreign, tmp_path, capsys):
+    src, test_src, config = foreign
+    sets = [
+        f'data.train="{src}"',
+        f'data.test="{test_src}"',
+        f'train.out_dir="{tmp_path / "run"}"',
+        "train.mode=meta",
+        "train.steps=2",
+    ]
+    argv = ["--config", str(config), *(a for s in sets for a in ("--set", s))]
+    assert train_main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "column 'user'" in err and "recaccel-data tasks" in err

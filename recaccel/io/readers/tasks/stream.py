@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recaccel.errors import DataError
@@ -134,6 +135,12 @@ def _read_bounds(pf: pq.ParquetFile, ref: RowGroupRef, column: str) -> tuple[int
         raise DataError(f"the task key has {len(arr)} values, the footer says {ref.num_rows} rows", **where)
     if arr.null_count:
         raise DataError("null task key", **where)
+    if not pa.types.is_integer(arr.type):  # a mapped string key: its ids are hashes, unsorted here
+        raise DataError(
+            f"the task key holds {arr.type} values, not task ids sorted by value: group the files first "
+            "with recaccel-data tasks SRC OUT --config (the same [data.schema]), then train on OUT",
+            **where,
+        )
     keys = arr.to_numpy()
     return int(keys[0]), int(keys[-1])
 
