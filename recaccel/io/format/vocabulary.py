@@ -175,7 +175,9 @@ def _load(path: str, mtime_ns: int, size: int) -> dict[str, Vocabulary]:
     except (OSError, ValueError) as e:
         raise DataError(f"not a readable vocabulary file ({' '.join(str(e).split())})", path=path) from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("columns"), dict):
-        raise DataError(f'not a vocabulary file (no "format": "{FORMAT}" with "columns")', path=path)
+        raise DataError(
+            'not a vocabulary file (no "format" and "columns" as recaccel-data inspect writes)', path=path
+        )
     return {name: _parsed(name, item, path) for name, item in raw["columns"].items()}
 
 
