@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
 
@@ -108,6 +109,11 @@ def test_foreign_parquet_with_string_keys_is_grouped_by_hashed_task_then_time(fo
     schema = FeatureSchema.from_arrow(pq.read_schema(first), str(first))
     assert schema.extra[GROUPED_KEY] == {"task_key": "user", "timestamp": "ts", "key_hash": "string63"}
     assert "note" not in out.column_names
+    # task_keys.csv beside the files leads from a task id back to its key.
+    keys = pa_csv.read_csv(report["task_keys"])
+    users = sorted(set(raw.column("user").to_pylist()), key=task_id)
+    assert keys.column("key").to_pylist() == users
+    assert keys.column("task_id").to_pylist() == [task_id(u) for u in users]
 
 
 def test_tiny_memory_limit_spills_runs_and_writes_what_an_in_memory_sort_writes(foreign, tmp_path, capsys):

@@ -32,7 +32,8 @@ Any Parquet file is read through a ``[data.schema]`` mapping (``schema``), the d
 path training uses (:mod:`recaccel.io.format.mapping`): string categoricals are hashed
 as the mapping says, a string task key becomes its 63-bit hash
 (:func:`recaccel.io.format.grouping.task_id`; the output's grouped claim records
-``key_hash = "string63"``), and the output is a recaccel dataset needing no mapping.
+``key_hash = "string63"``, and ``task_keys.csv`` beside the files lists each key with
+its id), and the output is a recaccel dataset needing no mapping.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
@@ -54,13 +57,15 @@ from recaccel.errors import ConfigError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import DatasetInfo, RowGroupReader, RowGroupRef, open_dataset
 from recaccel.io.format.decode import Policies, Projection, new_decode_stats
-from recaccel.io.format.grouping import grouped_schema, task_order
+from recaccel.io.format.grouping import TASK_ID_BUCKETS, grouped_schema, task_order
+from recaccel.io.format.id_hash import hash_strings
 from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.format.writer import DatasetWriter
 
 logger = logging.getLogger(__name__)
 
 _MIN_MERGE_ROWS = 1024
+TASK_KEYS_FILE = "task_keys.csv"  # beside the grouped files: task_id,key of string keys
 
 
 def writer_columns(cols: Columns, schema: FeatureSchema, keys: np.ndarray, times: np.ndarray | None) -> dict:
@@ -94,6 +99,7 @@ class GroupReport:
         max_rows_in_memory: high-water mark of rows held at once.
         paths: files written.
         schema: the output schema.
+        task_keys: the ``task_id,key`` CSV of a string task key (None: integer keys).
     """
 
     src: str
@@ -106,6 +112,7 @@ class GroupReport:
     max_rows_in_memory: int
     paths: list[str]
     schema: FeatureSchema
+    task_keys: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -260,6 +267,7 @@ def group_by_task(
         bar.close()
     if stats["rows_skipped"]:
         logger.warning("group_by_task: %d bad source rows skipped (policy)", stats["rows_skipped"])
+    task_keys = _write_task_keys(info, task_key, Path(out_dir)) if _key_hash(info, task_key) else None
     return GroupReport(
         src=str(src),
         out_dir=str(out_dir),
@@ -271,6 +279,7 @@ def group_by_task(
         max_rows_in_memory=out.max_rows,
         paths=[str(p) for p in paths],
         schema=ks.out_schema,
+        task_keys=task_keys,
     )
 
 
@@ -284,6 +293,31 @@ def _key_hash(info: DatasetInfo, task_key: str) -> str | None:
     if pa.types.is_dictionary(typ):
         typ = typ.value_type
     return None if pa.types.is_integer(typ) else "string63"
+
+
+def _write_task_keys(info: DatasetInfo, task_key: str, out_dir: Path) -> str:
+    """Writes ``out_dir/task_keys.csv``: each distinct string key of the source and its
+    task id, by id, so a task id in predictions leads back to its key. Reads the key
+    column alone; holds one entry per distinct key."""
+    keys: set = set()
+    for path in info.files:
+        pf = pq.ParquetFile(path)
+        for g in range(pf.num_row_groups):
+            col = pf.read_row_group(g, columns=[task_key]).column(0).combine_chunks()
+            if pa.types.is_dictionary(col.type):
+                col = col.dictionary_decode()
+            keys.update(v for v in pc.unique(col).to_pylist() if v is not None)
+    names = pa.array(
+        sorted(keys), pa.binary() if keys and isinstance(next(iter(keys)), bytes) else pa.string()
+    )
+    ids = hash_strings(names, TASK_ID_BUCKETS)
+    order = np.argsort(ids, kind="stable")
+    table = pa.table({"task_id": pa.array(ids[order]), "key": names.take(pa.array(order))})
+    target = out_dir / TASK_KEYS_FILE
+    tmp = target.with_name(target.name + ".tmp")
+    pa_csv.write_csv(table, tmp)
+    tmp.replace(target)
+    return str(target)
 
 
 class _Sink:
