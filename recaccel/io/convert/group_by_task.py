@@ -267,7 +267,11 @@ def group_by_task(
         bar.close()
     if stats["rows_skipped"]:
         logger.warning("group_by_task: %d bad source rows skipped (policy)", stats["rows_skipped"])
-    task_keys = _write_task_keys(info, task_key, Path(out_dir)) if _key_hash(info, task_key) else None
+    task_keys = None
+    if _key_hash(info, task_key):
+        task_keys = _write_task_keys(info, task_key, Path(out_dir))
+    elif overwrite:  # a key table of the data replaced would name other tasks
+        (Path(out_dir) / TASK_KEYS_FILE).unlink(missing_ok=True)
     return GroupReport(
         src=str(src),
         out_dir=str(out_dir),
