@@ -23,7 +23,6 @@ from recaccel.io.convert.synth import generate_synthetic
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
 from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
-from recaccel.io.readers.rows import _BufferJob
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
 from tests.io.test_parquet import make_columns, make_schema, small_dataset
 from tests.io.test_tasks import cfg, write_tasks
@@ -173,7 +172,7 @@ def test_breaking_out_of_the_loop_stops_the_workers_and_frees_shared_memory(rows
 def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(rows_data):
     reader = rows_reader(rows_data, 0)
     buffers = reader.buffers(0)
-    job = _BufferJob(reader.schema, reader.projection, reader.policies, True, buffers)
+    job = reader._job(buffers, 0, 0)
     loader = ProcessLoader(job, len(buffers), 0, 2)
     try:
         loader.get(0)

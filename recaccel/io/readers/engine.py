@@ -55,6 +55,12 @@ class Position:
     done: bool = False
 
 
+def buffer_permutation(seed: int, epoch: int, shard: int, buffer: int, n: int) -> np.ndarray:
+    """The shuffled read order of the ``n`` items of a buffer (what worker processes,
+    which have no reader, compute too)."""
+    return np.random.default_rng([seed, epoch, 1, shard, buffer]).permutation(n)
+
+
 class ShardedReader(IterableDataset, ABC):
     """Base of the streaming readers (see the module docstring).
 
@@ -179,7 +185,7 @@ class ShardedReader(IterableDataset, ABC):
         """The read order of the ``n`` items of buffer ``buffer`` (None = as they are)."""
         if not self.options.shuffle:
             return None
-        return np.random.default_rng([self.options.seed, epoch, 1, shard, buffer]).permutation(n)
+        return buffer_permutation(self.options.seed, epoch, shard, buffer, n)
 
     def note_held(self, rows: int) -> None:
         """Records ``rows`` held in memory in the ``max_buffered_rows`` high-water mark."""

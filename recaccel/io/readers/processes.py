@@ -26,6 +26,7 @@ the main process has torch and threads running.
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import os
@@ -35,7 +36,7 @@ import signal
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 from recaccel.errors import RecaccelError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter, unlink_prefix
@@ -80,6 +81,18 @@ def _context() -> mp.context.BaseContext:
     return ctx
 
 
+class Plan(NamedTuple):
+    """A two-phase job's argument chain: item ``first`` gets ``initial``, item ``i + 1``
+    gets ``step(argument of i, size of i)``, where a worker reports an item's size
+    (``job.size(loaded)``) right after loading it and then waits for its argument to
+    finish it (``job.finish(loaded, i, argument)``). How a batch cutter learns the rows
+    a buffer carries over from the buffers before it, which other workers decode."""
+
+    first: int
+    initial: Any
+    step: Callable[[Any, Any], Any]
+
+
 class ProcessLoader(Generic[S, T]):
     """Items ``0 .. count-1`` loaded by ``job`` in ``workers`` processes, ``ahead`` in advance.
 
@@ -88,15 +101,17 @@ class ProcessLoader(Generic[S, T]):
         count: number of items.
         ahead: items loaded in advance (at least ``workers``, so every worker is busy).
         workers: worker processes (>= 1).
+        plan: for a two-phase job (``size`` and ``finish``), its argument chain.
     """
 
-    def __init__(self, job: Job[S, T], count: int, ahead: int, workers: int) -> None:
+    def __init__(self, job: Job[S, T], count: int, ahead: int, workers: int, plan: Plan | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._job = job
         self._count = count
         self._ahead = max(ahead, workers)
         self._n = workers
+        self._plan = plan
         self._prefix = f"rca{os.getpid()}x{secrets.token_hex(3)}"
         slots = -(-(self._ahead + 1) // workers) + 1
         ctx = _context()
@@ -111,7 +126,7 @@ class ProcessLoader(Generic[S, T]):
             mark[0] = -1
             proc = ctx.Process(
                 target=_serve,
-                args=(job, theirs, mark, f"{self._prefix}w{k}", slots),
+                args=(job, theirs, mark, f"{self._prefix}w{k}", slots, plan is not None),
                 name=f"recaccel-reader-{k}",
                 daemon=True,
             )
@@ -122,6 +137,10 @@ class ProcessLoader(Generic[S, T]):
             self._marks.append(mark)
         self._sent = -1  # the highest item sent to a worker
         self._taken = -1  # the highest item handed out
+        self._done: dict[int, tuple[str, Any]] = {}  # received, not yet handed out
+        self._sizes: dict[int, Any] = {}
+        self._arg_at: tuple[int, Any] = (plan.first, plan.initial) if plan else (0, None)
+        self._go_sent = -1  # the highest item sent its argument
 
     @property
     def pids(self) -> list[int]:
@@ -134,13 +153,19 @@ class ProcessLoader(Generic[S, T]):
             raise ValueError(f"item {i} asked for after item {self._taken} of {self._count}")
         self._sent = max(self._sent, i - 1)  # a resume starts mid-way
         for j in range(self._sent + 1, min(i + 1 + self._ahead, self._count)):
-            try:
-                self._conns[j % self._n].send(j)
-            except OSError:  # the worker is gone
-                raise self._died(j) from None
+            self._send(j, j)
             self._sent = j
         self._taken = i
-        return self._receive(i)
+        self._advance()
+        while i not in self._done:
+            self._pump(i)
+        kind, payload = self._done.pop(i)
+        if kind == "ok":
+            return payload
+        exc, mark = payload
+        if isinstance(exc, RecaccelError):
+            raise exc
+        raise ReaderWorkerError(f"reader worker {i % self._n} failed decoding {self._job.where(i, mark)}: {exc}")
 
     def pending(self) -> list[int]:
         """Items sent to workers and not yet handed out (for memory accounting)."""
@@ -150,37 +175,66 @@ class ProcessLoader(Generic[S, T]):
         """Stops the workers and unlinks their shared memory."""
         self._finalizer()
 
-    def _receive(self, i: int) -> T:
-        k = i % self._n
-        conn, proc = self._conns[k], self._procs[k]
-        while not conn.poll():
-            if proc.sentinel in wait([conn, proc.sentinel], timeout=_POLL_S) and not conn.poll():
-                raise self._died(i)
+    def _send(self, j: int, message: Any) -> None:
         try:
-            kind, j, payload = conn.recv()
-        except (EOFError, OSError, pickle.UnpicklingError):  # killed while sending
-            raise self._died(i) from None
-        if j != i:
-            raise ReaderWorkerError(f"reader worker {k} sent item {j} when item {i} was due")
-        if kind == "ok":
-            return self._reader.read(payload)
-        exc, mark = payload
-        if isinstance(exc, RecaccelError):
-            raise exc
-        raise ReaderWorkerError(f"reader worker {k} failed decoding {self._job.where(i, mark)}: {exc}")
+            self._conns[j % self._n].send(message)
+        except OSError:  # the worker is gone
+            raise self._died(j) from None
 
+    def _advance(self) -> None:
+        """Sends each two-phase item its argument once it was sent and the argument is known
+        (from the size of the item before it)."""
+        while self._plan is not None:
+            j, arg = self._arg_at
+            if j >= self._count or j > self._sent:
+                return
+            if self._go_sent < j:
+                self._send(j, ("go", j, arg))
+                self._go_sent = j
+            if j not in self._sizes:
+                return
+            self._arg_at = (j + 1, self._plan.step(arg, self._sizes.pop(j)))
+
+    def _pump(self, i: int) -> None:
+        """Receives what the workers sent (copying results out of their slots); raises if a
+        worker owing an item died."""
+        owing = {j % self._n for j in range(i, self._sent + 1) if j not in self._done}
+        ready = wait(
+            [self._conns[k] for k in owing] + [self._procs[k].sentinel for k in owing], timeout=_POLL_S
+        )
+        for k in owing:
+            conn = self._conns[k]
+            while conn.poll():
+                try:
+                    kind, j, payload = conn.recv()
+                except (EOFError, OSError, pickle.UnpicklingError):  # killed while sending
+                    raise self._died(self._oldest(k)) from None
+                self._take(kind, j, payload)
+            if self._procs[k].sentinel in ready and not conn.poll():
+                raise self._died(self._oldest(k))
+
+    def _take(self, kind: str, j: int, payload: Any) -> None:
+        if kind == "size":
+            self._sizes[j] = payload
+            self._advance()
+        elif kind == "ok":
+            self._done[j] = ("ok", self._reader.read(payload))
+        else:
+            self._done[j] = ("error", payload)
 
     def _died(self, i: int) -> ReaderWorkerError:
-        """The error for worker ``i % N`` found dead while item ``i`` was due from it."""
+        """The error for worker ``i % N``, found dead while it owed item ``i``."""
         k = i % self._n
         proc = self._procs[k]
         proc.join(_JOIN_S)
-        mark = self._marks[k][0]
         return ReaderWorkerError(
             f"reader worker {k} (pid {proc.pid}) died (exit code {proc.exitcode}) while decoding "
-            f"{self._job.where(i, mark)}"
+            f"{self._job.where(i, self._marks[k][0])}"
         )
 
+    def _oldest(self, k: int) -> int:
+        """The first item worker ``k`` owes."""
+        return min(j for j in range(self._taken, self._sent + 1) if j % self._n == k and j not in self._done)
 
 def _shutdown(procs: list, conns: list[Connection], reader: SlotReader, prefix: str) -> None:
     """Stops the workers (asks, then terminates, then kills) and unlinks their segments."""
@@ -203,24 +257,32 @@ def _shutdown(procs: list, conns: list[Connection], reader: SlotReader, prefix: 
     unlink_prefix(prefix)
 
 
-def _serve(job: Job, conn: Connection, mark: Any, prefix: str, slots: int) -> None:
-    """A worker's loop: load each item sent, write it to the next slot, send its layout."""
+def _serve(job: Any, conn: Connection, mark: Any, prefix: str, slots: int, two_phase: bool) -> None:
+    """A worker's loop: load each item sent (for a two-phase job: report its size, wait for
+    its argument, finish it), write the result to the next slot, send its layout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     writer = SlotWriter(prefix, slots)
     worker = job.new_worker()
+    inbox = _Inbox(conn)
 
     def note(m: int) -> None:
         mark[0] = m
 
     try:
-        for i, slot in _items(conn, slots):
+        for n, i in enumerate(inbox.items()):
             mark[0] = -1
             try:
-                result = writer.write(slot, job.load(worker, i, note))
+                result = job.load(worker, i, note)
+                if two_phase:
+                    conn.send(("size", i, job.size(result)))
+                    result = job.finish(result, i, inbox.argument(i))
+                layout = writer.write(n % slots, result)
+            except _Stop:
+                return
             except Exception as exc:  # noqa: BLE001 (sent back, raised by the main process)
                 conn.send(("error", i, (_portable(exc), mark[0])))
             else:
-                conn.send(("ok", i, result))
+                conn.send(("ok", i, layout))
     except (BrokenPipeError, ConnectionResetError):  # the main process is gone
         pass
     finally:
@@ -228,19 +290,42 @@ def _serve(job: Job, conn: Connection, mark: Any, prefix: str, slots: int) -> No
         writer.close()
 
 
-def _items(conn: Connection, slots: int) -> Iterator[tuple[int, int]]:
-    """(item, slot) for each item the main process sends, until it says stop or is gone;
-    slots are used in turn."""
-    sent = 0
-    while True:
+class _Stop(Exception):
+    """The main process said stop, or is gone."""
+
+
+class _Inbox:
+    """A worker's messages: item numbers to load, ("go", item, argument), None = stop."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queued: collections.deque[int] = collections.deque()
+
+    def _next(self) -> Any:
         try:
-            i = conn.recv()
+            message = self._conn.recv()
         except (EOFError, OSError):
-            return
-        if i is None:
-            return
-        yield i, sent % slots
-        sent += 1
+            raise _Stop from None
+        if message is None:
+            raise _Stop
+        return message
+
+    def items(self) -> Iterator[int]:
+        """The items to load, in order, until told to stop."""
+        while True:
+            try:
+                yield self._queued.popleft() if self._queued else self._next()
+            except _Stop:
+                return
+
+    def argument(self, i: int) -> Any:
+        """Item ``i``'s argument (items sent meanwhile are queued)."""
+        while True:
+            message = self._next()
+            if isinstance(message, tuple):
+                assert message[1] == i, (message, i)  # arguments come in item order
+                return message[2]
+            self._queued.append(message)
 
 
 def _portable(exc: Exception) -> Exception:

@@ -37,6 +37,7 @@ resumed from any state ends an epoch with the counters of an uninterrupted one;
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,9 +56,9 @@ from recaccel.io.format.decode import (
     new_decode_stats,
 )
 from recaccel.io.format.schema import FeatureSchema
-from recaccel.io.readers.engine import Position, ShardedReader
+from recaccel.io.readers.engine import Position, ShardedReader, buffer_permutation
 from recaccel.io.readers.options import ReadOptions, Shard
-from recaccel.io.readers.processes import ProcessLoader
+from recaccel.io.readers.processes import Plan, ProcessLoader
 from recaccel.io.readers.read_ahead import WorkerLoader
 from recaccel.io.readers.state import counters_at
 from recaccel.sparse import Batch
@@ -205,6 +206,9 @@ class BatchReader(ShardedReader):
     def _cut(
         self, start: Position, shard: tuple[int, int]
     ) -> Iterator[tuple[Batch, Position, dict[str, int]]]:
+        if self.options.workers:
+            yield from self._cut_in_workers(start, shard)
+            return
         epoch, (start_buffer, start_offset) = start.epoch, start.fields
         buffers = self.buffers(epoch, shard)
         bs = self.batch_size
@@ -253,20 +257,69 @@ class BatchReader(ShardedReader):
         finally:
             loader.close()
 
-    def _loader(self, buffers: list[list[RowGroupRef]]) -> WorkerLoader | ProcessLoader:
-        """Decodes the shuffle buffers of one iteration, ``read_ahead`` in advance, on
-        threads, or on ``workers`` processes when set.
+    def _loader(self, buffers: list[list[RowGroupRef]]) -> WorkerLoader:
+        """Decodes the shuffle buffers of one iteration, ``read_ahead`` in advance.
 
-        Each thread (or process) has its own file handles and counters; Arrow decoding and
+        Each worker thread has its own file handles and counters; Arrow decoding and
         numpy's large-array work release the GIL. Buffers come back in order with their
         counter increments, and a decode error is raised when its buffer is asked for,
         so results, counters and errors are those of an inline read (a first-occurrence
         warning may be logged once per thread).
         """
-        job = _BufferJob(self.schema, self.projection, self.policies, self.options.shuffle, buffers)
-        if self.options.workers:
-            return ProcessLoader(job, len(buffers), self.options.read_ahead, self.options.workers)
+        job = self._job(buffers, 0, 0)
         return WorkerLoader(job.new_worker, job.load, len(buffers), self.options.read_ahead)
+
+    def _job(self, buffers: list[list[RowGroupRef]], epoch: int, shard: int) -> _BufferJob:
+        o = self.options
+        return _BufferJob(
+            self.schema, self.projection, self.policies, o.shuffle, buffers, o.seed, epoch, shard, self.batch_size
+        )
+
+    def _cut_in_workers(
+        self, start: Position, shard: tuple[int, int]
+    ) -> Iterator[tuple[Batch, Position, dict[str, int]]]:
+        """``_cut`` with ``options.workers`` processes: worker ``b % workers`` decodes buffer
+        b and cuts the batches that lie inside it (told the rows carried into it, see
+        ``_BufferJob.finish``); here, batches crossing buffers are put together from the
+        carried rows and the next buffer's head, with the same operations ``_cut`` runs."""
+        epoch, (start_buffer, start_offset) = start.epoch, start.fields
+        buffers = self.buffers(epoch, shard)
+        bs = self.batch_size
+        carry: Columns | None = None
+        carry_rows = 0
+        plan = Plan(start_buffer, (0, start_offset), functools.partial(_carried_rows, bs))
+        loader = ProcessLoader(
+            self._job(buffers, epoch, shard[0]), len(buffers), self.options.read_ahead, self.options.workers, plan
+        )
+        try:
+            for b in range(start_buffer, len(buffers)):
+                piece = loader.get(b)
+                add_counts(self.counters, piece.delta)
+                n, i = piece.num_rows, start_offset if b == start_buffer else 0
+                ahead = sum(r.num_rows for a in loader.pending() for r in buffers[a])
+                self.note_held(n + carry_rows + ahead)
+                batches = piece.batches
+                if piece.head is not None:
+                    batches = [Columns.concat([carry, piece.head]).to_batch(), *batches]
+                    carry = None
+                for batch in batches:
+                    i += bs - carry_rows
+                    carry_rows = 0
+                    self._count(batch)
+                    if i < n:  # a resume from here decodes buffer b again
+                        yield batch, Position(epoch, (b, i)), counters_at(self.counters, piece.delta)
+                    else:
+                        yield batch, Position(epoch, (b + 1, 0)), counters_at(self.counters)
+                if piece.tail is not None:
+                    carry = piece.tail if carry is None else Columns.concat([carry, piece.tail])
+                    carry_rows += n - i
+            if carry_rows and not self.options.drop_last:
+                batch = carry.to_batch()
+                self._count(batch)
+                yield batch, Position(epoch, (len(buffers), 0), True), counters_at(self.counters)
+            self.counters["rows_dropped_last"] += carry_rows if self.options.drop_last else 0
+        finally:
+            loader.close()
 
     def _count(self, batch: Batch) -> None:
         self.counters["rows_yielded"] += batch.batch_size
@@ -282,6 +335,10 @@ class _BufferJob:
     policies: Policies
     shuffle: bool
     buffers: list[list[RowGroupRef]]
+    seed: int
+    epoch: int
+    shard: int
+    batch_size: int
 
     def new_worker(self) -> RowGroupReader:
         """A row-group reader with its own file handles and counters."""
@@ -300,11 +357,57 @@ class _BufferJob:
         cols = Columns.concat(parts, row_major_ids=self.shuffle)
         return cols, counter_increments(before, source.stats)
 
+    def size(self, loaded: tuple[Columns, dict[str, int]]) -> int:
+        """A decoded buffer's rows (what the rows carried into the next one depend on)."""
+        return loaded[0].num_rows
+
+    def finish(self, loaded: tuple[Columns, dict[str, int]], b: int, arg: tuple[int, int]) -> _Pieces:
+        """Cuts decoded buffer ``b``, which ``arg = (carried, start)`` rows carried into
+        from the buffers before it and whose rows before ``start`` were read before a
+        resume: the rows completing the carried batch, the whole batches, the rest."""
+        cols, delta = loaded
+        carried, i = arg
+        n, bs = cols.num_rows, self.batch_size
+        if i > n:
+            raise DataError(
+                f"saved reader position (buffer {b}, row {i}) is past the buffer's {n} rows; "
+                "did the dataset or the read policies change?"
+            )
+        order = buffer_permutation(self.seed, self.epoch, self.shard, b, n) if self.shuffle else None
+        head = None
+        if carried and n - i >= bs - carried:
+            head, i, carried = _rows_of(cols, order, i, i + bs - carried), i + bs - carried, 0
+        batches = []
+        while not carried and n - i >= bs:  # gathered straight into the batch's arrays
+            batches.append(take_batch(cols, slice(i, i + bs) if order is None else order[i : i + bs]))
+            i += bs
+        tail = cols.take(np.arange(i, n) if order is None else order[i:n]) if i < n else None
+        return _Pieces(n, delta, head, batches, tail)
+
     def where(self, b: int, k: int) -> str:
         """The row group(s) of buffer ``b`` (its k-th; -1 = any)."""
         refs = self.buffers[b]
         chosen = [refs[k]] if 0 <= k < len(refs) else refs
         return ", ".join(f"{ref.path} row group {ref.row_group}" for ref in chosen)
+
+
+@dataclass
+class _Pieces:
+    """A buffer cut in a worker process (see ``_BufferJob.finish``)."""
+
+    num_rows: int
+    delta: dict[str, int]
+    head: Columns | None
+    batches: list[Batch]
+    tail: Columns | None
+
+
+def _carried_rows(batch_size: int, arg: tuple[int, int], num_rows: int) -> tuple[int, int]:
+    """The (carried, start) argument of the buffer after one with ``arg`` and ``num_rows``:
+    the rows left over once batches are cut, as ``_cut`` leaves them."""
+    carried, start = arg
+    rows = carried + num_rows - start
+    return (rows if rows < batch_size else rows % batch_size), 0
 
 
 def _rows_of(cols: Columns, order: np.ndarray | None, start: int, stop: int) -> Columns:
