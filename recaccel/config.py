@@ -177,15 +177,18 @@ class SparseColumn(_Section):
     Exactly one of ``cardinality`` (integer ids ``0 .. cardinality-1``; others follow
     ``data.invalid_ids``), ``hash`` (integer or string ids hashed into that many
     buckets) and ``vocabulary`` (an exact map of every value ``recaccel-data inspect``
-    saw to its own row, unseen values to row 0) is set.
+    saw to its own row, unseen values to row 0) is set; ``vocabulary = "auto"`` with
+    ``hash = N`` takes the column's vocabulary where the vocabulary file holds one (inspect
+    writes them below its distinct-count limit), else hashes.
     """
 
     SECTION: ClassVar[str] = "data.schema.sparse.COLUMN"
 
     cardinality: NonNegative = 0  # integer ids 0..N-1, a table of N rows
     hash: NonNegative = 0  # ids (integers or strings) hashed into N rows
-    # exact map value -> row 1..K from data.schema.vocabulary_file; unseen values share row 0
-    vocabulary: bool = False
+    # exact map value -> row 1..K from data.schema.vocabulary_file, unseen values share row 0;
+    # "auto" (with hash = N): that map where the file holds one for the column, else the hash
+    vocabulary: bool | Literal["auto"] = False
     min_count: Count = 1  # vocabulary: values seen fewer times in the inspected files go to row 0
 
 
@@ -228,19 +231,25 @@ class SchemaMapping(_Section):
     def check_consistency(self) -> None:
         for name, col in self.sparse.items():
             key = f"config key data.schema.sparse.{name}"
-            if (col.cardinality > 0) + (col.hash > 0) + col.vocabulary != 1:
+            auto = col.vocabulary == "auto"
+            if (col.cardinality > 0) + (col.hash > 0) + (col.vocabulary is True) != 1 or (
+                auto and col.cardinality
+            ):
                 raise ConfigError(
                     f"{key}={show_value(dataclasses.asdict(col))} needs exactly one of cardinality = N "
-                    "(integer ids 0..N-1), hash = N (ids hashed into N buckets) and vocabulary = true"
+                    "(integer ids 0..N-1), hash = N (ids hashed into N buckets) and vocabulary = true "
+                    '(vocabulary = "auto" goes with hash = N)'
                 )
-            if col.vocabulary and self.vocabulary_file is None:
+            if col.vocabulary is True and self.vocabulary_file is None:
                 raise ConfigError(
                     f"{key} has vocabulary = true but data.schema.vocabulary_file is not set "
                     "(recaccel-data inspect --write-schema writes both)"
                 )
         unknown = sorted(set(self.transforms) - set(self.dense))
         if unknown:
-            raise ConfigError(f"config key data.schema.transforms names {unknown}, not data.schema.dense columns")
+            raise ConfigError(
+                f"config key data.schema.transforms names {unknown}, not data.schema.dense columns"
+            )
         if not self.dense and not self.sparse:
             raise ConfigError(
                 "config key data.schema maps no feature: give data.schema.dense or data.schema.sparse"

@@ -46,7 +46,11 @@ def describe_inputs(cfg: Config, schema: FeatureSchema) -> dict[str, Any]:
     transforms = mapping.transforms if mapping is not None else {}
     dense = [_dense_entry(name, transforms.get(name)) for name in schema.dense]
     vocabularies = {}
-    if mapping is not None and any(c.vocabulary for c in mapping.sparse.values()):
+    if (
+        mapping is not None
+        and mapping.vocabulary_file is not None
+        and any(c.vocabulary for c in mapping.sparse.values())
+    ):
         vocabularies = load_vocabularies(str(mapping.vocabulary_file))
     fields = []
     for f in schema.sparse:
@@ -63,7 +67,7 @@ def _dense_entry(name: str, transform: DenseTransform | None) -> dict[str, Any]:
 
 
 def _field_mapping(col: SparseColumn | None, vocabulary, rows: int) -> dict[str, Any]:
-    if col is not None and col.vocabulary:
+    if col is not None and vocabulary is not None and col.vocabulary:
         kept = list(vocabulary.values[: rows - 1])
         return {
             "kind": "vocabulary",

@@ -243,3 +243,20 @@ def test_vocabulary_mistakes_are_one_line_errors(tmp_path):
     )
     with pytest.raises(DataError, match=r"vocabulary of column 'u' must be"):
         open_dataset(tmp_path / "d.parquet", mapping)
+
+
+def test_auto_vocabulary_takes_the_files_map_where_it_has_one_else_the_hash(tmp_path):
+    df = pd.DataFrame({"y": [0, 1, 1], "u": ["a", "b", "a"], "v": ["x", "y", "z"]})
+    df.to_parquet(tmp_path / "d.parquet", index=False)
+    counter = VocabularyCounter(100)
+    counter.add(pa.array(df.u))
+    (tmp_path / "v.json").write_text(vocabulary_text({"u": counter.vocabulary()}))
+    auto = {"vocabulary": "auto", "hash": 64}
+    for vocabulary_file, want in [(str(tmp_path / "v.json"), [3, 64]), (None, [64, 64])]:
+        raw = {"label": "y", "sparse": {"u": auto, "v": auto}, "vocabulary_file": vocabulary_file}
+        mapping = config_from_dict({"data": {"schema": raw}}).data.schema
+        assert open_dataset(tmp_path / "d.parquet", mapping).schema.cardinalities == want
+    with pytest.raises(ConfigError, match=r'vocabulary = "auto" goes with hash = N'):
+        config_from_dict({"data": {"schema": {"sparse": {"u": {"vocabulary": "auto"}}}}})
+    with pytest.raises(ConfigError, match=r"data\.schema\.sparse\.u\.vocabulary=maybe must be"):
+        config_from_dict({"data": {"schema": {"sparse": {"u": {"vocabulary": "maybe", "hash": 4}}}}})

@@ -162,18 +162,21 @@ def _table_rows(col, plan: ColumnPlan) -> int:
 
 
 def _vocabulary_sets(mapping: SchemaMapping) -> dict[str, pa.Array]:
-    """The kept values of each ``vocabulary = true`` column, from ``vocabulary_file``.
+    """The kept values of each vocabulary column (``true``, or ``"auto"`` where the file
+    has one), from ``vocabulary_file``.
 
     Raises:
         DataError: naming the vocabulary file and config key of a column it lacks.
     """
     names = [n for n, c in mapping.sparse.items() if c.vocabulary]
-    if not names:
+    if not names or mapping.vocabulary_file is None:  # "auto" without a file: hashes
         return {}
     path = str(mapping.vocabulary_file)
     vocabularies = load_vocabularies(path)
     sets = {}
     for name in names:
+        if name not in vocabularies and mapping.sparse[name].vocabulary == "auto":
+            continue  # no vocabulary for this column (too many values): its hash
         if name not in vocabularies:
             raise DataError(
                 f"no vocabulary of column {name!r} (config key data.schema.sparse.{name}.vocabulary): "
