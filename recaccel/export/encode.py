@@ -99,7 +99,7 @@ def encode(rows: Any, model: str | Path | dict) -> tuple[Tensor, Tensor, Tensor]
             for a missing column, a null or out-of-range id, or a wrong type.
     """
     spec = model if isinstance(model, dict) else read_spec(model)
-    table = _table(rows)
+    table = _typed_nulls(_table(rows), spec)
     schema = _schema(spec, table)
     policies = Policies(invalid_ids="error", invalid_dense="error", invalid_labels="error")
     if schema.label not in table.column_names:  # the decoder reads a label: a dummy one
@@ -159,6 +159,23 @@ def _table(rows: Any) -> pa.Table:
     raise DataError(
         f"rows must be a pandas DataFrame, a pyarrow Table or a dict of lists, got {type(rows).__name__}"
     )
+
+
+def _typed_nulls(table: pa.Table, spec: dict[str, Any]) -> pa.Table:
+    """Columns Arrow typed ``null`` (all values missing, or only empty lists in a dict of
+    lists) given the type their field's mapping reads, so they map as training did."""
+    for f in spec["fields"]:
+        if f["name"] not in table.column_names:
+            continue
+        i = table.column_names.index(f["name"])
+        typ = table.schema.field(i).type
+        m = f["mapping"]
+        item = pa.string() if m["kind"] == "vocabulary" and m["type"] == "string" else pa.int64()
+        if pa.types.is_null(typ):
+            table = table.set_column(i, f["name"], table.column(i).cast(item))
+        elif pa.types.is_list(typ) and pa.types.is_null(typ.value_type):
+            table = table.set_column(i, f["name"], table.column(i).cast(pa.list_(item)))
+    return table
 
 
 def _schema(spec: dict[str, Any], table: pa.Table) -> FeatureSchema:

@@ -121,3 +121,20 @@ def test_encode_refuses_bad_rows_in_one_line(own_run):
         assert "\n" not in str(err.value)
     with pytest.raises(RecaccelError, match=r"cannot read export description"):
         encode(df, own_run / "nothing.json")
+
+
+def test_a_dict_of_lists_with_only_empty_bags_encodes_as_training_would(own_run):
+    df = pd.read_parquet(own_run / "test.parquet").head(2).drop(columns="clicked")
+    rows = {k: list(v) for k, v in df.to_dict(orient="list").items()}
+    rows["tags"] = [[], []]  # Arrow types this list<null>
+    dense, values, offsets = encode(rows, own_run / "export")
+    typed = pa.Table.from_pandas(df.drop(columns="tags")).append_column(
+        "tags", pa.array([[], []], pa.list_(pa.string()))
+    )
+    want = encode(typed, own_run / "export")
+    assert torch.equal(dense, want[0])
+    assert torch.equal(values, want[1]) and torch.equal(offsets, want[2])
+    tags = [f["name"] for f in json.loads((own_run / "export" / "model.json").read_text())["fields"]].index(
+        "tags"
+    )
+    assert offsets[tags * 2 + 2] == offsets[tags * 2]  # both bags empty
