@@ -39,6 +39,10 @@ class Columns:
             ``values`` are its columns (views), in field order. One row's ids then
             share cache lines, which makes a random row gather (``take_batch``) several
             times faster than gathering Fs separate arrays.
+        id_dtype: the dtype of the ids in batches made from these rows (int32 when every
+            table fits, see :func:`id_dtype`); ``values`` may be wider (the decoder's
+            zero-copy int64 views), and are narrowed by the copy into the batch. None =
+            :func:`batch_id_dtype` of ``values``.
     """
 
     dense: np.ndarray
@@ -49,8 +53,10 @@ class Columns:
     side: dict[str, np.ndarray] = field(default_factory=dict)
     single: list[bool] | None = None
     ids: np.ndarray | None = None
+    id_dtype: np.dtype | None = None
 
     def __post_init__(self) -> None:
+        self.id_dtype = batch_id_dtype(self.values) if self.id_dtype is None else np.dtype(self.id_dtype)
         n = self.labels.shape[0]
         if self.dense.ndim != 2 or self.dense.shape[0] != n:
             raise ValueError(f"dense has shape {self.dense.shape}, expected [{n}, Dd]")
@@ -104,6 +110,7 @@ class Columns:
             side={k: np.take(v, idx) for k, v in self.side.items()},
             single=list(self.single),
             ids=ids,
+            id_dtype=self.id_dtype,
         )
 
     def slice(self, start: int, stop: int) -> Columns:
@@ -125,6 +132,7 @@ class Columns:
             side={k: v[start:stop] for k, v in self.side.items()},
             single=list(self.single),
             ids=None if self.ids is None else self.ids[start:stop],
+            id_dtype=self.id_dtype,
         )
 
     @staticmethod
@@ -150,13 +158,15 @@ class Columns:
             ):
                 raise ValueError("Columns.concat: parts have different columns")
         n = sum(p.num_rows for p in parts)
+        dtype = np.result_type(*(p.id_dtype for p in parts))
         single = [all(p.single[f] for p in parts) for f in range(len(first.keys))]
         steps = single_hot_offsets(n)
         ids = None
         if row_major_ids and any(single):
             stacked = all(p.ids is not None and p.single == single for p in parts)
             # Parts already row-major join with one contiguous copy.
-            ids = np.concatenate([p.ids for p in parts]) if stacked else _stack_ids(parts, single, n)
+            stacked = stacked and all(p.ids.dtype == dtype for p in parts)
+            ids = np.concatenate([p.ids for p in parts]) if stacked else _stack_ids(parts, single, n, dtype)
         values, offsets = [], []
         k = 0
         for f in range(len(first.keys)):
@@ -175,6 +185,7 @@ class Columns:
             side={k: np.concatenate([p.side[k] for p in parts]) for k in first.side},
             single=single,
             ids=ids,
+            id_dtype=dtype,
         )
 
     @classmethod
@@ -238,7 +249,7 @@ def take_batch(cols: Columns, rows: np.ndarray | slice) -> Batch:
         # One gather of whole rows, then per-field copies from cache.
         ids = None if cols.ids is None else np.take(cols.ids, idx, axis=0)
     sizes = [b if off is None else bag.shape[0] for bag, off in bags]
-    values = np.empty(sum(sizes), dtype=batch_id_dtype(cols.values))
+    values = np.empty(sum(sizes), dtype=cols.id_dtype)  # narrows wider decoded ids
     one_hot = bool(bags) and all(cols.single)
     offsets = None if one_hot else np.empty(len(bags) * b + 1, dtype=np.int64)
     if offsets is not None:
@@ -261,7 +272,7 @@ def take_batch(cols: Columns, rows: np.ndarray | slice) -> Batch:
             np.copyto(dst.reshape(r, b), ids[:, k : k + r].T)
         elif cols.values[f].dtype == dst.dtype:  # a single-hot field gathered straight into the batch
             np.take(cols.values[f], idx, out=dst)
-        else:  # int32 ids of a batch whose ids are int64
+        else:  # ids of another width than the batch's
             dst[...] = np.take(cols.values[f], idx)
         if offsets is not None:
             ends = np.arange(1, r * b + 1, dtype=np.int64) if off is None else off[1:]
@@ -298,10 +309,10 @@ def take_csr(values: np.ndarray, offsets: np.ndarray, idx: np.ndarray) -> tuple[
     return values[src], new_off
 
 
-def _stack_ids(parts: list[Columns], single: list[bool], n: int) -> np.ndarray:
-    """int [n, Fs]: the single-hot ids of ``parts`` one after another, row-major."""
+def _stack_ids(parts: list[Columns], single: list[bool], n: int, dtype: np.dtype) -> np.ndarray:
+    """``dtype`` [n, Fs]: the single-hot ids of ``parts`` one after another, row-major."""
     fields = [f for f, s in enumerate(single) if s]
-    ids = np.empty((n, len(fields)), dtype=batch_id_dtype([v for p in parts for v in p.values]))
+    ids = np.empty((n, len(fields)), dtype=dtype)
     row = 0
     for p in parts:
         block = ids[row : row + p.num_rows]

@@ -209,7 +209,8 @@ def row_group_to_columns(
         side[name] = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
 
     single = [not f.multi_hot for f in proj.sparse]  # null single-hot rows are dropped or raised
-    cols = Columns(dense, labels, [f.name for f in proj.sparse], values, offsets, side, single)
+    ids = np.result_type(*(id_dtype(f.cardinality) for f in proj.sparse)) if proj.sparse else None
+    cols = Columns(dense, labels, [f.name for f in proj.sparse], values, offsets, side, single, id_dtype=ids)
     if drop.any():
         _count(stats, "rows_skipped", int(drop.sum()))
         cols = cols.take(np.flatnonzero(~drop))
@@ -296,9 +297,10 @@ def _decode_ids(
     stats: dict[str, int],
     steps: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """Returns (values [N] in the field's :func:`id_dtype`, offsets int64 [n+1], bad-row
-    mask [n] or None when no row is bad); ``steps`` is ``arange(n+1)``, the offsets of a
-    single-hot field."""
+    """Returns (values [N], offsets int64 [n+1], bad-row mask [n] or None when no row is
+    bad); ``steps`` is ``arange(n+1)``, the offsets of a single-hot field. Valid int32 or
+    int64 ids stay as Arrow decoded them (no copy: the copy into a batch narrows them);
+    other ids are converted to the field's :func:`id_dtype`."""
     n = len(arr)
     dtype = id_dtype(sf.cardinality)
     if sf.multi_hot:
@@ -314,14 +316,14 @@ def _decode_ids(
     # Compare in the stored dtype so uint64 ids beyond int64 range are still caught;
     # nulls were filled with 0 (in range). A range check first: no mask in the common case.
     if arr.null_count == 0 and flat.null_count == 0 and _all_in_range(raw, sf.cardinality):
-        return raw.astype(dtype, copy=False), offsets, None
+        return _as_ids(raw, dtype), offsets, None
     row_null = _null_mask(arr)
     elem_null = _null_mask(flat)
     out_of_range = (raw < 0) | (raw >= sf.cardinality)
     null_rows = row_null.copy() if sf.multi_hot else row_null
     has_bad_elem = out_of_range | elem_null
     if not (has_bad_elem.any() or null_rows.any()):
-        return raw.astype(dtype, copy=False), offsets, None
+        return _as_ids(raw, dtype), offsets, None
 
     parent = (
         np.repeat(np.arange(n, dtype=np.int64), lengths) if sf.multi_hot else np.arange(n, dtype=np.int64)
@@ -343,6 +345,11 @@ def _decode_ids(
             vals[out_of_range] = np.mod(raw[out_of_range], sf.cardinality).astype(dtype)
             _count(stats, "ids_hashed", int(out_of_range.sum()))
     return vals, offsets, null_rows  # a null cannot be repaired: drop its row
+
+
+def _as_ids(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Valid ids: Arrow's own int32/int64 array as it is, anything else as ``dtype``."""
+    return raw if raw.dtype in (np.int32, np.int64) else raw.astype(dtype)
 
 
 def _all_in_range(raw: np.ndarray, cardinality: int) -> bool:
