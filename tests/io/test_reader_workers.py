@@ -20,6 +20,7 @@ import torch
 
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
+from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
 from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
@@ -112,14 +113,43 @@ def test_shared_memory_round_trip_keeps_dtypes_shapes_order_and_none():
     assert our_segments() == []
 
 
-def test_batch_streams_and_states_are_identical_for_0_to_3_workers(rows_data):
-    runs = {n: list(rows_reader(rows_data, n).iter_with_state()) for n in (0, 1, 2, 3)}
+@pytest.fixture(scope="module")
+def skipping_data(tmp_path_factory) -> Path:
+    """Rows with ids past their table here and there: under ``skip`` buffers hold fewer
+    rows than their footers say, so the rows carried between buffers shift."""
+    path = tmp_path_factory.mktemp("skips")
+    schema = make_schema(2, [False, True, False], [50, 20, 7])
+    cols = make_columns(schema, 300, 1)
+    bad = np.random.default_rng(2).choice(300, 23, replace=False)
+    cols[schema.sparse[0].name][bad] = 999
+    write_parquet(path, schema, cols, rows_per_row_group=25, rows_per_file=120)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("data", "options"),
+    [
+        ("rows_data", {}),
+        ("rows_data", {"shuffle": False, "drop_last": True}),
+        ("skipping_data", {"policies": Policies(invalid_ids="skip")}),
+    ],
+)
+def test_batch_streams_and_states_are_identical_for_0_to_3_workers(data, options, request):
+    path = request.getfixturevalue(data)
+
+    def run(workers: int) -> list:
+        opts = ReadOptions(seed=3, workers=workers, **options)
+        return list(BatchReader(path, 16, opts, shuffle_buffer_rows=40).iter_with_state())
+
+    runs = {n: run(n) for n in (0, 1, 2, 3)}
     base = runs[0]
     for n in (1, 2, 3):
         assert_same_batches([b for b, _ in base], [b for b, _ in runs[n]])
         # max_buffered_rows counts the buffers decoded ahead: max(read_ahead, workers) of them.
         same = () if n <= 2 else ("max_buffered_rows",)
         assert [without(s, same) for _, s in runs[n]] == [without(s, same) for _, s in base]
+    if "policies" in options:
+        assert base[-1][1]["counters"]["rows_skipped"] == 23
     assert our_segments() == []
 
 
