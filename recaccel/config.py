@@ -225,6 +225,8 @@ class SchemaMapping(_Section):
     timestamp: Name | None = None  # meta data: integer or timestamp column ordering rows in time
     # the vocabularies (JSON) recaccel-data inspect --write-schema wrote, for vocabulary = true
     vocabulary_file: PathText | None = None
+    # its SHA-256 as inspect wrote it: a vocabulary file changed since is refused, never remapped
+    vocabulary_sha256: str | None = None
     # dense column -> {transform = "log1p" or "standardize" (with mean, std) or "none"}
     transforms: dict[str, DenseTransform] = field(default_factory=dict)
 

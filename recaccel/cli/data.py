@@ -172,7 +172,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     """Prints each column's statistics and the suggested mapping (written to --write-schema)."""
     from recaccel.io.format.inspect import format_table, inspect_dataset, suggest_mapping, vocabularies
-    from recaccel.io.format.vocabulary import vocabulary_text
+    from recaccel.io.format.vocabulary import text_digest, vocabulary_text
 
     vocab_file = None
     if args.write_schema:
@@ -183,14 +183,16 @@ def _inspect(args: argparse.Namespace) -> int:
     stats = inspect_dataset(
         args.path, exact_limit=max(1, args.exact_limit), vocabulary_limit=max(0, args.vocabulary_limit)
     )
-    fragment = suggest_mapping(stats, args.label, vocabulary_file=vocab_file)
+    found = vocabularies(stats, args.label) if vocab_file else {}
+    vocab_text = vocabulary_text(found) if found else None
+    digest = text_digest(vocab_text) if vocab_text else None
+    fragment = suggest_mapping(stats, args.label, vocabulary_file=vocab_file, vocabulary_sha256=digest)
     print(format_table(stats))
     print()
     print(fragment, end="")
     if args.write_schema:
-        found = vocabularies(stats, args.label)
-        if found:
-            write_text_atomic(vocab_file, vocabulary_text(found))
+        if vocab_text:
+            write_text_atomic(vocab_file, vocab_text)
         write_text_atomic(args.write_schema, fragment)
         print(
             f"\n# written to {args.write_schema}: review it, then train with --config YOUR.toml --config {args.write_schema}"

@@ -51,7 +51,7 @@ def describe_inputs(cfg: Config, schema: FeatureSchema) -> dict[str, Any]:
         and mapping.vocabulary_file is not None
         and any(c.vocabulary for c in mapping.sparse.values())
     ):
-        vocabularies = load_vocabularies(str(mapping.vocabulary_file))
+        vocabularies = load_vocabularies(str(mapping.vocabulary_file), mapping.vocabulary_sha256)
     fields = []
     for f in schema.sparse:
         col = mapping.sparse[f.name] if mapping is not None else None

@@ -260,3 +260,18 @@ def test_auto_vocabulary_takes_the_files_map_where_it_has_one_else_the_hash(tmp_
         config_from_dict({"data": {"schema": {"sparse": {"u": {"vocabulary": "auto"}}}}})
     with pytest.raises(ConfigError, match=r"data\.schema\.sparse\.u\.vocabulary=maybe must be"):
         config_from_dict({"data": {"schema": {"sparse": {"u": {"vocabulary": "maybe", "hash": 4}}}}})
+
+
+def test_a_vocabulary_file_changed_after_inspect_is_refused_not_remapped(tmp_path):
+    train, _ = _frames()
+    train.to_parquet(tmp_path / "train.parquet", index=False)
+    _, mapping = _inspect(tmp_path, "train.parquet")
+    assert mapping.vocabulary_sha256 is not None
+    assert open_dataset(tmp_path / "train.parquet", mapping).schema.num_sparse == 4
+    path = tmp_path / "schema.vocab.json"
+    raw = json.loads(path.read_text())
+    raw["columns"]["city"]["values"].reverse()  # same size, other rows: would train on garbage
+    path.write_text(json.dumps(raw))
+    with pytest.raises(DataError, match=r"schema\.vocab\.json.*changed since the schema was written") as err:
+        open_dataset(tmp_path / "train.parquet", mapping)
+    assert "\n" not in str(err.value)

@@ -267,7 +267,10 @@ def _guess_label(stats: list[ColumnStats]) -> str | None:
 
 
 def suggest_mapping(
-    stats: list[ColumnStats], label: str | None = None, vocabulary_file: str | None = None
+    stats: list[ColumnStats],
+    label: str | None = None,
+    vocabulary_file: str | None = None,
+    vocabulary_sha256: str | None = None,
 ) -> str:
     """A ``[data.schema]`` TOML fragment for these columns (to review before training).
 
@@ -276,6 +279,7 @@ def suggest_mapping(
         label: the label column; None = a column named like one.
         vocabulary_file: where the caller writes :func:`vocabularies` of this suggestion;
             None = no vocabularies (every non-id column hashed).
+        vocabulary_sha256: that file's digest, recorded so a changed file is refused.
 
     Raises:
         DataError: ``label`` names no column.
@@ -298,6 +302,8 @@ def suggest_mapping(
         _sparse_kind(s, vocabulary_file) == "vocabulary" for s, _ in sparse
     ):
         lines.append(f"vocabulary_file = {toml_value(vocabulary_file)}  # vocabulary = true columns' values")
+        if vocabulary_sha256 is not None:
+            lines.append(f"vocabulary_sha256 = {toml_value(vocabulary_sha256)}")
     lines.append(
         '# task_key = "COL"  # meta data: the integer column grouping rows into tasks (rows sorted by it)'
     )

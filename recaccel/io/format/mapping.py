@@ -172,7 +172,7 @@ def _vocabulary_sets(mapping: SchemaMapping) -> dict[str, pa.Array]:
     if not names or mapping.vocabulary_file is None:  # "auto" without a file: hashes
         return {}
     path = str(mapping.vocabulary_file)
-    vocabularies = load_vocabularies(path)
+    vocabularies = load_vocabularies(path, mapping.vocabulary_sha256)
     sets = {}
     for name in names:
         if name not in vocabularies and mapping.sparse[name].vocabulary == "auto":

@@ -18,6 +18,7 @@ boolean and whole-number floating columns); a list column's vocabulary is of its
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -155,30 +156,51 @@ def vocabulary_text(vocabularies: dict[str, Vocabulary]) -> str:
     return json.dumps({"format": FORMAT, "version": VERSION, "columns": columns}) + "\n"
 
 
-def load_vocabularies(path: str | Path) -> dict[str, Vocabulary]:
+def text_digest(text: str) -> str:
+    """The SHA-256 (hex) of a vocabulary file's text, as ``data.schema.vocabulary_sha256`` holds it."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def load_vocabularies(path: str | Path, sha256: str | None = None) -> dict[str, Vocabulary]:
     """Every vocabulary of a vocabulary file, by column (cached while the file is unchanged).
 
+    Args:
+        path: the vocabulary file.
+        sha256: the digest the file must have (``data.schema.vocabulary_sha256``); None =
+            not checked.
+
     Raises:
-        DataError: naming the file when it is missing, not JSON or not a vocabulary file.
+        DataError: naming the file when it is missing, not JSON, not a vocabulary file, or
+            changed since ``sha256`` was taken.
     """
     try:
         stat = os.stat(path)
     except OSError as e:
         raise DataError(f"cannot read the vocabulary file: {e.strerror}", path=str(path)) from None
-    return _load(str(path), stat.st_mtime_ns, stat.st_size)
+    digest, vocabularies = _load(str(path), stat.st_mtime_ns, stat.st_size)
+    if sha256 is not None and digest != sha256.lower():
+        raise DataError(
+            "the vocabulary file changed since the schema was written (its SHA-256 is not "
+            "data.schema.vocabulary_sha256): rows would map differently; use the file the run "
+            "was trained with, or inspect again and retrain",
+            path=str(path),
+        )
+    return vocabularies
 
 
 @functools.lru_cache(maxsize=8)
-def _load(path: str, mtime_ns: int, size: int) -> dict[str, Vocabulary]:
+def _load(path: str, mtime_ns: int, size: int) -> tuple[str, dict[str, Vocabulary]]:
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        data = Path(path).read_bytes()
+        raw = json.loads(data)
     except (OSError, ValueError) as e:
         raise DataError(f"not a readable vocabulary file ({' '.join(str(e).split())})", path=path) from None
     if not isinstance(raw, dict) or raw.get("format") != FORMAT or not isinstance(raw.get("columns"), dict):
         raise DataError(
             'not a vocabulary file (no "format" and "columns" as recaccel-data inspect writes)', path=path
         )
-    return {name: _parsed(name, item, path) for name, item in raw["columns"].items()}
+    digest = hashlib.sha256(data).hexdigest()
+    return digest, {name: _parsed(name, item, path) for name, item in raw["columns"].items()}
 
 
 def _parsed(name: str, item: object, path: str) -> Vocabulary:
