@@ -72,7 +72,8 @@ class BatchReader(ShardedReader):
     """Iterable of CPU :class:`Batch` es read from Parquet (see the module docstring).
 
     Each batch has dense float32 [B, Dd], sparse ids with keys = the projected sparse
-    fields in schema order (values int64 [N], offsets int64 [F*B+1]) and labels
+    fields in schema order (values int32 [N] when every table fits int32, else int64;
+    offsets int64 [F*B+1], implicit when every field is one-hot) and labels
     float32 [B]; B = ``batch_size`` except maybe the last batch when not ``drop_last``.
 
     Example::
