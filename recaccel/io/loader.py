@@ -4,7 +4,9 @@ On CUDA each host batch (:class:`Batch` or :class:`TaskBatch`) is packed into on
 pinned buffer (:mod:`recaccel.io.host_buffer`) and moved with one asynchronous copy on a
 side stream (``backend="torch"``), or handed to an NVIDIA DALI pipeline that does the
 host-to-device stage (``backend="dali"``, imported only when selected). The batch the
-consumer gets is made of views of the one device buffer.
+consumer gets is made of views of the one device buffer. What crosses is what the reader
+made: int32 ids where the tables fit, and no offsets for a one-hot batch (its
+``SparseFeatures`` makes ``arange`` on the device when the offsets are first read).
 
 Synchronization and lifetime. The copy records an event on the side stream; before a
 batch is handed out the consumer's current stream waits on that event, and the device
