@@ -276,7 +276,9 @@ def test_sigterm_to_a_process_iterating_a_reader_leaves_no_workers(rows_data, tm
     script = tmp_path / "iterate.py"
     script.write_text(SIGTERM_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, str(script), str(rows_data)], stdout=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(rows_data)], stdout=subprocess.PIPE, env=env, text=True
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(alive(p) for p in pids)

@@ -8,9 +8,15 @@ by the main process when ``get(i)`` asks for it. The items and their order are t
 the in-process path, so every batch cut from them is too.
 
 Flow. ``get(i)`` sends items ``i .. i + ahead`` to their workers (each once), then waits
-for item ``i``. A worker has at most ``ceil((ahead + 1) / N)`` items in flight, and one
-slot more than that, so a slot is never rewritten before the main process copied it
-out: no acknowledgements are needed.
+for item ``i``, copying out every result that arrives meanwhile. A worker has at most
+``ceil((ahead + 1) / N)`` items in flight, and one slot more than that, so a slot is
+never rewritten before the main process copied it out: no acknowledgements are needed.
+A two-phase job (a :class:`Plan`) reports each item's size after loading it and waits
+for an argument computed from the sizes of the items before it: how a worker cutting
+batches learns the rows carried into its buffer while the buffers before it are still
+being decoded elsewhere.
+
+Threads. Each worker gives Arrow's and torch's thread pools its share of the cores.
 
 Failures. A load that raises sends its exception back, raised by ``get`` of that item
 (a :class:`~recaccel.errors.RecaccelError` as it is, anything else as one line naming
@@ -27,7 +33,6 @@ the main process has torch and threads running.
 from __future__ import annotations
 
 import collections
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -38,10 +43,11 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection, wait
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
+import pyarrow
+import torch
+
 from recaccel.errors import RecaccelError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter, unlink_prefix
-
-log = logging.getLogger(__name__)
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -104,7 +110,9 @@ class ProcessLoader(Generic[S, T]):
         plan: for a two-phase job (``size`` and ``finish``), its argument chain.
     """
 
-    def __init__(self, job: Job[S, T], count: int, ahead: int, workers: int, plan: Plan | None = None) -> None:
+    def __init__(
+        self, job: Job[S, T], count: int, ahead: int, workers: int, plan: Plan | None = None
+    ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._job = job
@@ -119,14 +127,16 @@ class ProcessLoader(Generic[S, T]):
         self._conns: list[Connection] = []
         self._marks = []
         self._reader = SlotReader()
-        self._finalizer = weakref.finalize(self, _shutdown, self._procs, self._conns, self._reader, self._prefix)
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._procs, self._conns, self._reader, self._prefix
+        )
         for k in range(workers):
             mine, theirs = ctx.Pipe()
             mark = ctx.Array("q", 1, lock=False)
             mark[0] = -1
             proc = ctx.Process(
                 target=_serve,
-                args=(job, theirs, mark, f"{self._prefix}w{k}", slots, plan is not None),
+                args=(job, theirs, mark, f"{self._prefix}w{k}", slots, plan is not None, workers),
                 name=f"recaccel-reader-{k}",
                 daemon=True,
             )
@@ -165,7 +175,9 @@ class ProcessLoader(Generic[S, T]):
         exc, mark = payload
         if isinstance(exc, RecaccelError):
             raise exc
-        raise ReaderWorkerError(f"reader worker {i % self._n} failed decoding {self._job.where(i, mark)}: {exc}")
+        raise ReaderWorkerError(
+            f"reader worker {i % self._n} failed decoding {self._job.where(i, mark)}: {exc}"
+        )
 
     def pending(self) -> list[int]:
         """Items sent to workers and not yet handed out (for memory accounting)."""
@@ -236,6 +248,7 @@ class ProcessLoader(Generic[S, T]):
         """The first item worker ``k`` owes."""
         return min(j for j in range(self._taken, self._sent + 1) if j % self._n == k and j not in self._done)
 
+
 def _shutdown(procs: list, conns: list[Connection], reader: SlotReader, prefix: str) -> None:
     """Stops the workers (asks, then terminates, then kills) and unlinks their segments."""
     for conn in conns:
@@ -257,10 +270,13 @@ def _shutdown(procs: list, conns: list[Connection], reader: SlotReader, prefix: 
     unlink_prefix(prefix)
 
 
-def _serve(job: Any, conn: Connection, mark: Any, prefix: str, slots: int, two_phase: bool) -> None:
+def _serve(
+    job: Any, conn: Connection, mark: Any, prefix: str, slots: int, two_phase: bool, workers: int
+) -> None:
     """A worker's loop: load each item sent (for a two-phase job: report its size, wait for
     its argument, finish it), write the result to the next slot, send its layout."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _share_cores(workers)
     writer = SlotWriter(prefix, slots)
     worker = job.new_worker()
     inbox = _Inbox(conn)
@@ -288,6 +304,14 @@ def _serve(job: Any, conn: Connection, mark: Any, prefix: str, slots: int, two_p
     finally:
         worker.close()
         writer.close()
+
+
+def _share_cores(workers: int) -> None:
+    """Gives each of ``workers`` processes its share of the cores for Arrow's and torch's
+    thread pools, so N workers do not run N times as many threads as there are cores."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    pyarrow.set_cpu_count(threads)
+    torch.set_num_threads(threads)
 
 
 class _Stop(Exception):

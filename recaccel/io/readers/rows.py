@@ -21,6 +21,14 @@ each buffer decoded ahead on worker threads (``read_ahead``, default 2),
 whatever the file sizes; ``counters["max_buffered_rows"]`` records the high-water mark.
 Batches are gathered from the buffer straight into their own arrays.
 
+Worker processes. With ``options.workers = N > 0``, buffer b is decoded by worker
+process ``b % N``, which also cuts the batches lying wholly inside it once told how many
+rows the buffers before it carry over (known from their decoded row counts); they come
+back through shared memory (:mod:`recaccel.io.readers.processes`), and only batches
+crossing buffers are put together here. Batches, order, states and counters are those of
+``workers = 0``, except ``max_buffered_rows``, which counts ``max(read_ahead, workers)``
+buffers loaded ahead. Each worker holds up to two buffers and its shared-memory slots.
+
 Position. The reader is a cursor: iterating yields the batches from the current
 position to the end of the epoch and moves the position along; ``state_dict()`` is
 the position just after the last yielded batch, as (epoch, buffer index, row offset in
@@ -273,7 +281,15 @@ class BatchReader(ShardedReader):
     def _job(self, buffers: list[list[RowGroupRef]], epoch: int, shard: int) -> _BufferJob:
         o = self.options
         return _BufferJob(
-            self.schema, self.projection, self.policies, o.shuffle, buffers, o.seed, epoch, shard, self.batch_size
+            self.schema,
+            self.projection,
+            self.policies,
+            o.shuffle,
+            buffers,
+            o.seed,
+            epoch,
+            shard,
+            self.batch_size,
         )
 
     def _cut_in_workers(
@@ -290,7 +306,11 @@ class BatchReader(ShardedReader):
         carry_rows = 0
         plan = Plan(start_buffer, (0, start_offset), functools.partial(_carried_rows, bs))
         loader = ProcessLoader(
-            self._job(buffers, epoch, shard[0]), len(buffers), self.options.read_ahead, self.options.workers, plan
+            self._job(buffers, epoch, shard[0]),
+            len(buffers),
+            self.options.read_ahead,
+            self.options.workers,
+            plan,
         )
         try:
             for b in range(start_buffer, len(buffers)):

@@ -38,6 +38,13 @@ tasks, plus up to T-1 carried tasks, the units being loaded ahead (``read_ahead`
 each with its decoded row groups and two cached ones); a task is assembled whole before
 it is sampled. ``counters["max_buffered_rows"]`` is the high-water mark.
 
+Worker processes. With ``options.workers = N > 0`` unit u is loaded (decoded, split,
+sampled, compacted) by worker process ``u % N`` and comes back through shared memory
+(:mod:`recaccel.io.readers.processes`); windows and batches are made here as without
+workers, so batches, order and positions do not depend on N. Processes share no head
+stash, so the decode counters (``rows_read``, ``row_groups_read``) may count more row
+groups decoded twice, as they may with read-ahead threads.
+
 Position. As in :class:`~recaccel.io.readers.rows.BatchReader`: ``state_dict()`` is the
 position after the last yielded batch: (epoch, window index, the window's first unit,
 tasks of the window already consumed). Resuming rebuilds that window from its first
