@@ -74,15 +74,16 @@ class SparseFeatures:
     weights: Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self._offsets is None:
+        offsets = self._offsets  # not the property: implicit offsets stay unmade
+        if offsets is None:
             self._check_one_hot()
-        elif self._offsets.dim() != 1 or self._offsets.numel() < 1:
+        elif offsets.dim() != 1 or offsets.numel() < 1:
             raise ValueError(
-                f"offsets must be 1-D with at least one element, got shape {tuple(self.offsets.shape)}"
+                f"offsets must be 1-D with at least one element, got shape {tuple(offsets.shape)}"
             )
-        if self.keys and (self.offsets.numel() - 1) % len(self.keys) != 0:
+        elif self.keys and (offsets.numel() - 1) % len(self.keys) != 0:
             raise ValueError(
-                f"offsets has {self.offsets.numel()} elements, not F*B+1 for F={len(self.keys)} fields"
+                f"offsets has {offsets.numel()} elements, not F*B+1 for F={len(self.keys)} fields"
             )
         if self.weights is not None and self.weights.shape != self.values.shape:
             raise ValueError(

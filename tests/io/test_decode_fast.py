@@ -259,6 +259,16 @@ def test_implicit_offsets_give_the_results_of_explicit_ones(weights):
     assert lean.slice_rows(1, 4).one_hot and lean.select(["k2"]).one_hot
 
 
+def test_implicit_offsets_are_made_only_when_read():
+    lean, _ = one_hot_pair(4)
+    moved = (
+        lean.slice_rows(0, 3).to("cpu").pin_memory() if torch.cuda.is_available() else lean.slice_rows(0, 3)
+    )
+    for sf in (lean, moved, lean.select(["k1"]), lean.concat_rows(lean)):
+        assert sf.batch_size > 0 and vars(sf)["_offsets"] is None  # private: nothing made yet
+    assert torch.equal(lean.offsets, torch.arange(16)) and vars(lean)["_offsets"] is not None
+
+
 def test_implicit_offsets_stay_implicit_through_to_and_are_made_on_the_device():
     lean, ref = one_hot_pair(2)
     moved = lean.to("meta")
