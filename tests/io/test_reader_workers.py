@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import json
+import multiprocessing as mp
 import os
 import signal
 import subprocess
@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 import torch
 
-from recaccel.config import load_config
-from recaccel.io.convert.synth import generate_synthetic
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
@@ -27,7 +25,6 @@ from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
 from tests.io.test_parquet import make_columns, make_schema, small_dataset
 from tests.io.test_tasks import cfg, write_tasks
-from tests.train.test_trainer import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 # Decode counters of the task reader count row groups decoded again to complete a task,
@@ -221,6 +218,27 @@ def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(r
     assert our_segments() == []
 
 
+def reader_workers() -> list[int]:
+    return [p.pid for p in mp.active_children() if p.name.startswith("recaccel-reader")]
+
+
+def test_a_worker_killed_mid_epoch_stops_the_reader_with_one_line_within_seconds(rows_data):
+    it = iter(rows_reader(rows_data, 2))
+    next(it)
+    pids = reader_workers()
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(ReaderWorkerError) as err:
+        for _ in it:
+            pass
+    assert time.monotonic() - started < 10
+    message = str(err.value)
+    assert "\n" not in message and f"(pid {pids[0]}) died (exit code -9)" in message
+    assert ".parquet row group " in message
+    assert our_segments() == [] and not any(alive(p) for p in pids)
+
+
 def read_until_error(path: Path, workers: int) -> tuple[int, Exception]:
     reader = BatchReader(path, 16, ReadOptions(shuffle=False, workers=workers), shuffle_buffer_rows=25)
     batches = 0
@@ -245,7 +263,7 @@ def test_a_bad_value_in_a_worker_raises_the_in_process_error_at_the_same_batch(t
     assert our_segments() == []
 
 
-SIGTERM_SCRIPT = textwrap.dedent(
+SIGNAL_SCRIPT = textwrap.dedent(
     """
     import sys
     from pathlib import Path
@@ -272,45 +290,33 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
-def test_sigterm_to_a_process_iterating_a_reader_leaves_no_workers(rows_data, tmp_path):
+# Python ends on an uncaught KeyboardInterrupt by killing itself with SIGINT.
+@pytest.mark.parametrize(
+    ("sig", "status"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)]
+)
+def test_sigterm_or_ctrl_c_to_a_process_iterating_a_reader_leaves_no_workers_or_shared_memory(
+    rows_data, tmp_path, sig, status
+):
     script = tmp_path / "iterate.py"
-    script.write_text(SIGTERM_SCRIPT)
+    script.write_text(SIGNAL_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(rows_data)], stdout=subprocess.PIPE, env=env, text=True
+        [sys.executable, str(script), str(rows_data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
     )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(alive(p) for p in pids)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == -signal.SIGTERM
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == status
         deadline = time.monotonic() + 10
         while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(p) for p in pids)
+        assert glob.glob(f"/dev/shm/rca{proc.pid}x*") == []
     finally:
         proc.kill()
         proc.wait()
-
-
-@pytest.mark.numeric
-def test_training_with_2_workers_matches_0_workers_bit_for_bit_and_resumes_with_0(tmp_path):
-    from recaccel.cli import train_main
-    from tests.train.test_trainer import _argv, _final_state, _overrides
-
-    data = tmp_path / "synth"
-    cfg = load_config(None, [*TINY, f'synth.out_dir="{data}"'])
-    generate_synthetic(cfg.synth)
-    common = ["train.epochs=2", "train.steps=30"]
-    full, part = tmp_path / "full", tmp_path / "part"
-    assert train_main(_argv(_overrides(data, full, *common, "data.workers=0"))) == 0
-    # Stopped mid-epoch with 2 workers, then resumed in-process.
-    assert train_main(_argv(_overrides(data, part, *common, "data.workers=2", "train.steps=17"))) == 0
-    assert train_main(["--resume", str(part), "--set", "train.steps=30", "--set", "data.workers=0"]) == 0
-    a, b = _final_state(full), _final_state(part)
-    assert a["step"] == b["step"] == 30
-    for key, value in a["model"].items():
-        assert torch.equal(value, b["model"][key]), key
-    ma = json.loads((full / "metrics.json").read_text())
-    mb = json.loads((part / "metrics.json").read_text())
-    assert ma["auc"] == mb["auc"] and ma["logloss"] == mb["logloss"]
