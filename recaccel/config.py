@@ -287,8 +287,9 @@ class DataConfig(_Section):
     unreadable_files: UnreadableFilesPolicy = "warn"  # unreadable *.parquet in a folder: skip, warn | refuse
     drop_last: bool = True  # drop an epoch's last batch when it has fewer than batch_size rows
     read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
-    # reader processes decoding in parallel (same batches, order and resume for every count);
-    # 0 = decode in the training process. On a GPU host set about cores - 2, e.g. 8 of 16 cores
+    # reader processes decoding batches in parallel, with the same batches, order and resume for
+    # any count; 0 = in the training process. On a 16-core GPU host start at 8 and raise it
+    # while the run's data_wait_fraction falls
     workers: NonNegative = 0
     prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline
     loader_backend: LoaderBackend = "torch"  # host-to-device stage
