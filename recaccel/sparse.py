@@ -140,7 +140,8 @@ class SparseFeatures:
         b = self.batch_size
         if self._one_hot:
             w = None if self.weights is None else self.weights[f * b : (f + 1) * b]
-            return self.values[f * b : (f + 1) * b], self.offsets[: b + 1], w
+            off = torch.arange(b + 1, dtype=torch.int64, device=self.values.device)
+            return self.values[f * b : (f + 1) * b], off, w
         off = self.offsets[f * b : (f + 1) * b + 1]
         start, end = int(off[0]), int(off[-1])
         w = None if self.weights is None else self.weights[start:end]
@@ -150,7 +151,8 @@ class SparseFeatures:
         """The fields ``names``, in that order (a subset of :attr:`keys`, or all of them reordered).
 
         Returns ``self`` (no copy) when ``names`` equals :attr:`keys`. Otherwise one
-        gather builds the new CSR; a reordering of every field needs no host sync.
+        gather builds the new CSR; a reordering of every field needs no host sync. A
+        one-hot batch stays one-hot (implicit offsets).
 
         Args:
             names: distinct field names of this batch.
@@ -244,7 +246,8 @@ class SparseFeatures:
             hi: one past the last row, ``hi <= B``.
 
         Returns:
-            The same F fields of ``hi - lo`` rows, bags unchanged; int64 offsets.
+            The same F fields of ``hi - lo`` rows, bags unchanged; int64 offsets, or
+            implicit ones (no host sync) when this batch is one-hot.
 
         Raises:
             ValueError: the rows are not within ``[0, B]``.
@@ -324,7 +327,7 @@ class SparseFeatures:
         """Fields ``fields`` (indices), rows ``[lo, hi)`` of a one-hot batch, still one-hot."""
         f, b = self.num_fields, self.batch_size
         pick = slice(None) if fields == list(range(f)) else torch.tensor(fields, device=self.values.device)
-        take = lambda t: t.view(f, b)[pick, lo:hi].reshape(-1)  # noqa: E731
+        take = lambda t: t.reshape(f, b)[pick, lo:hi].reshape(-1)  # noqa: E731
         weights = None if self.weights is None else take(self.weights)
         return SparseFeatures([self.keys[i] for i in fields], take(self.values), None, weights)
 
@@ -402,10 +405,8 @@ SparseFeatures.offsets = property(  # type: ignore[assignment]
 def _concat_one_hot(first: SparseFeatures, second: SparseFeatures) -> SparseFeatures:
     """Rows of ``first`` then ``second`` (same fields, same order, both one-hot), one-hot."""
     f = first.num_fields
-    if first.values.device != second.values.device:
-        raise ValueError(f"batches are on different devices: {first.values.device} vs {second.values.device}")
     dtype = torch.promote_types(first.values.dtype, second.values.dtype)
-    join = lambda a, b: torch.cat([a.view(f, -1), b.to(a.dtype).view(f, -1)], dim=1).reshape(-1)  # noqa: E731
+    join = lambda a, b: torch.cat([a.reshape(f, -1), b.to(a.dtype).reshape(f, -1)], dim=1).reshape(-1)  # noqa: E731
     values = join(first.values.to(dtype), second.values)
     weights = None
     if first.weights is not None or second.weights is not None:
