@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recaccel.config import Config, load_config, path_fields, section_types
-from recaccel.config_files import absolute_value, toml_value
+from recaccel.config.files import absolute_value, toml_value
 from recaccel.train.runlog import CONFIG_FILE
 
 if TYPE_CHECKING:  # torch is imported when a run starts, not with recaccel

@@ -16,7 +16,7 @@ import tomllib
 import recaccel
 from recaccel.cli import train_main
 from recaccel.config import Range, config_from_dict, field_hints, load_config, section_types
-from recaccel.config_help import _table_class, config_reference, describe_type, field_docs
+from recaccel.config.help import _table_class, config_reference, describe_type, field_docs
 from recaccel.errors import ConfigError
 from recaccel.preflight import make_data_hint, preflight
 

@@ -12,7 +12,7 @@ import pytest
 
 import recaccel.cli as cli
 from recaccel.config import field_hints, section_types
-from recaccel.config_help import _table_class, config_reference, field_docs
+from recaccel.config.help import _table_class, config_reference, field_docs
 
 COMMANDS = ("train", "data", "bench", "eval", "export", "plot", "monitor")
 # What leaks code into help text, and the doubled word of a slip ("every every steps"); a

@@ -26,8 +26,6 @@ PACKAGE = REPO / "recaccel"
 # Modules everything may import: they sit under the whole graph.
 BOTTOM = (
     "recaccel.config",
-    "recaccel.config_checks",
-    "recaccel.config_files",
     "recaccel.errors",
     "recaccel.metrics",
     "recaccel.hashing",

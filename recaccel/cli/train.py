@@ -18,9 +18,9 @@ if TYPE_CHECKING:
 
 def train_parser() -> argparse.ArgumentParser:
     """The arguments of recaccel-train; ``--help`` ends with every config key
-    (:mod:`recaccel.config_help`)."""
+    (:mod:`recaccel.config.help`)."""
     from recaccel import __version__
-    from recaccel.config_help import config_reference, config_rules
+    from recaccel.config.help import config_reference, config_rules
 
     parser = argparse.ArgumentParser(
         prog="recaccel-train",

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from recaccel.config_files import toml_key, toml_value
+from recaccel.config.files import toml_key, toml_value
 from recaccel.errors import DataError
 from recaccel.hashing import mix64
 from recaccel.io.format.dataset import READ_ERRORS, list_files, read_error_text

@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from recaccel.config_checks import NamedPath, PathText, field_hints
+from recaccel.config.checks import NamedPath, PathText, field_hints
 from recaccel.errors import ConfigError
 
 if sys.version_info >= (3, 11):

@@ -21,7 +21,9 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from recaccel.config import NamedPath, PathText, Pattern, Range, field_hints, path_fields, section_types
+from recaccel.config.checks import NamedPath, PathText, Pattern, Range, field_hints
+from recaccel.config.files import path_fields
+from recaccel.config.sections import section_types
 
 WIDTH = 100  # characters per help line
 DOC_INDENT = " " * 6
