@@ -158,7 +158,11 @@ class TrainConfig(Section):
     precision: Precision = "fp32"
     # off: one batch at a time | sync: the next batch prepared on a side stream while one trains
     # (the results of off) | semi_sync: also its embedding lookup, before this step's sparse update
-    # (one step stale, opt-in)
+    # (one step stale, opt-in) | overlap: the MLPs' weight gradients deferred until after backward,
+    # so the sparse update runs as soon as the pooled gradient is known; then the next batch's
+    # lookup (on a side stream on CUDA) runs alongside the weight gradients and the dense optimizer
+    # step (the results of off, bit for bit on CPU; dlrm mode, packed fused embedding, one
+    # process; no micro_batches, cuda_graphs or compile)
     pipeline: PipelineMode = "off"
     micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
     cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
@@ -169,10 +173,10 @@ class TrainConfig(Section):
     profile_steps: list[Count] = field(default_factory=list)
 
     def check_consistency(self) -> None:
-        if self.mode == "meta" and self.pipeline == "semi_sync":
+        if self.mode == "meta" and self.pipeline in ("semi_sync", "overlap"):
             raise ConfigError(
-                "config key train.pipeline=semi_sync runs train.mode=dlrm (a meta step adapts on the "
-                "lookup it makes); use train.pipeline=sync"
+                f"config key train.pipeline={self.pipeline} runs train.mode=dlrm (a meta step adapts on "
+                "the lookup it makes); use train.pipeline=sync"
             )
         if self.mode == "meta" and self.micro_batches > 1:
             raise ConfigError(
@@ -184,8 +188,25 @@ class TrainConfig(Section):
                 f"config keys train.pipeline=semi_sync and train.micro_batches={self.micro_batches} do not "
                 "combine; use train.pipeline=sync with micro-batches"
             )
+        self._check_overlap()
         self._check_best()
         self._check_profile()
+
+    def _check_overlap(self) -> None:
+        """overlap runs its weight gradients outside autograd: no micro-batches, graphs or compile."""
+        if self.pipeline != "overlap":
+            return
+        on = {
+            f"micro_batches={self.micro_batches}": self.micro_batches > 1,
+            "cuda_graphs=true": self.cuda_graphs,
+            "compile=true": self.compile,
+        }
+        for setting, refused in on.items():
+            if refused:
+                raise ConfigError(
+                    f"config keys train.pipeline=overlap and train.{setting} do not "
+                    "combine (its weight gradients run outside autograd); use train.pipeline=sync"
+                )
 
     def _check_profile(self) -> None:
         """profile_steps is empty or [first, last] with first <= last."""

@@ -40,7 +40,8 @@ Precision = Literal["fp32", "tf32", "bf16"]
 # off: one batch at a time | sync: the next batch prepared on a side stream while one trains
 # (same results) | semi_sync: also its embedding lookup, before this step's sparse update
 # (one step stale, opt-in)
-PipelineMode = Literal["off", "sync", "semi_sync"]
+# | overlap: weight gradients deferred, the next lookup after the sparse update (exact)
+PipelineMode = Literal["off", "sync", "semi_sync", "overlap"]
 LRSchedule = Literal["constant", "linear", "cosine", "polynomial"]
 # jsonl: log.jsonl (always written) | tensorboard: scalars and the hyperparameters |
 # csv: metrics.csv, a row per log step | wandb, mlflow: need their packages installed

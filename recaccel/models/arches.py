@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from recaccel.errors import ConfigError
 from recaccel.models.fused_linear import dense_layer, fast_path_default
+from recaccel.models.split_linear import WgradQueue, split_dense_layer
 from recaccel.ops.interaction import (
     CROSS_KERNELS,
     dcnv2_cross,
@@ -48,10 +49,14 @@ class MLP(nn.Sequential):
         align: pad inner dimensions to a multiple of 8; None (default) = likewise.
             With either on, the first layer also takes an input already padded to
             that width (extra columns meet zero weights).
+        wgrad_queue: when set, a training forward's layers defer their weight gradients
+            to this queue (:mod:`recaccel.models.split_linear`; ``train.pipeline =
+            "overlap"``): ``.grad`` is filled when the queue runs, after ``backward()``.
     """
 
     fused: bool | None = None
     align: bool | None = None
+    wgrad_queue: WgradQueue | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return self.run(x)
@@ -72,9 +77,17 @@ class MLP(nn.Sequential):
                 i += 1
                 continue
             relu = i + 1 < len(modules) and isinstance(modules[i + 1], nn.ReLU)
-            x = dense_layer(x, layer.weight, layer.bias, relu=relu, fused=fused, align=align)
+            x = self._layer(x, layer, relu=relu, fused=fused, align=align)
             i += 2 if relu else 1
         return x
+
+    def _layer(self, x: Tensor, layer: nn.Linear, *, relu: bool, fused: bool, align: bool) -> Tensor:
+        queue = self.wgrad_queue
+        if queue is not None and torch.is_grad_enabled() and layer.weight.requires_grad:
+            return split_dense_layer(
+                x, layer.weight, layer.bias, relu=relu, fused=fused, align=align, queue=queue
+            )
+        return dense_layer(x, layer.weight, layer.bias, relu=relu, fused=fused, align=align)
 
 
 @runtime_checkable

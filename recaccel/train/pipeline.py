@@ -14,6 +14,10 @@ the modes change:
 - ``semi_sync``: as ``sync``, one batch further ahead: each item also carries the next
   prepared batch (:attr:`StepInput.following`), whose embedding lookup the semi-sync
   step (:class:`recaccel.train.step.SemiSyncStep`) runs before this step's sparse update.
+- ``overlap``: as ``semi_sync`` (each item carries the next prepared batch), whose lookup
+  the overlapped step (:class:`recaccel.train.overlap.OverlapStep`) runs after this step's
+  sparse update, alongside this step's weight gradients and dense optimizer step: the
+  results of ``off``.
 
 Synchronization and lifetimes on CUDA: a batch is taken from the loader while the side
 stream is current (the loader makes that stream wait for the batch's copy), prepared
@@ -21,7 +25,8 @@ there, and an event is recorded; before the step, the step's stream waits on tha
 and every tensor of the prepared batch is marked used by it (``record_stream``), so the
 caching allocator does not hand their memory out while the step may still read it.
 
-Memory in flight beyond ``off``: one prepared batch (``sync``) or two (``semi_sync``),
+Memory in flight beyond ``off``: one prepared batch (``sync``) or two (``semi_sync``,
+``overlap``),
 and ``model.cache_lookahead - 1`` more when tables are placed on the host (their rows are
 made resident when a batch is prepared): their inputs plus, per pack of a packed
 embedding, up to about 44 bytes per id (ids, bags, scale, sort order; see
@@ -44,6 +49,9 @@ from torch import Tensor
 
 from recaccel.config import PipelineMode
 
+# The modes whose items carry the next prepared batch (its lookup runs in this step).
+CARRIES_NEXT = ("semi_sync", "overlap")
+
 
 @dataclasses.dataclass
 class StepInput:
@@ -51,8 +59,8 @@ class StepInput:
 
     Attributes:
         batch: the prepared batch, on the device.
-        following: ``semi_sync``: the next prepared batch (None for the last; always None
-            in the other modes).
+        following: ``semi_sync`` and ``overlap``: the next prepared batch (None for the
+            last; always None in the other modes).
         reader_state: the reader position after ``batch`` (what a checkpoint taken after
             its step saves).
     """
@@ -71,7 +79,7 @@ class BatchPipeline:
         mode: ``train.pipeline``.
         ahead: batches prepared ahead of the one handed out, at least (the model's
             embedding cache asks for its lookahead: a batch's rows are made resident
-            when it is prepared); ``semi_sync`` needs one.
+            when it is prepared); ``semi_sync`` and ``overlap`` need one.
     """
 
     def __init__(
@@ -82,7 +90,7 @@ class BatchPipeline:
         self.device = device
         side = mode != "off" and device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if side else None
-        self._lookahead = max(ahead, 1 if mode == "semi_sync" else 0)
+        self._lookahead = max(ahead, 1 if mode in CARRIES_NEXT else 0)
 
     def __call__(self, source: Iterable[tuple[Any, dict[str, Any]]]) -> Iterator[StepInput]:
         """Yields the items of ``source`` prepared, in order.
@@ -103,7 +111,7 @@ class BatchPipeline:
             batch, state, event = ready.pop(0)
             self._hand_over(batch, event)
             following = None
-            if self.mode == "semi_sync" and ready:
+            if self.mode in CARRIES_NEXT and ready:
                 following, _, next_event = ready[0]
                 self._hand_over(following, next_event)
                 ready[0] = (following, ready[0][1], None)

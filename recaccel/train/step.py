@@ -7,6 +7,9 @@
   lookup runs before this step's backward, so it reads the rows before this step's
   sparse update (one step stale, as TorchRec's semi-sync pipeline); on CUDA it runs on a
   side stream alongside this step's dense forward.
+- :class:`~recaccel.train.overlap.OverlapStep` (``train.pipeline = "overlap"``): the
+  next batch's lookup after this step's sparse update, alongside its weight gradients
+  and dense optimizer step (the results of ``off``; see :mod:`recaccel.train.overlap`).
 - :class:`MicroBatchStep` (``train.micro_batches = k``): the batch's rows in k parts;
   each part's lookup (no graph) runs on a side stream ahead of the previous part's dense
   forward and backward; dense gradients accumulate over the parts, and the sparse update
@@ -26,6 +29,7 @@ from recaccel.config import TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding import PackedEmbeddingBag
 from recaccel.train.objectives import DLRMObjective, Objective, loss_denominator
+from recaccel.train.overlap import OverlapStep
 from recaccel.train.pipeline import StepInput
 
 
@@ -177,9 +181,12 @@ def build_step(train: TrainConfig, objective: Objective, device: torch.device) -
     """The step runner ``train.pipeline`` and ``train.micro_batches`` ask for.
 
     Raises:
-        ConfigError: micro-batches with an embedding that cannot defer its update.
+        ConfigError: micro-batches with an embedding that cannot defer its update;
+            ``overlap`` where it cannot hold (:mod:`recaccel.train.overlap`).
     """
     t = train
+    if t.pipeline == "overlap":  # the config refused micro-batches, graphs and compile with it
+        return OverlapStep(objective, device)
     if t.micro_batches > 1:
         reason = _deferred_update_unsupported(objective)
         if reason is not None:

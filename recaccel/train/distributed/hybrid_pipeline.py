@@ -196,6 +196,8 @@ def _pipeline(mode: PipelineMode, model: nn.Module, optimizer: _SyncedOptimizer,
 
 def check_pipelined(parallel: HybridParallel, objective: Objective, mode: PipelineMode) -> None:
     """Raises ConfigError when TorchRec's pipeline cannot run this hybrid setup."""
+    if mode == "overlap":  # recaccel.train.overlap runs one process's packed embedding
+        raise ConfigError("train.pipeline=overlap runs parallel.mode=single; use train.pipeline=sync")
     if parallel.dmp is None:
         raise ConfigError(
             f"train.pipeline={mode} in parallel.mode=hybrid pipelines the sharded tables' all-to-all; "

@@ -1,0 +1,174 @@
+"""The exact overlapped step (``train.pipeline = "overlap"``): the next batch's lookup runs
+while this step's weight gradients and dense optimizer step run, with no staleness.
+
+A DLRM step's backward has two kinds of work: what the sparse update needs (the top MLP's
+input gradients, the interaction's backward, which yield the gradient of the pooled
+embeddings) and what only the dense optimizer needs (every MLP layer's weight-gradient
+GEMMs). :class:`OverlapStep` orders them so the embedding is up to date as early as
+possible:
+
+1. forward of the dense head on this batch's pooled embeddings (looked up by the
+   previous step, below; the first step of a run looks its batch up itself);
+2. ``backward()``: the MLP layers compute input gradients only and queue their weight
+   gradients (:mod:`recaccel.models.split_linear`), so autograd returns once the pooled
+   gradient is known; the sparse update is applied at once with it
+   (:meth:`~recaccel.ops.embedding.PackedEmbeddingBag.apply_gradient`);
+3. the embedding is now what the next step must read: the next batch's lookup starts
+   (on CUDA on a side stream);
+4. the queued weight-gradient GEMMs run (on the step's stream), and the caller's dense
+   optimizer step after them: on CUDA both overlap the lookup. The next step's dense
+   forward waits for the lookup's event.
+
+Exactness: the lookup reads only the embedding's rows, which nothing after the sparse
+update touches until the next step; the dense gradients are the unsplit layers' bit for
+bit; the lookup and the update are the packed embedding's, bit for bit those of its
+fused forward and backward. So a run trains exactly what ``off`` trains (bit for bit on
+CPU; on CUDA wherever the kernels are deterministic), and a resumed run looks its first
+batch up afresh from the checkpoint's rows, which are the rows the lookup would have read:
+resume is exact too.
+
+On CPU every step runs in order on one stream: the results, not the speed, of the
+overlap. A step that raises (in backward or after) drops its queued work and the pending
+lookup: no weight gradient of a failed step reaches ``.grad`` later.
+
+Streams (CUDA): the side stream waits for the step's stream (the update and the batch's
+hand-over) before the lookup; the batch's tensors are marked used by the side stream and
+the looked-up tensor by the step's stream (``record_stream``), so the caching allocator
+does not reuse their memory while the other stream may still read it.
+
+Shapes: B batch, F fields, D dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from recaccel.errors import ConfigError
+from recaccel.models.arches import MLP
+from recaccel.models.split_linear import WgradQueue
+from recaccel.ops.embedding import PackedEmbeddingBag
+from recaccel.sparse import Batch
+from recaccel.train.objectives import DLRMObjective, Objective
+from recaccel.train.pipeline import StepInput, batch_tensors
+
+
+@dataclass
+class _Lookup:
+    """A batch's pooled embeddings [B, F, D], looked up ahead, and the event that marks them
+    ready (None on CPU)."""
+
+    batch: Batch
+    pooled: Tensor
+    ready: torch.cuda.Event | None
+
+
+class OverlapStep:
+    """The step of ``train.pipeline = "overlap"`` (see the module's docstring).
+
+    Args:
+        objective: a DLRM objective whose model's MLPs can split their backward
+            (:func:`overlap_unsupported` is None).
+        device: where the step runs.
+    """
+
+    def __init__(self, objective: DLRMObjective, device: torch.device) -> None:
+        reason = overlap_unsupported(objective)
+        if reason is not None:
+            raise ConfigError(f"train.pipeline=overlap needs {reason}; use train.pipeline=sync")
+        self.objective = objective
+        self.device = device
+        self.embedding: PackedEmbeddingBag = objective.embedding
+        self.queue = attach_wgrad_queue(objective.module)
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._ahead: _Lookup | None = None
+
+    def forward_backward(self, item: StepInput) -> Tensor:
+        """This step's loss, gradients (weight gradients included) and sparse update
+        applied, and the next batch's lookup started; returns the detached loss."""
+        batch = item.batch
+        ahead, self._ahead = self._ahead, None
+        try:
+            pooled = self._pooled(batch, ahead)
+            loss = self.objective.head_loss(batch, pooled)
+            loss.backward()
+            self.embedding.apply_gradient(batch.sparse, pooled.grad)
+            del pooled
+            if item.following is not None:
+                self._ahead = self._look_up(item.following)
+            self.queue.run()
+        except BaseException:
+            self._ahead = None
+            raise
+        finally:
+            self.queue.clear()  # a no-op after run(); drops a failed step's work
+        return loss.detach()
+
+    def _pooled(self, batch: Batch, ahead: _Lookup | None) -> Tensor:
+        """``batch``'s pooled embeddings as a leaf that collects their gradient: the lookup
+        made ahead when it is this batch's, otherwise one made now."""
+        if ahead is None or ahead.batch is not batch:
+            ahead = _Lookup(batch, self._rows(batch), None)
+        if ahead.ready is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(ahead.ready)
+            ahead.pooled.record_stream(main)
+        return ahead.pooled.requires_grad_(True)
+
+    def _rows(self, batch: Batch) -> Tensor:
+        return self.embedding.lookup_rows(batch.sparse, 0, batch.batch_size)
+
+    def _look_up(self, batch: Batch) -> _Lookup:
+        """The lookup of the next batch, on the side stream on CUDA."""
+        if self._stream is None:
+            return _Lookup(batch, self._rows(batch), None)
+        side = self._stream
+        side.wait_stream(torch.cuda.current_stream(self.device))  # after the update and the hand-over
+        with torch.cuda.stream(side):
+            pooled = self._rows(batch)
+            ready = torch.cuda.Event()
+            ready.record(side)
+        for tensor in batch_tensors(batch):
+            if tensor.is_cuda:
+                tensor.record_stream(side)
+        return _Lookup(batch, pooled, ready)
+
+
+def attach_wgrad_queue(model: nn.Module) -> WgradQueue:
+    """A new queue set on every :class:`~recaccel.models.arches.MLP` of ``model``: their
+    training forwards defer weight gradients to it from now on."""
+    queue = WgradQueue()
+    for module in model.modules():
+        if isinstance(module, MLP):
+            module.wgrad_queue = queue
+    return queue
+
+
+def detach_wgrad_queue(model: nn.Module) -> None:
+    """Undoes :func:`attach_wgrad_queue`: the MLPs' backwards fill ``.grad`` themselves again."""
+    for module in model.modules():
+        if isinstance(module, MLP):
+            module.wgrad_queue = None
+
+
+def overlap_unsupported(objective: Objective) -> str | None:
+    """Why ``train.pipeline = "overlap"`` cannot run this objective, or None when it can."""
+    if not isinstance(objective, DLRMObjective):
+        return "train.mode=dlrm"
+    model = objective.module
+    if not hasattr(model, "sparse_arch"):
+        return f"a model with a sparse_arch (recaccel's DLRM), not a {type(model).__name__}"
+    if not any(isinstance(m, MLP) for m in model.modules()):
+        return (
+            f"dense layers built as recaccel MLPs (their backward splits into input and weight "
+            f"gradients); the {type(model).__name__} has none"
+        )
+    embedding = objective.embedding
+    if not isinstance(embedding, PackedEmbeddingBag):
+        return f"recaccel's packed embedding, not a {type(embedding).__name__}"
+    reason = embedding.deferred_update_unsupported()
+    if reason is not None:
+        return f"a packed embedding that applies its update itself, not one with {reason}"
+    return None
