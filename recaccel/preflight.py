@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from recaccel.config import Config, ModelConfig, UnreadableFilesPolicy, section_types, show_value
+from recaccel.config import Config, ModelConfig, UnreadableFilesPolicy, check_rules, section_types, show_value
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import list_files
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
@@ -29,8 +29,9 @@ def preflight(
 ) -> None:
     """Checks, before a run starts, what the config alone cannot say.
 
-    Every field is checked again (a Config may have been changed after it was built);
-    then the inputs: ``data.train`` (its schema builds the model, for evaluation too),
+    Every field is checked again (a Config may have been changed after it was built), and,
+    when training, the rules across sections; then the inputs: ``data.train`` (its schema
+    builds the model, for evaluation too),
     the evaluation data (``test_path``, default ``data.test``) and, when training, each
     ``meta.eval_states`` path must be a Parquet file or a folder holding some;
     ``train.out_dir`` must not be (or lie inside) a file; a ``triton`` backend needs a
@@ -50,6 +51,8 @@ def preflight(
     cfg.__post_init__()
     for name in section_types():
         getattr(cfg, name).__post_init__()
+    if training:
+        check_rules(cfg)  # the rules across sections (recaccel.config.rules), before any work
 
     def check(what: str, path: str | Path) -> None:
         _check_dataset(what, path, lambda: make_data_hint(cfg, path, config_files), cfg.data.unreadable_files)

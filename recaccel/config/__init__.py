@@ -16,9 +16,9 @@ checks what only the file system and the machine can say (input paths, the run
 directory, the backends) before a run starts.
 
 The modules: ``vocabulary`` (every choice as a ``Literal`` alias), ``checks`` (how a field
-is checked), ``data`` and ``sections`` (the dataclasses), ``files`` (TOML, paths,
-``--set``), ``load`` (:func:`load_config`), ``help`` (the ``--help`` reference; not
-imported here).
+is checked), ``data`` and ``sections`` (the dataclasses), ``rules`` (the rules that span
+sections, in one table), ``files`` (TOML, paths, ``--set``), ``load`` (:func:`load_config`),
+``help`` (the ``--help`` reference; not imported here).
 """
 
 from recaccel.config.checks import (
@@ -59,6 +59,12 @@ from recaccel.config.load import (
     config_to_dict,
     config_to_toml,
     load_config,
+)
+from recaccel.config.rules import (
+    RULES,
+    Rule,
+    check_rule,
+    check_rules,
 )
 from recaccel.config.sections import (
     Config,
@@ -115,6 +121,10 @@ from recaccel.config.vocabulary import (
 )
 
 __all__ = [
+    "RULES",
+    "Rule",
+    "check_rule",
+    "check_rules",
     "AdaptMode",
     "Arch",
     "BadRowsPolicy",

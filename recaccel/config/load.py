@@ -10,6 +10,7 @@ from typing import Any
 
 from recaccel.config.checks import show_value, suggest
 from recaccel.config.files import merge_tables, parse_override, read_toml, resolve_paths, toml_value
+from recaccel.config.rules import check_rules
 from recaccel.config.sections import Config, section_types
 from recaccel.errors import ConfigError
 
@@ -40,7 +41,8 @@ def load_config(
 
     Raises:
         ConfigError: on a missing, unreadable or non-UTF-8 file, a TOML syntax error, a
-            section that is not a table, an unknown key or a bad value.
+            section that is not a table, an unknown key, a bad value or a broken rule across
+            sections (:mod:`recaccel.config.rules`).
     """
     if path is None:
         files: list[Path] = []
@@ -57,7 +59,9 @@ def load_config(
     for item in overrides:
         section, key, value = parse_override(item)
         raw.setdefault(section, {})[key] = value
-    return config_from_dict(raw)
+    cfg = config_from_dict(raw)
+    check_rules(cfg)  # the rules across sections: refused here, before any process starts
+    return cfg
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
