@@ -1,11 +1,11 @@
 """recaccel: fast training of DLRM and meta-learning DLRM on GPUs.
 
-The public API: :func:`train`, :func:`resume`, :func:`evaluate`, :func:`load_config`,
-the config classes and the errors a caller catches. Importing it does not import torch
-(checked by ``tests/test_layout.py``).
+The public API: :func:`train`, :func:`launch` (N processes), :func:`resume`,
+:func:`evaluate`, :func:`load_config`, the config classes and the errors a caller
+catches. Importing it does not import torch (checked by ``tests/test_layout.py``).
 """
 
-from recaccel.api import evaluate, resume, train
+from recaccel.api import evaluate, launch, resume, train
 from recaccel.config import (
     Config,
     DataConfig,
@@ -40,6 +40,7 @@ __all__ = [
     "TasksConfig",
     "TrainConfig",
     "evaluate",
+    "launch",
     "load_config",
     "resume",
     "train",

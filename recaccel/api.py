@@ -1,4 +1,5 @@
-"""The Python API: train and evaluate from a config, with recaccel's model or one's own."""
+"""The Python API: train (in this process or as N ranks) and evaluate from a config, with
+recaccel's model or one's own."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def train(
             model again to :func:`resume` and :func:`evaluate`. A config naming its model
             by ``model.class_path`` needs none: the run's config.toml names it again.
 
+    A rank that torchrun's agent restarted after a failure (``TORCHELASTIC_RESTART_COUNT``
+    > 0) always resumes and never overwrites: a restart is never a new run.
+
     Raises:
         RunDirInUseError: another process trains in ``cfg.train.out_dir`` (it holds
             ``RUN/.lock``, see :mod:`recaccel.train.run_lock`), whatever ``overwrite`` says.
@@ -46,10 +50,12 @@ def train(
             a checkpoint that cannot be resumed.
     """
     from recaccel.preflight import preflight
+    from recaccel.train.distributed.launch import rank_run_flags
     from recaccel.train.run_lock import for_training
     from recaccel.train.trainer import Trainer
     from recaccel.train.user_model import model_source
 
+    resume, overwrite = rank_run_flags(resume=resume, overwrite=overwrite)
     model = model_source(cfg, model)  # model.class_path imported and its init_args checked now
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
     with for_training(Path(cfg.train.out_dir)):  # before anything there is read or written
@@ -61,6 +67,58 @@ def train(
             model=model,
         )
         return trainer.fit()
+
+
+def launch(
+    cfg: Config, *, nproc: int, max_restarts: int = 0, resume: bool = False, overwrite: bool = False
+) -> dict[str, Any]:
+    """Trains ``cfg`` as ``nproc`` processes (ranks) on this host, under torchrun's
+    elastic agent; returns the final metrics, as :func:`train` does.
+
+    Everything is checked before a rank starts: the config (``parallel.mode`` must be
+    ``hybrid``) and its inputs, the run directory (held locked for every rank and
+    restart; one already holding a run is refused unless ``resume`` or ``overwrite``)
+    and, on resume, that the newest checkpoint moves to ``nproc`` ranks. Each rank
+    prints as this process does (the console lines ``-v`` or ``-q`` chose, see
+    :func:`~recaccel.train.console.show_console`).
+    Several hosts: run ``torchrun ... -m recaccel.cli`` on each
+    (:mod:`recaccel.train.distributed.launch`).
+
+    Args:
+        cfg: the run's config.
+        nproc: number of ranks (one per device).
+        max_restarts: after a rank fails, restart every rank up to this many times,
+            each attempt resuming from the newest checkpoint (0: the run fails).
+        resume: continue the run in ``cfg.train.out_dir`` (:func:`run_config` reads its
+            config), possibly on another number of ranks.
+        overwrite: replace a run already in ``cfg.train.out_dir``.
+
+    Raises:
+        ConfigError: ``nproc`` < 1, ``max_restarts`` < 0, a config not in hybrid mode,
+            both ``resume`` and ``overwrite``, or a call from inside a torchrun rank.
+        RecaccelError: bad input, a run directory in use or already holding a run, a
+            checkpoint that cannot move to ``nproc`` ranks, and
+            :class:`~recaccel.train.distributed.launch.RankFailedError` when a rank
+            failed (its message: the first failure, in one line).
+        Preempted: a signal stopped the ranks after their checkpoint was written (a
+            ``KeyboardInterrupt``; ``exit_status`` 143 for SIGTERM, 130 for SIGINT).
+    """
+    from recaccel.train.distributed.launcher import launch_ranks
+
+    return launch_ranks(
+        absolute_paths(cfg), nproc=nproc, max_restarts=max_restarts, resume=resume, overwrite=overwrite
+    )
+
+
+def check_launch(cfg: Config, nproc: int) -> None:
+    """What :func:`launch` checks first: ``nproc`` >= 1 and a config in hybrid mode.
+
+    Raises:
+        ConfigError: one line naming what is wrong and the ``--set`` that fixes it.
+    """
+    from recaccel.train.distributed.launch import check_launch as check
+
+    check(cfg, nproc)
 
 
 def resume(

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,18 +80,12 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     setup_logging(args.verbose, quiet=args.quiet)
 
     def body() -> int:
-        import os
-
         from recaccel import api
         from recaccel.config import config_to_toml, load_config
         from recaccel.preflight import preflight
-        from recaccel.train.distributed.launch import restart_count, strip_nproc, under_torchrun
 
         hide_bar = args.no_progress or args.quiet
         overrides = list(args.overrides) + (["train.progress=false"] if hide_bar else [])
-        # A rank that torchrun's agent restarted after a failure continues the run, never
-        # starts (or overwrites) it again.
-        restarted = under_torchrun() and restart_count() > 0
         if args.max_restarts and args.nproc is None:
             raise RecaccelError(
                 "--max-restarts restarts the ranks of --nproc N; under your own torchrun pass its --max-restarts"
@@ -111,24 +104,49 @@ def train_main(argv: Sequence[str] | None = None) -> int:
             print(config_to_toml(cfg), end="")
             return 0
         if args.nproc is not None:
-            from recaccel.train.distributed.launch import check_launch
-
-            check_launch(cfg, args.nproc)  # before any rank starts
+            api.check_launch(cfg, args.nproc)  # a config not in hybrid mode: that line first
         # Refused here in one line, naming the recaccel-data command of missing data.
         preflight(cfg, config_files=files)
-        if args.nproc is not None:
-            forwarded = strip_nproc(sys.argv[1:] if argv is None else argv)
-            return _launch(cfg, args, forwarded)
-        resume = bool(args.resume) or restarted
-        main_rank = os.environ.get("RANK", "0") == "0"  # under torchrun, rank 0 reports
-        with third_party_warnings(verbose=args.verbose, quiet=args.quiet, main_rank=main_rank):
-            metrics = api.train(cfg, resume=resume, overwrite=args.overwrite and not restarted)
-        if main_rank:
-            _draw_profile(cfg)
-            _report(metrics, cfg, quiet=args.quiet)
-        return 0
+        return _launched(cfg, args) if args.nproc is not None else _trained(cfg, args)
 
     return run_command("recaccel-train", body)
+
+
+def _trained(cfg: Config, args: argparse.Namespace) -> int:
+    """Trains in this process (or as a rank of one's own torchrun: rank 0 reports)."""
+    import os
+
+    from recaccel import api
+
+    main_rank = os.environ.get("RANK", "0") == "0"
+    with third_party_warnings(verbose=args.verbose, quiet=args.quiet, main_rank=main_rank):
+        metrics = api.train(cfg, resume=bool(args.resume), overwrite=args.overwrite)
+    if main_rank:
+        _draw_profile(cfg)
+        _report(metrics, cfg, quiet=args.quiet)
+    return 0
+
+
+def _launched(cfg: Config, args: argparse.Namespace) -> int:
+    """``--nproc N``: runs the ranks (:func:`recaccel.launch`) and reports; ranks a signal
+    stopped cleanly exit 143 (SIGTERM) or 130 (SIGINT), rank 0 having printed where the
+    run resumes."""
+    from recaccel import api
+    from recaccel.train.preemption import Preempted
+
+    try:
+        metrics = api.launch(
+            cfg,
+            nproc=args.nproc,
+            max_restarts=args.max_restarts,
+            resume=bool(args.resume),
+            overwrite=args.overwrite,
+        )
+    except Preempted as stopped:
+        return stopped.exit_status
+    _draw_profile(cfg)
+    _report(metrics, cfg, quiet=args.quiet)
+    return 0
 
 
 def third_party_warnings(*, verbose: bool, quiet: bool, main_rank: bool) -> AbstractContextManager[object]:
@@ -161,40 +179,3 @@ def _report(metrics: dict[str, Any], cfg: Config, *, quiet: bool) -> None:
         print(final_line(metrics, str(out_dir / "metrics.json")))
     else:
         print_metrics(metrics, out_dir, Path(cfg.data.test).parent)
-
-
-def _launch(cfg: Config, args: argparse.Namespace, forwarded: list[str]) -> int:
-    """``--nproc N``: checks the run directory and runs ``forwarded`` as N ranks, holding
-    its lock for them (every attempt: a restarted rank 0 finds it held by its parent)."""
-    from recaccel.train.distributed.dist_checkpoint import check_resume_world_size
-    from recaccel.train.distributed.launch import relaunch
-    from recaccel.train.run_lock import lend_to_ranks, locked
-    from recaccel.train.runlog import check_run_dir, clear_run
-
-    run_dir = Path(cfg.train.out_dir)
-    with locked(run_dir), lend_to_ranks(run_dir):
-        if args.resume:
-            check_resume_world_size(run_dir, cfg, args.nproc)
-        else:
-            check_run_dir(run_dir, overwrite=args.overwrite)
-            if args.overwrite and args.max_restarts:
-                # Now, not by rank 0 later: a restart before that would resume the old run.
-                clear_run(run_dir)
-        return _ranks_until_stopped(run_dir, lambda: relaunch(args.nproc, forwarded, args.max_restarts))
-
-
-def _ranks_until_stopped(run_dir: Path, launch: Callable[[], int]) -> int:
-    """Runs ``launch``; when a signal stopped its ranks cleanly (sent to the launcher,
-    whose agent forwards it, or to a rank: they agree to stop; rank 0 printed where the
-    run resumes), their exit status: 143 for SIGTERM, 130 for SIGINT."""
-    from recaccel.train.distributed.launch import RankFailedError
-    from recaccel.train.preemption import log_mark, stop_in_log
-
-    start = log_mark(run_dir)  # this launch's events come after
-    try:
-        return launch()
-    except (KeyboardInterrupt, RankFailedError):
-        stopped = stop_in_log(run_dir, start)
-        if stopped is None:  # the ranks ended before a clean stop
-            raise
-        return stopped.exit_status

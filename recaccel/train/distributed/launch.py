@@ -1,19 +1,24 @@
-"""Launching hybrid runs: ``recaccel-train --nproc N`` runs itself as N torchrun ranks.
+"""Launching hybrid runs: :func:`recaccel.launch` (``recaccel-train --nproc N``) runs N
+torchrun ranks on this host.
 
-``recaccel-train --nproc 2 --config c.toml --set parallel.mode=hybrid`` starts torchrun's
-elastic agent (:func:`torch.distributed.launcher.api.elastic_launch`, what ``torchrun
---standalone --nproc-per-node 2`` runs) inside this process. The agent starts two workers
-on this host, each running ``python -m recaccel.cli`` with the same arguments minus
-``--nproc``, and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous address;
-:class:`~recaccel.train.distributed.hybrid.HybridParallel` joins the process group from them.
+``recaccel.launch(cfg, nproc=2)`` (or ``recaccel-train --nproc 2 --config c.toml --set
+parallel.mode=hybrid``) starts torchrun's elastic agent
+(:func:`torch.distributed.launcher.api.elastic_launch`, what ``torchrun --standalone
+--nproc-per-node 2`` runs) inside this process (see
+:mod:`recaccel.train.distributed.launcher` for the checks before). The agent starts two
+workers on this host, each running ``python -m recaccel.cli.rank`` on the config the
+launcher wrote (:data:`RANK_MODULE`), and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``
+and the rendezvous address; :class:`~recaccel.train.distributed.hybrid.HybridParallel`
+joins the process group from them.
+
 Several hosts: run torchrun yourself on each (``--nnodes``, ``--rdzv-endpoint``), e.g.
 ``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29500
 -m recaccel.cli --config c.toml``.
 
 Failure. When a rank fails, the agent stops the others (SIGTERM, SIGKILL after
 :data:`SHUTDOWN_TIMEOUT_S`) and ``recaccel-train`` exits 2 with one line about the rank
-that failed first: its own message when it ended with a
-:class:`~recaccel.errors.RecaccelError` (a rank hands that line to the agent through
+that failed first (:func:`recaccel.launch` raises :class:`RankFailedError` with it):
+its own message when it ended with a :class:`~recaccel.errors.RecaccelError` (a rank hands that line to the agent through
 torchrun's error file instead of printing it, see :func:`report_rank_error`), else how
 it ended (``rank 1 failed first: killed by SIGKILL (pid 1234)``). The agent's timestamps
 have a resolution of one second, so "first" is decided by, in order: a
@@ -22,7 +27,7 @@ other failure; the earlier timestamp; the order in which the agent saw the failu
 records the ranks it stopped itself after the failures that made it stop). The agent's
 own log lines and its traceback block are not shown; the ranks' output passes through.
 
-Elastic restarts. ``recaccel-train --nproc N --max-restarts K`` lets the agent restart
+Elastic restarts. ``recaccel-train --nproc N --max-restarts K`` (``max_restarts=K``) lets the agent restart
 every rank up to K times after a failure (torchrun's ``--max-restarts``) instead of
 ending the run: the new workers see ``TORCHELASTIC_RESTART_COUNT`` > 0
 (:func:`restart_count`) and resume from the newest checkpoint of the run directory
@@ -78,6 +83,11 @@ _AGENT_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher")
 _NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # read by the agent's c10d rendezvous
 
 
+RANK_MODULE = "recaccel.cli.rank"
+"""What each rank of :func:`recaccel.launch` runs: it reads the launcher's config file and
+calls :func:`recaccel.train`."""
+
+
 class RankFailedError(RecaccelError):
     """A rank of a ``--nproc`` run failed; the message names the one that failed first."""
 
@@ -94,6 +104,13 @@ def restart_count() -> int:
         return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0), 0)
     except ValueError:
         return 0
+
+
+def rank_run_flags(*, resume: bool, overwrite: bool) -> tuple[bool, bool]:
+    """A rank's ``(resume, overwrite)``: one that torchrun's agent restarted after a
+    failure continues the run, never starts (or overwrites) it again."""
+    restarted = under_torchrun() and restart_count() > 0
+    return resume or restarted, overwrite and not restarted
 
 
 def check_launch(cfg: Config, nproc: int) -> None:
@@ -144,12 +161,12 @@ def launch_config(nproc: int, log_dir: str, max_restarts: int = 0) -> LaunchConf
     )
 
 
-def relaunch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
-    """Runs this command line again as ``nproc`` ranks under torchrun's agent and waits.
+def relaunch(nproc: int, argv: Sequence[str], max_restarts: int = 0, module: str = RANK_MODULE) -> int:
+    """Runs ``python -m module *argv`` as ``nproc`` ranks under torchrun's agent and waits.
 
     Args:
         nproc: number of processes (one per device).
-        argv: the command-line arguments to forward, without ``--nproc``.
+        argv: each rank's command-line arguments.
         max_restarts: restarts of every rank after a failure before the run fails (the
             restarted ranks resume from the newest checkpoint).
 
@@ -172,7 +189,7 @@ def relaunch(nproc: int, argv: Sequence[str], max_restarts: int = 0) -> int:
     with tempfile.TemporaryDirectory(prefix="recaccel-launch-") as log_dir, _agent_scope(nproc, max_restarts):
         config = launch_config(nproc, log_dir, max_restarts)
         try:
-            elastic_launch(config, sys.executable)("-u", "-m", "recaccel.cli", *argv)
+            elastic_launch(config, sys.executable)("-u", "-m", module, *argv)
         except ChildFailedError as e:
             raise rank_failure(e.failures) from None
         except SignalException:
