@@ -340,3 +340,24 @@ def test_training_on_lean_batches_gives_bit_identical_losses(tmp_path, multi_hot
     lean = train_losses(path, cfg, batches)
     wide = train_losses(path, cfg, [widened(b) for b in batches])
     assert lean == wide and len(lean) == 8
+
+
+@pytest.mark.parametrize("stored", [pa.int32(), pa.uint16(), pa.uint64(), pa.int8()])
+def test_ids_of_any_stored_integer_type_decode_to_the_same_int32_batch(tmp_path, stored):
+    rng = np.random.default_rng(7)
+    n = 200
+    schema = FeatureSchema(dense=("d0",), sparse=(SparseField("a", 100), SparseField("m", 50, True)))
+    bags = [rng.integers(0, 50, rng.integers(0, 3)).tolist() for _ in range(n)]
+    table = pa.table(
+        {
+            "label": pa.array(rng.integers(0, 2, n), pa.float32()),
+            "d0": pa.array(rng.normal(size=n), pa.float32()),
+            "a": pa.array(rng.integers(0, 100, n), stored),
+            "m": pa.array(bags, pa.list_(stored)),
+        }
+    )
+    pq.write_table(table, tmp_path / "part-0.parquet", row_group_size=64)
+    batches = read_all(tmp_path, schema, "error", shuffle=False)
+    assert all(b.sparse.values.dtype == torch.int32 for b in batches)
+    got = [row for batch in batches for row in batch_rows(batch)]
+    assert got == reference(tmp_path / "part-0.parquet", schema, "error")
