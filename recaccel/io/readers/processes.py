@@ -16,7 +16,7 @@ for an argument computed from the sizes of the items before it: how a worker cut
 batches learns the rows carried into its buffer while the buffers before it are still
 being decoded elsewhere.
 
-Threads. Each worker gives Arrow's and torch's thread pools its share of the cores.
+Threads. Each worker gives Arrow's thread pool its share of the cores, torch one thread.
 
 Failures. A load that raises sends its exception back, raised by ``get`` of that item
 (a :class:`~recaccel.errors.RecaccelError` as it is, anything else as one line naming
@@ -307,11 +307,11 @@ def _serve(
 
 
 def _share_cores(workers: int) -> None:
-    """Gives each of ``workers`` processes its share of the cores for Arrow's and torch's
-    thread pools, so N workers do not run N times as many threads as there are cores."""
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    pyarrow.set_cpu_count(threads)
-    torch.set_num_threads(threads)
+    """Gives each of ``workers`` processes its share of the cores for Arrow's thread pool,
+    so N workers do not run N times as many threads as there are cores, and torch one
+    thread: a worker's torch work is copies, and idle OpenMP threads spin."""
+    pyarrow.set_cpu_count(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(1)
 
 
 class _Stop(Exception):
