@@ -320,3 +320,21 @@ def test_sigterm_or_ctrl_c_to_a_process_iterating_a_reader_leaves_no_workers_or_
     finally:
         proc.kill()
         proc.wait()
+
+
+def _iterate_in_a_daemon(path: str, out) -> None:
+    try:
+        list(rows_reader(Path(path), 1))
+        out.put("no error")
+    except Exception as exc:  # noqa: BLE001 (sent to the test)
+        out.put(f"{type(exc).__name__}: {exc}")
+
+
+def test_workers_inside_a_daemonic_process_are_refused_in_one_line(rows_data):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_iterate_in_a_daemon, args=(str(rows_data), out), daemon=True)
+    proc.start()
+    message = out.get(timeout=60)
+    proc.join(10)
+    assert message.startswith("ConfigError: data.workers > 0 cannot start reader processes")

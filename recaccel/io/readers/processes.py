@@ -46,7 +46,7 @@ from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 import pyarrow
 import torch
 
-from recaccel.errors import RecaccelError
+from recaccel.errors import ConfigError, RecaccelError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter, unlink_prefix
 
 S = TypeVar("S")
@@ -115,6 +115,11 @@ class ProcessLoader(Generic[S, T]):
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
+        if mp.current_process().daemon:
+            raise ConfigError(
+                "data.workers > 0 cannot start reader processes inside a daemonic process "
+                "(a torch DataLoader worker); use data.workers = 0 there"
+            )
         self._job = job
         self._count = count
         self._ahead = max(ahead, workers)
