@@ -27,8 +27,8 @@ class Columns:
         dense: float32 [n, Dd].
         labels: float32 [n].
         keys: F sparse field names.
-        values: F arrays, int32 or int64 [N_f], the ids of field f for all rows (int32
-            where the field's table fits, see :func:`id_dtype`).
+        values: F integer arrays [N_f], the ids of field f for all rows (int32 or int64
+            as decoded; batches get :attr:`id_dtype`).
         offsets: F arrays, int64 [n+1], starting at 0: row i of field f holds
             ``values[f][offsets[f][i]:offsets[f][i+1]]``.
         side: side columns by name (task key, timestamp), int64 [n] each.

@@ -159,8 +159,9 @@ def row_group_to_columns(
         stats: counters to update (see module docstring); None = do not count.
 
     Returns:
-        The kept rows: dense float32 [n, Dd], labels float32 [n], one CSR per field
-        (ids int32 where the field's cardinality allows, else int64).
+        The kept rows: dense float32 [n, Dd], labels float32 [n], one CSR per field;
+        batches made from them carry int32 ids when every projected field's cardinality
+        fits int32, else int64 (``Columns.id_dtype``).
 
     Raises:
         DataError: under an ``error`` policy, or for a null side column value.
