@@ -17,6 +17,7 @@ import torch
 from recaccel.config import load_config
 from recaccel.errors import DataError
 from recaccel.io.convert.synth import generate_synthetic
+from recaccel.io.format.columns import Columns, take_batch
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.host_buffer import layout_of, pack, unpack
@@ -361,3 +362,26 @@ def test_ids_of_any_stored_integer_type_decode_to_the_same_int32_batch(tmp_path,
     assert all(b.sparse.values.dtype == torch.int32 for b in batches)
     got = [row for batch in batches for row in batch_rows(batch)]
     assert got == reference(tmp_path / "part-0.parquet", schema, "error")
+
+
+def test_wide_decoded_ids_are_narrowed_in_the_batch_copy_and_joined_parts_widen():
+    rng = np.random.default_rng(9)
+    n = 50
+
+    def cols(dtype):
+        ids = [rng.integers(0, 1000, n) for _ in range(2)]  # int64, as Arrow decodes them
+        offsets = [np.arange(n + 1)] * 2
+        dense, labels = rng.normal(size=(n, 2)).astype(np.float32), np.zeros(n, np.float32)
+        return Columns(dense, labels, ["a", "b"], ids, offsets, id_dtype=dtype)
+
+    narrow, wide = cols(np.int32), cols(np.int64)
+    idx = rng.permutation(n)
+    for rows in (slice(3, 40), idx):
+        batch = take_batch(narrow, rows)
+        assert batch.sparse.values.dtype == torch.int32 and batch.sparse.one_hot
+        want = np.concatenate([v[rows] for v in narrow.values])
+        assert np.array_equal(batch.sparse.values.numpy(), want)
+    joined = Columns.concat([narrow, wide], row_major_ids=True)
+    assert joined.id_dtype == np.int64 and joined.to_batch().sparse.values.dtype == torch.int64
+    both = Columns.concat([narrow, cols(np.int32)], row_major_ids=True)
+    assert both.ids.dtype == np.int32 and take_batch(both, idx).sparse.values.dtype == torch.int32
