@@ -73,9 +73,10 @@ BENCH_OF = {"dcnv2": "interaction", "train_dcnv2": "train"}
 TRAIN_PRECISIONS = "tf32,bf16"
 
 # recaccel's step combinations (pipeline/micro_batches/cuda_graphs) the train benchmark times:
-# the overlap target's pair (sync with CUDA graphs against off). The other combinations run
-# outside gpu-check (README: recaccel-bench train --combinations ...).
-TRAIN_COMBINATIONS = "off/1/off,sync/1/on"
+# the overlap target's pair (sync with CUDA graphs against off) and the exact overlapped step
+# (train.pipeline=overlap). The other combinations run outside gpu-check (README:
+# recaccel-bench train --combinations ...).
+TRAIN_COMBINATIONS = "off/1/off,sync/1/on,overlap/1/off"
 
 # The benchmarks' sizes (besides --device and the output flags), by device type.
 BENCH_ARGS = {

@@ -145,7 +145,7 @@ def add_args(parser) -> None:
     parser.add_argument(
         "--pipeline",
         default="off",
-        help="train.pipeline values the recaccel candidate is timed under, comma-separated (off,sync,semi_sync)",
+        help="train.pipeline values the recaccel candidate is timed under, comma-separated (off,sync,semi_sync,overlap)",
     )
     parser.add_argument(
         "--micro-batches", default="1", help="train.micro_batches values, comma-separated (e.g. 1,2,4)"

@@ -41,10 +41,12 @@ Shapes: B batch, F fields, D dim.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from recaccel.errors import ConfigError
 from recaccel.models.arches import MLP
@@ -81,7 +83,8 @@ class OverlapStep:
         self.objective = objective
         self.device = device
         self.embedding: PackedEmbeddingBag = objective.embedding
-        self.queue = attach_wgrad_queue(objective.module)
+        self.queue = WgradQueue()
+        self._mlps = [m for m in objective.module.modules() if isinstance(m, MLP)]
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._ahead: _Lookup | None = None
 
@@ -92,7 +95,8 @@ class OverlapStep:
         ahead, self._ahead = self._ahead, None
         try:
             pooled = self._pooled(batch, ahead)
-            loss = self.objective.head_loss(batch, pooled)
+            with split_backward(self._mlps, self.queue):
+                loss = self.objective.head_loss(batch, pooled)
             loss.backward()
             self.embedding.apply_gradient(batch.sparse, pooled.grad)
             del pooled
@@ -136,21 +140,19 @@ class OverlapStep:
         return _Lookup(batch, pooled, ready)
 
 
-def attach_wgrad_queue(model: nn.Module) -> WgradQueue:
-    """A new queue set on every :class:`~recaccel.models.arches.MLP` of ``model``: their
-    training forwards defer weight gradients to it from now on."""
-    queue = WgradQueue()
-    for module in model.modules():
-        if isinstance(module, MLP):
-            module.wgrad_queue = queue
-    return queue
-
-
-def detach_wgrad_queue(model: nn.Module) -> None:
-    """Undoes :func:`attach_wgrad_queue`: the MLPs' backwards fill ``.grad`` themselves again."""
-    for module in model.modules():
-        if isinstance(module, MLP):
-            module.wgrad_queue = None
+@contextlib.contextmanager
+def split_backward(mlps: list[MLP], queue: WgradQueue) -> Iterator[None]:
+    """Within the block, the forwards of ``mlps`` defer their weight gradients to ``queue``;
+    after it, the MLPs are as before (a model shared with other steps, or evaluated
+    between steps, runs its plain layers)."""
+    before = [m.wgrad_queue for m in mlps]
+    for m in mlps:
+        m.wgrad_queue = queue
+    try:
+        yield
+    finally:
+        for m, old in zip(mlps, before):
+            m.wgrad_queue = old
 
 
 def overlap_unsupported(objective: Objective) -> str | None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from recaccel.bench.train_steps import BASELINE, Combination, recaccel_candidates
 from recaccel.cli import train_main
 from recaccel.config import Config, TrainConfig
 from recaccel.errors import ConfigError
@@ -155,8 +156,9 @@ def test_no_weight_gradient_is_queued_after_a_step():
 
     _run(objective, "overlap", _batches(), after_step=check)
     assert seen == [0] * 5
+    # Between steps the model's MLPs are plain again (a shared or evaluated model).
     mlps = [m for m in objective.module.modules() if isinstance(m, MLP)]
-    assert mlps and all(m.wgrad_queue is not None for m in mlps)
+    assert mlps and all(m.wgrad_queue is None for m in mlps)
 
 
 def test_a_step_raising_mid_backward_leaves_no_queued_work():
@@ -267,3 +269,20 @@ def test_overlap_refusal_from_the_cli_is_one_line(tmp_path: Path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and "train.pipeline=overlap and train.micro_batches=2" in err[0]
+
+
+# ------------------------------------------------------------- the train bench
+
+
+def test_the_train_bench_times_overlap_beside_off_and_sync_on_one_shared_model():
+    cfg = _objective().cfg
+    schema = FeatureSchema(("d0", "d1", "d2"), tuple(SparseField(n, c) for n, c in zip(NAMES, CARDS)))
+    combinations = [BASELINE, Combination("sync", 1, False), Combination("overlap", 1, False)]
+    candidates, skipped = recaccel_candidates(cfg, schema, torch.device("cpu"), "recaccel", combinations)
+    assert skipped == {}
+    assert [c.key for c in candidates] == ["recaccel", "recaccel sync/1/off", "recaccel overlap/1/off"]
+    overlap, off = candidates[2], candidates[0]
+    assert len(list(overlap.steps((b, {}) for b in _batches(3)))) == 3
+    # The model is shared: after overlap's steps the plain step still fills every gradient.
+    next(off.steps([(_batch(8, 99), {})]))
+    assert all(p.grad is not None for p in off.trainer.model.parameters() if p.requires_grad)
