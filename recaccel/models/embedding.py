@@ -122,7 +122,10 @@ def field_embedding(
             :class:`~recaccel.ops.embedding.cache.CacheOptions`.
 
     Returns:
-        A module mapping SparseFeatures to [B, F, D] (float32 whatever ``dtype``).
+        A module mapping SparseFeatures to [B, F, D] (float32 whatever ``dtype``). A
+        packed one checks ids with ``bounds_check="auto"``: inside the Triton lookup
+        kernels, the error raised at the next log step, checkpoint or evaluation;
+        eagerly, before the lookup, on the other backends.
 
     Raises:
         ConfigError: unknown backend; a 16-bit dtype with ``per_table`` or on a backend
@@ -157,5 +160,9 @@ def field_embedding(
         )
         for f in fields
     ]
-    options = EmbeddingOptions(backend=backend, mode=mode, optim=optim, dtype=dtype, cache=cache)
+    # Deferred bounds check on Triton: counted in the lookup kernels, read at log steps and
+    # checkpoints (no host sync per batch); the other backends and host tables check eagerly.
+    options = EmbeddingOptions(
+        backend=backend, mode=mode, optim=optim, dtype=dtype, cache=cache, bounds_check="auto"
+    )
     return PackedEmbeddingBag(tables, options, device=device, seed=seed)

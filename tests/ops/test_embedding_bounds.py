@@ -142,16 +142,20 @@ def test_in_range_training_steps_are_bit_identical_to_the_eager_check(optimizer_
             assert torch.equal(deferred.table_state(name)[key], tensor), (name, key)
 
 
-def test_deferred_is_the_eager_check_on_the_reference_backend(sparse_batch):
-    bad = _with_id(_batch(sparse_batch, seed=6), "a", 11)
-    m = PackedEmbeddingBag(TABLES, backend="reference", bounds_check="deferred", seed=3)
-    with pytest.raises(InvalidIdError, match=r"feature 'a': id 11"):
-        m.prepare(bad)
+def test_the_reference_backend_defers_the_check_to_its_preparation_and_reads_row_zero(sparse_batch):
+    sf = _batch(sparse_batch, seed=6)
+    bad = _with_id(sf, "a", 11)
+    m = PackedEmbeddingBag(TABLES, backend="reference", bounds_check="deferred", seed=3).eval()
+    got = m(bad)  # counted by the preparation, read later
+    with pytest.raises(InvalidIdError) as deferred:
+        m.check_ids()
+    assert str(deferred.value) == _eager_message(bad)
+    torch.testing.assert_close(got, m(_with_id(sf, "a", 0)), rtol=0, atol=0)
 
 
 def test_bounds_check_rejects_an_unknown_mode():
     with pytest.raises(
-        ConfigError, match="bounds_check must be True, False, 'eager' or 'deferred', got 'lazy'"
+        ConfigError, match="bounds_check must be True, False, 'eager', 'deferred' or 'auto', got 'lazy'"
     ):
         _modules("lazy")
 

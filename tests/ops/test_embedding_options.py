@@ -47,7 +47,10 @@ def test_none_stands_for_the_default_optimizer_and_cache() -> None:
     ("settings", "message"),
     [
         ({"mode": "dense"}, r"mode must be one of \('fused', 'autograd'\), got 'dense'"),
-        ({"bounds_check": "lazy"}, r"bounds_check must be True, False, 'eager' or 'deferred', got 'lazy'"),
+        (
+            {"bounds_check": "lazy"},
+            r"bounds_check must be True, False, 'eager', 'deferred' or 'auto', got 'lazy'",
+        ),
         ({"dtype": "fp8"}, r"dtype must be one of \('fp32', 'bf16', 'fp16'\), got 'fp8'"),
         ({"dtype": "bf16", "mode": "autograd"}, r"dtype='bf16' needs mode='fused'"),
     ],

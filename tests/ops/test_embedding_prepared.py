@@ -191,7 +191,7 @@ def test_prepared_eval_lookup_is_bit_identical(backend, sparse_batch):
 def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, monkeypatch):
     """Lookups, backward, lookup_rows and apply_gradient of a prepared batch neither
     validate, check nor gather its ids again, nor sort them for the backward."""
-    from recaccel.ops.embedding import packing, reference
+    from recaccel.ops.embedding import packing, prepared, reference
     from recaccel.ops.embedding.triton import autograd, backward
 
     _runnable(backend, device)
@@ -204,8 +204,9 @@ def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, m
 
     monkeypatch.setattr(m, "_prepare", forbidden)
     for module, names in [
-        (packing, ["gather_pack_ids", "group_by_row"]),
-        (reference, ["gather_pack_ids", "group_by_row"]),
+        (packing, ["gather_pack_ids", "group_by_row", "group_packs"]),
+        (prepared, ["gather_pack_ids", "group_by_row"]),
+        (reference, ["group_by_row"]),
         (autograd, ["gather_pack_ids", "group_by_row"]),
         (backward, ["group_by_row"]),
     ]:

@@ -24,6 +24,7 @@ Layout:
 
 from recaccel.ops.embedding.module import (
     PackedEmbeddingBag,
+    check_deferred_ids,
     choose_backend,
     init_table_weights,
     pack_backend_class,
@@ -54,6 +55,7 @@ __all__ = [
     "PreparedSparse",
     "SparseOptimConfig",
     "TableSpec",
+    "check_deferred_ids",
     "choose_backend",
     "init_table_weights",
     "pack_backend_class",

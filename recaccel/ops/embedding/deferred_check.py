@@ -51,7 +51,8 @@ class PendingCheck:
     def bad(self) -> bool:
         if self.event is not None:
             self.event.synchronize()
-        return int(self.host[0]) > 0
+        # numpy(): a read of host memory (it refuses a CUDA tensor), never a device sync.
+        return int(self.host.numpy()[0]) > 0
 
 
 def defer_batch_check(sf: SparseFeatures) -> tuple[SparseFeatures, Tensor]:

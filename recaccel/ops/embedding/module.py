@@ -18,6 +18,7 @@ Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from typing import Any
@@ -34,7 +35,7 @@ from recaccel.ops.embedding.deferred_check import PendingCheck, defer_batch_chec
 from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
 from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
-from recaccel.ops.embedding.packing import PackingPlan, Routing, check_batch
+from recaccel.ops.embedding.packing import PackIdCounts, PackingPlan, PackSort, Routing, check_batch
 from recaccel.ops.embedding.prepared import PackBatch, PreparedSparse
 from recaccel.ops.embedding.reference import ReferencePack
 from recaccel.ops.embedding.rounding import StochasticRounding, torch_dtype
@@ -187,10 +188,13 @@ class PackedEmbeddingBag(nn.Module):
             optimizer, bounds check, sparse gradients, row dtype, cache); default
             ``EmbeddingOptions()``. ``bounds_check``: ``True`` (or ``"eager"``) checks in
             :meth:`prepare`, one vectorized check and host sync per batch, and raises
-            before any kernel runs; ``"deferred"`` (Triton backend, device-placed tables;
-            elsewhere it is ``True``) checks inside the lookup kernels without a host
-            sync: see :meth:`check_ids` for when the error is raised. ``False`` does not
-            check. The reference backend always checks. The fbgemm backend's tables stay
+            before any kernel runs; ``"deferred"`` (Triton and reference backends,
+            device-placed tables; elsewhere it is ``True``) checks without a host sync,
+            in the Triton lookup kernels or the reference's preparation, an out-of-range
+            id reading row 0 of its table: see :meth:`check_ids` for when the error is
+            raised. ``"auto"``: deferred on the Triton backend, else ``True`` (what
+            recaccel's models use). ``False`` does not check, except on the reference
+            backend, which always checks one way or the other. The fbgemm backend's tables stay
             on ``device`` (``.to()`` does not move them); build the module on its final
             device.
         device: Where the rows live.
@@ -270,9 +274,12 @@ class PackedEmbeddingBag(nn.Module):
                     self.register_buffer(f"{name}_{layout.index}", tensor, persistent=False)
             self._packs.append(pack)
             self._held_names.append(tuple(held))
-        self._always_check_ids = pack_class.always_checks_ids or bool(host_packs)
-        # The check in the kernels needs kernels that take it: Triton's, on device-placed packs.
-        self._defer_check = self.bounds_check == "deferred" and self.backend == "triton" and not host_packs
+        # The deferred check needs kernels that count (Triton's) or a preparation that does
+        # (the reference's), on device-placed packs; "auto" defers with Triton only.
+        deferrable = self.backend in ("triton", "reference") and not host_packs
+        wanted = self.bounds_check == "deferred" or (self.bounds_check == "auto" and self.backend == "triton")
+        self._defer_check = wanted and deferrable
+        self._always_check_ids = (pack_class.always_checks_ids and not self._defer_check) or bool(host_packs)
         self._pending_checks: list[PendingCheck] = []
         self._routes: dict[tuple, Routing] = {}
 
@@ -464,12 +471,22 @@ class PackedEmbeddingBag(nn.Module):
             sf, bad_ids = defer_batch_check(sf)
         elif self.bounds_check or self._always_check_ids:
             check_batch(sf, routing, self.plan)
+        # A batch split among packs: their id counts read at most once, their row groupings
+        # sorted together (one sort for every pack, bitwise the order of one per pack).
+        counts, sort = PackIdCounts(sf, routing), PackSort()
         packs = [
             None
             if route.local.count == 0 or batch_size == 0
-            else self._packs[p].prepare(PackBatch(sf, route, batch_size, training))
+            else self._packs[p].prepare(
+                PackBatch(sf, route, batch_size, training, count_ids=functools.partial(counts, p), sort=sort)
+            )
             for p, route in enumerate(routing.packs)
         ]
+        sort.run()
+        if bad_ids is not None:
+            for pack in packs:  # ids the preparation replaced by row 0 (the reference reads them)
+                if pack is not None and pack.ids.bad is not None:
+                    bad_ids += pack.ids.bad
         return PreparedSparse(
             sf.keys,
             sf.values,
@@ -494,15 +511,25 @@ class PackedEmbeddingBag(nn.Module):
         the error is raised, with the eager check's message (feature, id, batch row,
         ``[0, R)`` and table, or the malformed offsets), by the first of: the module's
         next lookup once that copy has landed (on CUDA normally the next step's, on CPU
-        always), :meth:`check_ids`, which waits for it, or ``state_dict()`` (so no
-        checkpoint holds a step that read an out-of-range id). It is raised once.
-        Without the deferred check this does nothing.
+        always), :meth:`check_ids`, which waits for it (a training loop calls it at
+        each log step, through :func:`check_deferred_ids`), ``eval()`` (no evaluation
+        follows an unreported id) or ``state_dict()`` (so no checkpoint holds a step
+        that read an out-of-range id). It is raised once. Without the deferred check
+        this does nothing.
 
         Raises:
             InvalidIdError: a batch looked up since the last check had an id outside its
                 table or malformed offsets.
         """
         self._check_pending(wait=True)
+
+    def train(self, mode: bool = True) -> PackedEmbeddingBag:
+        """Sets training mode; leaving it checks the deferred bounds check's pending
+        batches first (:meth:`check_ids`), so that no evaluation follows an unreported
+        out-of-range id."""
+        if self.training and not mode:
+            self.check_ids()
+        return super().train(mode)
 
     def _queue_check(self, sf: PreparedSparse) -> None:
         """Starts the host's copy of a looked-up batch's bad-id count (no waiting)."""
@@ -634,6 +661,22 @@ class PackedEmbeddingBag(nn.Module):
         )
         dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
         return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
+
+
+def check_deferred_ids(model: nn.Module) -> None:
+    """Raises the deferred bounds check's error of any batch the packed embeddings inside
+    ``model`` looked up so far (waiting for the counts: one host synchronization).
+
+    For a training loop's log steps; checkpoints (``state_dict``) and the switch to
+    evaluation (``eval()``) check by themselves. Without a :class:`PackedEmbeddingBag`
+    using the deferred check this does nothing.
+
+    Raises:
+        InvalidIdError: an id outside its table, or malformed offsets, in a looked-up batch.
+    """
+    for module in model.modules():
+        if isinstance(module, PackedEmbeddingBag):
+            module.check_ids()
 
 
 def _index_tensor(t: Tensor) -> Tensor:

@@ -49,9 +49,14 @@ def init_states(optimizer: str, num_rows: int, dim: int, device: torch.device) -
     }
 
 
-def adam_bias_corrections(optim: SparseOptimConfig, step: int) -> tuple[float, float]:
-    """``(1 - beta1^t, 1 - beta2^t)`` for Adam's step ``t`` (computed in float64)."""
-    return 1.0 - optim.beta1**step, 1.0 - optim.beta2**step
+def adam_bias_corrections(optim: SparseOptimConfig, step: Tensor | int) -> tuple[float, float]:
+    """``(1 - beta1^t, 1 - beta2^t)`` for Adam's step ``t`` (computed in float64).
+
+    ``step`` may be the pack's step counter, a CPU tensor: read through ``numpy()``,
+    which refuses a device tensor, so this never waits for the device.
+    """
+    t = int(step.numpy()) if isinstance(step, Tensor) and not step.is_cuda else int(step)
+    return 1.0 - optim.beta1**t, 1.0 - optim.beta2**t
 
 
 # Rows updated per piece: a piece's rows are read, updated and written back while they
@@ -104,7 +109,7 @@ def update_rows(
         momentum.index_copy_(0, rows, m)
         w.sub_((lr / (m.sqrt() + optim.eps))[:, None] * g)
     elif state.optimizer == "adam":
-        bc1, bc2 = adam_bias_corrections(optim, int(state.step))
+        bc1, bc2 = adam_bias_corrections(optim, state.step)
         m1_all, m2_all = state.states["momentum1"], state.states["momentum2"]
         m1 = m1_all.index_select(0, rows).mul_(optim.beta1).add_((1 - optim.beta1) * grad)
         m2 = m2_all.index_select(0, rows).mul_(optim.beta2).add_((1 - optim.beta2) * grad * grad)

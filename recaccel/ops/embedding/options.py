@@ -17,10 +17,10 @@ from recaccel.ops.embedding.specs import SparseOptimConfig
 
 _OP = "PackedEmbeddingBag"
 PackMode = Literal["fused", "autograd"]
-BoundsCheck = Literal[True, False, "eager", "deferred"]
+BoundsCheck = Literal[True, False, "eager", "deferred", "auto"]
 PackBackendName = Literal["auto", "reference", "triton", "fbgemm"]
 MODES: tuple[str, ...] = ("fused", "autograd")
-BOUNDS_CHECKS: tuple[bool | str, ...] = (True, False, "eager", "deferred")
+BOUNDS_CHECKS: tuple[bool | str, ...] = (True, False, "eager", "deferred", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,8 @@ class EmbeddingOptions:
         mode: ``"fused"`` (the sparse optimizer runs in the backward) or ``"autograd"``
             (the packed rows are Parameters).
         optim: Sparse optimizer hyper-parameters (fused mode); None means the defaults.
-        bounds_check: ``True`` / ``"eager"``, ``"deferred"`` or ``False`` (see
+        bounds_check: ``True`` / ``"eager"``, ``"deferred"``, ``"auto"`` (deferred on
+            the Triton backend, eager elsewhere) or ``False`` (see
             :class:`~recaccel.ops.embedding.PackedEmbeddingBag`).
         sparse_grad: Autograd mode: sparse COO gradients for the packed rows.
         dtype: The packed rows' dtype, ``"fp32"``, ``"bf16"`` or ``"fp16"`` (16-bit rows
@@ -64,7 +65,7 @@ class EmbeddingOptions:
             raise ConfigError(f"{_OP}: mode must be one of {MODES}, got {self.mode!r}")
         if self.bounds_check not in BOUNDS_CHECKS:
             raise ConfigError(
-                f"{_OP}: bounds_check must be True, False, 'eager' or 'deferred', got {self.bounds_check!r}"
+                f"{_OP}: bounds_check must be True, False, 'eager', 'deferred' or 'auto', got {self.bounds_check!r}"
             )
         if self.dtype not in EMBEDDING_DTYPES:
             raise ConfigError(f"{_OP}: dtype must be one of {EMBEDDING_DTYPES}, got {self.dtype!r}")

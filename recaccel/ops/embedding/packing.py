@@ -75,6 +75,9 @@ class LocalFeatures:
             reads row 0 of its table and is counted), else None.
         wide_rows: The pack has more than 2^31 rows: its packed rows need int64 even
             when the batch's ids are int32.
+        whole_batch: ``src`` is a permutation of ``0..F-1``: the pack takes every id of
+            the batch, so its number of ids is the batch's, known without reading the
+            offsets.
     """
 
     src: Tensor
@@ -87,6 +90,7 @@ class LocalFeatures:
     any_missing: bool
     limit: Tensor | None = None
     wide_rows: bool = False
+    whole_batch: bool = False
 
     @classmethod
     def build(
@@ -112,6 +116,7 @@ class LocalFeatures:
             any_missing=any(s < 0 for s in src),
             limit=None if limit is None else as_long(limit),
             wide_rows=wide_rows,
+            whole_batch=sorted(src) == list(range(num_keys)),
         )
 
 
@@ -181,12 +186,16 @@ class PackIds:
         scale: float32 [N_p] per-id multiplier (the id's weight, times ``1/L`` under mean
             pooling), or None for all ones.
         bags: int64 [N_p] bag of each id, or None when not asked for.
+        bad: With the deferred bounds check (``LocalFeatures.limit``), int32 [1] the
+            number of ids outside their table (each replaced by its table's row 0), made
+            on the device; else None.
     """
 
     rows: Tensor
     offsets: Tensor
     scale: Tensor | None
     bags: Tensor | None
+    bad: Tensor | None = None
 
 
 class RowGroups:
@@ -194,7 +203,9 @@ class RowGroups:
 
     Unpacks as ``order, unique_rows, segments``. ``unique_rows`` and ``segments`` have a
     data-dependent size U (a host synchronization to make): :func:`group_by_row` makes
-    them at once when asked, else on first access, from the sorted keys it keeps.
+    them at once when asked, else on first access, from the sorted keys it keeps. A
+    grouping queued on a :class:`PackSort` is sorted with the other packs' when the sort
+    runs (or when its order is first read).
 
     Attributes:
         order: int64 [N_p] occurrences sorted by row, stable.
@@ -204,10 +215,27 @@ class RowGroups:
             ``order[segments[u]:segments[u+1]]``.
     """
 
-    def __init__(self, order: Tensor, sorted_rows: Tensor) -> None:
-        self.order = order
-        self.sorted_rows = sorted_rows
+    def __init__(
+        self, order: Tensor | None, sorted_rows: Tensor | None, sort: PackSort | None = None
+    ) -> None:
+        self._order = order
+        self._sorted_rows = sorted_rows
+        self._sort = sort
         self._unique: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def order(self) -> Tensor:
+        self._sorted()
+        return self._order
+
+    @property
+    def sorted_rows(self) -> Tensor:
+        self._sorted()
+        return self._sorted_rows
+
+    def _sorted(self) -> None:
+        if self._order is None:
+            self._sort.run()
 
     @property
     def unique_rows(self) -> Tensor:
@@ -223,7 +251,8 @@ class RowGroups:
 
     def tensors(self) -> list[Tensor]:
         """The tensors made so far (what a consumer stream must mark as used)."""
-        return [self.order, self.sorted_rows, *(self._unique or ())]
+        made = [t for t in (self._order, self._sorted_rows) if t is not None]
+        return made + list(self._unique or ())
 
     def _unique_and_segments(self) -> tuple[Tensor, Tensor]:
         if self._unique is None:
@@ -338,15 +367,26 @@ class PackingPlan:
 
 
 def gather_pack_ids(
-    sf: SparseFeatures, local: LocalFeatures, batch_size: int, *, with_bags: bool = False
+    sf: SparseFeatures,
+    local: LocalFeatures,
+    batch_size: int,
+    *,
+    with_bags: bool = False,
+    num_ids: int | None = None,
 ) -> PackIds:
     """Selects, shifts and scales the ids of one pack's local features.
+
+    No host synchronization when the pack's number of ids is known on the host: the
+    batch's CSR as is, a pack that takes every feature of the batch, or ``num_ids``
+    given; otherwise one (that number, read from the pack's offsets).
 
     Args:
         sf: The batch (F features, B rows).
         local: The pack's local features (S of them).
         batch_size: B.
         with_bags: Also return each id's bag.
+        num_ids: The pack's number of ids N_p, when the caller knows it
+            (:class:`PackIdCounts`).
 
     Returns:
         The pack's ids in CSR over ``S*B`` bags, rows and offsets in :func:`index_dtype`.
@@ -368,7 +408,9 @@ def gather_pack_ids(
             lengths = lengths * (local.src >= 0).repeat_interleave(b)
         offsets = torch.zeros(s * b + 1, dtype=index, device=device)
         torch.cumsum(lengths, 0, out=offsets[1:])
-        n = int(offsets[-1])
+        if num_ids is None:
+            num_ids = values.numel() if local.whole_batch else int(offsets[-1])
+        n = num_ids
         # Each id moves by (its bag's start in the batch) - (its bag's start in the pack).
         shift = torch.repeat_interleave(starts - offsets[:-1], lengths, output_size=n)
         gather = shift + torch.arange(n, device=device)
@@ -380,11 +422,14 @@ def gather_pack_ids(
     if with_bags:
         bags = torch.repeat_interleave(torch.arange(s * b, device=device), lengths, output_size=n)
     feat_counts = offsets[b::b] - offsets[: s * b : b] if b > 0 else None
+    bad = None
     if local.limit is not None and b > 0:
         # Deferred bounds check: an id outside its table reads (and updates) the table's
         # row 0, as the forward kernel does, never another table's row or past the buffer.
         limit = torch.repeat_interleave(local.limit, feat_counts, output_size=n)
-        values = torch.where((values >= 0) & (values < limit), values, 0)
+        ok = (values >= 0) & (values < limit)
+        values = torch.where(ok, values, 0)
+        bad = (n - ok.sum(dtype=torch.int32)).reshape(1)
     rows = values
     if local.any_shift and b > 0:
         rows = values + torch.repeat_interleave(local.row_offset.to(index), feat_counts, output_size=n)
@@ -394,7 +439,44 @@ def gather_pack_ids(
         bag_scale = torch.where(local.is_mean.repeat_interleave(b), inv_len, torch.ones_like(inv_len))
         mean_scale = torch.repeat_interleave(bag_scale, lengths, output_size=n)
         scale = mean_scale if scale is None else scale * mean_scale
-    return PackIds(rows, offsets, scale, bags)
+    return PackIds(rows, offsets, scale, bags, bad)
+
+
+class PackIdCounts:
+    """The number of ids each pack takes from one batch, read from the device at most
+    once for all packs (one host synchronization), and only when a pack asks.
+
+    A batch whose features all go to one pack needs no read: that pack takes every id.
+
+    Args:
+        sf: The batch (F features, B rows), its offsets valid (checked or clamped).
+        routing: Its routing.
+    """
+
+    def __init__(self, sf: SparseFeatures, routing: Routing) -> None:
+        self._sf = sf
+        self._routing = routing
+        self._counts: list[int] | None = None
+
+    def __call__(self, p: int) -> int | None:
+        """Pack ``p``'s number of ids, or None when the pack computes it without a read."""
+        if self._routing.packs[p].local.whole_batch:
+            return None
+        if self._counts is None:
+            self._counts = self._read()
+        return self._counts[p]
+
+    def _read(self) -> list[int]:
+        sf, routing = self._sf, self._routing
+        b, f = sf.batch_size, len(routing.keys)
+        offsets = sf.offsets.long()
+        per_feature = offsets[b : (f + 1) * b : b] - offsets[: f * b : b]  # [F]
+        pack_of = torch.empty(f, dtype=torch.int64)
+        for p, route in enumerate(routing.packs):
+            pack_of[route.features] = p
+        counts = torch.zeros(len(routing.packs), dtype=torch.int64, device=offsets.device)
+        counts.index_add_(0, pack_of.to(offsets.device), per_feature)
+        return counts.tolist()  # the one read of every pack's count
 
 
 _INT32_ROWS = 2**31  # packed rows below this fit int32 sort keys
@@ -430,6 +512,71 @@ def group_by_row(rows: Tensor, num_rows: int | None = None, *, unique: bool = Tr
     groups = RowGroups(order, sorted_rows)
     if unique:
         groups.unique_rows  # noqa: B018 (made now, on the preparing stream)
+    return groups
+
+
+class PackSort:
+    """The row groupings of one batch's packs, made by one sort (:func:`group_packs`).
+
+    Packs queue their grouping (:meth:`group`) while a batch is prepared; :meth:`run`
+    then sorts them all at once (a queued grouping read before that runs it).
+    """
+
+    def __init__(self) -> None:
+        self._queued: list[tuple[Tensor, int, bool, RowGroups]] = []
+
+    def group(self, rows: Tensor, num_rows: int, unique: bool) -> RowGroups:
+        """Queues :func:`group_by_row` of ``rows`` (a pack of ``num_rows`` rows)."""
+        groups = RowGroups(None, None, self)
+        self._queued.append((rows, num_rows, unique, groups))
+        return groups
+
+    def run(self) -> None:
+        """Sorts every queued grouping (one sort; none when nothing is queued)."""
+        queued, self._queued = self._queued, []
+        if not queued:
+            return
+        made = group_packs([q[0] for q in queued], [q[1] for q in queued], [False] * len(queued))
+        for (_, _, unique, groups), done in zip(queued, made):
+            groups._order, groups._sorted_rows = done.order, done.sorted_rows
+            if unique:
+                groups.unique_rows  # noqa: B018 (made now, on the preparing stream)
+
+
+def group_packs(rows: list[Tensor], num_rows: list[int], unique: list[bool]) -> list[RowGroups]:
+    """:func:`group_by_row` of several packs' occurrences with one sort for all of them.
+
+    The packs' rows are concatenated, each shifted by the rows of the packs before it
+    (int32 keys when all the packs' rows fit), and sorted once, stably: pack ``p``'s keys
+    lie above every earlier pack's and below every later one's, so its occurrences come
+    out together, at the place they went in, in the order of its own stable sort. The
+    result is bitwise that of one :func:`group_by_row` per pack. No host synchronization
+    (the split points are the packs' id counts, known on the host).
+
+    Args:
+        rows: Per pack, int32 or int64 [N_p] packed row of each occurrence.
+        num_rows: Per pack, its rows R_p.
+        unique: Per pack, make ``unique_rows`` and ``segments`` now (see :func:`group_by_row`).
+
+    Returns:
+        One :class:`RowGroups` per pack.
+    """
+    if len(rows) == 1:
+        return [group_by_row(rows[0], num_rows[0], unique=unique[0])]
+    key_dtype = torch.int32 if sum(num_rows) <= _INT32_ROWS else torch.int64
+    bases = [sum(num_rows[:p]) for p in range(len(rows))]
+    keys = torch.cat([r.to(key_dtype) + base if base else r.to(key_dtype) for r, base in zip(rows, bases)])
+    sorted_keys, order = torch.sort(keys, stable=True)
+    groups, start = [], 0
+    for r, rows_p, base, make_unique in zip(rows, num_rows, bases, unique):
+        n = r.numel()
+        # The keys of one group_by_row: int32 where the pack's rows fit, else the rows' dtype.
+        own = torch.int32 if rows_p <= _INT32_ROWS else r.dtype
+        group = RowGroups(order[start : start + n] - start, (sorted_keys[start : start + n] - base).to(own))
+        if make_unique:
+            group.unique_rows  # noqa: B018 (made now, on the preparing stream)
+        groups.append(group)
+        start += n
     return groups
 
 

@@ -27,12 +27,22 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from recaccel.ops.embedding.packing import LocalFeatures, PackIds, PackRoute, Routing, RowGroups
+from recaccel.ops.embedding.packing import (
+    LocalFeatures,
+    PackIds,
+    PackRoute,
+    PackSort,
+    Routing,
+    RowGroups,
+    gather_pack_ids,
+    group_by_row,
+)
 from recaccel.sparse import SparseFeatures
 
 
@@ -69,6 +79,10 @@ class PackBatch:
         prepared: The pack's own preparation of the batch (what ``prepare`` returned,
             made for training when ``train`` is), or None (before ``prepare``, or when
             the pack needs none).
+        count_ids: For ``prepare``: the pack's number of ids when the module reads it
+            for all packs at once (a batch split among packs), None for "count it".
+        sort: For ``prepare``: the module's sort of all packs' row groupings, or None
+            (each pack sorts its own).
     """
 
     sf: SparseFeatures
@@ -76,6 +90,20 @@ class PackBatch:
     batch_size: int
     train: bool
     prepared: PreparedPack | None = None
+    count_ids: Callable[[], int | None] | None = None
+    sort: PackSort | None = None
+
+    def pack_ids(self, *, with_bags: bool = False) -> PackIds:
+        """The pack's ids of the batch (:func:`~recaccel.ops.embedding.packing.gather_pack_ids`)."""
+        num_ids = None if self.count_ids is None else self.count_ids()
+        return gather_pack_ids(self.sf, self.local, self.batch_size, with_bags=with_bags, num_ids=num_ids)
+
+    def group(self, rows: Tensor, num_rows: int, *, unique: bool) -> RowGroups:
+        """The pack's ids grouped by row (:func:`~recaccel.ops.embedding.packing.group_by_row`),
+        queued on the module's sort of all packs when there is one."""
+        if self.sort is None:
+            return group_by_row(rows, num_rows, unique=unique)
+        return self.sort.group(rows, num_rows, unique)
 
     @property
     def local(self) -> LocalFeatures:

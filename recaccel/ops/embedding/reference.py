@@ -30,7 +30,6 @@ from recaccel.ops.embedding.pack_backend import HeldPack
 from recaccel.ops.embedding.packing import (
     PackIds,
     RowGroups,
-    gather_pack_ids,
     group_by_row,
     slice_pack_ids,
 )
@@ -176,8 +175,10 @@ class ReferencePack(HeldPack):
 
     def prepare(self, batch: PackBatch) -> PreparedPack:
         backward = batch.train and self.mode == "fused"  # autograd mode: embedding_bag's own backward
-        ids = gather_pack_ids(batch.sf, batch.local, batch.batch_size, with_bags=backward)
-        return PreparedPack(ids, group_by_row(ids.rows) if backward else None)
+        ids = batch.pack_ids(with_bags=backward)
+        return PreparedPack(
+            ids, batch.group(ids.rows, self.layout.num_rows, unique=True) if backward else None
+        )
 
     def lookup_autograd(self, weight: Tensor, batch: PackBatch) -> Tensor:
         ids, count = batch.prepared.ids, batch.local.count

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions
-from recaccel.ops.embedding.packing import PackLayout, gather_pack_ids, group_by_row
+from recaccel.ops.embedding.packing import PackLayout
 from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.triton.autograd import (
     TritonEmbeddingBagFunction,
@@ -67,9 +67,9 @@ class TritonPack(HeldPack):
     def prepare(self, batch: PackBatch) -> PreparedPack | None:
         if not batch.train:
             return None
-        ids = gather_pack_ids(batch.sf, batch.local, batch.batch_size, with_bags=True)
+        ids = batch.pack_ids(with_bags=True)
         # The fused update reads only the sort order: no unique rows, no host sync.
-        groups = group_by_row(ids.rows, self.layout.num_rows, unique=self.mode == "autograd")
+        groups = batch.group(ids.rows, self.layout.num_rows, unique=self.mode == "autograd")
         return PreparedPack(ids, groups)
 
     def lookup_autograd(self, weight: Tensor, batch: PackBatch) -> Tensor:

@@ -395,7 +395,7 @@ def fused_update(
         return
     keys = ids.rows.index_select(0, order)
     bags, scale = _sorted_occurrences(ids, order)
-    bc1, bc2 = adam_bias_corrections(optim, int(state.step))
+    bc1, bc2 = adam_bias_corrections(optim, state.step)
     hyper = (
         optim.lr,
         optim.eps,
