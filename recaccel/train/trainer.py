@@ -14,12 +14,13 @@ import torch
 from tqdm.auto import tqdm
 
 from recaccel.config import Config, LabelKind, Loss
+from recaccel.config.rules import check_rule
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
-from recaccel.models.factory import build_model, places_tables_on_host
+from recaccel.models.factory import build_model
 from recaccel.train.best import next_record, summary
 from recaccel.train.cache_meter import CacheMeter
 from recaccel.train.checkpoint import TrainState, load_reader_position, save_best
@@ -72,12 +73,7 @@ def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
     if cfg.parallel.mode == "hybrid":
         from recaccel.train.distributed.hybrid import HybridParallel
 
-        if cfg.train.best_metric:
-            raise ConfigError(
-                f"config key train.best_metric={cfg.train.best_metric} (best.pt, early stopping) runs "
-                "parallel.mode=single"
-            )
-
+        check_rule(cfg, "hybrid_keeps_no_best_checkpoint")  # a config changed after it was loaded
         return HybridParallel(cfg, device)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world > 1:
@@ -173,11 +169,7 @@ class Trainer:
         task's support rows, and as is), on the same query rows: the meta baselines.
         """
         cfg = self.cfg
-        if places_tables_on_host(cfg.model) and cfg.parallel.mode == "hybrid":
-            raise ConfigError(
-                "model.embedding_placement=host (or a table_placement of host) runs parallel.mode=single: hybrid "
-                "mode shards the tables through TorchRec, which places them itself"
-            )
+        check_rule(cfg, "hybrid_places_no_table_on_host")
         if self._model_source is not None:
             model = build_user_model(self._model_source, cfg, self.schema, self.device)
         else:

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from recaccel.config import Config, OptimConfig, SparseOptimizer, TrainConfig
+from recaccel.config.rules import check_rule
 from recaccel.errors import ConfigError
 from recaccel.io.readers.protocol import Reader
 from recaccel.ops.embedding.specs import SparseOptimConfig
@@ -166,10 +167,7 @@ class HybridParallel:
     def __init__(self, cfg: Config, device: torch.device) -> None:
         self.cfg = cfg
         p = cfg.parallel
-        if not cfg.data.drop_last:
-            raise ConfigError(
-                "parallel.mode=hybrid needs data.drop_last = true (every rank trains on equal batches)"
-            )
+        check_rule(cfg, "hybrid_needs_drop_last")  # a config changed after it was loaded
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             if not under_torchrun():
