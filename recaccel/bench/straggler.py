@@ -23,7 +23,7 @@ monitor runs in all of them (``monitor.every`` steps between gathers); the step 
 the ``slowed`` run's metrics.json first flags the slow rank is ``detect_steps``.
 
 Row identity: dense column 0 holds ``row_index / 1024`` (exact in float32). Each rank
-records, through :attr:`HybridParallel.on_batch`, the time and the row ids of every
+records, through a step observer (``BatchCallback``), the time and the row ids of every
 local batch it trains; the parent counts each epoch's rows (lost: never trained,
 repeated: trained more than once) and times samples/s on rank 0's step starts (ranks
 start a step together, after the step's agreement), after ``--warmup`` steps.
@@ -197,13 +197,13 @@ def scenario_overrides(args, name: str, root: Path, round_: int = 0) -> list[str
 
 
 class _Recorder:
-    """``HybridParallel.on_batch`` of one run on one rank: records each step's start time
-    and the row ids of its local batch, one line per step."""
+    """A step observer's callback (``BatchCallback``) of one run on one rank: records each
+    step's start time and the row ids of its local batch, one line per step."""
 
     def __init__(self) -> None:
         self.lines: list[str] = []
 
-    def __call__(self, batch) -> None:
+    def __call__(self, step: int, batch) -> None:
         import torch
 
         start = time.perf_counter()
@@ -226,6 +226,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
 
     from recaccel.config import load_config
     from recaccel.train.distributed.hybrid import HybridParallel
+    from recaccel.train.observers import BatchCallback
     from recaccel.train.trainer import Trainer
 
     torch.set_num_threads(1)
@@ -246,8 +247,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
                 cfg = load_config(None, run["sets"])
                 parallel = HybridParallel(cfg, torch.device("cpu"))
                 recorder = _Recorder()
-                parallel.on_batch = recorder
-                Trainer(cfg, parallel=parallel).fit()
+                Trainer(cfg, parallel=parallel, observers=[BatchCallback(recorder)]).fit()
             except ConfigError as e:
                 if rank == 0:
                     (out / f"{key}.refused").write_text(str(e).strip().splitlines()[0])

@@ -233,7 +233,7 @@ def write_markdown(
         f"{setup['repeats']} rounds of the scenarios in one process group, interleaved "
         "(clean, clean_dynamic, slowed, rebalance, backup, clean, ...); samples_per_s is the median over rounds "
         "(each round's in rounds_samples_per_s), timed here from rank 0's step starts (recorded by "
-        "HybridParallel.on_batch; ranks start a step together after its agreement) over the steps "
+        "a step observer; ranks start a step together after its agreement) over the steps "
         f"after the first {setup['warmup_steps']}, rows being each step's local batches summed over ranks. "
         "second_half_samples_per_s: the epoch's second half only (the controllers settled). "
         "metrics.json's samples_per_s (whole epoch, warm-up included) is in the JSON as "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from recaccel.ops.embedding import PackedEmbeddingBag
+from recaccel.train.observers import StepObserver
 
 # Counters that add up over modules and steps (the hit rate is recomputed from two of them).
 _COUNTERS = (
@@ -17,8 +18,9 @@ _COUNTERS = (
 )
 
 
-class CacheMeter:
-    """Reads the device caches of a model's packed embeddings.
+class CacheMeter(StepObserver):
+    """Reads the device caches of a model's packed embeddings (a step observer: the
+    traffic since the last ``train`` event in each, the totals in the final metrics).
 
     Counters are cumulative over the process's lookups (training and evaluation; a
     resumed run counts from its resume).
@@ -31,6 +33,14 @@ class CacheMeter:
         self._embeddings = [m for m in model.modules() if isinstance(m, PackedEmbeddingBag)]
         self._last: dict[str, float] | None = None
         self._last_step = 0
+
+    name = "cache"
+
+    def log_fields(self, step: int) -> dict[str, float]:
+        return self.since_last(step)
+
+    def final_metrics(self) -> dict[str, float]:
+        return self.totals()
 
     def totals(self) -> dict[str, float]:
         """``cache_hit_rate`` and the summed counters and sizes; empty without host tables."""

@@ -9,7 +9,6 @@ The Trainer calls the same methods on either, so its loop has no mode branches;
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,27 +19,15 @@ from recaccel.config import TrainConfig
 from recaccel.io.readers.protocol import Reader
 from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from recaccel.train.objectives import Objective
+from recaccel.train.observers import StepDone, StepObserver, StepObservers
 from recaccel.train.pipeline import BatchPipeline
 from recaccel.train.preemption import pending_signal
 from recaccel.train.step import build_step
 
+__all__ = ["BatchWithState", "Parallelism", "SingleProcess", "StepDone"]
+
 # (batch, reader position after it): what the device loader hands the training loop.
 BatchWithState = tuple[Any, dict[str, Any]]
-
-
-@dataclass
-class StepDone:
-    """One finished optimizer step.
-
-    Attributes:
-        loss: the step loss (detached scalar; the global mean in hybrid mode).
-        reader_state: the reader position after the step's batch.
-        rows: training rows of the step over all ranks.
-    """
-
-    loss: Tensor
-    reader_state: dict[str, Any]
-    rows: int
 
 
 class Parallelism(Protocol):
@@ -58,20 +45,26 @@ class Parallelism(Protocol):
 
     def reader(self, make: Callable[[int, int], Reader], *, train: bool) -> Reader: ...
 
-    def batches(self, loader: Iterable, objective: Objective) -> Iterator: ...
-
     def steps(
         self,
         source: Iterable[BatchWithState],
         objective: Objective,
         optimizer: torch.optim.Optimizer,
         train: TrainConfig,
+        observers: StepObservers | None = None,
     ) -> Iterator[StepDone]:
         """Trains on ``source``'s batches, one optimizer step each, as ``train.pipeline``
-        and ``train.micro_batches`` say; yields after each step."""
+        and ``train.micro_batches`` say; calls ``observers.before_step`` with each batch
+        about to train; yields after each step."""
         ...
 
-    def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor: ...
+    def observers(self) -> list[StepObserver]:
+        """The step observers this layout brings (hybrid: straggler policy, monitor)."""
+        ...
+
+    def sparse_rate_setters(self) -> list[Callable[[float], None]]:
+        """Setters of the rates of sparse optimizers this layout owns (beyond the model's)."""
+        ...
 
     def gather(self, tensor: Tensor) -> Tensor: ...
 
@@ -116,17 +109,13 @@ class SingleProcess:
     def reader(self, make: Callable[[int, int], Reader], *, train: bool) -> Reader:
         return make(0, 1)
 
-    def batches(self, loader: Iterable, objective: Objective) -> Iterator:
-        for batch in loader:
-            self.step_rows = batch.training_rows
-            yield batch
-
     def steps(
         self,
         source: Iterable[BatchWithState],
         objective: Objective,
         optimizer: torch.optim.Optimizer,
         train: TrainConfig,
+        observers: StepObservers | None = None,
     ) -> Iterator[StepDone]:
         """The batches through the :class:`BatchPipeline` of ``train.pipeline``, each
         stepped by the runner of :func:`recaccel.train.step.build_step`."""
@@ -134,18 +123,18 @@ class SingleProcess:
         runner = build_step(train, objective, self.device)
         for item in pipeline(source):
             self.step_rows = item.batch.training_rows
+            if observers is not None:
+                observers.before_step(item.batch)
             optimizer.zero_grad(set_to_none=True)
             loss = runner.forward_backward(item)
             optimizer.step()
             yield StepDone(loss, item.reader_state, self.step_rows)
 
-    def train_step(self, objective: Objective, optimizer: torch.optim.Optimizer, batch: Any) -> Tensor:
-        """One optimizer step; a fused embedding applies its sparse update inside backward."""
-        optimizer.zero_grad(set_to_none=True)
-        loss = objective.batch_loss(batch)
-        loss.backward()
-        optimizer.step()
-        return loss.detach()
+    def observers(self) -> list[StepObserver]:
+        return []
+
+    def sparse_rate_setters(self) -> list[Callable[[float], None]]:
+        return []
 
     def gather(self, tensor: Tensor) -> Tensor:
         """Concatenates a per-rank [N, ...] tensor over ranks (here: itself)."""

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from recaccel.train.observers import Note, StepDone, StepObserver
+
 logger = logging.getLogger(__name__)
 
 STEP_LABEL = "recaccel/train-step"
@@ -25,11 +27,12 @@ def trace_path(run_dir: Path, steps: list[int] | tuple[int, ...]) -> Path:
     return Path(run_dir) / f"profile-steps-{steps[0]}-{steps[1]}.json"
 
 
-class StepProfiler:
+class StepProfiler(StepObserver):
     """Profiles steps ``first..last`` (1-based, inclusive) of the training loop.
 
-    Call :meth:`at` with the number of steps done when training starts and after every
-    step: it starts profiling before step ``first`` and writes the trace after ``last``.
+    A step observer: :meth:`at` runs with the number of steps done when training starts
+    and after every step: it starts profiling before step ``first`` and writes the trace
+    after ``last``.
     A run resumed past ``first`` profiles nothing.
 
     Args:
@@ -46,6 +49,15 @@ class StepProfiler:
             self._activities.append(ProfilerActivity.CUDA)
         self._prof: profile | None = None
         self._label: record_function | None = None
+
+    name = "profiler"
+
+    def on_start(self, step: int) -> None:
+        self.at(step)
+
+    def after_step(self, step: int, done: StepDone) -> tuple[Note, ...]:
+        self.at(step)
+        return ()
 
     def at(self, done: int) -> Path | None:
         """After ``done`` steps: starts, labels the next step, or stops; returns the trace's

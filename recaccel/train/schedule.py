@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from torch import nn
 from recaccel.config import OptimConfig
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding import PackedEmbeddingBag
+
+if TYPE_CHECKING:
+    from recaccel.train.parallel import Parallelism
 
 _SHAPES: dict[str, Callable[[float, float], float]] = {
     "linear": lambda t, power: 1.0 - t,
@@ -184,34 +187,29 @@ class LRSchedule:
         self._applied = f
 
 
-def sparse_rate_setters(module: nn.Module, parallel: object) -> list[Callable[[float], None]]:
+def sparse_rate_setters(module: nn.Module, parallel: Parallelism) -> list[Callable[[float], None]]:
     """Setters of every sparse optimizer's rate in a run.
 
     - recaccel's packed embeddings in ``module`` (their fused optimizer, any depth);
-    - in hybrid mode (``parallel`` a :class:`~recaccel.train.distributed.hybrid.HybridParallel`):
-      TorchRec's fused optimizer of the sharded tables (its groups' ``lr``, applied to
-      FBGEMM's kernels by its ``step``, as TorchRec's own ``WarmupOptimizer`` does) and
-      the optimizer of the replicated (``data_parallel``) tables.
+    - those the process layout owns (``parallel.sparse_rate_setters()``; hybrid mode:
+      TorchRec's fused optimizer of the sharded tables, see :func:`set_fused_rate`, and
+      the optimizer of the replicated ``data_parallel`` tables).
     """
     setters: list[Callable[[float], None]] = [
         m.set_learning_rate for m in module.modules() if isinstance(m, PackedEmbeddingBag)
     ]
-    dmp = getattr(parallel, "dmp", None)
-    if dmp is not None:
-        setters.append(partial(_set_fused, dmp.fused_optimizer))
-    replicated = getattr(parallel, "replicated_optimizer", None)
-    if replicated is not None:
-        setters.append(partial(_set_groups, replicated))
-    return setters
+    return setters + parallel.sparse_rate_setters()
 
 
-def _set_groups(optimizer: torch.optim.Optimizer, lr: float) -> None:
+def set_group_rates(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Sets every group's ``lr`` of ``optimizer``."""
     for group in optimizer.param_groups:
         group["lr"] = lr
 
 
-def _set_fused(optimizer, lr: float) -> None:
-    """TorchRec's fused optimizer: the groups' rate reaches the kernels on ``step``
-    (which updates nothing: the rows were updated inside backward)."""
-    _set_groups(optimizer, lr)
+def set_fused_rate(optimizer: Any, lr: float) -> None:
+    """TorchRec's fused optimizer: the groups' rate reaches FBGEMM's kernels on ``step``
+    (which updates nothing: the rows were updated inside backward), as TorchRec's own
+    ``WarmupOptimizer`` does."""
+    set_group_rates(optimizer, lr)
     optimizer.step()

@@ -28,9 +28,11 @@ from recaccel.train.checkpoint_paths import all_checkpoints
 from recaccel.train.console import PhaseTimer, show_eval, show_event
 from recaccel.train.data_wait import DataWait
 from recaccel.train.dense_head import build_head, check_head_options
-from recaccel.train.distributed.monitor import check_faults, kill_if_due
+from recaccel.train.distributed.faults import KillRank
+from recaccel.train.distributed.monitor import check_faults
 from recaccel.train.evaluation import MetricWindow
 from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
+from recaccel.train.observers import Note, StepObserver, StepObservers
 from recaccel.train.optim import build_dense_optimizer
 from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
 from recaccel.train.precision import log_fallback, matmul_precision
@@ -102,6 +104,7 @@ class Trainer:
         fresh_if_no_checkpoint: with ``resume``, a run directory without any checkpoint
             (a run stopped before its first one) trains from step 0 instead of failing.
         model: one's own model instead of ``[model]``'s (:mod:`recaccel.train.user_model`).
+        observers: step observers to add to the run's own (:mod:`recaccel.train.observers`).
 
     Raises:
         RecaccelError: a new run into a run directory that holds another run, without
@@ -117,6 +120,7 @@ class Trainer:
         overwrite: bool = False,
         fresh_if_no_checkpoint: bool = False,
         model: ModelSource | None = None,
+        observers: list[StepObserver] | None = None,
     ) -> None:
         self.cfg = cfg
         self._model_source = model
@@ -136,7 +140,6 @@ class Trainer:
         self.objective, self.evaluator = self._objectives()
         self.module = self.parallel.wrap(self.objective.module)
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
-        self.cache_meter = CacheMeter(self.objective.module)
         self.reader = self._reader(self.objective, cfg.data.train, train=True)
         self.state = TrainState()
         if resume:
@@ -147,10 +150,25 @@ class Trainer:
         self.schedule: LRSchedule | None = None  # made by fit(): it needs the run's length
         self._logged = (0, 0.0)  # (samples, training seconds) at the previous train event
         self._saved_at = -1  # the step of the last checkpoint this fit wrote
-        steps = cfg.train.profile_steps if self.parallel.is_main else []
-        self._profiler = StepProfiler(self.run_dir, steps, self.device)
+        self.observers = self._observers(observers or [])
         self._window = self._metric_window()
         self._phases = PhaseTimer()  # -v: time per step between log steps
+
+    def _observers(self, extra: list[StepObserver]) -> StepObservers:
+        """The run's step observers: the caches' meter, the profiler, the layout's own
+        (hybrid: straggler policy, monitor), fault injection, then ``extra``."""
+        steps = self.cfg.train.profile_steps if self.parallel.is_main else []
+        own = [CacheMeter(self.objective.module), StepProfiler(self.run_dir, steps, self.device)]
+        layout = self.parallel.observers()
+        return StepObservers(
+            [*own, *layout, KillRank(self.cfg.fault, self.parallel.rank), *extra], self._note
+        )
+
+    def _note(self, note: Note) -> None:
+        """An observer's note: its event in the log, its line on rank 0's console."""
+        self._event(note.kind, **note.fields)
+        if note.text is not None and self.parallel.is_main:
+            show_event(note.text, *note.args, warning=note.warning)
 
     def _seed(self) -> None:
         """Seeds every generator a checkpoint saves, so runs (and their checkpoints) repeat
@@ -228,6 +246,7 @@ class Trainer:
         keep = self.cfg.train.keep_checkpoints
         self.parallel.save_checkpoint(self.run_dir, self.objective.module, self.optimizer, self.state, keep)
         self._saved_at = self.state.step
+        self.observers.on_checkpoint(self.state.step)
 
     def _stopped_early(self) -> bool:
         return self.state.best is not None and self.state.best.stopped_at is not None
@@ -278,10 +297,10 @@ class Trainer:
             set_counters(self.reader.counters, self.state.data)
         self._logged = (self.state.samples, self.state.train_seconds)
         self.module.train()
-        self._profiler.at(self.state.step)
+        self.observers.on_start(self.state.step)
         while not self._reached_end():
             self._run_epoch(loader, wait, bar)
-        self._profiler.close()
+        self.observers.close()
         bar.close()
         self._checkpoint()
         self._stop_if_requested(bar)  # stopped during the last step: evaluation waits for --resume
@@ -325,11 +344,10 @@ class Trainer:
         source = wait.wrap(() if finished else loader.iter_with_state())
         self.schedule.apply(self.state.step)  # the rates of the next step, before its forward
         # Hybrid: every rank agrees before each step that all ranks have a batch.
-        for done in self.parallel.steps(source, self.objective, self.optimizer, self.cfg.train):
+        steps = self.parallel.steps(source, self.objective, self.optimizer, self.cfg.train, self.observers)
+        for done in steps:
             self._record_step(done)
-            self._profiler.at(self.state.step)
-            self._monitor_events()
-            kill_if_due(self.cfg.fault, self.parallel.rank, self.state.step)  # fault injection
+            self.observers.after_step(self.state.step, done)
             bar.update(1)
             self._log(done.loss, bar, wait)
             if not self._reached_end():
@@ -369,31 +387,6 @@ class Trainer:
         self.state.reader = done.reader_state
         self.state.data = self._counters(self.state.reader)
 
-    def _monitor_events(self) -> None:
-        """Hybrid: rank 0 logs the gather this step made (``monitor.every > 0``: a ``monitor``
-        event with per-rank medians and flags; a warning for each new flag), and a new split
-        of the straggler controller (a ``straggler`` event with each rank's share)."""
-        splitter = getattr(self.parallel, "splitter", None)
-        change = splitter.take_event() if splitter is not None else None
-        if change is not None and self.parallel.is_main:
-            self._event("straggler", step=self.state.step, **change)
-            show_event("straggler at step %d: %s", self.state.step, _straggler_text(change))
-        monitor = getattr(self.parallel, "monitor", None)
-        event = monitor.take_event() if monitor is not None else None
-        if event is None:
-            return
-        for flag in monitor.note_flags(event["flags"], self.state.step):
-            if flag["kind"] == "link":
-                what = (
-                    f"the link {flag['rank']}-{flag['peer']} is slow ({flag['ratio']:.2f}x the median pair's)"
-                )
-            else:
-                what = f"rank {flag['rank']} is slow ({flag['kind']} {flag['ratio']:.2f}x the other ranks' median)"
-            fields = {key: value for key, value in flag.items() if key != "kind"}
-            self._event("flag", slow=flag["kind"], **fields)  # "kind" names the event's own field
-            show_event("monitor: %s at step %d", what, self.state.step, warning=True)
-        self._event("monitor", step=self.state.step, **event)
-
     def _log(self, loss: torch.Tensor, bar: tqdm, wait: DataWait) -> None:
         """Every ``train.log_every`` steps (and the first): the loss to the bar and the log,
         with the step's rates and the throughput and data wait since the previous event."""
@@ -402,7 +395,7 @@ class Trainer:
             return
         self.state.last_loss = float(loss)
         bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
-        cache = self.cache_meter.since_last(step)
+        observed = self.observers.log_fields(step)  # the caches' traffic since the last event
         seconds = self.state.train_seconds + time.perf_counter() - self._clock
         samples, since = self._logged
         self._logged = (self.state.samples, seconds)
@@ -418,7 +411,7 @@ class Trainer:
             sparse_lr=self.schedule.rates(step - 1)[1],
             samples_per_s=(self.state.samples - samples) / elapsed,
             data_wait_s=wait.seconds,
-            **cache,
+            **observed,
             **self._train_extras(),
         )
 
@@ -498,7 +491,7 @@ class Trainer:
             self._stop_clock()  # the checkpoint carries the training time so far
             self._checkpoint()
         bar.close()
-        self._profiler.close()
+        self.observers.close()
         logger.info("%s: stopped at step %d, checkpoint saved", signal_name, self.state.step)
         self._event("stopped", signal=signal_name, step=self.state.step, epoch=self.state.epoch)
         if self.log is not None:
@@ -525,15 +518,9 @@ class Trainer:
             data_startup_s=wait.startup_seconds,
             data_wait_fraction=wait.fraction(self.state.train_seconds - seconds_before),
             data=dict(self.state.data) if self.state.data is not None else dict(self.reader.counters),
-            **self.cache_meter.totals(),
             **summary(self.state.best, self.cfg.train),
+            **self.observers.final_metrics(),  # cache totals; hybrid rank 0: monitor, straggler
         )
-        monitor = getattr(self.parallel, "monitor", None)
-        if monitor is not None and monitor.enabled and self.parallel.is_main:
-            metrics["monitor"] = monitor.summary()
-        splitter = getattr(self.parallel, "splitter", None)
-        if splitter is not None and self.parallel.is_main:
-            metrics["straggler"] = splitter.summary()
         metrics.update(self._incidents())
         self._event("final", **metrics)
         if self.log is not None:
@@ -589,11 +576,3 @@ class Trainer:
                 states[name] = self.evaluate(path)
             metrics["states"] = states
         return metrics
-
-
-def _straggler_text(change: dict[str, Any]) -> str:
-    """A straggler decision in words: each rank's share of the batch and the ranks found slow."""
-    shares = ", ".join(f"rank {r} {share:.0%}" for r, share in enumerate(change.get("shares", [])))
-    slow = change.get("stragglers") or []
-    found = f"slow: {', '.join(f'rank {r}' for r in slow)}" if slow else "no rank slow"
-    return f"{found}; shares {shares}"

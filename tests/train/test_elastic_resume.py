@@ -4,7 +4,7 @@ per epoch, counted by row identity; a resharded checkpoint loads the tables it s
 
 Row identity: a dense feature holding the row index / 1024 (exact in float32). Ranks
 started by ``recaccel-train --nproc`` record the rows each step trains through a
-test-only ``sitecustomize`` on their ``PYTHONPATH`` that sets ``HybridParallel.on_batch``.
+test-only ``sitecustomize`` on their ``PYTHONPATH`` that adds a ``BatchCallback`` observer to the Trainer.
 """
 
 from __future__ import annotations
@@ -54,24 +54,25 @@ HOOK = """
 import os
 
 if os.environ.get("RECACCEL_TEST_ROWS") and os.environ.get("RANK") is not None:
-    from recaccel.train.distributed.hybrid import HybridParallel
+    from recaccel.train.observers import BatchCallback
+    from recaccel.train.trainer import Trainer
 
-    _init = HybridParallel.__init__
+    _init = Trainer.__init__
 
     def __init__(self, *args, **kwargs):
         _init(self, *args, **kwargs)
         name = "-".join(
-            [os.environ["RECACCEL_TEST_TAG"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), str(self.rank)]
+            [os.environ["RECACCEL_TEST_TAG"], os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), str(self.parallel.rank)]
         )
         path = os.path.join(os.environ["RECACCEL_TEST_ROWS"], name + ".ids")
 
-        def record(batch):
+        def record(step, batch):
             with open(path, "a") as f:
                 f.write(" ".join(str(round(v * 1024)) for v in batch.dense[:, 0].tolist()) + "\\n")
 
-        self.on_batch = record
+        self.observers.add(BatchCallback(record))
 
-    HybridParallel.__init__ = __init__
+    Trainer.__init__ = __init__
 """
 
 

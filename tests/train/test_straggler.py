@@ -22,12 +22,16 @@ from recaccel.io.format.writer import write_parquet
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures
 from recaccel.train.distributed.straggler import (
-    SplitController,
+    Backup,
+    Off,
+    Rebalance,
+    build_policy,
     check_plan_kinds,
     check_straggler,
     split_units,
 )
 from recaccel.train.objectives import DLRMObjective, loss_denominator
+from recaccel.train.observers import BatchCallback
 from tests.train.gloo_ranks import run_ranks
 
 # ------------------------------------------------------------------ the controller
@@ -55,7 +59,7 @@ def _step_times(sizes: list[int], speeds: list[float], fixed_s: float = 0.002) -
 
 def test_rebalance_converges_to_equal_compute_times():
     speeds = [1000.0, 1000.0, 500.0, 1000.0]  # rank 2 is 2x slow
-    ctl = SplitController("rebalance", 4, every=1, backup_factor=1.5)
+    ctl = Rebalance(4, every=1)
     sizes = [64] * 4
     for _ in range(30):
         ctl.observe(_step_times(sizes, speeds), sizes)
@@ -68,7 +72,7 @@ def test_rebalance_converges_to_equal_compute_times():
 
 
 def test_backup_cuts_only_a_rank_beyond_the_factor_and_ignores_noise():
-    ctl = SplitController("backup", 4, every=2, backup_factor=1.5)
+    ctl = Backup(4, every=2, backup_factor=1.5)
     sizes = [64] * 4
     noisy = [1000.0, 800.0, 1000.0, 900.0]  # 1.25x: below the factor
     for _ in range(4):
@@ -90,10 +94,27 @@ def test_backup_cuts_only_a_rank_beyond_the_factor_and_ignores_noise():
 
 
 def test_a_window_with_an_idle_rank_decides_nothing():
-    ctl = SplitController("rebalance", 2, every=1, backup_factor=1.5)
+    ctl = Rebalance(2, every=1)
     assert not ctl.observe([0.1, 0.0], [64, 0])
     assert not ctl.observe([0.0, 0.0], [0, 0])
     assert ctl.shares == [0.5, 0.5] and ctl.decisions == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "cls"),
+    [("off", "global", Off), ("rebalance", "global", Rebalance), ("backup", "dynamic", Backup)],
+)
+def test_build_policy_picks_one_class_per_setting(name, data, cls):
+    sets = ["parallel.mode=hybrid", f"parallel.straggler={name}", f"parallel.data={data}"]
+    policy = build_policy(load_config(None, sets), rank=1, world_size=4)
+    assert type(policy) is cls and policy.policy == name and policy.rank == 1
+
+
+def test_off_never_moves_the_split_nor_reports():
+    off = Off(rank=0, world_size=2)
+    assert not off.observe([0.1, 0.4], [64, 64])
+    assert off.local_batch("batch") == "batch" and not off.goes_on(1, True) and off.goes_on(2, True)
+    assert off.summary() == {} and off.final_metrics() == {}
 
 
 def test_checks_name_the_setting():
@@ -223,12 +244,11 @@ def _job(rank: int, world: int, root: Path, jobs: list[tuple[str, list[str]]]) -
         parallel = HybridParallel(cfg, torch.device("cpu"))
         log = root / f"{job.replace(':', '-')}-{rank}.ids"
 
-        def record(batch, log=log) -> None:
+        def record(step, batch, log=log) -> None:
             with open(log, "a") as f:
                 f.write(" ".join(str(round(v * 1024)) for v in batch.dense[:, 0].tolist()) + "\n")
 
-        parallel.on_batch = record
-        trainer = Trainer(cfg, parallel=parallel, resume=mode == "resume")
+        trainer = Trainer(cfg, parallel=parallel, resume=mode == "resume", observers=[BatchCallback(record)])
         if mode == "kill":
             try:
                 trainer.fit()
@@ -239,9 +259,7 @@ def _job(rank: int, world: int, root: Path, jobs: list[tuple[str, list[str]]]) -
         state = consolidated_state_dict(parallel, trainer.module)
         if rank == 0:
             torch.save(state, root / f"{name}.pt")
-            (root / f"{name}.shares.json").write_text(
-                json.dumps(parallel.splitter.summary() if parallel.splitter else {})
-            )
+            (root / f"{name}.shares.json").write_text(json.dumps(parallel.straggler.summary()))
 
 
 def _spawn(root: Path, jobs: list[tuple[str, list[str]]]) -> None:

@@ -21,9 +21,10 @@ Shapes: B rows, F fields, T tasks, S / Q support / query rows per task.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from recaccel.config import Config
 from recaccel.errors import DataError
 from recaccel.io.readers.protocol import Reader
 from recaccel.sparse import Batch, TaskBatch
@@ -117,3 +118,40 @@ class GlobalSlices:
                 f"{self.world_size} and keep data.drop_last = true"
             )
         return slice_units(batch, *row_bounds(n, self.rank, self.world_size))
+
+
+def rank_reader(
+    make: Callable[[int, int], Reader], cfg: Config, rank: int, world_size: int, policy: Any, *, train: bool
+) -> Reader:
+    """This rank's reader, from ``make(rank, world_size)`` building a plain one.
+
+    Training with ``parallel.data = "sharded"`` reads this rank's row groups, with
+    ``dynamic`` the shards rank 0's shard service hands it; under a straggler policy that
+    splits global batches every rank reads them whole; otherwise every rank reads the
+    global batches and keeps its slice (evaluation always: all ranks must run the same
+    number of lookups).
+
+    Args:
+        make: builds a plain reader for (rank, world size).
+        cfg: the run config.
+        rank: this rank.
+        world_size: W.
+        policy: the straggler policy (its ``global_batches`` and ``ragged_batches``).
+        train: the training reader (else evaluation's).
+    """
+    if train and cfg.parallel.data == "sharded":
+        return make(rank, world_size)
+    if train and cfg.parallel.data == "dynamic":
+        import torch.distributed as dist
+
+        from recaccel.train.distributed.shard_service import DynamicShardReader, ShardService
+
+        store = dist.distributed_c10d._get_default_store()  # hosted by rank 0
+        service = ShardService(store, rank, world_size, cfg.parallel.timeout_s)
+        # backup: batches follow the policy's sizes, so ranks take shards as they need them.
+        return DynamicShardReader(
+            make(0, 1), service, cfg.data.shard_row_groups, ragged=policy.ragged_batches
+        )
+    if train and policy.global_batches:
+        return make(0, 1)  # global batches: the policy slices them by the agreed split
+    return GlobalSlices(make(0, 1), rank, world_size, train=train, whole_tasks=not train)

@@ -29,7 +29,7 @@ How recaccel's step fits TorchRec's pipeline contract:
   the sharded ``EmbeddingBagCollection`` on ``batch.kjt`` (the call TorchRec finds by
   FX-tracing and replaces by its pipelined forward) and hands the pooled result to a
   leaf module that runs the objective's ordinary loss with the lookup fed that result
-  (:meth:`recaccel.train.distributed.hybrid._GuardedLookup.feed`); it returns
+  (:meth:`recaccel.train.distributed.lookup.GuardedLookup.feed`); it returns
   ``(this rank's share of the global mean loss [1], (reader position, rows))``.
 - The optimizer the pipeline steps is :class:`_SyncedOptimizer`: ``step`` sums the dense
   gradients (and the loss share) over ranks in one bucketed allreduce, then steps the
@@ -242,7 +242,8 @@ def pipelined_steps(
     model = _StepModel(_sharded_module(parallel.dmp), _StepLoss(parallel, objective, synced))
     pipeline = _pipeline(mode, model, synced, parallel.device)
     items = _agreed(parallel, source, objective)
-    parallel.use_pipeline(pipeline)
+    lookup = parallel.embedding.lookup
+    lookup.pipeline = pipeline
     try:
         while True:
             with parallel.collectives("the pipelined training step"):
@@ -253,8 +254,8 @@ def pipelined_steps(
             parallel.step_rows = rows
             yield StepDone(synced.total, reader_state, rows)
     finally:  # the model gets its own forward back, for evaluation and the next epoch
-        parallel.detach_pipeline()
-        parallel.use_pipeline(None)
+        lookup.detach_pipeline()
+        lookup.pipeline = None
 
 
 def _agreed(parallel: HybridParallel, source: Iterable[BatchWithState], objective: Objective):

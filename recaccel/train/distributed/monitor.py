@@ -29,17 +29,18 @@ names the ranks that never arrived. The store is kept by torchrun's agent (or ra
 plain ``env://`` group), so a hung rank can be named; a dead store leaves the message
 without the names.
 
-Fault injection (``[fault]``, for tests and demos only): ``fault.slow_rank`` sleeps
-``slow_factor - 1`` times its own compute when its pooled embeddings' gradient is ready
-(before the backward all-to-all, so the delay overlaps the other ranks' compute as a slower
-device's would; after backward where a step has no sharded lookup); ``fault.kill_rank`` ends its
-process with ``os._exit`` right after step ``fault.kill_rank_at_step``.
+Fault injection (``[fault]``, :mod:`recaccel.train.distributed.faults`): ``fault.slow_rank``
+sleeps when the monitor marks its own compute done: when its pooled embeddings' gradient is
+ready (before the backward all-to-all, so the delay overlaps the other ranks' compute as a
+slower device's would; after backward where a step has no sharded lookup).
+
+The monitor is a step observer: after a step with a gather, rank 0 reports a ``monitor``
+event and a ``flag`` event (and a warning) for each new flag; its summary goes to metrics.json.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import statistics
 import time
 from collections.abc import Iterator
@@ -51,7 +52,9 @@ import torch.distributed as dist
 
 from recaccel.config import Config, FaultConfig, MonitorConfig
 from recaccel.errors import ConfigError
+from recaccel.train.distributed.faults import SlowRank
 from recaccel.train.distributed.pair_probe import LinkWatch, probe
+from recaccel.train.observers import Note, StepDone, StepObserver
 
 KINDS = ("agree", "lookup", "dense_sync")  # the timed collectives of a step
 # One row per rank in the gather: window medians of these, then the window's step count.
@@ -90,18 +93,7 @@ def check_faults(cfg: Config, world_size: int) -> None:
         )
 
 
-def kill_if_due(fault: FaultConfig, rank: int, step: int) -> None:
-    """Fault injection: ends this process abruptly after step ``fault.kill_rank_at_step``,
-    in the first attempt only: ranks that torchrun's agent restarted (``--max-restarts``)
-    resume before that step and must get past it."""
-    from recaccel.train.distributed.launch import restart_count
-
-    if fault.kill_rank_at_step > 0 and rank == fault.kill_rank and step == fault.kill_rank_at_step:
-        if restart_count() == 0:
-            os._exit(17)  # abrupt by design: no clean-up, no checkpoint, peers see a dead rank
-
-
-class Monitor:
+class Monitor(StepObserver):
     """One rank's step and collective timings, gathered on rank 0 every ``monitor.every`` steps.
 
     Args:
@@ -118,7 +110,7 @@ class Monitor:
         self.cfg = monitor
         self.enabled = monitor.every > 0
         self.rank, self.world_size, self.device = rank, world_size, device
-        self._slow = fault.slow_factor - 1.0 if fault.slow_rank == rank else 0.0
+        self._pace = SlowRank(fault, rank)  # fault.slow_rank's sleep
         self._window: list[list[float]] = []  # this window's steps: FIELDS each
         self._start: float | None = None  # perf_counter() at the open step's start
         self._comm = dict.fromkeys(KINDS, 0.0)
@@ -163,9 +155,8 @@ class Monitor:
         if self._start is None:
             return
         local = time.perf_counter() - self._start - sum(self._comm.values())
-        if self._slow > 0 and not self._slept:
-            self._slept = self._slow * max(local, 0.0)
-            time.sleep(self._slept)
+        if not self._slept:
+            self._slept = self._pace(local)
         self._local = local + self._slept
 
     @contextmanager
@@ -185,10 +176,8 @@ class Monitor:
     def after_compute(self) -> None:
         """Fault injection where :meth:`local_backward_done` did not sleep (no sharded
         lookup in the step): the slow rank sleeps ``slow_factor - 1`` times its compute so far."""
-        if self._slow > 0 and self._start is not None and not self._slept:
-            compute = time.perf_counter() - self._start - sum(self._comm.values())
-            self._slept = self._slow * max(compute, 0.0)
-            time.sleep(self._slept)
+        if self._start is not None and not self._slept:
+            self._slept = self._pace(time.perf_counter() - self._start - sum(self._comm.values()))
 
     def end_step(self) -> bool:
         """Closes the open step; returns whether a gather is due (every rank the same)."""
@@ -201,6 +190,23 @@ class Monitor:
             self._window.append([step, compute, step - compute, *self._comm.values(), self._bytes])
         self.drop_step()
         return self.enabled and len(self._window) >= self.cfg.every
+
+    # ------------------------------------------------------------ observer
+
+    name = "monitor"
+
+    def after_step(self, step: int, done: StepDone) -> list[Note]:
+        """Rank 0, after a step with a gather: a ``flag`` note (a warning) for each new
+        flag, then the ``monitor`` note with the per-rank medians and flags."""
+        event = self.take_event()
+        if event is None:
+            return []
+        notes = [_flag_note(flag) for flag in self.note_flags(event["flags"], step)]
+        return [*notes, Note("monitor", {"step": step, **event})]
+
+    def final_metrics(self) -> dict[str, Any]:
+        """Rank 0 with the monitor on: ``{"monitor": medians and flags}``."""
+        return {"monitor": self.summary()} if self.enabled and self.rank == 0 else {}
 
     # ---------------------------------------------------------------- gathers
 
@@ -324,6 +330,19 @@ class Monitor:
         lasts = ", ".join(last for _, last in missing)
         noun = "rank" if len(missing) == 1 else "ranks"
         return f"{noun} {ranks} never arrived at collective #{self._seq} ({self._kind}; last: {lasts})"
+
+
+def _flag_note(flag: dict[str, Any]) -> Note:
+    """A new flag's ``flag`` event (its kind as ``slow``: "kind" names the event's own
+    field) and warning line."""
+    if flag["kind"] == "link":
+        what = f"the link {flag['rank']}-{flag['peer']} is slow ({flag['ratio']:.2f}x the median pair's)"
+    else:
+        what = f"rank {flag['rank']} is slow ({flag['kind']} {flag['ratio']:.2f}x the other ranks' median)"
+    fields = {key: value for key, value in flag.items() if key != "kind"}
+    return Note(
+        "flag", {"slow": flag["kind"], **fields}, "monitor: %s at step %d", (what, flag["step"]), True
+    )
 
 
 def slow_ranks(rows: list[list[float]], factor: float) -> list[dict[str, float]]:

@@ -58,6 +58,16 @@ def shard_ranges(num_row_groups: int, per_shard: int) -> list[range]:
     return [range(s, min(s + per_shard, num_row_groups)) for s in range(0, num_row_groups, per_shard)]
 
 
+def gathered_ledger(state: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """This rank's reader ``state`` with every rank's dynamic shard ledger merged in (each
+    rank's checkpoint entry then holds the epoch's whole ledger; all ranks call it)."""
+    import torch.distributed as dist
+
+    states: list[Any] = [None] * world_size
+    dist.all_gather_object(states, state)
+    return merge_ledgers(states)
+
+
 def merge_ledgers(states: list[dict[str, Any]]) -> dict[str, Any]:
     """The epoch's ledger from every rank's reader state (same epoch and settings): a
     shard done on any rank is done, else its offset is the furthest any rank reached.
