@@ -50,6 +50,7 @@ from torch import Tensor
 
 from recaccel.errors import ConfigError
 from recaccel.models.arches import MLP
+from recaccel.models.dlrm import DLRM
 from recaccel.models.split_linear import WgradQueue
 from recaccel.ops.embedding import PackedEmbeddingBag
 from recaccel.sparse import Batch
@@ -160,8 +161,9 @@ def overlap_unsupported(objective: Objective) -> str | None:
     if not isinstance(objective, DLRMObjective):
         return "train.mode=dlrm"
     model = objective.module
-    if not hasattr(model, "sparse_arch"):
-        return f"a model with a sparse_arch (recaccel's DLRM), not a {type(model).__name__}"
+    if not isinstance(model, DLRM) or type(model).embed is not DLRM.embed:
+        # The step looks batches up through the SparseArch's embedding, as DLRM.embed does.
+        return f"recaccel's DLRM (its lookup is its SparseArch's), not a {type(model).__name__}"
     if not any(isinstance(m, MLP) for m in model.modules()):
         return (
             f"dense layers built as recaccel MLPs (their backward splits into input and weight "

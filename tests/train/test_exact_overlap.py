@@ -16,7 +16,8 @@ from recaccel.cli import train_main
 from recaccel.config import Config, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema, SparseField
-from recaccel.models.arches import MLP
+from recaccel.models.arches import MLP, DenseArch
+from recaccel.models.dlrm import DLRM
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures
 from recaccel.train.distributed.hybrid_pipeline import check_pipelined
@@ -87,7 +88,8 @@ def _run(objective: DLRMObjective, mode: str, batches: list[Batch], after_step=N
     optimizer = build_dense_optimizer(objective.module, objective.cfg.optim)
     runner = build_step(TrainConfig(pipeline=mode), objective, torch.device("cpu"))
     losses = []
-    for item in BatchPipeline(objective.prepare, torch.device("cpu"), mode)((b, {}) for b in batches):
+    pipeline = BatchPipeline(objective.prepare, torch.device("cpu"), mode, objective.batches_ahead)
+    for item in pipeline((b, {}) for b in batches):
         optimizer.zero_grad(set_to_none=True)
         losses.append(runner.forward_backward(item))
         if after_step is not None:
@@ -125,6 +127,16 @@ def test_overlap_with_a_padded_interaction_trains_bit_identical_to_off():
     batches = _batches()
     off, overlap = (_objective(interaction_pad="on", bottom_mlp=[5, 4]) for _ in range(2))
     assert overlap.module.over_arch.padded_input
+    _assert_same_training(_run(off, "off", batches), _run(overlap, "overlap", batches), off, overlap)
+
+
+@pytest.mark.parametrize("lookahead", [1, 2])
+def test_overlap_with_host_tables_and_their_cache_trains_bit_identical_to_off(lookahead):
+    batches = _batches(6)
+    off, overlap = (
+        _objective(embedding_placement="host", cache_fraction=0.9, cache_lookahead=lookahead)
+        for _ in range(2)
+    )
     _assert_same_training(_run(off, "off", batches), _run(overlap, "overlap", batches), off, overlap)
 
 
@@ -226,26 +238,44 @@ def test_overlap_refuses_an_embedding_outside_the_packed_fused_one():
     assert "\n" not in str(err.value)
 
 
-class _NoMLP(nn.Module):
-    """A DLRM-like model whose dense head is one plain Linear (no split layers)."""
+class _LinearOver(nn.Module):
+    """A top arch that is one plain Linear (no split layers)."""
 
-    def __init__(self, sparse_arch: nn.Module) -> None:
+    def __init__(self, in_features: int) -> None:
         super().__init__()
-        self.sparse_arch = sparse_arch
-        self.linear = nn.Linear(3 + 4 * len(CARDS), 1)
+        self.linear = nn.Linear(in_features, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear(features).squeeze(-1)
+
+
+class _OwnLookup(DLRM):
+    """A DLRM whose lookup is its own (the overlapped step could not reproduce it)."""
 
     def embed(self, sparse: SparseFeatures) -> torch.Tensor:
-        return self.sparse_arch(sparse)
-
-    def head(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
-        return self.linear(torch.cat([dense, pooled.flatten(1)], 1)).squeeze(-1)
+        return 2 * super().embed(sparse)
 
 
 def test_overlap_refuses_a_model_without_split_linears():
     base = _objective()
-    objective = DLRMObjective(base.cfg, _NoMLP(base.module.sparse_arch), "bce")
+    m = base.module
+    model = DLRM(
+        m.sparse_arch, DenseArch(0, [4]), m.interaction_arch, _LinearOver(m.interaction_arch.output_dim)
+    )
+    objective = DLRMObjective(base.cfg, model, "bce")
     with pytest.raises(
         ConfigError, match=r"^train.pipeline=overlap needs dense layers built as recaccel MLPs"
+    ):
+        build_step(TrainConfig(pipeline="overlap"), objective, torch.device("cpu"))
+
+
+def test_overlap_refuses_a_model_with_a_lookup_of_its_own():
+    m = _objective().module
+    objective = DLRMObjective(
+        _objective().cfg, _OwnLookup(m.sparse_arch, m.dense_arch, m.interaction_arch, m.over_arch), "bce"
+    )
+    with pytest.raises(
+        ConfigError, match=r"^train.pipeline=overlap needs recaccel's DLRM .* not a _OwnLookup"
     ):
         build_step(TrainConfig(pipeline="overlap"), objective, torch.device("cpu"))
 
