@@ -106,6 +106,13 @@ CASES = (
         r"train.pipeline=off$",
     ),
     Case(
+        "hybrid_runs_no_overlap",
+        (HYBRID,),
+        ("train.pipeline=overlap",),
+        ("train.pipeline=sync",),
+        r"train.pipeline=overlap runs parallel.mode=single; use train.pipeline=sync$",
+    ),
+    Case(
         "dynamic_data_reads_rows",
         (HYBRID, "parallel.data=dynamic"),
         ("train.mode=meta",),

@@ -104,6 +104,13 @@ def _hybrid_pipelines_dlrm_only(cfg: Config) -> str | None:
     return None
 
 
+def _hybrid_runs_no_overlap(cfg: Config) -> str | None:
+    # The overlap step drives one process's packed embedding; TorchRec shards them in hybrid mode.
+    if _hybrid(cfg) and cfg.train.pipeline == "overlap":
+        return "train.pipeline=overlap runs parallel.mode=single; use train.pipeline=sync"
+    return None
+
+
 def _dynamic_data_reads_rows(cfg: Config) -> str | None:
     if cfg.parallel.data == "dynamic" and cfg.train.mode != "dlrm":
         return "parallel.data=dynamic reads rows (train.mode=dlrm); use parallel.data=global"
@@ -165,6 +172,7 @@ RULES: tuple[Rule, ...] = (
         ("parallel.mode", "train.mode", "train.pipeline"),
         _hybrid_pipelines_dlrm_only,
     ),
+    Rule("hybrid_runs_no_overlap", ("parallel.mode", "train.pipeline"), _hybrid_runs_no_overlap),
     Rule("dynamic_data_reads_rows", ("parallel.data", "train.mode"), _dynamic_data_reads_rows),
     Rule(
         "straggler_policy_needs_no_pipeline",
