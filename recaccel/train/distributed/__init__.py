@@ -1,9 +1,12 @@
 """Multi-process training: TorchRec-sharded embeddings, data-parallel dense layers.
 
-:class:`HybridParallel` is the process layout (the Trainer's ``Parallelism``);
-beside it each rank's data (``hybrid_data``), the dense gradient allreduce
-(``dense_sync``), table sharding (``sharding``), sharded checkpoints
-(``dist_checkpoint``) and the launcher (``launch``).
+:class:`HybridParallel` is the process layout (the Trainer's ``Parallelism``: sharding,
+batch slicing, gradient sync); beside it the process group (``group``), each rank's data
+(``hybrid_data``), the per-step agreement (``lockstep``), the straggler policies
+(``straggler/``: ``off``, ``rebalance``, ``backup``), the monitor (``monitor``) and fault
+injection (``faults``), both step observers, the dense gradient allreduce (``dense_sync``),
+table sharding (``sharding``, ``replicated``, ``lookup``), TorchRec's pipelines
+(``hybrid_pipeline``), sharded checkpoints (``dist_checkpoint``) and the launcher (``launch``).
 
 Names resolve on first use: importing this package needs neither TorchRec nor a
 process group (TorchRec is optional; it is imported when tables are sharded).
