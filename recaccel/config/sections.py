@@ -161,8 +161,8 @@ class TrainConfig(Section):
     # (one step stale, opt-in) | overlap: the MLPs' weight gradients deferred until after backward,
     # so the sparse update runs as soon as the pooled gradient is known; then the next batch's
     # lookup (on a side stream on CUDA) runs alongside the weight gradients and the dense optimizer
-    # step (the results of off, bit for bit on CPU; dlrm mode, packed fused embedding, one
-    # process; no micro_batches, cuda_graphs or compile)
+    # step (the results of off, or with micro_batches of sync, bit for bit on CPU; dlrm mode,
+    # packed fused embedding, one process; no cuda_graphs or compile)
     pipeline: PipelineMode = "off"
     micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
     cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
@@ -193,11 +193,10 @@ class TrainConfig(Section):
         self._check_profile()
 
     def _check_overlap(self) -> None:
-        """overlap runs its weight gradients outside autograd: no micro-batches, graphs or compile."""
+        """overlap runs its weight gradients outside autograd: no CUDA graphs or compile."""
         if self.pipeline != "overlap":
             return
         on = {
-            f"micro_batches={self.micro_batches}": self.micro_batches > 1,
             "cuda_graphs=true": self.cuda_graphs,
             "compile=true": self.compile,
         }

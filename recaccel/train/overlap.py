@@ -54,17 +54,18 @@ from recaccel.models.dlrm import DLRM
 from recaccel.models.split_linear import WgradQueue
 from recaccel.ops.embedding import PackedEmbeddingBag
 from recaccel.sparse import Batch
-from recaccel.train.objectives import DLRMObjective, Objective
+from recaccel.train.objectives import DLRMObjective, Objective, loss_denominator
+from recaccel.train.parts import part_bounds
 from recaccel.train.pipeline import StepInput, batch_tensors
 
 
 @dataclass
 class _Lookup:
-    """A batch's pooled embeddings [B, F, D], looked up ahead, and the event that marks them
-    ready (None on CPU)."""
+    """A batch's pooled embeddings [B, F, D] (or each micro-batch's), looked up ahead, and the
+    event that marks them ready (None on CPU)."""
 
     batch: Batch
-    pooled: Tensor
+    pooled: list[Tensor]  # one tensor, or one per micro-batch
     ready: torch.cuda.Event | None
 
 
@@ -75,14 +76,18 @@ class OverlapStep:
         objective: a DLRM objective whose model's MLPs can split their backward
             (:func:`overlap_unsupported` is None).
         device: where the step runs.
+        parts: ``train.micro_batches``: with k > 1 each part's dense forward and backward
+            runs in turn (weight gradients accumulate), and the sparse update once, as
+            :class:`~recaccel.train.step.MicroBatchStep` does: its results, bit for bit.
     """
 
-    def __init__(self, objective: DLRMObjective, device: torch.device) -> None:
+    def __init__(self, objective: DLRMObjective, device: torch.device, parts: int = 1) -> None:
         reason = overlap_unsupported(objective)
         if reason is not None:
             raise ConfigError(f"train.pipeline=overlap needs {reason}; use train.pipeline=sync")
         self.objective = objective
         self.device = device
+        self.parts = parts
         self.embedding: PackedEmbeddingBag = objective.embedding
         self.queue = WgradQueue()
         self._mlps = [m for m in objective.module.modules() if isinstance(m, MLP)]
@@ -96,11 +101,12 @@ class OverlapStep:
         ahead, self._ahead = self._ahead, None
         try:
             pooled = self._pooled(batch, ahead)
-            with split_backward(self._mlps, self.queue):
-                loss = self.objective.head_loss(batch, pooled)
-            loss.backward()
-            self.embedding.apply_gradient(batch.sparse, pooled.grad)
-            del pooled
+            if self.parts == 1:
+                loss, grad = self._whole(batch, pooled[0])
+            else:
+                loss, grad = self._in_parts(batch, pooled)
+            self.embedding.apply_gradient(batch.sparse, grad)
+            del pooled, grad
             if item.following is not None:
                 self._ahead = self._look_up(item.following)
             self.queue.run()
@@ -109,21 +115,53 @@ class OverlapStep:
             raise
         finally:
             self.queue.clear()  # a no-op after run(); drops a failed step's work
-        return loss.detach()
+        return loss
 
-    def _pooled(self, batch: Batch, ahead: _Lookup | None) -> Tensor:
-        """``batch``'s pooled embeddings as a leaf that collects their gradient: the lookup
-        made ahead when it is this batch's, otherwise one made now."""
+    def _whole(self, batch: Batch, pooled: Tensor) -> tuple[Tensor, Tensor]:
+        """The batch's loss (detached) and pooled gradient [B, F, D]: ``off``'s math."""
+        with split_backward(self._mlps, self.queue):
+            loss = self.objective.head_loss(batch, pooled)
+        loss.backward()
+        return loss.detach(), pooled.grad
+
+    def _in_parts(self, batch: Batch, pooled: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """Micro-batches (``train.micro_batches``): the parts' losses summed and their pooled
+        gradients joined, the micro-batch step's math. Every part's weight gradients but the
+        last part's run after its backward (activations are not kept for all parts)."""
+        bounds = part_bounds(batch.batch_size, self.parts)
+        denominator = max(loss_denominator(batch, self.objective.loss), 1e-12)
+        total = torch.zeros((), device=batch.labels.device)
+        grads = []
+        for j, ((lo, hi), part) in enumerate(zip(bounds, pooled, strict=True)):
+            with split_backward(self._mlps, self.queue):
+                loss = self.objective.part_loss(batch, slice(lo, hi), part, denominator)
+            loss.backward()
+            total += loss.detach()
+            grads.append(part.grad)
+            if j + 1 < len(bounds):
+                self.queue.run()
+        return total, torch.cat(grads)
+
+    def _pooled(self, batch: Batch, ahead: _Lookup | None) -> list[Tensor]:
+        """``batch``'s pooled embeddings (per part) as leaves that collect their gradient:
+        the lookup made ahead when it is this batch's, otherwise one made now."""
         if ahead is None or ahead.batch is not batch:
             ahead = _Lookup(batch, self._rows(batch), None)
         if ahead.ready is not None:
             main = torch.cuda.current_stream(self.device)
             main.wait_event(ahead.ready)
-            ahead.pooled.record_stream(main)
-        return ahead.pooled.requires_grad_(True)
+            for part in ahead.pooled:
+                part.record_stream(main)
+        return [part.requires_grad_(True) for part in ahead.pooled]
 
-    def _rows(self, batch: Batch) -> Tensor:
-        return self.embedding.lookup_rows(batch.sparse, 0, batch.batch_size)
+    def _rows(self, batch: Batch) -> list[Tensor]:
+        """The pooled rows of the batch [B, F, D], or of each part of it, without a graph."""
+        if self.parts == 1:
+            return [self.embedding.lookup_rows(batch.sparse, 0, batch.batch_size)]
+        return [
+            self.embedding.lookup_rows(batch.sparse, lo, hi)
+            for lo, hi in part_bounds(batch.batch_size, self.parts)
+        ]
 
     def _look_up(self, batch: Batch) -> _Lookup:
         """The lookup of the next batch, on the side stream on CUDA."""

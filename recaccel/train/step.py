@@ -30,6 +30,7 @@ from recaccel.errors import ConfigError
 from recaccel.ops.embedding import PackedEmbeddingBag
 from recaccel.train.objectives import DLRMObjective, Objective, loss_denominator
 from recaccel.train.overlap import OverlapStep
+from recaccel.train.parts import part_bounds
 from recaccel.train.pipeline import StepInput
 
 
@@ -160,23 +161,6 @@ class MicroBatchStep:
         part.record_stream(main)
 
 
-def part_bounds(rows: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` consecutive row ranges of near-equal size covering ``rows`` (fewer when
-    rows < parts; none for an empty batch).
-
-    >>> part_bounds(10, 4)
-    [(0, 3), (3, 6), (6, 8), (8, 10)]
-    """
-    parts = max(1, min(parts, rows))
-    base, extra = divmod(rows, parts)
-    bounds, lo = [], 0
-    for j in range(parts if rows else 0):
-        hi = lo + base + (1 if j < extra else 0)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
-
-
 def build_step(train: TrainConfig, objective: Objective, device: torch.device) -> StepRunner:
     """The step runner ``train.pipeline`` and ``train.micro_batches`` ask for.
 
@@ -185,8 +169,8 @@ def build_step(train: TrainConfig, objective: Objective, device: torch.device) -
             ``overlap`` where it cannot hold (:mod:`recaccel.train.overlap`).
     """
     t = train
-    if t.pipeline == "overlap":  # the config refused micro-batches, graphs and compile with it
-        return OverlapStep(objective, device)
+    if t.pipeline == "overlap":  # the config refused graphs and compile with it
+        return OverlapStep(objective, device, t.micro_batches)
     if t.micro_batches > 1:
         reason = _deferred_update_unsupported(objective)
         if reason is not None:

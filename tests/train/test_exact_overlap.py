@@ -82,11 +82,12 @@ def _batches(n: int = 5) -> list[Batch]:
     return [_batch(8 if i < n - 1 else 5, 10 + i) for i in range(n)]  # a smaller last batch
 
 
-def _run(objective: DLRMObjective, mode: str, batches: list[Batch], after_step=None):
+def _run(objective: DLRMObjective, mode: str, batches: list[Batch], after_step=None, micro_batches: int = 1):
     """Trains ``batches`` the way the single-process loop does; returns the step losses
     and the dense optimizer."""
     optimizer = build_dense_optimizer(objective.module, objective.cfg.optim)
-    runner = build_step(TrainConfig(pipeline=mode), objective, torch.device("cpu"))
+    train = TrainConfig(pipeline=mode, micro_batches=micro_batches)
+    runner = build_step(train, objective, torch.device("cpu"))
     losses = []
     pipeline = BatchPipeline(objective.prepare, torch.device("cpu"), mode, objective.batches_ahead)
     for item in pipeline((b, {}) for b in batches):
@@ -122,11 +123,30 @@ def test_overlap_trains_bit_identical_to_off(interaction, dense, precision):
     _assert_same_training(_run(off, "off", batches), _run(overlap, "overlap", batches), off, overlap)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("dense", ["sgd", "adam"])
+def test_overlap_with_micro_batches_trains_bit_identical_to_sync_with_them(dense, precision):
+    batches = _batches()
+    sync, overlap = (_objective("dot", dense, precision) for _ in range(2))
+    _assert_same_training(
+        _run(sync, "sync", batches, micro_batches=3),
+        _run(overlap, "overlap", batches, micro_batches=3),
+        sync,
+        overlap,
+    )
+
+
 def test_overlap_with_a_padded_interaction_trains_bit_identical_to_off():
     # The top MLP's first layer takes a padded input and pads its weight at run time.
     batches = _batches()
     off, overlap = (_objective(interaction_pad="on", bottom_mlp=[5, 4]) for _ in range(2))
     assert overlap.module.over_arch.padded_input
+    _assert_same_training(_run(off, "off", batches), _run(overlap, "overlap", batches), off, overlap)
+
+
+def test_overlap_with_16_bit_rows_draws_the_same_rounding_as_off():
+    batches = _batches()
+    off, overlap = (_objective(embedding_dtype="bf16") for _ in range(2))
     _assert_same_training(_run(off, "off", batches), _run(overlap, "overlap", batches), off, overlap)
 
 
@@ -210,10 +230,6 @@ def test_a_step_raising_mid_backward_leaves_no_queued_work():
     [
         (dict(mode="meta", pipeline="overlap"), r"^config key train.pipeline=overlap runs train.mode=dlrm"),
         (
-            dict(pipeline="overlap", micro_batches=2),
-            r"^config keys train.pipeline=overlap and train.micro_batches=2",
-        ),
-        (
             dict(pipeline="overlap", cuda_graphs=True),
             r"^config keys train.pipeline=overlap and train.cuda_graphs=true",
         ),
@@ -291,14 +307,14 @@ def test_overlap_refusal_from_the_cli_is_one_line(tmp_path: Path, capsys):
             "--set",
             "train.pipeline=overlap",
             "--set",
-            "train.micro_batches=2",
+            "train.compile=true",
             "--set",
             f'train.out_dir="{tmp_path}"',
         ]
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
-    assert len(err) == 1 and "train.pipeline=overlap and train.micro_batches=2" in err[0]
+    assert len(err) == 1 and "train.pipeline=overlap and train.compile=true" in err[0]
 
 
 # ------------------------------------------------------------- the train bench
