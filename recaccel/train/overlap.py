@@ -7,29 +7,42 @@ embeddings) and what only the dense optimizer needs (every MLP layer's weight-gr
 GEMMs). :class:`OverlapStep` orders them so the embedding is up to date as early as
 possible:
 
-1. forward of the dense head on this batch's pooled embeddings (looked up by the
-   previous step, below; the first step of a run looks its batch up itself);
-2. ``backward()``: the MLP layers compute input gradients only and queue their weight
-   gradients (:mod:`recaccel.models.split_linear`), so autograd returns once the pooled
-   gradient is known; the sparse update is applied at once with it
-   (:meth:`~recaccel.ops.embedding.PackedEmbeddingBag.apply_gradient`);
+1. forward of the dense head on this batch's pooled embeddings, a leaf tensor looked up
+   without a graph by the previous step (below; the first step of a run, or after a
+   resume, looks its batch up itself);
+2. ``backward()``: every MLP layer computes its input gradient only and queues its weight
+   and bias gradients (:mod:`recaccel.models.split_linear`), so autograd returns once
+   the pooled gradient is known (the bottom MLP's input gradients still run in it, and
+   the DCN-v2 cross layers' whole backward); the sparse update is then applied with it
+   (:meth:`~recaccel.ops.embedding.PackedEmbeddingBag.apply_gradient`, exactly what the
+   fused backward does);
 3. the embedding is now what the next step must read: the next batch's lookup starts
-   (on CUDA on a side stream);
+   (:meth:`~recaccel.ops.embedding.PackedEmbeddingBag.lookup_rows`; on CUDA on a side
+   stream);
 4. the queued weight-gradient GEMMs run (on the step's stream), and the caller's dense
    optimizer step after them: on CUDA both overlap the lookup. The next step's dense
    forward waits for the lookup's event.
 
+With ``train.micro_batches = k`` each part's dense forward and backward run in turn on
+its own lookup, as :class:`~recaccel.train.step.MicroBatchStep` does; the weight
+gradients of every part but the last run after that part's backward (micro-batches keep
+one part's activations), the last part's after the next lookup has started.
+
 Exactness: the lookup reads only the embedding's rows, which nothing after the sparse
 update touches until the next step; the dense gradients are the unsplit layers' bit for
 bit; the lookup and the update are the packed embedding's, bit for bit those of its
-fused forward and backward. So a run trains exactly what ``off`` trains (bit for bit on
-CPU; on CUDA wherever the kernels are deterministic), and a resumed run looks its first
+fused forward and backward. So a run trains exactly what ``off`` trains (with micro-batches
+what ``sync`` with them trains; bit for bit on CPU, on CUDA wherever the kernels are
+deterministic), and a resumed run looks its first
 batch up afresh from the checkpoint's rows, which are the rows the lookup would have read:
 resume is exact too.
 
 On CPU every step runs in order on one stream: the results, not the speed, of the
 overlap. A step that raises (in backward or after) drops its queued work and the pending
 lookup: no weight gradient of a failed step reaches ``.grad`` later.
+
+Not combined with ``train.cuda_graphs`` or ``train.compile`` (refused by the config): a
+captured or compiled head's backward would have to split its weight gradients itself.
 
 Streams (CUDA): the side stream waits for the step's stream (the update and the batch's
 hand-over) before the lookup; the batch's tensors are marked used by the side stream and
