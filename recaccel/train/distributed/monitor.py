@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from recaccel.config import Config, FaultConfig, MonitorConfig
+from recaccel.config.rules import check_rule
 from recaccel.errors import ConfigError
 from recaccel.train.distributed.faults import SlowRank
 from recaccel.train.distributed.pair_probe import LinkWatch, probe
@@ -70,11 +71,8 @@ def check_faults(cfg: Config, world_size: int) -> None:
     Raises:
         ConfigError: a slow rank or a monitor outside hybrid mode, or a rank out of range.
     """
-    hybrid = cfg.parallel.mode == "hybrid"
-    if not hybrid and cfg.monitor.every > 0:
-        raise ConfigError(f"monitor.every={cfg.monitor.every} runs parallel.mode=hybrid; set it to 0")
-    if not hybrid and cfg.fault.slow_rank >= 0:
-        raise ConfigError(f"fault.slow_rank={cfg.fault.slow_rank} runs parallel.mode=hybrid; set it to -1")
+    check_rule(cfg, "monitor_runs_hybrid")  # a config changed after it was loaded
+    check_rule(cfg, "slow_rank_runs_hybrid")
     if cfg.fault.slow_rank >= world_size:
         raise ConfigError(
             f"fault.slow_rank={cfg.fault.slow_rank} is not a rank of this {world_size}-rank run"
