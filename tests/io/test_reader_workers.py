@@ -20,7 +20,7 @@ import torch
 
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
-from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
+from recaccel.io.readers import BatchReader, ReadOptions, Shard, TaskReader
 from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
 from tests.io.test_parquet import make_columns, make_schema, small_dataset
@@ -338,3 +338,11 @@ def test_workers_inside_a_daemonic_process_are_refused_in_one_line(rows_data):
     message = out.get(timeout=60)
     proc.join(10)
     assert message.startswith("ConfigError: data.workers > 0 cannot start reader processes")
+
+
+def test_a_rank_without_row_groups_reads_nothing_and_starts_no_workers(tmp_path):
+    small_dataset(tmp_path, n=20, rg=25, per_file=None)  # one row group: rank 1 of 2 gets none
+    reader = BatchReader(tmp_path, 4, ReadOptions(workers=2, shard=Shard(1, 2)))
+    it = reader.iter_with_state()
+    assert next(it, None) is None and reader_workers() == []
+    assert reader.state_dict()["epoch_done"] is True

@@ -304,6 +304,8 @@ class BatchReader(ShardedReader):
         bs = self.batch_size
         carry: Columns | None = None
         carry_rows = 0
+        if start_buffer >= len(buffers):  # nothing to read: start no processes
+            return
         plan = Plan(start_buffer, (0, start_offset), functools.partial(_carried_rows, bs))
         loader = ProcessLoader(
             self._job(buffers, epoch, shard[0]),

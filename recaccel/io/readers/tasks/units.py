@@ -140,7 +140,7 @@ class UnitLoader:
     ) -> None:
         self._unit_rows = unit_rows
         self._loads: WorkerLoader | ProcessLoader
-        if processes is not None:
+        if processes is not None and units:  # no units: start no processes
             self._loads = ProcessLoader(processes[0], len(units), ahead, processes[1])
         else:
             self._loads = WorkerLoader(
