@@ -136,6 +136,18 @@ def test_overlap_with_micro_batches_trains_bit_identical_to_sync_with_them(dense
     )
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_overlap_of_the_fused_bias_relu_layers_trains_bit_identical_to_off(precision):
+    # CUDA's default layer form (bias + ReLU in the GEMM epilogue, aligned widths), forced on CPU.
+    batches = _batches()
+    off, overlap = (_objective(precision=precision) for _ in range(2))
+    for objective in (off, overlap):
+        for m in objective.module.modules():
+            if isinstance(m, MLP):
+                m.fused, m.align = True, True
+    _assert_same_training(_run(off, "off", batches), _run(overlap, "overlap", batches), off, overlap)
+
+
 def test_overlap_with_a_padded_interaction_trains_bit_identical_to_off():
     # The top MLP's first layer takes a padded input and pads its weight at run time.
     batches = _batches()
