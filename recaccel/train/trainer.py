@@ -393,6 +393,9 @@ class Trainer:
         step = self.state.step
         if step % self.cfg.train.log_every and step != 1:
             return
+        from recaccel.ops.embedding import check_deferred_ids
+
+        check_deferred_ids(self.module)  # the lookup kernels' bad-id counts, read once per log step
         self.state.last_loss = float(loss)
         bar.set_postfix(loss=f"{self.state.last_loss:.4f}")
         observed = self.observers.log_fields(step)  # the caches' traffic since the last event
