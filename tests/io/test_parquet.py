@@ -169,7 +169,11 @@ def test_roundtrip_in_file_order(spec, batch_size, drop_last, style):
             min(batch_size, keep - i) for i in range(0, keep, batch_size)
         ]
         for k, batch in enumerate(batches):
-            ids = torch.int32 if max((f.cardinality for f in schema.sparse), default=1) <= 2**31 else torch.int64
+            ids = (
+                torch.int32
+                if max((f.cardinality for f in schema.sparse), default=1) <= 2**31
+                else torch.int64
+            )
             assert batch.dense.dtype == torch.float32 and batch.sparse.values.dtype == ids
             check_batch_equals_rows(batch, ref[k * batch_size : (k + 1) * batch_size], schema.sparse_names)
         assert reader.counters["rows_yielded"] == keep and reader.counters["rows_dropped_last"] == n - keep
