@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -18,6 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+from recaccel.config import DataConfig, load_config
+from recaccel.errors import ConfigError
+from recaccel.io.convert.synth import generate_synthetic
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, Shard, TaskReader
@@ -331,7 +335,7 @@ def _iterate_in_a_daemon(path: str, out) -> None:
 
 
 def test_workers_inside_a_daemonic_process_are_refused_in_one_line(rows_data):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")  # the readers' server: recaccel is imported there already
     out = ctx.Queue()
     proc = ctx.Process(target=_iterate_in_a_daemon, args=(str(rows_data), out), daemon=True)
     proc.start()
@@ -346,3 +350,35 @@ def test_a_rank_without_row_groups_reads_nothing_and_starts_no_workers(tmp_path)
     it = reader.iter_with_state()
     assert next(it, None) is None and reader_workers() == []
     assert reader.state_dict()["epoch_done"] is True
+
+
+@pytest.mark.numeric
+def test_training_with_2_workers_matches_0_workers_bit_for_bit_and_resumes_with_0(tmp_path):
+    from recaccel.cli import train_main
+    from tests.train.test_trainer import TINY, _argv, _final_state, _overrides
+
+    data = tmp_path / "synth"
+    cfg = load_config(None, [*TINY, f'synth.out_dir="{data}"'])
+    generate_synthetic(cfg.synth)
+    common = ["train.epochs=2", "train.steps=30"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert train_main(_argv(_overrides(data, full, *common, "data.workers=0"))) == 0
+    # Stopped mid-epoch with 2 workers, then resumed in-process.
+    assert train_main(_argv(_overrides(data, part, *common, "data.workers=2", "train.steps=17"))) == 0
+    assert train_main(["--resume", str(part), "--set", "train.steps=30", "--set", "data.workers=0"]) == 0
+    a, b = _final_state(full), _final_state(part)
+    assert a["step"] == b["step"] == 30
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    ma = json.loads((full / "metrics.json").read_text())
+    mb = json.loads((part / "metrics.json").read_text())
+    assert ma["auc"] == mb["auc"] and ma["logloss"] == mb["logloss"]
+
+
+def test_data_workers_reaches_both_readers_for_training_and_evaluation(rows_data, task_data):
+    data_cfg = DataConfig(workers=3)
+    for train in (True, False):
+        assert BatchReader.from_config(rows_data, data_cfg, train=train).options.workers == 3
+        assert TaskReader.from_config(task_data, cfg(), data_cfg, train=train).options.workers == 3
+    with pytest.raises(ConfigError, match="workers"):
+        DataConfig(workers=-1)
