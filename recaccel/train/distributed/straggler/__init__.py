@@ -42,6 +42,7 @@ policy.StragglerPolicy`): ``off`` (:class:`Off`), ``rebalance`` (:class:`Rebalan
 from __future__ import annotations
 
 from recaccel.config import Config
+from recaccel.config.rules import check_rule
 from recaccel.errors import ConfigError
 from recaccel.train.distributed.straggler.backup import Backup
 from recaccel.train.distributed.straggler.policy import Off, StragglerPolicy
@@ -74,11 +75,7 @@ def check_straggler(cfg: Config) -> None:
         raise ConfigError(
             f"parallel.straggler={policy} needs parallel.data={_DATA[policy]}, got {cfg.parallel.data}"
         )
-    if cfg.train.pipeline != "off":
-        raise ConfigError(
-            f"parallel.straggler={policy} splits batches step by step: set train.pipeline=off "
-            f"(got {cfg.train.pipeline})"
-        )
+    check_rule(cfg, "straggler_policy_needs_no_pipeline")  # a config changed after it was loaded
 
 
 def check_plan_kinds(policy: str, kinds: dict[str, str]) -> None:
