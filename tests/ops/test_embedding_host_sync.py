@@ -1,0 +1,192 @@
+"""Embedding input preparation without host synchronization.
+
+On CUDA ``torch.cuda.set_sync_debug_mode("error")`` would catch a sync; on the CPU there
+is none to see, so :func:`host_reads` records every operation that would read a device
+value on the host (``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of a tensor,
+``nonzero``, ``unique``, ``unique_consecutive``, ``masked_select``) while the prepare +
+lookup + update path runs: a host read that creeps back into that path fails here. Host
+memory read on purpose goes through ``numpy()``, which refuses a CUDA tensor.
+
+The Triton kernels run under TRITON_INTERPRET=1 without CUDA (tiny shapes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import traceback
+from collections.abc import Iterator
+
+import torch
+
+if not torch.cuda.is_available():  # before the kernel module is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from recaccel.ops.backend import triton_interpret_enabled
+from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
+from recaccel.ops.embedding.packing import PackSort, group_by_row, group_packs
+from recaccel.sparse import SparseFeatures
+
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() or triton_interpret_enabled()),
+    reason="triton kernels need CUDA or TRITON_INTERPRET=1",
+)
+
+TABLES = [
+    TableSpec("a", 11, 4, pooling="mean"),
+    TableSpec("b", 7, 4, features=["b1", "b2"]),
+    TableSpec("s", 5, 4, optimizer="sgd"),
+]
+ONE_PACK = ["b2", "a", "b1"]  # every feature in pack 0, not in the pack's order
+TWO_PACKS = ["b2", "s", "a", "b1"]
+_READS = {
+    torch.Tensor: ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique"),
+    torch: ("nonzero", "unique", "unique_consecutive", "masked_select"),
+}
+_READS[torch.Tensor] += ("unique_consecutive", "masked_select")
+
+
+@contextlib.contextmanager
+def host_reads() -> Iterator[list[str]]:
+    """Records, as ``"name at file:line"``, each host read of a tensor's value made inside."""
+    seen: list[str] = []
+    saved = [(owner, name, getattr(owner, name)) for owner, names in _READS.items() for name in names]
+
+    def recorder(name, original):
+        def read(*args, **kwargs):
+            caller = traceback.extract_stack(limit=2)[0]
+            seen.append(f"{name} at {os.path.basename(caller.filename)}:{caller.lineno}")
+            return original(*args, **kwargs)
+
+        return read
+
+    for owner, name, original in saved:
+        setattr(owner, name, recorder(name, original))
+    try:
+        yield seen
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+
+
+def _module(backend: str, optimizer: str = "adam", mode: str = "fused") -> PackedEmbeddingBag:
+    tables = [dataclasses.replace(t, optimizer=optimizer) for t in TABLES[:2]]
+    return PackedEmbeddingBag(
+        [*tables, TABLES[2]],
+        backend=backend,
+        mode=mode,
+        optim=SparseOptimConfig(lr=0.1),
+        bounds_check="deferred",
+    )
+
+
+def _batch(sparse_batch, keys: list[str], seed: int, index=torch.int64) -> SparseFeatures:
+    rows = {f: t.num_rows for t in TABLES for f in t.features}
+    gen = torch.Generator().manual_seed(seed)
+    sf = sparse_batch(rows, keys, 5, weighted=True, generator=gen)
+    return SparseFeatures(sf.keys, sf.values.to(index), sf.offsets.to(index), sf.weights)
+
+
+def _step(m: PackedEmbeddingBag, sf: SparseFeatures) -> None:
+    """What a pipelined step runs: prepare, lookup, and (training) the fused update."""
+    out = m(m.prepare(sf))
+    if m.training:
+        out.backward(torch.ones_like(out))
+
+
+def _reads_of_a_step(m: PackedEmbeddingBag, sf: SparseFeatures) -> list[str]:
+    _step(m, sf)  # the first step compiles and caches the routing
+    with host_reads() as seen:
+        _step(m, sf)
+    m.check_ids()
+    return seen
+
+
+def test_host_reads_records_each_kind_of_read():
+    t = torch.tensor([3, 1, 3])
+    with host_reads() as seen:
+        t.sum().item(), int(t[0]), bool(t.any()), torch.unique_consecutive(t), t.nonzero()
+    assert [s.split(" at ")[0] for s in seen] == [
+        "item",
+        "__int__",
+        "__bool__",
+        "unique_consecutive",
+        "nonzero",
+    ]
+
+
+@needs_triton
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+def test_a_triton_training_step_never_reads_the_device(optimizer, index, sparse_batch):
+    m = _module("triton", optimizer).train()
+    assert _reads_of_a_step(m, _batch(sparse_batch, ONE_PACK, seed=1, index=index)) == []
+
+
+@needs_triton
+def test_a_triton_evaluation_lookup_never_reads_the_device_even_with_two_packs(sparse_batch):
+    m = _module("triton").eval()
+    assert _reads_of_a_step(m, _batch(sparse_batch, TWO_PACKS, seed=2)) == []
+
+
+@pytest.mark.parametrize("mode", ["fused", "autograd"])
+def test_a_reference_lookup_never_reads_the_device(mode, sparse_batch):
+    m = _module("reference", mode=mode).eval()
+    assert _reads_of_a_step(m, _batch(sparse_batch, ONE_PACK, seed=3)) == []
+
+
+def test_a_reference_autograd_training_step_never_reads_the_device(sparse_batch):
+    m = _module("reference", mode="autograd").train()
+    assert _reads_of_a_step(m, _batch(sparse_batch, ONE_PACK, seed=4)) == []
+
+
+@needs_triton
+def test_a_batch_split_among_packs_is_read_once_for_all_packs(sparse_batch):
+    m = _module("triton").train()
+    seen = _reads_of_a_step(m, _batch(sparse_batch, TWO_PACKS, seed=5))
+    assert len(seen) == 1 and seen[0].startswith("tolist at packing.py"), seen
+
+
+# ------------------------------------------------------------ one sort for all packs
+
+
+def _pack_rows(seed: int, sizes: list[int], num_rows: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # Few distinct rows per pack: long runs of equal keys, where a stable sort's order shows.
+    return [torch.randint(0, min(r, 9), (n,), generator=gen).to(dtype) for n, r in zip(sizes, num_rows)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_rows", [[40, 9, 300], [2**31 - 10, 9, 2**20]])  # int32 keys, int64 keys
+def test_one_sort_for_all_packs_is_bitwise_the_per_pack_sorts(dtype, num_rows):
+    rows = _pack_rows(7, [200, 0, 57], num_rows, dtype)
+    together = group_packs(rows, num_rows, [True, False, True])
+    for r, n, got in zip(rows, num_rows, together):
+        want = group_by_row(r, n)
+        assert torch.equal(got.order, want.order)
+        assert got.sorted_rows.dtype == want.sorted_rows.dtype
+        assert torch.equal(got.sorted_rows, want.sorted_rows)
+        assert torch.equal(got.unique_rows, want.unique_rows)
+        assert torch.equal(got.segments, want.segments)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_a_training_step_over_two_packs_matches_packs_sorted_one_by_one(backend, sparse_batch, monkeypatch):
+    """The module's one sort for all packs gives the update each pack's own sort gives."""
+    together, alone = _module(backend).train(), _module(backend).train()
+    alone.load_state_dict(together.state_dict())
+    sf = _batch(sparse_batch, TWO_PACKS, seed=8)
+    with monkeypatch.context() as patch:
+        patch.setattr(PackSort, "one_sort", staticmethod(lambda device: True))  # CUDA's choice
+        _step(together, sf)
+    # Each pack groups its own rows at once: no shared sort.
+    monkeypatch.setattr(
+        PackSort, "group", lambda self, rows, num_rows, unique: group_by_row(rows, num_rows, unique=unique)
+    )
+    _step(alone, sf)
+    for name, state in together.table_states().items():
+        for key, tensor in state.items():
+            assert torch.equal(alone.table_state(name)[key], tensor), (name, key)
