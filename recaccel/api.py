@@ -38,9 +38,6 @@ def train(
             model again to :func:`resume` and :func:`evaluate`. A config naming its model
             by ``model.class_path`` needs none: the run's config.toml names it again.
 
-    A rank that torchrun's agent restarted after a failure (``TORCHELASTIC_RESTART_COUNT``
-    > 0) always resumes and never overwrites: a restart is never a new run.
-
     Raises:
         RunDirInUseError: another process trains in ``cfg.train.out_dir`` (it holds
             ``RUN/.lock``, see :mod:`recaccel.train.run_lock`), whatever ``overwrite`` says.
@@ -50,12 +47,10 @@ def train(
             a checkpoint that cannot be resumed.
     """
     from recaccel.preflight import preflight
-    from recaccel.train.distributed.launch import rank_run_flags
     from recaccel.train.run_lock import for_training
     from recaccel.train.trainer import Trainer
     from recaccel.train.user_model import model_source
 
-    resume, overwrite = rank_run_flags(resume=resume, overwrite=overwrite)
     model = model_source(cfg, model)  # model.class_path imported and its init_args checked now
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
     with for_training(Path(cfg.train.out_dir)):  # before anything there is read or written

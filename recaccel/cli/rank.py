@@ -37,12 +37,11 @@ def rank_main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> int:
         from recaccel import api
-        from recaccel.cli.train import third_party_warnings
+        from recaccel.cli.train import run_flags, third_party_warnings
         from recaccel.config import load_config
-        from recaccel.train.distributed.launch import rank_run_flags
 
         cfg = load_config(args.config, paths_relative_to_file=False)
-        resume, overwrite = rank_run_flags(resume=args.resume, overwrite=args.overwrite)
+        resume, overwrite = run_flags(resume=args.resume, overwrite=args.overwrite)
         main_rank = os.environ.get("RANK", "0") == "0"
         with third_party_warnings(verbose=args.verbose, quiet=args.quiet, main_rank=main_rank):
             api.train(cfg, resume=resume, overwrite=overwrite)

@@ -118,9 +118,10 @@ def _trained(cfg: Config, args: argparse.Namespace) -> int:
 
     from recaccel import api
 
+    resume, overwrite = run_flags(resume=bool(args.resume), overwrite=args.overwrite)
     main_rank = os.environ.get("RANK", "0") == "0"
     with third_party_warnings(verbose=args.verbose, quiet=args.quiet, main_rank=main_rank):
-        metrics = api.train(cfg, resume=bool(args.resume), overwrite=args.overwrite)
+        metrics = api.train(cfg, resume=resume, overwrite=overwrite)
     if main_rank:
         _draw_profile(cfg)
         _report(metrics, cfg, quiet=args.quiet)
@@ -147,6 +148,15 @@ def _launched(cfg: Config, args: argparse.Namespace) -> int:
     _draw_profile(cfg)
     _report(metrics, cfg, quiet=args.quiet)
     return 0
+
+
+def run_flags(*, resume: bool, overwrite: bool) -> tuple[bool, bool]:
+    """A rank's ``(resume, overwrite)``: one that torchrun's agent restarted after a
+    failure continues the run, never starts (or overwrites) it again."""
+    from recaccel.train.distributed.launch import restart_count, under_torchrun
+
+    restarted = under_torchrun() and restart_count() > 0
+    return resume or restarted, overwrite and not restarted
 
 
 def third_party_warnings(*, verbose: bool, quiet: bool, main_rank: bool) -> AbstractContextManager[object]:

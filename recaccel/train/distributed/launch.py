@@ -106,13 +106,6 @@ def restart_count() -> int:
         return 0
 
 
-def rank_run_flags(*, resume: bool, overwrite: bool) -> tuple[bool, bool]:
-    """A rank's ``(resume, overwrite)``: one that torchrun's agent restarted after a
-    failure continues the run, never starts (or overwrites) it again."""
-    restarted = under_torchrun() and restart_count() > 0
-    return resume or restarted, overwrite and not restarted
-
-
 def check_launch(cfg: Config, nproc: int) -> None:
     """Checks before launching ``nproc`` ranks that the config trains in hybrid mode.
 
