@@ -12,7 +12,7 @@ T tasks, S / Q support / query rows per task.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, field
 
 import torch
 from torch import Tensor
@@ -70,11 +70,14 @@ class SparseFeatures:
 
     keys: list[str]
     values: Tensor
-    offsets: Tensor | None  # a property below: None = one-hot, implicit offsets
+    offsets: InitVar[Tensor | None]  # read through the property below
     weights: Tensor | None = None
+    # The stored offsets, None when implicit: a dataclass field, so code that rebuilds the
+    # object from its fields (the reader workers' shared memory) keeps it one-hot.
+    _offsets: Tensor | None = field(default=None, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        offsets = self._offsets  # not the property: implicit offsets stay unmade
+    def __post_init__(self, offsets: Tensor | None) -> None:
+        self._offsets = offsets
         if offsets is None:
             self._check_one_hot()
         elif offsets.dim() != 1 or offsets.numel() < 1:
@@ -100,14 +103,17 @@ class SparseFeatures:
             )
 
     def _get_offsets(self) -> Tensor:
-        if self._offsets is None:  # made once, where the values are: nothing to copy there
-            n = self.values.numel()
-            self._offsets = torch.arange(n + 1, dtype=torch.int64, device=self.values.device)
-        return self._offsets
+        if self._offsets is not None:
+            return self._offsets
+        made = self.__dict__.get("_made")  # not a field: never stored or sent
+        if made is None:  # made once, where the values are: nothing to copy there
+            made = torch.arange(self.values.numel() + 1, dtype=torch.int64, device=self.values.device)
+            self.__dict__["_made"] = made
+        return made
 
     def _set_offsets(self, offsets: Tensor | None) -> None:
         self._offsets = offsets
-        self._one_hot = offsets is None
+        self.__dict__.pop("_made", None)
 
     @property
     def one_hot(self) -> bool:
@@ -116,7 +122,7 @@ class SparseFeatures:
         Stays True once :attr:`offsets` has been materialised, so packing and moving the
         batch still skip them.
         """
-        return self._one_hot
+        return self._offsets is None
 
     @property
     def num_fields(self) -> int:
@@ -124,13 +130,13 @@ class SparseFeatures:
 
     @property
     def batch_size(self) -> int:
-        if self._one_hot:
+        if self._offsets is None:
             return self.values.numel() // len(self.keys)
         return (self._offsets.numel() - 1) // max(len(self.keys), 1)
 
     def lengths(self) -> Tensor:
         """int64 [F*B] bag lengths."""
-        if self._one_hot:
+        if self._offsets is None:
             return torch.ones(self.values.numel(), dtype=torch.int64, device=self.values.device)
         return self.offsets[1:] - self.offsets[:-1]
 
@@ -138,7 +144,7 @@ class SparseFeatures:
         """Ids of one field as (values [n], offsets [B+1] starting at 0, weights [n] or None)."""
         f = self.keys.index(name)
         b = self.batch_size
-        if self._one_hot:
+        if self._offsets is None:
             w = None if self.weights is None else self.weights[f * b : (f + 1) * b]
             off = torch.arange(b + 1, dtype=torch.int64, device=self.values.device)
             return self.values[f * b : (f + 1) * b], off, w
@@ -220,7 +226,7 @@ class SparseFeatures:
     def _gather_fields(self, src: list[int]) -> SparseFeatures:
         """Fields ``src`` (indices into :attr:`keys`, distinct) as a new field-major CSR."""
         f, b = self.num_fields, self.batch_size
-        if self._one_hot:  # each field's ids are one run of B: a row gather of the [F, B] view
+        if self._offsets is None:  # each field's ids are one run of B: a row gather of the [F, B] view
             return self._one_hot_rows(list(src), 0, b)
         device = self.offsets.device
         offsets = self.offsets.long()
@@ -254,7 +260,7 @@ class SparseFeatures:
         """
         f, b = self.num_fields, self.batch_size
         _check_rows(lo, hi, b, "rows")
-        if self._one_hot:
+        if self._offsets is None:
             return self._one_hot_rows(list(range(f)), lo, hi)
         device = self.offsets.device
         rows = torch.arange(f, device=device) * b
@@ -344,7 +350,7 @@ class SparseFeatures:
     @property
     def explicit_offsets(self) -> Tensor | None:
         """The offsets to store or copy: None when they are implicit (:attr:`one_hot`)."""
-        return None if self._one_hot else self._offsets
+        return self._offsets
 
     @classmethod
     def from_lengths(

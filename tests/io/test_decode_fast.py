@@ -23,6 +23,7 @@ from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.host_buffer import layout_of, pack, unpack
 from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.rows import BatchReader
+from recaccel.io.readers.shm_ring import flatten, unflatten
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures
 
@@ -266,8 +267,8 @@ def test_implicit_offsets_are_made_only_when_read():
         lean.slice_rows(0, 3).to("cpu").pin_memory() if torch.cuda.is_available() else lean.slice_rows(0, 3)
     )
     for sf in (lean, moved, lean.select(["k1"]), lean.concat_rows(lean)):
-        assert sf.batch_size > 0 and vars(sf)["_offsets"] is None  # private: nothing made yet
-    assert torch.equal(lean.offsets, torch.arange(16)) and vars(lean)["_offsets"] is not None
+        assert sf.batch_size > 0 and "_made" not in vars(sf)  # private: nothing made yet
+    assert torch.equal(lean.offsets, torch.arange(16)) and "_made" in vars(lean)
 
 
 def test_implicit_offsets_stay_implicit_through_to_and_are_made_on_the_device():
@@ -288,6 +289,22 @@ def test_implicit_offsets_stay_implicit_through_pin_memory_and_cuda():
     dev = pinned.to("cuda", non_blocking=True)
     assert dev.one_hot and dev.offsets.is_cuda
     same(dev.to("cpu"), ref)
+
+
+def test_one_hot_batches_stay_one_hot_through_shared_memory_and_reader_workers(tmp_path):
+    lean, ref = one_hot_pair(5)
+    assert lean.offsets.numel() == 16  # made here: what crosses must still be the implicit form
+    skeleton, arrays = flatten(Batch(torch.zeros(5, 1), lean, torch.zeros(5)))
+    back = unflatten(skeleton, arrays).sparse
+    assert back.one_hot and len(arrays) == 4  # dense, labels, ids, weights: no offsets
+    same(back, ref)
+    path = one_hot_dataset(tmp_path)
+    inline = list(BatchReader(path, 256, ReadOptions(shuffle=True, seed=4)))
+    workers = list(BatchReader(path, 256, ReadOptions(shuffle=True, seed=4, workers=1)))
+    assert len(inline) == len(workers)
+    for a, b in zip(inline, workers):
+        assert b.sparse.one_hot and b.sparse.values.dtype == torch.int32
+        assert torch.equal(a.sparse.values, b.sparse.values) and torch.equal(a.dense, b.dense)
 
 
 def test_implicit_offsets_refuse_ids_that_are_not_one_per_bag():
