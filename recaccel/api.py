@@ -68,7 +68,8 @@ def launch(
     cfg: Config, *, nproc: int, max_restarts: int = 0, resume: bool = False, overwrite: bool = False
 ) -> dict[str, Any]:
     """Trains ``cfg`` as ``nproc`` processes (ranks) on this host, under torchrun's
-    elastic agent; returns the final metrics, as :func:`train` does.
+    elastic agent; returns the final metrics, as :func:`train` does (read back from
+    metrics.json, which rank 0 writes: a non-finite number is None).
 
     Everything is checked before a rank starts: the config (``parallel.mode`` must be
     ``hybrid``) and its inputs, the run directory (held locked for every rank and
