@@ -45,6 +45,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recaccel.bench import io_workers
 from recaccel.bench.common import (
     add_output_args,
     environment_info,
@@ -96,6 +97,20 @@ def add_args(parser) -> None:
     )
     parser.add_argument("--train-config", default="configs/debug.toml", help="config of the data-wait run")
     parser.add_argument("--device", default="auto", help="device of the data-wait run: auto | cpu | cuda")
+    parser.add_argument(
+        "--workers",
+        help="comma-separated reader process counts, e.g. 0,1,2: rows/s per count instead of the candidates",
+    )
+    parser.add_argument(
+        "--schema", default="criteo_1hot", help="with --workers: datasets to generate, of criteo_1hot,wide"
+    )
+    parser.add_argument(
+        "--wide-rows", type=int, default=100_000, help="with --workers: rows of the wide schema"
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=600.0, help="with --workers: no repeat starts after this long"
+    )
+    parser.add_argument("--json", help="also write every figure, the environment and the command here")
     add_output_args(parser, "io", plot="the throughputs")
 
 
@@ -369,27 +384,19 @@ def _task_stats(reader: TaskReader) -> str:
 
 
 def main(args, command_line: str) -> Path:
-    """Runs the benchmark and writes ``args.out``; returns its path."""
+    """Runs the benchmark and writes ``args.out`` (and ``args.json``); returns its path."""
+    sweep = args.workers is not None
+    if sweep:  # bad values fail before any data is written
+        io_workers.parse_workers(args.workers)
+        io_workers.parse_schemas(args.schema)
     with tempfile.TemporaryDirectory(prefix="recaccel-bench-io-") as tmp:
-        if args.path is None:
-            path = make_dataset(
-                Path(tmp), args.rows, args.task_rows, args.zipf_a, args.rows_per_row_group, args.compression
-            )
-        elif open_dataset(args.path).schema.task_key is None:  # group a plain dataset first
-            path = Path(tmp) / "tasks"
-            group_by_task(
-                args.path,
-                path,
-                task_key=args.task_field,
-                rows_per_row_group=args.rows_per_row_group,
-                compression=args.compression,
-            )
+        if sweep:
+            table, notes = io_workers.run_sweep(Path(tmp), args)
         else:
-            path = Path(args.path)
-        table, notes = run_io_bench(path, args)
+            table, notes = run_io_bench(_candidates_dataset(Path(tmp), args), args)
         plot = plot_file(args)
         if plot is not None:
-            plot_throughput(table, plot)
+            (io_workers.plot_workers if sweep else plot_throughput)(table, plot)
         device, failure = "cpu", None
         if args.train_steps > 0:
             try:
@@ -401,18 +408,37 @@ def main(args, command_line: str) -> Path:
                 notes.append(f"debug_dlrm_train FAILED ({type(e).__name__}: {e}); no data-wait figure")
     env = {
         **environment_info("cpu" if failure else device),
+        "cpus": os.cpu_count(),
         "pyarrow": pa.__version__,
         "numpy": np.__version__,
     }
-    out = write_results_markdown(
-        args.out,
-        "Parquet reading: recaccel vs raw pyarrow",
-        env,
-        command_line,
-        table,
-        notes,
-    )
+    title = "Parquet reading by reader processes" if sweep else "Parquet reading: recaccel vs raw pyarrow"
+    out = write_results_markdown(args.out, title, env, command_line, table, notes)
+    if args.json:
+        doc = {"environment": env, "command": command_line, "results": table, "notes": notes}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=2, default=str) + "\n")
     log.info("wrote %s", out)
     if failure is not None:
         raise failure
     return Path(out)
+
+
+def _candidates_dataset(work: Path, args) -> Path:
+    """The task-grouped dataset of the candidates comparison: ``--path`` (grouped by
+    ``--task-field`` first when it has no task key) or generated in ``work``."""
+    if args.path is None:
+        return make_dataset(
+            work, args.rows, args.task_rows, args.zipf_a, args.rows_per_row_group, args.compression
+        )
+    if open_dataset(args.path).schema.task_key is None:
+        path = work / "tasks"
+        group_by_task(
+            args.path,
+            path,
+            task_key=args.task_field,
+            rows_per_row_group=args.rows_per_row_group,
+            compression=args.compression,
+        )
+        return path
+    return Path(args.path)
