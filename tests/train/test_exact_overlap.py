@@ -13,7 +13,7 @@ from torch import nn
 
 from recaccel.bench.train_steps import BASELINE, Combination, recaccel_candidates
 from recaccel.cli import train_main
-from recaccel.config import Config, TrainConfig
+from recaccel.config import Config, TrainConfig, load_config
 from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.arches import MLP, DenseArch
@@ -309,6 +309,10 @@ def test_overlap_refuses_a_model_with_a_lookup_of_its_own():
 
 
 def test_overlap_is_refused_in_hybrid_mode():
+    with pytest.raises(ConfigError, match=r"train.pipeline=overlap runs parallel.mode=single") as err:
+        load_config(None, ['parallel.mode="hybrid"', 'train.pipeline="overlap"'])
+    assert "\n" not in str(err.value)
+    # A config changed after it was loaded meets the same refusal where TorchRec's pipeline starts.
     with pytest.raises(ConfigError, match=r"^train.pipeline=overlap runs parallel.mode=single"):
         check_pipelined(None, None, "overlap")
 
