@@ -5,7 +5,7 @@ pack's lookups, updates and state belong to its backend object
 (:mod:`recaccel.ops.embedding.pack_backend`), chosen once at construction.
 
 A lookup is two phases: :meth:`PackedEmbeddingBag.prepare` (validation, routing, the ids'
-bounds check with its host synchronization, the packs' ids and the backward's sort)
+bounds check, eager or deferred, the packs' ids and the backward's sort)
 and the kernels. A pipeline prepares the next batch ahead, on a side stream
 (:class:`~recaccel.ops.embedding.prepared.PreparedSparse`, whose docstring states the
 memory that costs); micro-batches look up slices of a prepared batch
@@ -329,8 +329,10 @@ class PackedEmbeddingBag(nn.Module):
         """Everything a lookup of ``sf`` does before its kernels, done now.
 
         Validates the batch, routes its features, checks its ids (one host
-        synchronization, when ids are checked), and prepares each pack's input: the ids,
-        and in training mode the sort and unique of the backward. Run on a side stream
+        synchronization with the eager check; none with the deferred one), and prepares
+        each pack's input: the ids, and in training mode the sort (and unique rows, where
+        the backward needs them) of the backward (see :mod:`~recaccel.ops.embedding.prepared`
+        for the synchronizations). Run on a side stream
         ahead of the step, the synchronization no longer drains the main stream;
         :meth:`forward` (and the other lookups) of the result then skip all of it and
         give bit for bit what they give for ``sf``. The preparation's memory lives as

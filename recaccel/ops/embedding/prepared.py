@@ -1,12 +1,19 @@
 """A batch with its embedding-lookup input preparation: what a pipeline makes ahead of time.
 
 :meth:`PackedEmbeddingBag.prepare <recaccel.ops.embedding.PackedEmbeddingBag.prepare>`
-does everything a lookup does before its kernels (validation, routing, the bounds check
-with its one host synchronization, each pack's ids and, for training, the sort and
-unique of the backward) and returns a :class:`PreparedSparse`: the batch itself plus that
-work. Run on a side stream while the previous batch trains, the bounds check's
-synchronization no longer drains the main stream; the lookup, its backward and
+does everything a lookup does before its kernels (validation, routing, the bounds check,
+each pack's ids and, for training, the sort of the backward) and returns a
+:class:`PreparedSparse`: the batch itself plus that work. Run on a side stream while the
+previous batch trains, whatever synchronizes with the host no longer drains the main
+stream; the lookup, its backward and
 :meth:`~recaccel.ops.embedding.PackedEmbeddingBag.apply_gradient` then reuse it.
+
+Host synchronizations: none with the deferred bounds check when the batch's features
+all go to one pack (the Triton fused training step, any evaluation lookup, the
+reference's lookups and autograd-mode training); one per batch whose features are split
+among packs, which reads every pack's id count at once (never for a Triton evaluation,
+which reads the batch's CSR); the eager check's one; and the unique rows of a backward
+that needs them (the reference's fused update, Triton's autograd mode).
 
 Memory: a preparation keeps, per pack p with N_p ids of a batch of B rows and S
 features, up to N_p*(8 + 8 + 4 + 8) bytes (rows, bags, scale, sort order; rows and
