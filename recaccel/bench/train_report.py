@@ -96,6 +96,23 @@ def speedups(rows: list[dict]) -> None:
         r["speedup_vs_eager"] = base / r["step_ms"] if base and r["step_ms"] else None
         base = off.get(group) if r["candidate"] == "recaccel" else None
         r["speedup_vs_off"] = base / r["step_ms"] if base and r["step_ms"] else None
+    data_costs(rows)
+
+
+def _same_step(row: dict) -> tuple:
+    """What a reader row is compared with in device mode: everything but the data mode."""
+    return (row["preset"], row.get("precision"), row["candidate"], row.get("pipeline"),
+            row.get("micro_batches"), row.get("cuda_graphs"))  # fmt: skip
+
+
+def data_costs(rows: list[dict]) -> None:
+    """Sets ``data_cost`` on reader rows: (reader step - device step) / reader step, the
+    device row being the same candidate, combination, preset and precision (None without
+    one): the share of a step the data path adds (issue 26's target: < 2%)."""
+    device = {_same_step(r): r["step_ms"] for r in rows if r["mode"] == "device" and r["step_ms"]}
+    for r in rows:
+        base = device.get(_same_step(r)) if r["mode"] == "reader" else None
+        r["data_cost"] = (r["step_ms"] - base) / r["step_ms"] if base and r["step_ms"] else None
 
 
 BASELINE_KEY = (BASELINE.pipeline, BASELINE.micro_batches, BASELINE.cuda_graphs)
@@ -140,6 +157,7 @@ def table_rows(rows: list[dict]) -> list[dict]:
                 value = "merged" if value.startswith("merged") else "-"  # not instrumented, or no wait
             flat[f"{_SHORT[phase]}_ms"] = value
         flat["data_wait_frac"] = r.get("data_wait_fraction")
+        flat["data_cost"] = r.get("data_cost")
         if r["status"] != "ok":
             flat["candidate"] = f"{r['candidate']} (skipped)"
         out.append(flat)
@@ -249,7 +267,9 @@ def method_notes(
         "part of; recaccel's pipelined combinations are not instrumented.",
         "device mode: batches of the preset's synthetic data read once and rotated on the device; reader mode: "
         "BatchReader (Parquet) + DeviceLoader per candidate, data_wait = mean host time blocked on the next "
-        "batch over the timed steps, data_wait_fraction = total wait / total step time.",
+        "batch over the timed steps, data_wait_fraction = total wait / total step time; data_cost = "
+        "(reader step_ms - device step_ms) / reader step_ms, against the device row of the same candidate, "
+        "combination, preset and precision (the time the data path adds to a step; target < 2% on a GPU).",
         "recaccel combinations (pipeline/micro_batches/cuda_graphs): "
         + ", ".join(c.label for c in combinations)
         + "; each steps through the trainer's own loop (SingleProcess.steps: BatchPipeline, build_step, "

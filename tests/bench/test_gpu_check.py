@@ -38,6 +38,7 @@ def test_small_mode_runs_every_step_and_ends_with_the_targets(tmp_path, capsys):
     got = {t["target"]: t for t in report["targets"]}
     # Measured on CPU too (judged against a GPU threshold): the cache figure.
     assert got["host tables at 10% cached >= 60% of all-device samples/s"]["value"] > 0
+    assert "workers=" in got["criteo_1hot schema reader >= 12 M rows/s"]["figure"]  # the io worker sweep
     # What comes back from a lent machine: at most 8 files, flat; the rest in the tarball.
     left = sorted(p.name for p in out.iterdir())
     assert len(left) <= 8 and all(p.is_file() for p in out.iterdir())
@@ -119,7 +120,7 @@ def test_targets_judge_triton_precision_rows_and_the_data_cost_from_result_files
     assert got["bench_criteo_1hot bf16 >= 12 M samples/s"]["value"] == 13e6
     assert got["bench_criteo_1hot tf32 >= 8 M samples/s"]["status"] == NOT_MET
     assert got["bench_wide bf16 >= 0.8 M samples/s"]["status"] == NOT_MEASURED
-    cost = got["data cost < 1% of step time"]
+    cost = got["data cost < 2% of step time"]
     assert cost["status"] == NOT_MET and abs(cost["value"] - 0.5 / 5.5) < 1e-12  # (reader - device) / reader
     assert got["host tables at 10% cached >= 60% of all-device samples/s"]["status"] == NOT_MET
     assert all(t["status"] == NOT_MEASURED for t in evaluate(tmp_path / "missing", {}))
