@@ -26,6 +26,10 @@ that many steps on ``--device`` through the trainer's loader, and the run's
 ``data_wait_fraction`` (host time blocked waiting for the next batch over training
 time, the first batch's start-up excluded) is reported.
 
+Worker sweep (``--workers 0,1,2,...``): instead of the candidates above, rows/s of both
+readers per reader-process count on generated ``--schema`` datasets (criteo_1hot, wide),
+against one-thread and all-thread raw pyarrow: :mod:`recaccel.bench.io_workers`.
+
 Without ``--path`` the data is generated with :func:`recaccel.io.convert.synth.generate_synthetic`
 in a temporary folder and grouped with :func:`recaccel.io.convert.group_by_task.group_by_task`
 by field ``C1`` (ids Zipf-skewed: a few heavy users, many light ones).
