@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -20,12 +20,20 @@ import pyarrow as pa
 from recaccel.config import LabelKind, choices
 from recaccel.errors import DataError
 
-if TYPE_CHECKING:
-    from recaccel.io.format.mapping import MappedColumns
-
 SCHEMA_METADATA_KEY = b"recaccel.schema"
 MAX_CARDINALITY = 2**63 - 1  # ids are int64
 LABEL_KINDS = choices(LabelKind)
+
+
+class ColumnSource(Protocol):
+    """The user's own column types behind a schema (a ``[data.schema]`` mapping's resolved
+    columns), named here by what the readers call so that the schema needs no mapping."""
+
+    def check(self, schema: pa.Schema, path: str) -> None:
+        """Raises DataError when another file of the dataset has other column types."""
+
+    def canonical(self, table: pa.Table, path: str, row_group: int) -> pa.Table:
+        """The row group's columns in recaccel's types."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,7 @@ class FeatureSchema:
     timestamp: str | None = None
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     origin: str | None = field(default=None, compare=False, hash=False, repr=False)
-    source: MappedColumns | None = field(default=None, compare=False, hash=False, repr=False)
+    source: ColumnSource | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.dense, (tuple, list)) or not all(_is_name(d) for d in self.dense):
