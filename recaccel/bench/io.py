@@ -112,6 +112,15 @@ def add_args(parser) -> None:
         "--wide-rows", type=int, default=100_000, help="with --workers: rows of the wide schema"
     )
     parser.add_argument(
+        "--shuffle-buffer-rows",
+        type=int,
+        default=65_536,
+        help="with --workers: rows per shuffle buffer of the plain reader (a worker's unit)",
+    )
+    parser.add_argument(
+        "--wide-buffer-rows", type=int, default=4096, help="with --workers: the same on the wide schema"
+    )
+    parser.add_argument(
         "--max-seconds", type=float, default=600.0, help="with --workers: no repeat starts after this long"
     )
     parser.add_argument("--json", help="also write every figure, the environment and the command here")

@@ -112,8 +112,11 @@ def timed_pass(batches: Callable[[], Iterable]) -> tuple[float, float]:
     return (total if first is None else first), total
 
 
-def sweep_candidates(path: Path, args, counts: list[int]) -> dict[tuple[str, int | None], Callable]:
-    """(candidate, workers) -> zero-argument callable returning one pass's batch iterable."""
+def sweep_candidates(
+    path: Path, args, counts: list[int], buffer_rows: int
+) -> dict[tuple[str, int | None], Callable]:
+    """(candidate, workers) -> zero-argument callable returning one pass's batch iterable
+    (the plain reader's shuffle buffers of ``buffer_rows`` rows)."""
     info = open_dataset(path)
     schema = info.schema
     columns = [schema.label, *schema.dense, *schema.sparse_names]
@@ -125,7 +128,7 @@ def sweep_candidates(path: Path, args, counts: list[int]) -> dict[tuple[str, int
 
     def plain(workers: int):
         options = ReadOptions(seed=0, read_ahead=args.read_ahead, workers=workers)
-        return BatchReader(path, args.batch_size, options, shuffle_buffer_rows=65_536)
+        return BatchReader(path, args.batch_size, options, shuffle_buffer_rows=buffer_rows)
 
     tasks_cfg = TasksConfig(
         tasks_per_batch=args.tasks_per_batch,
@@ -234,6 +237,13 @@ def dataset_rows(schema_name: str, args) -> int:
     return args.wide_rows if schema_name == "wide" else args.rows
 
 
+def buffer_rows(schema_name: str, args) -> int:
+    """Rows per shuffle buffer (the unit a worker decodes): ``--wide-buffer-rows`` for the
+    wide schema, whose rows are 13 times as wide, so that a dataset that fits the time
+    budget still has a few buffers per worker; else ``--shuffle-buffer-rows``."""
+    return args.wide_buffer_rows if schema_name == "wide" else args.shuffle_buffer_rows
+
+
 def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
     """The worker sweep over ``--path`` or each ``--schema`` (generated in ``work``).
 
@@ -250,7 +260,7 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
                 name,
                 dataset_rows(name, args),
                 args.task_rows,
-                args.rows_per_row_group,
+                min(args.rows_per_row_group, buffer_rows(name, args)),
                 args.compression,
             )
             for name in parse_schemas(args.schema)
@@ -259,18 +269,14 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
     for name, path in datasets.items():
         info = open_dataset(path)
         load_before = _load()
-        samples = time_sweep(sweep_candidates(path, args, counts), args.repeats, args.max_seconds)
+        buffer = buffer_rows(name, args)
+        samples = time_sweep(sweep_candidates(path, args, counts, buffer), args.repeats, args.max_seconds)
         table += sweep_rows(name, info.num_rows, samples)
-        notes.append(
-            f"{name}: {path.name} ({info.num_rows} rows, {len(info.files)} files, {len(info.row_groups)} "
-            f"row groups of {args.rows_per_row_group}, {args.compression}, {len(info.schema.dense)} dense + "
-            f"{len(info.schema.sparse)} one-hot sparse columns"
-            f"{', task key' if info.schema.task_key else ''}); 1-minute load average "
-            f"{load_before:.2f} before and {_load():.2f} after its passes"
-        )
+        notes.append(f"{_dataset_note(name, info, buffer, args.compression)}; 1-minute load average "
+                     f"{load_before:.2f} before and {_load():.2f} after its passes")  # fmt: skip
     notes += [
         f"workers {counts}: reader processes (data.workers; 0 = in this process), read_ahead="
-        f"{args.read_ahead}, batch {args.batch_size} rows, shuffle buffers of 65536 rows; tasks: "
+        f"{args.read_ahead}, batch {args.batch_size} rows (raw pyarrow too); tasks: "
         f"T={args.tasks_per_batch}, S={args.support_size}, Q={args.query_size}.",
         f"Passes timed interleaved, order rotating per repeat, up to {args.repeats} repeats "
         f"(fewer once {args.max_seconds:g} s are spent; column repeats), no warm-up: the data was "
@@ -281,6 +287,16 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
         "tasks_vs_plain: over plain at the same worker count.",
     ]
     return table, notes
+
+
+def _dataset_note(name: str, info, buffer: int, compression: str) -> str:
+    groups = info.row_groups
+    return (
+        f"{name}: {info.num_rows} rows, {len(info.files)} files, {len(groups)} row groups of "
+        f"{groups[0].num_rows if groups else 0} rows, shuffle buffers of {buffer} rows, {compression}, "
+        f"{len(info.schema.dense)} dense + {len(info.schema.sparse)} one-hot sparse columns"
+        + (", task key" if info.schema.task_key else "")
+    )
 
 
 def _load() -> float:
