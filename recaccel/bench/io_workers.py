@@ -224,6 +224,8 @@ def plot_workers(table: list[dict], path: str | Path) -> Path:
             for r in rows:
                 if r["candidate"] == raw:
                     ax.axhline(r["rows_per_s"] / 1e6, color="tab:grey", linestyle=style, label=raw)
+        ax.set_xticks(sorted({r["workers"] for r in rows if r["workers"] is not None}))
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("data.workers (0 = in the training process)")
         ax.set_ylabel("million dataset rows / s (median pass)")
         ax.set_title(f"{schema}: reader rows/s by worker processes")
