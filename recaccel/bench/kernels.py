@@ -239,7 +239,8 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     the updated rows and Adagrad state; timing repeats the kernels alone on another copy.
     """
     from recaccel.ops.embedding.optimizers import init_states
-    from recaccel.ops.embedding.packing import gather_pack_ids, group_by_row
+    from recaccel.ops.embedding.packing import gather_pack_ids
+    from recaccel.ops.embedding.row_groups import group_by_row
     from recaccel.ops.embedding.specs import SparseOptimConfig
     from recaccel.ops.embedding.triton.backward import _launch_tiles, tile_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recaccel.ops.embedding.cache.pack import same_device
+from recaccel.ops.embedding.cache.prepared import same_device
 
 
 def test_same_device_compares_type_and_index_not_spelling():

@@ -25,9 +25,10 @@ import pytest
 
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding.optimizers import PackState, init_states
-from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids, group_by_row
+from recaccel.ops.embedding.packing import LocalFeatures, PackIds, gather_pack_ids
 from recaccel.ops.embedding.prepared import PreparedPack
 from recaccel.ops.embedding.reference import fused_backward
+from recaccel.ops.embedding.row_groups import group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.sparse import SparseFeatures
 from tests.ops.conftest import compile_in_subprocess

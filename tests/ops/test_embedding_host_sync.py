@@ -27,7 +27,7 @@ import pytest
 
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
-from recaccel.ops.embedding.packing import PackSort, group_by_row, group_packs
+from recaccel.ops.embedding.row_groups import PackSort, group_by_row, group_packs
 from recaccel.sparse import SparseFeatures
 
 needs_triton = pytest.mark.skipif(

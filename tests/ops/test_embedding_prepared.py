@@ -191,7 +191,7 @@ def test_prepared_eval_lookup_is_bit_identical(backend, sparse_batch):
 def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, monkeypatch):
     """Lookups, backward, lookup_rows and apply_gradient of a prepared batch neither
     validate, check nor gather its ids again, nor sort them for the backward."""
-    from recaccel.ops.embedding import packing, prepared, reference
+    from recaccel.ops.embedding import packing, prepared, reference, row_groups
     from recaccel.ops.embedding.triton import autograd, backward
 
     _runnable(backend, device)
@@ -204,7 +204,8 @@ def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, m
 
     monkeypatch.setattr(m, "_prepare", forbidden)
     for module, names in [
-        (packing, ["gather_pack_ids", "group_by_row", "group_packs"]),
+        (packing, ["gather_pack_ids"]),
+        (row_groups, ["group_by_row", "group_packs"]),
         (prepared, ["gather_pack_ids", "group_by_row"]),
         (reference, ["group_by_row"]),
         (autograd, ["gather_pack_ids", "group_by_row"]),
@@ -410,7 +411,7 @@ def _grouping_as_before(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 @pytest.mark.parametrize("num_rows, n", [(3, 200), (1000, 50), (2**31, 64), (2**31 + 1, 64), (5, 0)])
 @pytest.mark.parametrize("unique", [True, False])
 def test_row_grouping_with_int32_keys_equals_the_int64_grouping(num_rows, n, unique):
-    from recaccel.ops.embedding.packing import group_by_row
+    from recaccel.ops.embedding.row_groups import group_by_row
 
     gen = torch.Generator().manual_seed(num_rows + n)
     rows = torch.randint(0, num_rows, (n,), generator=gen, dtype=torch.int64)

@@ -6,11 +6,16 @@ row-wise Adagrad or Adam in place.
 
 Layout:
 
-- :mod:`~recaccel.ops.embedding.module`: :class:`PackedEmbeddingBag` and the backend
-  dispatch (:func:`choose_backend`, :func:`pack_backend_class`).
+- :mod:`~recaccel.ops.embedding.module`: :class:`PackedEmbeddingBag`;
+  :mod:`~recaccel.ops.embedding.backends`: the backend dispatch (:func:`choose_backend`,
+  :func:`pack_backend_class`); :mod:`~recaccel.ops.embedding.init_weights`: the initial rows.
+- :mod:`~recaccel.ops.embedding.preparation`, :mod:`~recaccel.ops.embedding.bounds_check`,
+  :mod:`~recaccel.ops.embedding.deferred_check`, :mod:`~recaccel.ops.embedding.micro_batches`:
+  a batch's preparation, its id checks, the micro-batch lookup and deferred update.
 - :mod:`~recaccel.ops.embedding.specs`: :class:`TableSpec`, :class:`SparseOptimConfig`;
   :mod:`~recaccel.ops.embedding.options`: :class:`EmbeddingOptions`, the module's settings.
-- :mod:`~recaccel.ops.embedding.packing`: the packing plan and the routing of a batch.
+- :mod:`~recaccel.ops.embedding.packing`: the packing plan, the routing of a batch and
+  each pack's ids; :mod:`~recaccel.ops.embedding.row_groups`: the backward's sort by row.
 - :mod:`~recaccel.ops.embedding.prepared`: :class:`PreparedSparse`, a batch with its
   lookup's input preparation (made ahead by a pipeline).
 - :mod:`~recaccel.ops.embedding.pack_backend`: the per-pack backend interface.
@@ -22,13 +27,9 @@ Layout:
   :mod:`~recaccel.ops.embedding.state`: backend-independent checkpoints.
 """
 
-from recaccel.ops.embedding.module import (
-    PackedEmbeddingBag,
-    check_deferred_ids,
-    choose_backend,
-    init_table_weights,
-    pack_backend_class,
-)
+from recaccel.ops.embedding.backends import choose_backend, pack_backend_class
+from recaccel.ops.embedding.init_weights import init_table_weights
+from recaccel.ops.embedding.module import PackedEmbeddingBag, check_deferred_ids
 from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, PackLayout

@@ -10,9 +10,13 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from recaccel.ops.embedding.packing import Routing
+from recaccel.ops.embedding.bounds_check import check_batch
+from recaccel.ops.embedding.packing import PackingPlan, Routing
 from recaccel.ops.embedding.prepared import PreparedSparse
+from recaccel.ops.embedding.specs import InvalidIdError
 from recaccel.sparse import SparseFeatures
+
+_OP = "PackedEmbeddingBag"
 
 
 @dataclasses.dataclass
@@ -68,3 +72,42 @@ def defer_batch_check(sf: SparseFeatures) -> tuple[SparseFeatures, Tensor]:
     safe[0] = 0
     safe[-1] = n
     return SparseFeatures(sf.keys, values, safe, sf.weights), counter
+
+
+class PendingChecks:
+    """A module's looked-up batches whose bad-id counts are on their way to the host.
+
+    Args:
+        plan: The module's packing plan (for the eager re-check's message).
+    """
+
+    def __init__(self, plan: PackingPlan) -> None:
+        self._plan = plan
+        self._pending: list[PendingCheck] = []
+
+    def queue(self, sf: PreparedSparse) -> None:
+        """Starts the host's copy of a looked-up batch's bad-id count (no waiting)."""
+        if sf.bad_ids is None:
+            return
+        # A batch looked up again (micro-batches) replaces its earlier copy: the count grew.
+        self._pending = [c for c in self._pending if c.counter is not sf.bad_ids]
+        self._pending.append(PendingCheck.start(sf))
+
+    def raise_bad(self, wait: bool) -> None:
+        """Raises for the first pending batch whose count arrived non-zero; keeps the
+        batches whose copy has not landed yet (all of them land when ``wait``).
+
+        Raises:
+            InvalidIdError: the eager check's error for that batch.
+        """
+        pending, self._pending = self._pending, []
+        for i, check in enumerate(pending):
+            if not wait and not check.landed():
+                self._pending.append(check)
+                continue
+            if check.bad():
+                self._pending += pending[i + 1 :]
+                check_batch(check.batch, check.routing, self._plan)
+                raise InvalidIdError(
+                    f"{_OP}: the lookup kernels counted out-of-range ids in features {list(check.batch.keys)}"
+                )

@@ -1,16 +1,13 @@
 """PackedEmbeddingBag: every table of a model in a few packed buffers, one lookup per pack.
 
 The module routes a batch's features to their packs and holds the packs' tensors; each
-pack's lookups, updates and state belong to its backend object
-(:mod:`recaccel.ops.embedding.pack_backend`), chosen once at construction.
-
-A lookup is two phases: :meth:`PackedEmbeddingBag.prepare` (validation, routing, the ids'
-bounds check, eager or deferred, the packs' ids and the backward's sort)
-and the kernels. A pipeline prepares the next batch ahead, on a side stream
-(:class:`~recaccel.ops.embedding.prepared.PreparedSparse`, whose docstring states the
-memory that costs); micro-batches look up slices of a prepared batch
-(:meth:`~PackedEmbeddingBag.lookup_rows`) and apply its sparse update once
-(:meth:`~PackedEmbeddingBag.apply_gradient`).
+pack's lookups, updates and state belong to its backend object (chosen once at
+construction: :mod:`~recaccel.ops.embedding.backends`). A lookup is two phases:
+:meth:`PackedEmbeddingBag.prepare` (validation, routing, the bounds check, the packs' ids
+and the backward's sort: :mod:`~recaccel.ops.embedding.preparation`) and the kernels. A
+pipeline prepares the next batch ahead on a side stream (:class:`PreparedSparse`);
+micro-batches look up slices of a prepared batch and apply its sparse update once
+(:mod:`~recaccel.ops.embedding.micro_batches`).
 
 Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
 """
@@ -18,101 +15,32 @@ Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
-import weakref
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from recaccel.errors import ConfigError, DataError
-from recaccel.ops.backend import BACKENDS, resolve_backend
+from recaccel.errors import ConfigError
+from recaccel.ops.embedding.backends import build_packs, choose_backend, pack_backend_class
+from recaccel.ops.embedding.cache.counters import merge_stats
 from recaccel.ops.embedding.cache.host_store import check_host_memory
 from recaccel.ops.embedding.cache.options import check_host_placement
-from recaccel.ops.embedding.cache.pack import CachedPack, merge_stats
-from recaccel.ops.embedding.deferred_check import PendingCheck, defer_batch_check
-from recaccel.ops.embedding.fbgemm import FbgemmPack, fbgemm_unsupported
+from recaccel.ops.embedding.cache.pack import CachedPack
+from recaccel.ops.embedding.deferred_check import PendingChecks
+from recaccel.ops.embedding.init_weights import init_table_weights, rounding_seed
+from recaccel.ops.embedding.micro_batches import apply_pack_gradients, lookup_pack_rows
 from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
-from recaccel.ops.embedding.packing import PackIdCounts, PackingPlan, PackSort, Routing, check_batch
-from recaccel.ops.embedding.prepared import PackBatch, PreparedSparse
-from recaccel.ops.embedding.reference import ReferencePack
+from recaccel.ops.embedding.packing import PackingPlan, Routing, check_one_dim
+from recaccel.ops.embedding.preparation import as_kernel_input, check_id_dtype, prepare_packs
+from recaccel.ops.embedding.prepared import PreparedSparse
 from recaccel.ops.embedding.rounding import StochasticRounding, torch_dtype
-from recaccel.ops.embedding.specs import InvalidIdError, SparseOptimConfig, TableSpec
-from recaccel.ops.embedding.state import load_tables, save_tables
+from recaccel.ops.embedding.specs import TableSpec
+from recaccel.ops.embedding.state import ROUNDING_KEY, load_rounding, load_tables, save_tables
 from recaccel.sparse import SparseFeatures
-
-logger = logging.getLogger(__name__)
 
 _OP = "PackedEmbeddingBag"
 _MAX_CACHED_ROUTES = 16
-# State-dict key (after the module's prefix) of the stochastic-rounding generator of
-# 16-bit rows; it has no dot, so no table's ``<table>.<name>`` key can take it.
-ROUNDING_KEY = "rounding_generator"
-
-
-def choose_backend(
-    backend: str,
-    device: torch.device,
-    tables: list[TableSpec],
-    mode: str,
-    optim: SparseOptimConfig,
-    dtype: str = "fp32",
-) -> str:
-    """Resolves ``backend`` for these tables on ``device``.
-
-    ``auto`` picks triton on CUDA and reference on CPU (see :mod:`recaccel.ops.backend`
-    for why not fbgemm there); ``fbgemm`` runs when ``fbgemm_gpu`` imports and supports
-    the tables, mode, optimizer settings and row dtype on ``device``.
-
-    Raises:
-        ConfigError: ``fbgemm`` asked for explicitly with an option it does not support.
-        ValueError, RuntimeError: see :func:`recaccel.ops.backend.resolve_backend`.
-    """
-    name = resolve_backend(backend, device, available=BACKENDS, op=_OP)
-    if name != "fbgemm":
-        return name
-    reason = fbgemm_unsupported(tables, mode, optim, dtype, device)
-    if reason is None:
-        try:
-            import fbgemm_gpu.split_table_batched_embeddings_ops_training  # noqa: F401
-        except (ImportError, OSError) as e:
-            reason = f"an fbgemm_gpu that does not import ({e})"
-    if reason is None:
-        return name
-    if backend == "fbgemm":
-        raise ConfigError(f"{_OP}: backend='fbgemm' with dtype={dtype!r} does not support {reason}")
-    logger.info("%s: backend auto -> reference (fbgemm does not support %s)", _OP, reason)
-    return "reference"
-
-
-def pack_backend_class(backend: str) -> type[PackBackend]:
-    """The pack class of a resolved backend (Triton's imported only when chosen)."""
-    if backend == "triton":
-        from recaccel.ops.embedding.triton import TritonPack
-
-        return TritonPack
-    return {"reference": ReferencePack, "fbgemm": FbgemmPack}[backend]
-
-
-def init_table_weights(
-    tables: list[TableSpec], seed: int | None = None, generator: torch.Generator | None = None
-) -> dict[str, Tensor]:
-    """Initial rows of each table: uniform(-1/sqrt(R), 1/sqrt(R)), drawn on the CPU in table order.
-
-    The same tables, seed (or CPU generator state) give the same rows whatever the
-    backend and device.
-    """
-    if seed is not None and generator is not None:
-        raise ConfigError(f"{_OP}: pass seed or generator, not both")
-    if seed is not None:
-        generator = torch.Generator().manual_seed(seed)
-    out = {}
-    for t in tables:
-        bound = t.num_rows**-0.5
-        out[t.name] = torch.empty(t.num_rows, t.dim).uniform_(-bound, bound, generator=generator)
-    return out
 
 
 class PackedEmbeddingBag(nn.Module):
@@ -255,23 +183,17 @@ class PackedEmbeddingBag(nn.Module):
         self.cache_options = options.cache
         pack_class = pack_backend_class(self.backend)
         init = init_table_weights(tables, seed, generator)
-        self.rounding = None if dtype == "fp32" else StochasticRounding(_rounding_seed(seed, generator))
+        self.rounding = None if dtype == "fp32" else StochasticRounding(rounding_seed(seed, generator))
         self._packs: list[PackBackend] = []
         self._held_names: list[tuple[str, ...]] = []  # per pack: what this module holds for it
         pack_options = PackOptions(mode, self.optim, self.sparse_grad, torch_dtype(dtype), self.rounding)
-        for layout in self.plan.packs:
-            weights = [init[t.name] for t in layout.tables]
-            if layout.placement == "host":
-                pack, held = CachedPack.create(
-                    layout, weights, pack_options, device, inner_class=pack_class, cache=self.cache_options
-                )
-            else:
-                pack, held = pack_class.create(layout, weights, pack_options, device)
+        built = build_packs(self.plan, init, pack_options, device, pack_class, self.cache_options)
+        for p, (pack, held) in enumerate(built):
             for name, tensor in held.items():
                 if isinstance(tensor, nn.Parameter):
-                    self.register_parameter(f"{name}_{layout.index}", tensor)
+                    self.register_parameter(f"{name}_{p}", tensor)
                 else:
-                    self.register_buffer(f"{name}_{layout.index}", tensor, persistent=False)
+                    self.register_buffer(f"{name}_{p}", tensor, persistent=False)
             self._packs.append(pack)
             self._held_names.append(tuple(held))
         # The deferred check needs kernels that count (Triton's) or a preparation that does
@@ -280,7 +202,7 @@ class PackedEmbeddingBag(nn.Module):
         wanted = self.bounds_check == "deferred" or (self.bounds_check == "auto" and self.backend == "triton")
         self._defer_check = wanted and deferrable
         self._always_check_ids = (pack_class.always_checks_ids and not self._defer_check) or bool(host_packs)
-        self._pending_checks: list[PendingCheck] = []
+        self._pending_checks = PendingChecks(self.plan)
         self._routes: dict[tuple, Routing] = {}
 
     # ----------------------------------------------------------------- lookups
@@ -303,7 +225,7 @@ class PackedEmbeddingBag(nn.Module):
             DataError: an unknown or repeated feature.
         """
         routing, outs = self._lookup(sf)
-        _check_one_dim(routing, "forward")
+        check_one_dim(routing, "forward")
         return routing.to_batch_order(outs)
 
     def forward_packs(self, sf: SparseFeatures) -> list[Tensor]:
@@ -371,24 +293,11 @@ class PackedEmbeddingBag(nn.Module):
         Raises:
             ValueError: rows outside the batch, or features of different dims.
         """
-        self._check_pending(wait=False)
+        self._pending_checks.raise_bad(wait=False)
         sf = self._prepared(sf, training=False)
-        routing, batch_size = sf.routing, sf.batch_size
-        if not 0 <= lo <= hi <= batch_size:
-            raise ValueError(
-                f"{_OP}.lookup_rows: rows [{lo}, {hi}) are not within the batch's {batch_size} rows"
-            )
-        _check_one_dim(routing, "lookup_rows")
-        outs = []
-        for p, route in enumerate(routing.packs):
-            if route.local.count == 0 or hi == lo:
-                outs.append(
-                    torch.zeros(hi - lo, route.local.count, self.plan.packs[p].dim, device=sf.values.device)
-                )
-                continue
-            outs.append(self._packs[p].lookup_rows(self._held(p), sf.pack_batch(p, train=False), lo, hi))
-        self._queue_check(sf)
-        return routing.to_batch_order(outs)
+        out = lookup_pack_rows(sf, lo, hi, self._packs, self._held, self.plan)
+        self._pending_checks.queue(sf)
+        return out
 
     def deferred_update_unsupported(self) -> str | None:
         """Why :meth:`apply_gradient` cannot run on this module, or None when it can
@@ -417,36 +326,15 @@ class PackedEmbeddingBag(nn.Module):
         reason = self.deferred_update_unsupported()
         if reason is not None:
             raise ConfigError(f"{_OP}.apply_gradient: no deferred sparse update with {reason}")
-        sf = self._prepared(sf, training=True)
-        routing, batch_size = sf.routing, sf.batch_size
-        _check_one_dim(routing, "apply_gradient")
-        want = (batch_size, len(routing.keys), routing.dims[0])
-        if tuple(grad.shape) != want:
-            raise ValueError(
-                f"{_OP}.apply_gradient: grad has shape {tuple(grad.shape)}, expected [B, F, D] = {list(want)}"
-            )
-        grad = grad.detach()
-        # The packs' outputs concatenated (the backward of forward's restoring gather).
-        grad = grad if routing.order is None else grad.index_select(1, routing.order)
-        starts = [0]
-        for route in routing.packs:
-            starts.append(starts[-1] + route.local.count)
-        # Last pack first: the order in which autograd runs the packs' backward (its ready
-        # queue takes the newest node first), hence the same rounding-seed draws.
-        for p in reversed(range(len(routing.packs))):
-            count = routing.packs[p].local.count
-            if count == 0 or batch_size == 0:
-                continue  # no lookup, hence no backward
-            pack_grad = grad.narrow(1, starts[p], count)
-            self._packs[p].apply_gradient(self._held(p), sf.pack_batch(p, train=True), pack_grad)
+        apply_pack_gradients(self._prepared(sf, training=True), grad, self._packs, self._held)
 
     def _lookup(self, sf: SparseFeatures) -> tuple[Routing, list[Tensor]]:
-        self._check_pending(wait=False)
+        self._pending_checks.raise_bad(wait=False)
         train = self.training and torch.is_grad_enabled()
         sf = self._prepared(sf, training=train)
         routing = sf.routing
         outs = [self._lookup_pack(p, sf, train) for p in range(len(routing.packs))]
-        self._queue_check(sf)
+        self._pending_checks.queue(sf)
         return routing, outs
 
     def _lookup_pack(self, p: int, sf: PreparedSparse, train: bool) -> Tensor:
@@ -467,39 +355,11 @@ class PackedEmbeddingBag(nn.Module):
     def _prepare(self, sf: SparseFeatures, training: bool) -> PreparedSparse:
         sf = self._validate(sf)
         routing = self._route(sf.keys, sf.values.device)
-        batch_size = sf.batch_size
-        given, bad_ids = sf, None
+        check = "eager" if self.bounds_check or self._always_check_ids else "off"
         if self._defer_check:
-            sf, bad_ids = defer_batch_check(sf)
-        elif self.bounds_check or self._always_check_ids:
-            check_batch(sf, routing, self.plan)
-        # A batch split among packs: their id counts read at most once, their row groupings
-        # sorted together (one sort for every pack, bitwise the order of one per pack).
-        counts, sort = PackIdCounts(sf, routing), PackSort()
-        packs = [
-            None
-            if route.local.count == 0 or batch_size == 0
-            else self._packs[p].prepare(
-                PackBatch(sf, route, batch_size, training, count_ids=functools.partial(counts, p), sort=sort)
-            )
-            for p, route in enumerate(routing.packs)
-        ]
-        sort.run()
-        if bad_ids is not None:
-            for pack in packs:  # ids the preparation replaced by row 0 (the reference reads them)
-                if pack is not None and pack.ids.bad is not None:
-                    bad_ids += pack.ids.bad
-        return PreparedSparse(
-            sf.keys,
-            sf.values,
-            sf.offsets,
-            sf.weights,
-            routing=routing,
-            packs=packs,
-            owner=weakref.ref(self),
-            training=training,
-            bad_ids=bad_ids,
-            unchecked=given if bad_ids is not None else None,
+            check = "deferred"
+        return prepare_packs(
+            sf, routing, self._packs, plan=self.plan, training=training, check=check, owner=self
         )
 
     def check_ids(self) -> None:
@@ -523,7 +383,7 @@ class PackedEmbeddingBag(nn.Module):
             InvalidIdError: a batch looked up since the last check had an id outside its
                 table or malformed offsets.
         """
-        self._check_pending(wait=True)
+        self._pending_checks.raise_bad(wait=True)
 
     def train(self, mode: bool = True) -> PackedEmbeddingBag:
         """Sets training mode; leaving it checks the deferred bounds check's pending
@@ -532,29 +392,6 @@ class PackedEmbeddingBag(nn.Module):
         if self.training and not mode:
             self.check_ids()
         return super().train(mode)
-
-    def _queue_check(self, sf: PreparedSparse) -> None:
-        """Starts the host's copy of a looked-up batch's bad-id count (no waiting)."""
-        if sf.bad_ids is None:
-            return
-        # A batch looked up again (micro-batches) replaces its earlier copy: the count grew.
-        self._pending_checks = [c for c in self._pending_checks if c.counter is not sf.bad_ids]
-        self._pending_checks.append(PendingCheck.start(sf))
-
-    def _check_pending(self, wait: bool) -> None:
-        """Raises for the first pending batch whose count arrived non-zero; keeps the
-        batches whose copy has not landed yet (all of them land when ``wait``)."""
-        pending, self._pending_checks = self._pending_checks, []
-        for i, check in enumerate(pending):
-            if not wait and not check.landed():
-                self._pending_checks.append(check)
-                continue
-            if check.bad():
-                self._pending_checks += pending[i + 1 :]
-                check_batch(check.batch, check.routing, self.plan)
-                raise InvalidIdError(
-                    f"{_OP}: the lookup kernels counted out-of-range ids in features {list(check.batch.keys)}"
-                )
 
     def _held(self, p: int) -> dict[str, Tensor]:
         """This module's tensors of pack ``p``, by name (looked up now: ``.to()`` replaces buffers)."""
@@ -570,20 +407,9 @@ class PackedEmbeddingBag(nn.Module):
         return routing
 
     def _validate(self, sf: SparseFeatures) -> SparseFeatures:
-        if not sf.keys:
-            raise DataError(f"{_OP}: the batch has no sparse features")
-        if sf.values.dtype.is_floating_point or sf.values.dtype == torch.bool:
-            raise DataError(
-                f"{_OP}: sparse ids must be integers, got {sf.values.dtype} for features {sf.keys}"
-            )
+        check_id_dtype(sf)
         self._packs[0].check_batch_device(self._held(0), sf.values.device)
-        # The kernels read flat int32 or int64 ids/offsets (every backend takes either; a
-        # narrower integer is widened) and float32 weights (constants: no gradient).
-        values, offsets = _index_tensor(sf.values), _index_tensor(sf.offsets)
-        weights = None if sf.weights is None else sf.weights.detach().float().contiguous()
-        if values is sf.values and offsets is sf.offsets and weights is sf.weights:
-            return sf
-        return SparseFeatures(sf.keys, values, offsets, weights)
+        return as_kernel_input(sf)
 
     # ------------------------------------------------------- optimizer and state
 
@@ -625,16 +451,7 @@ class PackedEmbeddingBag(nn.Module):
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
     ) -> None:
-        key = prefix + ROUNDING_KEY
-        tables = state_dict
-        if key in state_dict:
-            tables = {k: v for k, v in state_dict.items() if k != key}
-            if self.rounding is not None:
-                self.rounding.load_state(state_dict[key])
-            elif strict:
-                unexpected_keys.append(key)
-        elif self.rounding is not None:
-            missing_keys.append(key)
+        tables = load_rounding(self.rounding, state_dict, prefix, strict, missing_keys, unexpected_keys)
         load_tables(self.table_states(), tables, prefix, strict, missing_keys, unexpected_keys, error_msgs)
 
     def cache_stats(self) -> dict[str, float]:
@@ -649,7 +466,7 @@ class PackedEmbeddingBag(nn.Module):
             ``cache_rows`` (the caches' capacity); an empty dict without host-placed tables.
         """
         packs = [pack for pack in self._packs if isinstance(pack, CachedPack)]
-        return merge_stats(packs) if packs else {}
+        return merge_stats([pack.stats() for pack in packs]) if packs else {}
 
     def cached_packs(self) -> dict[int, CachedPack]:
         """The host-placed packs (behind a device cache), by pack index of :attr:`plan`."""
@@ -679,24 +496,3 @@ def check_deferred_ids(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, PackedEmbeddingBag):
             module.check_ids()
-
-
-def _index_tensor(t: Tensor) -> Tensor:
-    """``t`` contiguous, int32 or int64 as given, any other integer dtype as int64."""
-    return (t if t.dtype in (torch.int32, torch.int64) else t.long()).contiguous()
-
-
-def _check_one_dim(routing: Routing, method: str) -> None:
-    if len(set(routing.dims)) > 1:
-        raise ValueError(
-            f"{_OP}.{method} needs one dim for all features, got dims {sorted(set(routing.dims))}; "
-            "use forward_packs() or forward_concat()"
-        )
-
-
-def _rounding_seed(seed: int | None, generator: torch.Generator | None) -> int:
-    """Seed of a module's stochastic rounding: from ``seed``, else one draw from ``generator``
-    (torch's global generator when None), after the initial rows were drawn."""
-    if seed is not None:
-        return seed
-    return int(torch.randint(0, 2**62, (), generator=generator))

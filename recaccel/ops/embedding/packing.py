@@ -10,14 +10,14 @@ features), N ids, D dim.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.ops.embedding.specs import InvalidIdError, TableSpec
+from recaccel.ops.embedding.row_groups import INT32_ROWS
+from recaccel.ops.embedding.specs import TableSpec
 from recaccel.sparse import SparseFeatures
 
 
@@ -198,71 +198,6 @@ class PackIds:
     bad: Tensor | None = None
 
 
-class RowGroups:
-    """A pack's id occurrences grouped by packed row (:func:`group_by_row`).
-
-    Unpacks as ``order, unique_rows, segments``. ``unique_rows`` and ``segments`` have a
-    data-dependent size U (a host synchronization to make): :func:`group_by_row` makes
-    them at once when asked, else on first access, from the sorted keys it keeps. A
-    grouping queued on a :class:`PackSort` is sorted with the other packs' when the sort
-    runs (or when its order is first read).
-
-    Attributes:
-        order: int64 [N_p] occurrences sorted by row, stable.
-        sorted_rows: int32 or int64 [N_p] the rows in that order (the sort's keys).
-        unique_rows: int64 [U] ascending.
-        segments: int64 [U+1]: the occurrences of ``unique_rows[u]`` are
-            ``order[segments[u]:segments[u+1]]``.
-    """
-
-    def __init__(
-        self, order: Tensor | None, sorted_rows: Tensor | None, sort: PackSort | None = None
-    ) -> None:
-        self._order = order
-        self._sorted_rows = sorted_rows
-        self._sort = sort
-        self._unique: tuple[Tensor, Tensor] | None = None
-
-    @property
-    def order(self) -> Tensor:
-        self._sorted()
-        return self._order
-
-    @property
-    def sorted_rows(self) -> Tensor:
-        self._sorted()
-        return self._sorted_rows
-
-    def _sorted(self) -> None:
-        if self._order is None:
-            self._sort.run()
-
-    @property
-    def unique_rows(self) -> Tensor:
-        return self._unique_and_segments()[0]
-
-    @property
-    def segments(self) -> Tensor:
-        return self._unique_and_segments()[1]
-
-    def __iter__(self) -> Iterator[Tensor]:
-        yield self.order
-        yield from self._unique_and_segments()
-
-    def tensors(self) -> list[Tensor]:
-        """The tensors made so far (what a consumer stream must mark as used)."""
-        made = [t for t in (self._order, self._sorted_rows) if t is not None]
-        return made + list(self._unique or ())
-
-    def _unique_and_segments(self) -> tuple[Tensor, Tensor]:
-        if self._unique is None:
-            unique_rows, counts = torch.unique_consecutive(self.sorted_rows, return_counts=True)
-            segments = torch.zeros(unique_rows.numel() + 1, dtype=torch.int64, device=counts.device)
-            torch.cumsum(counts, 0, out=segments[1:])
-            self._unique = (unique_rows.long(), segments)
-        return self._unique
-
-
 class PackingPlan:
     """Groups tables into packs and maps feature names to their pack and row offset.
 
@@ -335,7 +270,7 @@ class PackingPlan:
                 len(keys),
                 device,
                 [self.slots[keys[i]].table.num_rows for i in feats] if check_in_kernels else None,
-                wide_rows=layout.num_rows > _INT32_ROWS,
+                wide_rows=layout.num_rows > INT32_ROWS,
             )
             declared = [f for t in layout.tables for f in t.features]
             slots = LocalFeatures.build(
@@ -479,118 +414,11 @@ class PackIdCounts:
         return counts.tolist()  # the one read of every pack's count
 
 
-_INT32_ROWS = 2**31  # packed rows below this fit int32 sort keys
-
-
 def index_dtype(sf: SparseFeatures, local: LocalFeatures) -> torch.dtype:
     """The dtype of a pack's ids and offsets: int32 when the batch's ids and offsets are
     both int32 and the pack's rows fit (no cast on the way to the kernels), else int64."""
     narrow = sf.values.dtype == torch.int32 and sf.offsets.dtype == torch.int32 and not local.wide_rows
     return torch.int32 if narrow else torch.int64
-
-
-def group_by_row(rows: Tensor, num_rows: int | None = None, *, unique: bool = True) -> RowGroups:
-    """Groups a pack's id occurrences by packed row (the dedup step of every backward).
-
-    A stable sort of the rows: with ``num_rows`` below 2^31 its keys are int32 (half the
-    radix passes of int64 on CUDA, the same order: a stable sort's permutation depends
-    only on the keys' values). ``unique=False`` leaves the unique rows and segments
-    (whose size U needs a host synchronization) to the first reader, for a backward that
-    reads only the order (the Triton occurrence tiles): the grouping then runs without
-    synchronizing with the host.
-
-    Args:
-        rows: int32 or int64 [N_p] packed row of each occurrence, in ``[0, num_rows)``.
-        num_rows: The pack's rows, or None when unknown (keys of the rows' dtype).
-        unique: Make ``unique_rows`` and ``segments`` now.
-
-    Returns:
-        (order, unique_rows, segments): see :class:`RowGroups`.
-    """
-    keys = rows.int() if num_rows is not None and num_rows <= _INT32_ROWS else rows
-    sorted_rows, order = torch.sort(keys, stable=True)
-    groups = RowGroups(order, sorted_rows)
-    if unique:
-        groups.unique_rows  # noqa: B018 (made now, on the preparing stream)
-    return groups
-
-
-class PackSort:
-    """The row groupings of one batch's packs, made by one sort (:func:`group_packs`) on CUDA.
-
-    Packs queue their grouping (:meth:`group`) while a batch is prepared; :meth:`run`
-    then sorts them all at once (a queued grouping read before that runs it). On CUDA
-    that is one radix sort, linear in the ids, instead of one launch per pack; on the
-    CPU, where the merge sort's N log N makes one sort of all the ids 15-35% slower than
-    one sort per pack (measured with 2-5 packs of 2k-850k ids), each pack is sorted
-    alone. Both give bitwise the same groupings.
-    """
-
-    def __init__(self) -> None:
-        self._queued: list[tuple[Tensor, int, bool, RowGroups]] = []
-
-    def group(self, rows: Tensor, num_rows: int, unique: bool) -> RowGroups:
-        """Queues :func:`group_by_row` of ``rows`` (a pack of ``num_rows`` rows)."""
-        groups = RowGroups(None, None, self)
-        self._queued.append((rows, num_rows, unique, groups))
-        return groups
-
-    @staticmethod
-    def one_sort(device: torch.device) -> bool:
-        """Whether the packs' ids on ``device`` are sorted together (CUDA) or pack by pack."""
-        return device.type == "cuda"
-
-    def run(self) -> None:
-        """Sorts every queued grouping (one sort; none when nothing is queued)."""
-        queued, self._queued = self._queued, []
-        if not queued:
-            return
-        rows, num_rows = [q[0] for q in queued], [q[1] for q in queued]
-        if self.one_sort(rows[0].device):
-            made = group_packs(rows, num_rows, [False] * len(queued))
-        else:
-            made = [group_by_row(r, n, unique=False) for r, n in zip(rows, num_rows)]
-        for (_, _, unique, groups), done in zip(queued, made):
-            groups._order, groups._sorted_rows = done.order, done.sorted_rows
-            if unique:
-                groups.unique_rows  # noqa: B018 (made now, on the preparing stream)
-
-
-def group_packs(rows: list[Tensor], num_rows: list[int], unique: list[bool]) -> list[RowGroups]:
-    """:func:`group_by_row` of several packs' occurrences with one sort for all of them.
-
-    The packs' rows are concatenated, each shifted by the rows of the packs before it
-    (int32 keys when all the packs' rows fit), and sorted once, stably: pack ``p``'s keys
-    lie above every earlier pack's and below every later one's, so its occurrences come
-    out together, at the place they went in, in the order of its own stable sort. The
-    result is bitwise that of one :func:`group_by_row` per pack. No host synchronization
-    (the split points are the packs' id counts, known on the host).
-
-    Args:
-        rows: Per pack, int32 or int64 [N_p] packed row of each occurrence.
-        num_rows: Per pack, its rows R_p.
-        unique: Per pack, make ``unique_rows`` and ``segments`` now (see :func:`group_by_row`).
-
-    Returns:
-        One :class:`RowGroups` per pack.
-    """
-    if len(rows) == 1:
-        return [group_by_row(rows[0], num_rows[0], unique=unique[0])]
-    key_dtype = torch.int32 if sum(num_rows) <= _INT32_ROWS else torch.int64
-    bases = [sum(num_rows[:p]) for p in range(len(rows))]
-    keys = torch.cat([r.to(key_dtype) + base if base else r.to(key_dtype) for r, base in zip(rows, bases)])
-    sorted_keys, order = torch.sort(keys, stable=True)
-    groups, start = [], 0
-    for r, rows_p, base, make_unique in zip(rows, num_rows, bases, unique):
-        n = r.numel()
-        # The keys of one group_by_row: int32 where the pack's rows fit, else the rows' dtype.
-        own = torch.int32 if rows_p <= _INT32_ROWS else r.dtype
-        group = RowGroups(order[start : start + n] - start, (sorted_keys[start : start + n] - base).to(own))
-        if make_unique:
-            group.unique_rows  # noqa: B018 (made now, on the preparing stream)
-        groups.append(group)
-        start += n
-    return groups
 
 
 def slice_pack_ids(ids: PackIds, batch_size: int, num_local: int, lo: int, hi: int) -> PackIds:
@@ -628,45 +456,11 @@ def slice_pack_ids(ids: PackIds, batch_size: int, num_local: int, lo: int, hi: i
     return PackIds(ids.rows.index_select(0, gather), offsets.to(ids.offsets.dtype), scale, None)
 
 
-def check_batch(sf: SparseFeatures, routing: Routing, plan: PackingPlan) -> None:
-    """Validates a batch's CSR and ids with one host synchronization.
-
-    Raises:
-        InvalidIdError: offsets that do not start at 0, end at ``len(values)`` and never
-            decrease; or an id < 0 or >= its feature's table size (naming the feature,
-            its table, the id and the batch row).
-    """
-    values, offsets = sf.values, sf.offsets
-    n, f = values.numel(), len(routing.keys)
-    b = sf.batch_size
-    diffs = offsets[1:] - offsets[:-1]
-    bad_offsets = (offsets[0] != 0) | (offsets[-1] != n) | (diffs < 0).any()
-    if b == 0 or n == 0:
-        bad_ids = torch.zeros((), dtype=torch.bool, device=values.device)
-        id_feat = None
-    else:
-        # id_feat[i] = number of features 1..F-1 starting at or before id i: a count, not a
-        # search, so it is linear and stays in [0, F-1] even if the offsets are malformed.
-        feat_start = offsets[b : f * b : b].clamp(0, n).long()
-        marks = torch.zeros(n + 1, dtype=torch.int64, device=values.device)
-        marks.index_add_(0, feat_start, torch.ones_like(feat_start))
-        id_feat = marks[:n].cumsum(0)
-        bad_mask = (values < 0) | (values >= routing.num_rows.index_select(0, id_feat))
-        bad_ids = bad_mask.any()
-    if not bool(bad_offsets | bad_ids):
-        return
-    if bool(bad_offsets):
-        raise InvalidIdError(
-            f"malformed sparse offsets for features {list(routing.keys)}: they must start at 0, never "
-            f"decrease and end at len(values)={n}; got first={int(offsets[0])}, last={int(offsets[-1])}"
+def check_one_dim(routing: Routing, method: str) -> None:
+    """Raises ValueError when the batch's features have several dims (``method`` of
+    :class:`~recaccel.ops.embedding.module.PackedEmbeddingBag` needs one)."""
+    if len(set(routing.dims)) > 1:
+        raise ValueError(
+            f"PackedEmbeddingBag.{method} needs one dim for all features, got dims {sorted(set(routing.dims))}; "
+            "use forward_packs() or forward_concat()"
         )
-    i = int(torch.nonzero(bad_mask)[0, 0])
-    feat = int(id_feat[i])
-    bag = int(torch.searchsorted(offsets, torch.tensor(i, device=offsets.device), right=True)) - 1
-    name = routing.keys[feat]
-    table = plan.slots[name].table
-    raise InvalidIdError(
-        f"feature {name!r}: id {int(values[i])} at batch row {bag - feat * b} is out of range "
-        f"[0, {table.num_rows}) of table {table.name!r}",
-        column=name,
-    )

@@ -40,16 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recaccel.ops.embedding.packing import (
-    LocalFeatures,
-    PackIds,
-    PackRoute,
-    PackSort,
-    Routing,
-    RowGroups,
-    gather_pack_ids,
-    group_by_row,
-)
+from recaccel.ops.embedding.packing import LocalFeatures, PackIds, PackRoute, Routing, gather_pack_ids
+from recaccel.ops.embedding.row_groups import PackSort, RowGroups, group_by_row
 from recaccel.sparse import SparseFeatures
 
 
@@ -61,7 +53,7 @@ class PreparedPack:
         ids: The pack's ids (:func:`~recaccel.ops.embedding.packing.gather_pack_ids`),
             with ``bags`` where the backward needs them.
         groups: The ids grouped by packed row
-            (:func:`~recaccel.ops.embedding.packing.group_by_row`) for the backward;
+            (:func:`~recaccel.ops.embedding.row_groups.group_by_row`) for the backward;
             None outside training.
     """
 
@@ -106,7 +98,7 @@ class PackBatch:
         return gather_pack_ids(self.sf, self.local, self.batch_size, with_bags=with_bags, num_ids=num_ids)
 
     def group(self, rows: Tensor, num_rows: int, *, unique: bool) -> RowGroups:
-        """The pack's ids grouped by row (:func:`~recaccel.ops.embedding.packing.group_by_row`),
+        """The pack's ids grouped by row (:func:`~recaccel.ops.embedding.row_groups.group_by_row`),
         queued on the module's sort of all packs when there is one."""
         if self.sort is None:
             return group_by_row(rows, num_rows, unique=unique)

@@ -27,13 +27,9 @@ from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
 from recaccel.ops.embedding.pack_backend import HeldPack
-from recaccel.ops.embedding.packing import (
-    PackIds,
-    RowGroups,
-    group_by_row,
-    slice_pack_ids,
-)
+from recaccel.ops.embedding.packing import PackIds, slice_pack_ids
 from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
+from recaccel.ops.embedding.row_groups import RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 
 

@@ -13,9 +13,14 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from recaccel.ops.embedding.rounding import StochasticRounding
+
 # Per table name: its tensors by checkpoint name (``weight``, ``momentum1``, ...), views
 # of the module's packed state (PackedEmbeddingBag.table_states()).
 TableStates = Mapping[str, Mapping[str, Tensor]]
+# State-dict key (after the module's prefix) of the stochastic-rounding generator of
+# 16-bit rows; it has no dot, so no table's ``<table>.<name>`` key can take it.
+ROUNDING_KEY = "rounding_generator"
 
 
 def save_tables(table_states: TableStates, destination: dict, prefix: str) -> None:
@@ -84,3 +89,25 @@ def load_tables(
         target.fill_(step)
     if strict:
         unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+
+
+def load_rounding(
+    rounding: StochasticRounding | None,
+    state_dict: dict,
+    prefix: str,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+) -> dict:
+    """Loads the rounding generator's state into ``rounding`` (16-bit rows) and returns the
+    state dict without it (the tables' entries), noting a missing or unexpected key."""
+    key = prefix + ROUNDING_KEY
+    if key not in state_dict:
+        if rounding is not None:
+            missing_keys.append(key)
+        return state_dict
+    if rounding is not None:
+        rounding.load_state(state_dict[key])
+    elif strict:
+        unexpected_keys.append(key)
+    return {k: v for k, v in state_dict.items() if k != key}

@@ -13,7 +13,8 @@ slots. Training gives the device placement's parameters.
 - :mod:`~recaccel.ops.embedding.cache.host_store`: host tensors, staging, transfers,
   the host memory check.
 - :mod:`~recaccel.ops.embedding.cache.pack`: :class:`~recaccel.ops.embedding.cache.pack.CachedPack`,
-  the pack backend of a host-placed pack.
+  the pack backend of a host-placed pack; :mod:`~recaccel.ops.embedding.cache.prepared`:
+  its preparation of a batch; :mod:`~recaccel.ops.embedding.cache.counters`: its statistics.
 """
 
 from recaccel.ops.embedding.cache.options import POLICIES, CacheOptions

@@ -55,116 +55,18 @@ import torch
 from torch import Tensor
 
 from recaccel.errors import ConfigError
+from recaccel.ops.embedding.cache.counters import CacheCounters
 from recaccel.ops.embedding.cache.host_store import HostStore
 from recaccel.ops.embedding.cache.options import CacheOptions
 from recaccel.ops.embedding.cache.policy import victim_order
+from recaccel.ops.embedding.cache.prepared import CachedPrepared, same_device
 from recaccel.ops.embedding.cache.slots import LockWindow, SlotTable, Ticket
 from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions, table_views
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, PackLayout, PackRoute, gather_pack_ids
-from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
+from recaccel.ops.embedding.prepared import PackBatch
 from recaccel.sparse import SparseFeatures
 
 _OP = "PackedEmbeddingBag"
-STAT_KEYS = (
-    "cache_hit_rate",
-    "cache_requests",
-    "cache_hits",
-    "cache_rows_fetched",
-    "cache_rows_evicted",
-    "cache_bytes_h2d",
-    "cache_bytes_d2h",
-    "cache_staging_bytes",
-    "cache_rows",
-)
-
-
-@dataclasses.dataclass
-class CacheCounters:
-    """Cumulative counters of one pack's cache.
-
-    Attributes:
-        requests: Unique rows requested by preparations (a row counts once per batch).
-        hits: Those already resident when requested.
-        fetched: Rows copied host to device (fetches and refreshes).
-        evicted: Occupied slots reused for another row.
-        bytes_h2d: Bytes copied host to device (rows and optimizer state).
-        bytes_d2h: Bytes copied device to host (dirty rows written back).
-    """
-
-    requests: int = 0
-    hits: int = 0
-    fetched: int = 0
-    evicted: int = 0
-    bytes_h2d: int = 0
-    bytes_d2h: int = 0
-
-
-def merge_stats(packs: list[CachedPack]) -> dict[str, float]:
-    """The cache statistics of some host packs, summed (see :meth:`CachedPack.stats`)."""
-    total = {key: 0.0 for key in STAT_KEYS}
-    for pack in packs:
-        for key, value in pack.stats().items():
-            total[key] += value
-    total["cache_hit_rate"] = (
-        total["cache_hits"] / total["cache_requests"] if total["cache_requests"] else 0.0
-    )
-    return total
-
-
-@dataclasses.dataclass(kw_only=True)
-class CachedPrepared(PreparedPack):
-    """A host pack's preparation of a batch.
-
-    Attributes:
-        ids: The pack's ids with each row replaced by its slot, in CSR over S*B bags, the
-            per-id weights unscaled (the ids of ``batch``).
-        groups: The inner pack's row grouping (over slots) for the backward, or None.
-        batch: The pack's features as a batch of S features whose ids are slots.
-        route: ``batch``'s route: identity, no row shift.
-        inner: The inner pack's preparation of ``batch``, or None.
-        ticket: The lock on the batch's slots.
-        source: The pack's inputs as the module gave them to ``prepare`` (to prepare
-            them again); ``source.train``: prepared for training.
-        ready: CUDA: the event after the preparation's copies; None on the CPU.
-    """
-
-    batch: SparseFeatures
-    route: PackRoute
-    inner: PreparedPack | None
-    ticket: Ticket
-    source: PackBatch
-    ready: Any = None
-
-    @property
-    def train(self) -> bool:
-        """Prepared for training."""
-        return self.source.train
-
-    def inner_batch(self, train: bool) -> PackBatch:
-        """The inner pack's inputs: the slot batch with its preparation."""
-        return PackBatch(self.batch, self.route, self.source.batch_size, train, self.inner)
-
-    def own_tensors(self) -> Iterator[Tensor]:
-        """The tensors this preparation made (what a consumer stream must mark used)."""
-        yield from (t for t in (self.batch.values, self.batch.offsets, self.batch.weights) if t is not None)
-        yield self.ticket.slots
-        if self.inner is not None:
-            ids = self.inner.ids
-            yield from (t for t in (ids.rows, ids.offsets, ids.scale, ids.bags) if t is not None)
-            if self.inner.groups is not None:
-                yield from self.inner.groups
-
-
-def same_device(a: torch.device | str, b: torch.device | str) -> bool:
-    """Whether ``a`` and ``b`` name one device: ``cuda`` and ``cuda:0`` do when device 0 is
-    the current one (``torch.device`` equality compares the index as written)."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.index is None and b.index is None:
-        return True
-    current = torch.cuda.current_device() if a.type == "cuda" else 0
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 class CachedPack:

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
-from recaccel.ops.embedding.packing import gather_pack_ids, group_by_row
+from recaccel.ops.embedding.packing import gather_pack_ids
 from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
+from recaccel.ops.embedding.row_groups import group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton.backward import embedding_bag_backward, fused_update
 from recaccel.ops.embedding.triton.forward import embedding_bag_forward

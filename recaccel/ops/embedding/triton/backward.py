@@ -44,7 +44,8 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
-from recaccel.ops.embedding.packing import PackIds, RowGroups, group_by_row
+from recaccel.ops.embedding.packing import PackIds
+from recaccel.ops.embedding.row_groups import RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton import tuning
 from recaccel.ops.embedding.triton.rounding import _stochastic_round, _uniform_noise
