@@ -14,7 +14,8 @@ import doctest
 import pytest
 import torch
 
-import recaccel.sparse
+import recaccel.sparse.batches
+import recaccel.sparse.features
 from recaccel.errors import DataError
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
@@ -220,5 +221,8 @@ def test_concat_sparse_and_split_rows_are_support_then_query_by_task():
 
 
 def test_examples_in_the_docstrings_hold():
-    result = doctest.testmod(recaccel.sparse, optionflags=doctest.NORMALIZE_WHITESPACE)
-    assert result.attempted >= 5 and result.failed == 0
+    results = [
+        doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        for module in (recaccel.sparse.features, recaccel.sparse.batches)
+    ]
+    assert sum(r.attempted for r in results) >= 5 and sum(r.failed for r in results) == 0
