@@ -60,6 +60,18 @@ _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _bag_bounds(src_ptr, offsets_ptr, j, r, num_rows, batch_size, row_lo):
+    """First id and length of the bags of rows ``row_lo + r`` of local feature ``j``
+    (length 0 past ``num_rows`` and for a feature absent from the batch)."""
+    src = tl.load(src_ptr + j)
+    in_range = (r < num_rows) & (src >= 0)
+    bag = src * batch_size + row_lo + r
+    start = tl.load(offsets_ptr + bag, mask=in_range, other=0)
+    length = tl.load(offsets_ptr + bag + 1, mask=in_range, other=0) - start
+    return start, length
+
+
+@triton.jit
 def _bag_tile_kernel(
     weight_ptr,  # float32, bfloat16 or float16 [R, D], unit column stride
     values_ptr,  # int32 or int64 [N] the batch's ids
@@ -90,11 +102,7 @@ def _bag_tile_kernel(
 ):
     j = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_BAGS + tl.arange(0, BLOCK_BAGS)
-    src = tl.load(src_ptr + j)
-    in_range = (r < num_rows) & (src >= 0)
-    bag = src * batch_size + row_lo + r
-    start = tl.load(offsets_ptr + bag, mask=in_range, other=0)
-    length = tl.load(offsets_ptr + bag + 1, mask=in_range, other=0) - start
+    start, length = _bag_bounds(src_ptr, offsets_ptr, j, r, num_rows, batch_size, row_lo)
     short = length <= long_threshold
     walk = tl.where(short, length, 0)
     shift = tl.load(row_offset_ptr + j)
@@ -176,11 +184,7 @@ def _long_bag_kernel(
     j = tl.program_id(1)
     idx = tl.arange(0, SCAN_BAGS)
     r = tl.program_id(0) * SCAN_BAGS + idx
-    src = tl.load(src_ptr + j)
-    in_range = (r < num_rows) & (src >= 0)
-    bag = src * batch_size + row_lo + r
-    start = tl.load(offsets_ptr + bag, mask=in_range, other=0)
-    length = tl.load(offsets_ptr + bag + 1, mask=in_range, other=0) - start
+    start, length = _bag_bounds(src_ptr, offsets_ptr, j, r, num_rows, batch_size, row_lo)
     pending = (length > long_threshold).to(tl.int32)
     shift = tl.load(row_offset_ptr + j)
     cols = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
