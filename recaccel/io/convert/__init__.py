@@ -3,7 +3,7 @@
 :func:`generate_synthetic` (a planted-model CTR dataset), :func:`convert_criteo`
 (Criteo TSV), :func:`convert_movielens` (MovieLens 100K, cold-start splits),
 :func:`convert_melu` (the MeLU paper's MovieLens states) and the
-:mod:`~recaccel.io.convert.group_by_task` module (its function of that name rewrites any
+:mod:`~recaccel.io.convert.group_by_task` package (its function of that name rewrites any
 dataset sorted by task key, for the task reader; the package name is the module, which
 would shadow a function of the same name). Each imports only
 :mod:`recaccel.io.format` and the modules at the bottom of the package (config, errors,
