@@ -166,7 +166,7 @@ def test_schedule_sets_dense_groups_and_packed_embedding():
     head = torch.nn.Linear(4, 1)
     dense = torch.optim.Adam([{"params": [head.weight]}, {"params": [head.bias]}], lr=0.1)
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
-    schedule = LRSchedule(cfg, None, dense, sparse_rate_setters(model, object()))
+    schedule = LRSchedule(cfg, None, dense, sparse_rate_setters(model, SingleProcess(torch.device("cpu"))))
     for step, factor in [(0, 0.5), (1, 1.0), (3, 0.875), (6, 0.5), (9, 0.5)]:
         schedule.apply(step)
         assert [g["lr"] for g in dense.param_groups] == pytest.approx([0.1 * factor] * 2)
@@ -180,7 +180,7 @@ def test_without_a_schedule_nothing_is_touched():
         [TableSpec("t", 10, 4, ("f",))], backend="reference", optim=SparseOptimConfig(lr=0.3)
     )
     dense = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.25)  # e.g. a checkpoint's rate
-    schedule = LRSchedule(cfg, 10, dense, sparse_rate_setters(emb, object()))
+    schedule = LRSchedule(cfg, 10, dense, sparse_rate_setters(emb, SingleProcess(torch.device("cpu"))))
     for step in range(12):
         schedule.apply(step)
     assert dense.param_groups[0]["lr"] == 0.25 and emb.optim.lr == 0.3
