@@ -40,12 +40,27 @@ def check_id_dtype(sf: SparseFeatures) -> None:
 def as_kernel_input(sf: SparseFeatures) -> SparseFeatures:
     """``sf`` with what every kernel reads: flat int32 or int64 ids/offsets (every backend
     takes either; a narrower integer is widened) and float32 weights (constants: no
-    gradient); ``sf`` itself when it already is."""
-    values, offsets = _index_tensor(sf.values), _index_tensor(sf.offsets)
+    gradient); ``sf`` itself when it already is. A one-hot batch's implicit offsets are
+    made in its ids' dtype (:func:`one_hot_offsets`), never read."""
+    values = _index_tensor(sf.values)
     weights = None if sf.weights is None else sf.weights.detach().float().contiguous()
+    if sf.one_hot:
+        # Never read sf.offsets (an int64 arange made on first read): the kernels' CSR is
+        # made here in the ids' dtype, so int32 ids keep int32 offsets all the way.
+        return SparseFeatures(sf.keys, values, one_hot_offsets(values), weights)
+    offsets = _index_tensor(sf.offsets)
     if values is sf.values and offsets is sf.offsets and weights is sf.weights:
         return sf
     return SparseFeatures(sf.keys, values, offsets, weights)
+
+
+def one_hot_offsets(values: Tensor) -> Tensor:
+    """The offsets of a one-hot batch (one id per bag) in the dtype of its ids: int32 for
+    int32 ids (when N+1 fits), else int64."""
+    narrow = values.dtype == torch.int32 and values.numel() < torch.iinfo(torch.int32).max
+    return torch.arange(
+        values.numel() + 1, dtype=torch.int32 if narrow else torch.int64, device=values.device
+    )
 
 
 def _index_tensor(t: Tensor) -> Tensor:
