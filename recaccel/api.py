@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 from recaccel.config import Config, load_config, path_fields, section_types
 from recaccel.config.files import absolute_value, toml_value
-from recaccel.train.runlog import CONFIG_FILE
+from recaccel.train.run.runlog import CONFIG_FILE
 
 if TYPE_CHECKING:  # torch is imported when a run starts, not with recaccel
-    from recaccel.train.user_model import ModelSource
+    from recaccel.train.model.user_model import ModelSource
 
 
 def train(
@@ -29,27 +29,27 @@ def train(
             (from step 0 when it stopped before its first checkpoint).
         overwrite: replace a run already in ``cfg.train.out_dir`` (the files recaccel
             wrote there are deleted first, others are left, see
-            :func:`~recaccel.train.runlog.clear_run`); without it such a run directory is
+            :func:`~recaccel.train.run.runlog.clear_run`); without it such a run directory is
             refused.
         model: one's own model instead of the one ``[model]`` describes: an ``nn.Module``
             with ``embed(sparse) -> [B, F, D]``, ``head(dense, pooled) -> logits [B]`` and
             ``prepare_sparse(sparse)``, or a callable ``(schema, device) -> such a module``
-            (see docs/own_model.md and :mod:`recaccel.train.user_model`). Pass the same
+            (see docs/own_model.md and :mod:`recaccel.train.model.user_model`). Pass the same
             model again to :func:`resume` and :func:`evaluate`. A config naming its model
             by ``model.class_path`` needs none: the run's config.toml names it again.
 
     Raises:
         RunDirInUseError: another process trains in ``cfg.train.out_dir`` (it holds
-            ``RUN/.lock``, see :mod:`recaccel.train.run_lock`), whatever ``overwrite`` says.
+            ``RUN/.lock``, see :mod:`recaccel.train.run.run_lock`), whatever ``overwrite`` says.
         RecaccelError: a run directory that already holds a run (neither ``resume`` nor
             ``overwrite``), bad config or input, a model without the methods a run calls
             (or a ``model.class_path`` that does not import or take its ``init_args``),
             a checkpoint that cannot be resumed.
     """
     from recaccel.preflight import preflight
-    from recaccel.train.run_lock import for_training
-    from recaccel.train.trainer import Trainer
-    from recaccel.train.user_model import model_source
+    from recaccel.train.loop.trainer import Trainer
+    from recaccel.train.model.user_model import model_source
+    from recaccel.train.run.run_lock import for_training
 
     model = model_source(cfg, model)  # model.class_path imported and its init_args checked now
     preflight(cfg)  # bad fields, missing inputs, an unusable run dir: refused before any work
@@ -76,7 +76,7 @@ def launch(
     restart; one already holding a run is refused unless ``resume`` or ``overwrite``)
     and, on resume, that the newest checkpoint moves to ``nproc`` ranks. Each rank
     prints as this process does (the console lines ``-v`` or ``-q`` chose, see
-    :func:`~recaccel.train.console.show_console`).
+    :func:`~recaccel.train.run.console.show_console`).
     Several hosts: run ``torchrun ... -m recaccel.cli`` on each
     (:mod:`recaccel.train.distributed.launch`).
 
@@ -168,7 +168,7 @@ def evaluate(
         model: the run's own model, as given to :func:`train` (None: recaccel's model).
         checkpoint: the step of the checkpoint to score (default: the newest).
         predictions: a Parquet file to write one prediction per evaluation row to, beside
-            its label, weight and (meta runs) task key (:mod:`recaccel.train.predictions`).
+            its label, weight and (meta runs) task key (:mod:`recaccel.train.evaluation.predictions`).
 
     Returns:
         The metrics, with ``checkpoint_step`` (and ``predictions``, the file written).
@@ -178,8 +178,8 @@ def evaluate(
             steps there are), or one that cannot be read.
     """
     from recaccel.preflight import preflight
-    from recaccel.train.eval_checkpoint import evaluate_run
-    from recaccel.train.user_model import model_source
+    from recaccel.train.evaluation.from_checkpoint import evaluate_run
+    from recaccel.train.model.user_model import model_source
 
     model = model_source(cfg, model)  # the run's model.class_path, as training built it
     preflight(cfg, training=False, test_path=path)

@@ -299,7 +299,7 @@ def shortest_cycle(graph: dict[str, set[str]], start: str, members: set[str]) ->
 CYCLES_BEING_SPLIT = (
     frozenset({"recaccel.train.distributed.hybrid", "recaccel.train.distributed.hybrid_pipeline"}),
     frozenset({"recaccel.bench.train", "recaccel.bench.train_report"}),
-    frozenset({"recaccel.train.sanity", "recaccel.train.trainer"}),
+    frozenset({"recaccel.train.run.sanity", "recaccel.train.loop.trainer"}),
 )
 
 
@@ -540,8 +540,7 @@ LONG_FILES_BEING_SPLIT = frozenset(
         "recaccel/bench/kernels.py",
         "recaccel/bench/train.py",
         "recaccel/bench/train_steps.py",
-        "recaccel/train/checkpoint_io.py",
-        "recaccel/train/trainer.py",
+        "recaccel/train/loop/trainer.py",
     }
 )
 LONG_FUNCTIONS_BEING_SPLIT = frozenset(

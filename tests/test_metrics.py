@@ -272,7 +272,7 @@ def test_ne_and_calibration_reject_bad_input_in_one_line(fn, probs, labels, weig
 
 
 def test_evaluation_metrics_add_ne_and_calibration_and_keep_the_others():
-    from recaccel.train.evaluation import binary_metrics
+    from recaccel.train.evaluation.evaluate import binary_metrics
 
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(300, generator=g)

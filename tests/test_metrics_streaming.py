@@ -140,8 +140,8 @@ def test_bad_batches_are_refused_in_one_line():
 
 def test_trainer_evaluation_streams_the_metrics_of_the_in_memory_path(tiny_data, tmp_path):  # noqa: F811
     from recaccel.config import load_config
-    from recaccel.train.evaluation import binary_metrics
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.evaluation.evaluate import binary_metrics
+    from recaccel.train.loop.trainer import Trainer
     from tests.train.test_resume_matrix import _sets
 
     argv = _sets(tiny_data, tmp_path / "run", "train.steps=6")

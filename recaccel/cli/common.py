@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from recaccel.errors import RecaccelError
-from recaccel.train.console import is_count
+from recaccel.train.run.console import is_count
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
@@ -41,7 +41,7 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
 def _interrupted(prog: str, interrupt: KeyboardInterrupt) -> int:
     """Exit status 130 (143 for a run that SIGTERM stopped), with one line: how the run
     stopped and where it resumes (under torchrun, from rank 0 only)."""
-    from recaccel.train.preemption import Preempted
+    from recaccel.train.loop.preemption import Preempted
 
     if not isinstance(interrupt, Preempted):
         print(f"{prog}: interrupted", file=sys.stderr)
@@ -127,9 +127,9 @@ def handed_to_launcher(error: BaseException) -> bool:
 
 def setup_logging(verbose: bool, *, quiet: bool = False) -> None:
     """Logs at INFO with ``verbose`` (WARNING otherwise) and shows the run's console lines
-    (:mod:`recaccel.train.console`): none when ``quiet``, their verbose ones too with
+    (:mod:`recaccel.train.run.console`): none when ``quiet``, their verbose ones too with
     ``verbose``."""
-    from recaccel.train.console import show_console
+    from recaccel.train.run.console import show_console
 
     logging.basicConfig(
         level=logging.INFO if verbose else logging.ERROR if quiet else logging.WARNING,

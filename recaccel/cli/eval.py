@@ -62,7 +62,7 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     from recaccel import api
-    from recaccel.train.eval_checkpoint import checkpoint_step, eval_file_name, pick_checkpoint
+    from recaccel.train.evaluation.from_checkpoint import checkpoint_step, eval_file_name, pick_checkpoint
 
     run_dir = Path(args.run_dir)
     chosen = pick_checkpoint(run_dir, args.checkpoint)  # one line listing the steps
@@ -89,7 +89,7 @@ def _check_outputs(
     Raises:
         OutputError: one line naming the flag and the path.
     """
-    from recaccel.train.runlog import RUN_FILES
+    from recaccel.train.run.runlog import RUN_FILES
 
     reads = [
         *run_reads(run_dir, RUN_FILES),

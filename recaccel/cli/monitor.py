@@ -38,7 +38,7 @@ def monitor_main(argv: Sequence[str] | None = None) -> int:
     setup_logging(False)
 
     def body() -> int:
-        from recaccel.train.runlog import read_events
+        from recaccel.train.run.runlog import read_events
 
         events = monitor_events(read_events(args.run_dir), str(args.run_dir))
         print(rank_table(events))

@@ -28,7 +28,7 @@ def plot_main(argv: Sequence[str] | None = None) -> int:
     setup_logging(False)
 
     def body() -> int:
-        from recaccel.train.runlog import read_events
+        from recaccel.train.run.runlog import read_events
 
         out = args.out if args.out is not None else args.run_dir / DEFAULT_PNG
         path = plot_run(curves(read_events(args.run_dir)), out, title=str(args.run_dir))

@@ -133,7 +133,7 @@ def _launched(cfg: Config, args: argparse.Namespace) -> int:
     stopped cleanly exit 143 (SIGTERM) or 130 (SIGINT), rank 0 having printed where the
     run resumes."""
     from recaccel import api
-    from recaccel.train.preemption import Preempted
+    from recaccel.train.loop.preemption import Preempted
 
     try:
         metrics = api.launch(
@@ -162,7 +162,7 @@ def run_flags(*, resume: bool, overwrite: bool) -> tuple[bool, bool]:
 def third_party_warnings(*, verbose: bool, quiet: bool, main_rank: bool) -> AbstractContextManager[object]:
     """Third-party warnings (torch, torchrec, ...) summed up in one line unless ``verbose``;
     ranks other than 0 show none of them (each rank would repeat rank 0's)."""
-    from recaccel.train.console import hidden_warnings
+    from recaccel.train.run.console import hidden_warnings
 
     if verbose and main_rank:
         return nullcontext()
@@ -171,7 +171,7 @@ def third_party_warnings(*, verbose: bool, quiet: bool, main_rank: bool) -> Abst
 
 def _draw_profile(cfg: Config) -> None:
     """The timeline picture next to the run's profile trace (train.profile_steps), if written."""
-    from recaccel.train.profiling import trace_path
+    from recaccel.train.run.profiling import trace_path
 
     steps = cfg.train.profile_steps
     if steps and trace_path(Path(cfg.train.out_dir), steps).is_file():
@@ -184,7 +184,7 @@ def _report(metrics: dict[str, Any], cfg: Config, *, quiet: bool) -> None:
     """The run's metrics: one line with ``quiet``, else the table."""
     out_dir = Path(cfg.train.out_dir)
     if quiet:
-        from recaccel.train.console import final_line
+        from recaccel.train.run.console import final_line
 
         print(final_line(metrics, str(out_dir / "metrics.json")))
     else:

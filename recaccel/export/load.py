@@ -21,15 +21,15 @@ from recaccel.config import Config
 from recaccel.errors import ConfigError, RecaccelError
 from recaccel.models.dlrm import DLRM
 from recaccel.models.embedding import PerTableEmbeddingBag
-from recaccel.train.checkpoint_io import (
+from recaccel.train.checkpoint.payload import (
     STATE_KEYS,
     apply_state,
     check_entries,
     check_module_state,
     read_payload,
 )
-from recaccel.train.eval_checkpoint import checkpoint_step, load_sharded_model, pick_checkpoint
-from recaccel.train.runlog import CONFIG_FILE
+from recaccel.train.evaluation.from_checkpoint import checkpoint_step, load_sharded_model, pick_checkpoint
+from recaccel.train.run.runlog import CONFIG_FILE
 
 
 @dataclass
@@ -145,7 +145,7 @@ def _checkpointed_module(cfg: Config, model: DLRM, label_kind: str) -> nn.Module
     if cfg.train.mode != "meta":
         return model
     from recaccel.meta.learner import MetaLearner
-    from recaccel.train.trainer import resolve_loss
+    from recaccel.train.loop.trainer import resolve_loss
 
     loss = resolve_loss(cfg, label_kind)
     return MetaLearner(model, cfg.meta, loss=loss, engine=cfg.meta.engine)

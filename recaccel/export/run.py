@@ -88,8 +88,8 @@ def check_outputs(
         RecaccelError: no run or checkpoint; OutputError naming OUT and the path.
     """
     from recaccel.api import run_config
-    from recaccel.train.eval_checkpoint import pick_checkpoint
-    from recaccel.train.runlog import CONFIG_FILE, RUN_FILES
+    from recaccel.train.evaluation.from_checkpoint import pick_checkpoint
+    from recaccel.train.run.runlog import CONFIG_FILE, RUN_FILES
 
     chosen = pick_checkpoint(run_dir, checkpoint)
     reads = [*run_reads(run_dir, RUN_FILES), Read(chosen, "the checkpoint this command reads")]

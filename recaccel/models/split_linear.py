@@ -7,7 +7,7 @@ whose autograd backward computes dgrad only and puts the wgrad work on a
 :class:`WgradQueue`, in the spirit of zero-bubble pipeline schedules' B/W split; the
 caller runs the queue after ``backward()`` returns. The gradient therefore reaches the
 interaction, and the embedding's fused sparse update inside its backward, without
-waiting for any weight-gradient GEMM (:mod:`recaccel.train.overlap`).
+waiting for any weight-gradient GEMM (:mod:`recaccel.train.loop.overlap`).
 
 Exactness: every GEMM and reduction is the one autograd runs for the unsplit layer
 (:func:`recaccel.models.fused_linear.dense_layer`), on the same operands in the same

@@ -13,33 +13,33 @@ from typing import TYPE_CHECKING
 from recaccel.lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
-    from recaccel.train.checkpoint_paths import all_checkpoints, list_checkpoints, newest_checkpoint
-    from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
-    from recaccel.train.optim import build_dense_optimizer
-    from recaccel.train.parallel import Parallelism, SingleProcess
-    from recaccel.train.runlog import RunLog
-    from recaccel.train.trainer import Trainer, build_parallel, resolve_device, resolve_loss
+    from recaccel.train.checkpoint.paths import all_checkpoints, list_checkpoints, newest_checkpoint
+    from recaccel.train.checkpoint.state import TrainState, load_checkpoint, save_checkpoint
+    from recaccel.train.loop.parallel import Parallelism, SingleProcess
+    from recaccel.train.loop.trainer import Trainer, build_parallel, resolve_device, resolve_loss
+    from recaccel.train.model.objectives import DLRMObjective, MetaObjective, Objective
+    from recaccel.train.model.optim import build_dense_optimizer
+    from recaccel.train.run.runlog import RunLog
 
 # Each public name and the submodule defining it (imported on first use).
 _EXPORTS = {
-    "Trainer": "trainer",
-    "build_parallel": "trainer",
-    "resolve_device": "trainer",
-    "resolve_loss": "trainer",
-    "Objective": "objectives",
-    "DLRMObjective": "objectives",
-    "MetaObjective": "objectives",
-    "Parallelism": "parallel",
-    "SingleProcess": "parallel",
-    "TrainState": "checkpoint",
-    "save_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-    "list_checkpoints": "checkpoint_paths",
-    "all_checkpoints": "checkpoint_paths",
-    "newest_checkpoint": "checkpoint_paths",
-    "build_dense_optimizer": "optim",
-    "RunLog": "runlog",
+    "Trainer": "loop.trainer",
+    "build_parallel": "loop.trainer",
+    "resolve_device": "loop.trainer",
+    "resolve_loss": "loop.trainer",
+    "Objective": "model.objectives",
+    "DLRMObjective": "model.objectives",
+    "MetaObjective": "model.objectives",
+    "Parallelism": "loop.parallel",
+    "SingleProcess": "loop.parallel",
+    "TrainState": "checkpoint.state",
+    "save_checkpoint": "checkpoint.state",
+    "load_checkpoint": "checkpoint.state",
+    "list_checkpoints": "checkpoint.paths",
+    "all_checkpoints": "checkpoint.paths",
+    "newest_checkpoint": "checkpoint.paths",
+    "build_dense_optimizer": "model.optim",
+    "RunLog": "run.runlog",
 }
 
 __all__ = [

@@ -13,10 +13,10 @@ import torch
 
 from recaccel.cli import train_main
 from recaccel.errors import RecaccelError
-from recaccel.train.best import lower_is_better
-from recaccel.train.checkpoint import BestRecord, list_checkpoints
-from recaccel.train.checkpoint_io import verify_file
-from recaccel.train.runlog import clear_run
+from recaccel.train.checkpoint.best import lower_is_better
+from recaccel.train.checkpoint.digests import verify_file
+from recaccel.train.checkpoint.state import BestRecord, list_checkpoints
+from recaccel.train.run.runlog import clear_run
 from tests.train.test_resume_matrix import (
     STEPS_PER_EPOCH,
     _sets,

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from recaccel.train.checkpoint import TrainState, save_checkpoint
+from recaccel.train.checkpoint.state import TrainState, save_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/fd").is_dir(), reason="names fsynced files through /proc"

@@ -26,16 +26,17 @@ import recaccel
 from recaccel.cli import eval_main, export_main, train_main
 from recaccel.config import load_config
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
-from recaccel.train.checkpoint_io import CheckpointError, read_payload
-from recaccel.train.checkpoint_paths import INFO_FILE, digest_file
+from recaccel.train.checkpoint.errors import CheckpointError
+from recaccel.train.checkpoint.paths import INFO_FILE, digest_file
+from recaccel.train.checkpoint.payload import read_payload
+from recaccel.train.checkpoint.state import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
 from tests.train.test_checkpoint_fsync import events  # noqa: F401  (a fixture)
 from tests.train.test_checkpoint_untrusted import _dcp, group, hybrid_run  # noqa: F401  (fixtures)
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (tiny_data: a fixture)
 
 STEPS = 5
 OLD = Path(__file__).parent.parent / "fixtures" / "checkpoints_2026_11_23" / "dlrm" / "checkpoints"
-CHECKPOINT_LOG = "recaccel.train.checkpoint_io"
+CHECKPOINT_LOG = "recaccel.train.checkpoint.payload"
 
 
 def _flip_tensor_byte(path: Path) -> str:
@@ -115,7 +116,7 @@ def single_run(tiny_data, tmp_path_factory) -> Path:  # noqa: F811
 
 def _fresh_model(run: Path, out: Path) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model and optimizer of a new run (in ``out``) with ``run``'s config."""
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     trainer = Trainer(load_config(run / "config.toml", [f'train.out_dir="{out}"']))
     return trainer.objective.module, trainer.optimizer
@@ -194,7 +195,7 @@ def test_flipped_byte_in_an_old_checkpoint_is_caught_by_its_zip_crc(tmp_path):
 
 
 def test_edited_checkpoint_loads_once_its_digests_are_recorded_again(single_run, tmp_path):
-    from recaccel.train.checkpoint_io import record_digests
+    from recaccel.train.checkpoint.digests import record_digests
 
     run = _copy(single_run, tmp_path)
     path = list_checkpoints(run)[-1]
@@ -366,7 +367,7 @@ def _verify_job(rank: int, world: int, root: Path, folder: str) -> None:
 
 
 def test_every_rank_refuses_a_dcp_file_that_another_rank_found_changed(tmp_path):
-    from recaccel.train.checkpoint_io import record_digests
+    from recaccel.train.checkpoint.digests import record_digests
     from tests.train.gloo_ranks import run_ranks
 
     folder = tmp_path / "step-000000004.dcp"

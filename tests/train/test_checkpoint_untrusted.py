@@ -20,9 +20,10 @@ import recaccel
 from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.checkpoint_io import read_dcp_metadata, record_digests
-from recaccel.train.checkpoint_paths import all_checkpoints
+from recaccel.train.checkpoint.dcp_read import read_dcp_metadata
+from recaccel.train.checkpoint.digests import record_digests
+from recaccel.train.checkpoint.paths import all_checkpoints
+from recaccel.train.checkpoint.state import list_checkpoints
 from tests.conftest import gloo_group_of_one
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (tiny_data: a fixture)
 

@@ -16,7 +16,7 @@ from recaccel.cli import eval_main, train_main
 from recaccel.cli.export import export_main
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
-from recaccel.train.checkpoint import list_checkpoints
+from recaccel.train.checkpoint.state import list_checkpoints
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (fixture)
 
 MODELS = "tests.train.class_path_models"

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from recaccel.config import load_config
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.trainer import Trainer
+from recaccel.train.checkpoint.state import list_checkpoints
+from recaccel.train.loop.trainer import Trainer
+from recaccel.train.model.optim import build_dense_optimizer
 from tests.conftest import gloo_group_of_one
 from tests.train.test_resume_matrix import (
     _sets,

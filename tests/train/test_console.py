@@ -16,14 +16,14 @@ import pytest
 from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train.console import (
+from recaccel.train.run.console import (
     PhaseTimer,
     final_line,
     format_number,
     hidden_warnings,
     show_console,
 )
-from recaccel.train.runlog import read_events
+from recaccel.train.run.runlog import read_events
 
 TINY = [
     "synth.train_rows=3000",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from recaccel.train.data_wait import DataWait
+from recaccel.train.loop.data_wait import DataWait
 
 
 class Clock:

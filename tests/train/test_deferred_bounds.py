@@ -23,7 +23,7 @@ from recaccel.cli import train_main
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import InvalidIdError, PackedEmbeddingBag, TableSpec, check_deferred_ids
 from recaccel.sparse import SparseFeatures
-from recaccel.train.checkpoint import list_checkpoints
+from recaccel.train.checkpoint.state import list_checkpoints
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.skipif(

@@ -27,7 +27,7 @@ from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.dlrm import DLRM
 from recaccel.models.factory import build_model
 from recaccel.sparse import SparseFeatures
-from recaccel.train.dense_head import (
+from recaccel.train.model.dense_head import (
     CallKey,
     GraphedHead,
     HeadGraph,
@@ -218,7 +218,7 @@ def test_graphed_head_falls_back_to_eager_for_other_calls(caplog):
     model = small_model()
     graphed = GraphedHead(model, capture=eager_capture)
     graphed(*head_inputs(8, 0)).sum().backward()
-    with caplog.at_level(logging.INFO, logger="recaccel.train.dense_head"):
+    with caplog.at_level(logging.INFO, logger="recaccel.train.model.dense_head"):
         for b in (3, 3):  # the last, smaller batch of an epoch: eager, logged once
             dense, pooled = head_inputs(b, b)
             got = graphed(dense, pooled)

@@ -29,7 +29,7 @@ from recaccel.train.distributed.shard_service import (
     merge_ledgers,
     shard_ranges,
 )
-from recaccel.train.trainer import build_parallel
+from recaccel.train.loop.trainer import build_parallel
 from tests.train.gloo_ranks import run_ranks
 
 # 8 row groups of 128 rows; batches of 64: a shard is 2 batches.
@@ -205,7 +205,7 @@ def _recording(log: Path) -> None:
 
 def _job(rank: int, world: int, root: Path, jobs: list[str]) -> None:
     from recaccel.errors import RecaccelError
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     for job in jobs:
         _recording(root / f"{job}-{rank}.ids")

@@ -54,8 +54,8 @@ HOOK = """
 import os
 
 if os.environ.get("RECACCEL_TEST_ROWS") and os.environ.get("RANK") is not None:
-    from recaccel.train.observers import BatchCallback
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.observers import BatchCallback
+    from recaccel.train.loop.trainer import Trainer
 
     _init = Trainer.__init__
 
@@ -214,7 +214,7 @@ def test_killed_at_three_ranks_resumed_on_two_trains_every_row_once(data, rows, 
         return
     metrics = _sane(out, ROWS // BATCH["global"])
     # global batches train what one process trains, whatever the number of ranks
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     single = ["model.embedding_backend=reference", "parallel.mode=single"]
     reference = Trainer(load_config(None, _sets(data, tmp_path / "single", mode, *single))).fit()
@@ -244,7 +244,7 @@ def _reshard_cfg(root: Path, run: str):
 def _reshard_job(rank: int, world: int, port: int, root: str, phase: str) -> None:
     from recaccel.errors import RecaccelError
     from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     torch.set_num_threads(1)
     root = Path(root)

@@ -17,7 +17,7 @@ import torch
 from recaccel.cli import eval_main, train_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train.predictions import METADATA_KEY, row_columns, write_predictions
+from recaccel.train.evaluation.predictions import METADATA_KEY, row_columns, write_predictions
 from tests.train.test_meta_trainer import _ratings
 from tests.train.test_trainer import TINY
 

@@ -13,8 +13,8 @@ import pytest
 from recaccel.cli import eval_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train.eval_checkpoint import eval_file_name
-from recaccel.train.runlog import run_files
+from recaccel.train.evaluation.from_checkpoint import eval_file_name
+from recaccel.train.run.runlog import run_files
 from tests.export.conftest import TINY, train_run
 
 STEP = 4  # the run's newest checkpoint

@@ -21,11 +21,11 @@ from recaccel.models.dlrm import DLRM
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures
 from recaccel.train.distributed.hybrid_pipeline import check_pipelined
-from recaccel.train.objectives import DLRMObjective
-from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.overlap import OverlapStep
-from recaccel.train.pipeline import BatchPipeline, StepInput
-from recaccel.train.step import build_step
+from recaccel.train.loop.overlap import OverlapStep
+from recaccel.train.loop.pipeline import BatchPipeline, StepInput
+from recaccel.train.loop.step import build_step
+from recaccel.train.model.objectives import DLRMObjective
+from recaccel.train.model.optim import build_dense_optimizer
 from tests.train.test_resume_matrix import (  # noqa: F401  (fixtures)
     STEPS_PER_EPOCH,
     _sets,

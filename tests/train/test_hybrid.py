@@ -28,7 +28,7 @@ from recaccel.config import load_config  # noqa: E402
 from recaccel.io.convert.synth import generate_synthetic  # noqa: E402
 from recaccel.io.format.schema import FeatureSchema, SparseField  # noqa: E402
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch  # noqa: E402
-from recaccel.train.checkpoint import list_checkpoints  # noqa: E402
+from recaccel.train.checkpoint.state import list_checkpoints  # noqa: E402
 from tests.train.test_trainer import TINY as TINY_DLRM  # noqa: E402
 
 WORLD = 2
@@ -103,8 +103,8 @@ def _task_batches() -> list[TaskBatch]:
 
 def _meta_objective():
     from recaccel.models.factory import build_model
-    from recaccel.train.objectives import MetaObjective
-    from recaccel.train.optim import build_dense_optimizer
+    from recaccel.train.model.objectives import MetaObjective
+    from recaccel.train.model.optim import build_dense_optimizer
 
     cfg = load_config(None, META)
     torch.manual_seed(0)
@@ -132,7 +132,7 @@ def _meta_single() -> tuple[dict, list[float]]:
 def _job_run(rank: int, root: Path, name: str, extra: list[str]) -> dict:
     from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
     from recaccel.train.distributed.sharding import plan_rows
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     cfg = load_config(None, _overrides(root / "data", root / name, "parallel.mode=hybrid", *extra))
     trainer = Trainer(cfg)
@@ -144,7 +144,7 @@ def _job_run(rank: int, root: Path, name: str, extra: list[str]) -> dict:
 
 def _job_resume(rank: int, root: Path) -> dict:
     from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     extra = ["parallel.mode=hybrid", *RUNS["tw"][0]]
     first = load_config(None, _overrides(root / "data", root / "resumed", *extra, "train.steps=5"))
@@ -238,7 +238,7 @@ def _job_meta(rank: int, root: Path) -> dict:
 def _job_kill(rank: int, root: Path) -> dict:
     from recaccel.errors import RecaccelError
     from recaccel.train.distributed.hybrid import HybridParallel
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     step = HybridParallel.train_step
     seen = {"n": 0, "t": time.monotonic()}
@@ -287,7 +287,7 @@ def _free_port() -> int:
 
 
 def _single(data: Path, out: Path, *extra: str) -> tuple[dict, dict]:
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     cfg = load_config(None, _overrides(data, out, "model.embedding_backend=reference", *extra))
     metrics = Trainer(cfg).fit()

@@ -50,7 +50,7 @@ def _argv(data: Path, out: Path, *extra: str) -> list[str]:
 def test_cli_trains_and_resumes_on_two_processes(tmp_path, capfd):
     pytest.importorskip("torchrec", exc_type=ImportError)
     from recaccel.cli import train_main
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     data = tmp_path / "data"
     generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{data}"']).synth)
@@ -81,7 +81,7 @@ def test_cli_trains_meta_dlrm_on_two_processes(tmp_path):
     pytest.importorskip("torchrec", exc_type=ImportError)
     from recaccel.cli import train_main
     from recaccel.io.convert.group_by_task import group_by_task
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     raw, data = tmp_path / "raw", tmp_path / "data"
     generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{raw}"']).synth)
@@ -169,7 +169,7 @@ def test_cli_trains_dcnv2_on_two_processes_as_one_process_does(tmp_path):
     # DCN-v2's cross layers are dense: replicated and summed over ranks like the MLPs.
     pytest.importorskip("torchrec", exc_type=ImportError)
     from recaccel.cli import train_main
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     data = tmp_path / "data"
     generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{data}"']).synth)

@@ -22,7 +22,7 @@ from recaccel.train.distributed.dense_sync import DenseGradSync
 from recaccel.train.distributed.hybrid_data import GlobalSlices, row_bounds
 from recaccel.train.distributed.launch import check_launch, launch_config, strip_nproc
 from recaccel.train.distributed.sharding import table_kinds
-from recaccel.train.objectives import DLRMObjective, MetaObjective, loss_denominator
+from recaccel.train.model.objectives import DLRMObjective, MetaObjective, loss_denominator
 
 KEYS = ["a", "b", "c"]
 
@@ -229,7 +229,7 @@ def test_a_rank_exits_with_its_status_and_flushed_output(tmp_path):
 
 def test_hybrid_needs_a_launcher_and_single_mode_refuses_many_ranks(monkeypatch):
     from recaccel.train.distributed.hybrid import HybridParallel
-    from recaccel.train.trainer import build_parallel
+    from recaccel.train.loop.trainer import build_parallel
 
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

@@ -35,7 +35,7 @@ MODES = ("off", "sync")
 
 
 def _trainer(root: Path, name: str, *extra: str):
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     overrides = _overrides(root / "data", root / name, "parallel.mode=hybrid", *SHARDING, *extra)
     return load_config(None, overrides), Trainer

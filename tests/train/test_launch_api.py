@@ -169,8 +169,8 @@ def test_the_train_command_holds_no_launch_logic():
         "subprocess",
         "multiprocessing",
         "torch",
-        "recaccel.train.run_lock",
-        "recaccel.train.runlog",
+        "recaccel.train.run.run_lock",
+        "recaccel.train.run.runlog",
         "recaccel.train.distributed.",
     )
     assert not [m for m in imported - allowed if m.startswith(launching)], sorted(imported)
@@ -182,8 +182,8 @@ def test_the_train_command_holds_no_launch_logic():
     [(logging.DEBUG, ["--verbose"]), (logging.INFO, []), (logging.CRITICAL + 1, ["--quiet"])],
 )
 def test_ranks_print_as_the_launching_process_chose(level, flags):
-    from recaccel.train.console import console, show_console
     from recaccel.train.distributed.launcher import rank_loudness
+    from recaccel.train.run.console import console, show_console
 
     saved = console.level, list(console.handlers), console.propagate
     try:

@@ -10,7 +10,7 @@ import pytest
 
 from recaccel.cli import train_main
 from recaccel.errors import ConfigError
-from recaccel.train.runlog import TENSORBOARD_DIR, RunLog, read_events, scalars
+from recaccel.train.run.runlog import TENSORBOARD_DIR, RunLog, read_events, scalars
 from tests.train.test_resume_matrix import (
     _sets,
     tiny_data,  # noqa: F401  (fixture)
@@ -127,7 +127,7 @@ def test_missing_tensorboard_is_a_config_error(tmp_path, monkeypatch):
 def test_csv_logger_writes_one_row_per_log_step_with_a_stable_header(tiny_data, tmp_path):  # noqa: F811
     import csv
 
-    from recaccel.train.loggers import CSV_COLUMNS
+    from recaccel.train.run.loggers import CSV_COLUMNS
 
     run = tmp_path / "run"
     sets = ['train.loggers=["jsonl", "csv"]', "train.steps=6", "train.log_every=2", "train.metric_window=300"]
@@ -147,7 +147,7 @@ def test_metric_window_scores_exactly_the_last_rows_of_the_training_logits():
     import torch
 
     from recaccel.metrics import binary_auc, binary_logloss
-    from recaccel.train.evaluation import MetricWindow
+    from recaccel.train.evaluation.evaluate import MetricWindow
 
     g = torch.Generator().manual_seed(11)
     window = MetricWindow(250, "bce")

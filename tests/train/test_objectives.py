@@ -13,7 +13,7 @@ from recaccel.errors import DataError
 from recaccel.io.convert.synth import generate_synthetic
 from recaccel.metrics import MetricError, StreamingBinaryMetrics
 from recaccel.sparse import Batch, SparseFeatures
-from recaccel.train.objectives import DLRMObjective
+from recaccel.train.model.objectives import DLRMObjective
 
 SYNTH = [
     "synth.train_rows=600",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from recaccel.config import load_config
-from recaccel.train.observers import BatchCallback, Note, StepDone, StepObserver, StepObservers
-from recaccel.train.parallel import SingleProcess
-from recaccel.train.trainer import Trainer
+from recaccel.train.loop.observers import BatchCallback, Note, StepDone, StepObserver, StepObservers
+from recaccel.train.loop.parallel import SingleProcess
+from recaccel.train.loop.trainer import Trainer
 from tests.train.test_trainer import _overrides, tiny_data  # noqa: F401
 
 

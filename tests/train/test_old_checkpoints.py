@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from recaccel.cli import train_main
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.checkpoint_io import file_sha256, write_digests
+from recaccel.train.checkpoint.digests import file_sha256, write_digests
+from recaccel.train.checkpoint.state import list_checkpoints
 from tests.train.test_meta_trainer import _ratings
 from tests.train.test_resume_matrix import (  # noqa: F401  (fixtures)
     STEPS_PER_EPOCH,
@@ -52,7 +52,7 @@ META_MEASURED = ("max_buffered_rows", "rows_read", "row_groups_read")
 # Another host's kernels move a float by ~1e-9 relative per step; a wrong reader
 # position, a dropped optimizer state or a lost RNG stream moves it by >1e-2.
 RTOL = 1e-4
-# Optimizer param-group flags that choose kernels for the device (see recaccel.train.optim),
+# Optimizer param-group flags that choose kernels for the device (see recaccel.train.model.optim),
 # not training state: an old CPU file may differ from today's on a GPU.
 KERNEL_FLAGS = {"foreach", "fused", "capturable", "differentiable"}
 

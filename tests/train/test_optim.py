@@ -11,7 +11,7 @@ import torch
 
 from recaccel.config import DenseOptimizer, OptimConfig, ShardingKind, choices
 from recaccel.ops.embedding import SparseOptimConfig
-from recaccel.train.optim import build_dense_optimizer, implementation
+from recaccel.train.model.optim import build_dense_optimizer, implementation
 
 
 @pytest.mark.parametrize("dense", choices(DenseOptimizer))

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 from recaccel.cli import train_main
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.run_lock import LOCK_FILE
-from recaccel.train.runlog import check_run_dir, clear_run, run_files
+from recaccel.train.checkpoint.state import list_checkpoints
+from recaccel.train.run.run_lock import LOCK_FILE
+from recaccel.train.run.runlog import check_run_dir, clear_run, run_files
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (fixture)
 
 RECACCEL_FILES = [

@@ -17,8 +17,8 @@ from recaccel.api import run_config
 from recaccel.config import load_config
 from recaccel.errors import ConfigError, RecaccelError
 from recaccel.models import DLRM, SparseArch, build_embedding, build_model
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.user_model import check_user_model
+from recaccel.train.checkpoint.state import list_checkpoints
+from recaccel.train.model.user_model import check_user_model
 from tests.train.test_trainer import _overrides, tiny_data  # noqa: F401  (fixture)
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "own_model.md"

@@ -20,9 +20,9 @@ from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures
-from recaccel.train.objectives import DLRMObjective
-from recaccel.train.pipeline import BatchPipeline, StepInput
-from recaccel.train.step import MicroBatchStep, PlainStep, SemiSyncStep, build_step, part_bounds
+from recaccel.train.loop.pipeline import BatchPipeline, StepInput
+from recaccel.train.loop.step import MicroBatchStep, PlainStep, SemiSyncStep, build_step, part_bounds
+from recaccel.train.model.objectives import DLRMObjective
 from tests.train.test_meta_trainer import task_data  # noqa: F401  (fixture)
 from tests.train.test_resume_matrix import (  # noqa: F401  (fixtures)
     STEPS_PER_EPOCH,

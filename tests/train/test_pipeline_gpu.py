@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from recaccel.config import TrainConfig
-from recaccel.train.parallel import SingleProcess
-from recaccel.train.pipeline import BatchPipeline
+from recaccel.train.loop.parallel import SingleProcess
+from recaccel.train.loop.pipeline import BatchPipeline
 from tests.train.test_pipeline import _batch, _objective
 
 pytestmark = [

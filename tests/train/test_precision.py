@@ -18,7 +18,7 @@ import torch
 
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train.trainer import Trainer
+from recaccel.train.loop.trainer import Trainer
 
 pytestmark = pytest.mark.numeric
 

@@ -18,8 +18,8 @@ import torch
 from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train.precision import matmul_precision, runs_as
-from recaccel.train.trainer import Trainer
+from recaccel.train.loop.trainer import Trainer
+from recaccel.train.model.precision import matmul_precision, runs_as
 
 TINY = [
     "synth.train_rows=2000",
@@ -155,9 +155,9 @@ def test_evaluating_a_checkpoint_alone_multiplies_as_its_training(switches, tiny
 
 def test_tf32_on_cpu_trains_exactly_as_fp32_and_says_so_once(switches, tiny_data, tmp_path, caplog):
     fp32 = Trainer(_config(tiny_data, tmp_path / "fp32", "train.precision=fp32")).fit()
-    with caplog.at_level(logging.INFO, logger="recaccel.train.precision"):
+    with caplog.at_level(logging.INFO, logger="recaccel.train.model.precision"):
         tf32 = Trainer(_config(tiny_data, tmp_path / "tf32", "train.precision=tf32")).fit()
-    said = [r.getMessage() for r in caplog.records if r.name == "recaccel.train.precision"]
+    said = [r.getMessage() for r in caplog.records if r.name == "recaccel.train.model.precision"]
     assert said == ["train.precision=tf32 runs as fp32 on cpu (TF32 is a CUDA tensor-core mode)"]
     # Same host, same process: CPU matmuls ignore the switch, so the runs are identical.
     assert (tf32["auc"], tf32["logloss"], tf32["train_loss"]) == (

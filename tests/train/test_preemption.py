@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from recaccel.cli import train_main
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.preemption import Preempted, StopSignals, log_mark, pending_signal, stop_in_log
-from recaccel.train.runlog import read_events
+from recaccel.train.checkpoint.state import list_checkpoints
+from recaccel.train.loop.preemption import Preempted, StopSignals, log_mark, pending_signal, stop_in_log
+from recaccel.train.run.runlog import read_events
 from tests.train.test_resume_matrix import (
     STEPS_PER_EPOCH,
     _sets,
@@ -125,7 +125,7 @@ def test_second_signal_exits_at_once(tmp_path):
     # the second SIGTERM must end it at once, killed by the signal.
     script = (
         "import time\n"
-        "from recaccel.train.preemption import StopSignals\n"
+        "from recaccel.train.loop.preemption import StopSignals\n"
         "with StopSignals() as stop:\n"
         "    print('ready', flush=True)\n"
         "    while stop.pending is None: time.sleep(0.001)\n"
@@ -195,7 +195,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_the_same_step(tiny_data,
     # torchrun's agent forwards the signal to both ranks; they agree on the stop, write
     # that step's sharded checkpoint together, and the launcher exits 143 with one line.
     pytest.importorskip("torchrec", exc_type=ImportError)
-    from recaccel.train.checkpoint_paths import list_sharded_checkpoints
+    from recaccel.train.checkpoint.paths import list_sharded_checkpoints
 
     run = tmp_path / "run"
     proc = _cli(*_sets(tiny_data, run, *RUN, *HYBRID), "--nproc", "2")
@@ -237,7 +237,7 @@ def test_a_signalled_rank_does_not_stop_alone(tiny_data, tmp_path):  # noqa: F81
     pytest.importorskip("torchrec", exc_type=ImportError)
     if not Path("/proc/self/environ").is_file():
         pytest.skip("finding a rank's pid reads /proc")
-    from recaccel.train.checkpoint_paths import list_sharded_checkpoints
+    from recaccel.train.checkpoint.paths import list_sharded_checkpoints
 
     run = tmp_path / "run"
     proc = _cli(*_sets(tiny_data, run, *RUN, *HYBRID), "--nproc", "2")

@@ -20,7 +20,7 @@ import torch
 from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train.checkpoint import list_checkpoints
+from recaccel.train.checkpoint.state import list_checkpoints
 from tests.train.test_meta_trainer import _argv as meta_argv
 from tests.train.test_meta_trainer import task_data  # noqa: F401  (fixture)
 

@@ -14,21 +14,21 @@ import pytest
 
 from recaccel.cli import train_main
 from recaccel.config import load_config
-from recaccel.train import run_lock
-from recaccel.train.run_lock import LOCK_FILE, RunDirInUseError
+from recaccel.train.run import run_lock
+from recaccel.train.run.run_lock import LOCK_FILE, RunDirInUseError
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[2]
 HOLD = (
     "import sys, time\n"
-    "from recaccel.train.run_lock import acquire\n"
+    "from recaccel.train.run.run_lock import acquire\n"
     "acquire(sys.argv[1])\n"
     "print('locked', flush=True)\n"
     "time.sleep(120)\n"
 )
 FORK = (
     "import os, sys, time\n"
-    "from recaccel.train.run_lock import acquire\n"
+    "from recaccel.train.run.run_lock import acquire\n"
     "acquire(sys.argv[1])\n"
     "if os.fork() == 0:  # the child speaks once its fork hooks ran\n"
     "    print(os.getpid(), flush=True)\n"
@@ -38,7 +38,7 @@ FORK = (
 )
 ENTER = (
     "import sys\n"
-    "from recaccel.train.run_lock import for_training\n"
+    "from recaccel.train.run.run_lock import for_training\n"
     "try:\n"
     "    with for_training(sys.argv[1]):\n"
     "        print('entered')\n"

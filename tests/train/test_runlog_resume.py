@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from recaccel.cli import train_main
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.runlog import LOG_FILE, RunLog, read_events, trim_log
+from recaccel.train.checkpoint.state import list_checkpoints
+from recaccel.train.run.runlog import LOG_FILE, RunLog, read_events, trim_log
 from tests.train.test_trainer import _argv, _overrides, tiny_data  # noqa: F401  (fixture)
 
 REPO = Path(__file__).resolve().parents[2]

@@ -19,9 +19,9 @@ import torch
 from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train import sanity
-from recaccel.train.checkpoint_paths import list_checkpoints
-from recaccel.train.trainer import Trainer
+from recaccel.train.checkpoint.paths import list_checkpoints
+from recaccel.train.loop.trainer import Trainer
+from recaccel.train.run import sanity
 from tests.train.test_meta_trainer import task_data  # noqa: F401  (fixture)
 from tests.train.test_resume_matrix import STEPS_PER_EPOCH, TINY, _meta, _sets, assert_same_run
 
@@ -161,7 +161,7 @@ def test_eval_batch_larger_than_cache_is_sized_at_start(wide_data, tmp_path, cap
         _no_pass(m)
         assert train_main(_sets(wide_data, before, *small)) == 2
     assert list_checkpoints(before) and not (before / "metrics.json").exists()
-    with caplog.at_level(logging.WARNING, logger="recaccel.train.sanity"):
+    with caplog.at_level(logging.WARNING, logger="recaccel.train.run.sanity"):
         assert train_main(_sets(wide_data, after, *small)) == 0
     sized = [r.getMessage() for r in caplog.records if "sized at start" in r.getMessage()]
     assert len(sized) == 1 and "480 -> " in sized[0] and "evaluation batch" in sized[0], sized
@@ -174,7 +174,7 @@ def test_eval_batch_larger_than_cache_is_sized_at_start(wide_data, tmp_path, cap
 def test_capped_cache_shortens_the_lookahead_at_start(wide_data, tmp_path, caplog):
     run = tmp_path / "run"
     capped = (HOST, "model.cache_rows=560", "model.cache_lookahead=3")
-    with caplog.at_level(logging.WARNING, logger="recaccel.train.sanity"):
+    with caplog.at_level(logging.WARNING, logger="recaccel.train.run.sanity"):
         assert train_main(_sets(wide_data, run, *capped)) == 0
     said = [r.getMessage() for r in caplog.records if "lookahead shortened" in r.getMessage()]
     assert len(said) == 1 and "model.cache_rows=560 caps: lookahead shortened to 1" in said[0], said

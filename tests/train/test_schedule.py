@@ -15,10 +15,10 @@ from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
-from recaccel.train.checkpoint import list_checkpoints
-from recaccel.train.parallel import SingleProcess
-from recaccel.train.schedule import LRSchedule, lr_factor, sparse_rate_setters
-from recaccel.train.trainer import Trainer
+from recaccel.train.checkpoint.state import list_checkpoints
+from recaccel.train.loop.parallel import SingleProcess
+from recaccel.train.loop.schedule import LRSchedule, lr_factor, sparse_rate_setters
+from recaccel.train.loop.trainer import Trainer
 from tests.conftest import gloo_group_of_one
 from tests.train.test_resume_matrix import (
     STEPS_PER_EPOCH,

@@ -30,8 +30,8 @@ from recaccel.train.distributed.straggler import (
     check_straggler,
     split_units,
 )
-from recaccel.train.objectives import DLRMObjective, loss_denominator
-from recaccel.train.observers import BatchCallback
+from recaccel.train.loop.observers import BatchCallback
+from recaccel.train.model.objectives import DLRMObjective, loss_denominator
 from tests.train.gloo_ranks import run_ranks
 
 # ------------------------------------------------------------------ the controller
@@ -130,7 +130,7 @@ def test_checks_name_the_setting():
 
 
 def test_single_process_refuses_a_straggler_policy():
-    from recaccel.train.trainer import build_parallel
+    from recaccel.train.loop.trainer import build_parallel
 
     with pytest.raises(ConfigError, match="parallel.straggler=backup needs parallel.mode=hybrid"):
         build_parallel(load_config(None, ["parallel.straggler=backup"]), torch.device("cpu"))
@@ -227,7 +227,7 @@ def _job(rank: int, world: int, root: Path, jobs: list[tuple[str, list[str]]]) -
     from recaccel.errors import RecaccelError
     from recaccel.train.distributed.dist_checkpoint import consolidated_state_dict
     from recaccel.train.distributed.hybrid import HybridParallel
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
 
     for job, sets in jobs:
         name, _, mode = job.partition(":")

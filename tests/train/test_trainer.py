@@ -13,7 +13,7 @@ import torch
 from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from recaccel.train.checkpoint import list_checkpoints
+from recaccel.train.checkpoint.state import list_checkpoints
 
 pytestmark = pytest.mark.numeric
 

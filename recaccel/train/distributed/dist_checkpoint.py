@@ -62,26 +62,19 @@ from torch import Tensor, nn
 
 from recaccel.config import Config
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import TrainState, restore_checked, state_entries
-from recaccel.train.checkpoint_io import (
-    CheckpointError,
-    apply_state,
-    check_entries,
+from recaccel.train.checkpoint.dcp_read import dcp_failure, safe_dcp_planner, safe_dcp_reader
+from recaccel.train.checkpoint.digests import (
     check_manifest,
-    check_optimizer_state,
-    dcp_failure,
-    first_line,
     folder_digests,
     fsync_path,
     fsync_tree,
-    read_payload,
-    safe_dcp_planner,
-    safe_dcp_reader,
-    show,
     verify_digests,
 )
-from recaccel.train.checkpoint_paths import INFO_FILE, list_sharded_checkpoints
-from recaccel.train.runlog import CHECKPOINT_DIR
+from recaccel.train.checkpoint.errors import CheckpointError, first_line, show
+from recaccel.train.checkpoint.paths import INFO_FILE, list_sharded_checkpoints
+from recaccel.train.checkpoint.payload import apply_state, check_entries, check_optimizer_state, read_payload
+from recaccel.train.checkpoint.state import TrainState, restore_checked, state_entries
+from recaccel.train.run.runlog import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +105,7 @@ def _blob(obj: Any) -> bytes:
 
 
 def _unblob(path: Path, entry: str, data: Any) -> Any:
-    """A blob of :func:`_blob`, unpickled restricted (see ``checkpoint_io.read_payload``)."""
+    """A blob of :func:`_blob`, unpickled restricted (see ``recaccel.train.checkpoint.payload.read_payload``)."""
     if not isinstance(data, bytes) or not data:
         raise CheckpointError(path, f"entry {entry!r} must be a non-empty blob, got {show(data)}")
     return read_payload(io.BytesIO(data), f"{path} (entry {entry!r})")
@@ -393,7 +386,7 @@ def dcp_load(path: Path, sd: dict[str, Any], *, reader: Any = None, no_dist: boo
     Args:
         path: the checkpoint folder.
         sd: the entries to read, in place (bytes: a blob, read into ``sd``).
-        reader: a :func:`~recaccel.train.checkpoint_io.safe_dcp_reader` of ``path``
+        reader: a :func:`~recaccel.train.checkpoint.dcp_read.safe_dcp_reader` of ``path``
             already made (None: one is made).
         no_dist: read in this process alone, whatever the process group.
 

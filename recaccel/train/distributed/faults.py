@@ -14,7 +14,7 @@ import os
 import time
 
 from recaccel.config import FaultConfig
-from recaccel.train.observers import Note, StepDone, StepObserver
+from recaccel.train.loop.observers import Note, StepDone, StepObserver
 
 
 class KillRank(StepObserver):

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from recaccel.config import Config, TrainConfig
 from recaccel.config.rules import check_rule
 from recaccel.io.readers.protocol import Reader
-from recaccel.train.checkpoint import TrainState
+from recaccel.train.checkpoint.state import TrainState
 from recaccel.train.distributed.collectives import CollectiveError
 from recaccel.train.distributed.dense_sync import DenseGradSync, flat_collective
 from recaccel.train.distributed.group import Group
@@ -43,11 +43,11 @@ from recaccel.train.distributed.monitor import Monitor, check_faults
 from recaccel.train.distributed.replicated import replicated_tables
 from recaccel.train.distributed.shard_service import gathered_ledger
 from recaccel.train.distributed.straggler import build_policy, check_plan_kinds, check_straggler
-from recaccel.train.objectives import Objective, loss_denominator
-from recaccel.train.observers import StepDone, StepObserver, StepObservers
-from recaccel.train.parallel import BatchWithState
-from recaccel.train.preemption import pending_signal
-from recaccel.train.schedule import set_fused_rate, set_group_rates
+from recaccel.train.loop.observers import StepDone, StepObserver, StepObservers
+from recaccel.train.loop.parallel import BatchWithState
+from recaccel.train.loop.preemption import pending_signal
+from recaccel.train.loop.schedule import set_fused_rate, set_group_rates
+from recaccel.train.model.objectives import Objective, loss_denominator
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ backward all-gathers equal-sized gradient blocks. Evaluation slices may be uneve
 
 The loss of a global batch is a mean over its rows (or tasks); rank r contributes its
 local mean times ``n_r / N`` (its share of the normaliser), so that summing gradients
-over ranks gives the gradient of the global mean: :func:`recaccel.train.objectives.loss_denominator` is ``n_r``.
+over ranks gives the gradient of the global mean: :func:`recaccel.train.model.objectives.loss_denominator` is ``n_r``.
 
 Shapes: B rows, F fields, T tasks, S / Q support / query rows per task.
 """

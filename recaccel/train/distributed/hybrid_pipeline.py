@@ -63,9 +63,9 @@ from torchrec.streamable import Pipelineable
 from recaccel.config import PipelineMode
 from recaccel.errors import ConfigError, DataError
 from recaccel.sparse import Batch
-from recaccel.train.objectives import DLRMObjective, Objective, loss_denominator
-from recaccel.train.parallel import BatchWithState, StepDone
-from recaccel.train.pipeline import batch_tensors
+from recaccel.train.loop.parallel import BatchWithState, StepDone
+from recaccel.train.loop.pipeline import batch_tensors
+from recaccel.train.model.objectives import DLRMObjective, Objective, loss_denominator
 
 if TYPE_CHECKING:
     from recaccel.train.distributed.hybrid import HybridParallel
@@ -196,7 +196,7 @@ def _pipeline(mode: PipelineMode, model: nn.Module, optimizer: _SyncedOptimizer,
 
 def check_pipelined(parallel: HybridParallel, objective: Objective, mode: PipelineMode) -> None:
     """Raises ConfigError when TorchRec's pipeline cannot run this hybrid setup."""
-    if mode == "overlap":  # recaccel.train.overlap runs one process's packed embedding
+    if mode == "overlap":  # recaccel.train.loop.overlap runs one process's packed embedding
         raise ConfigError("train.pipeline=overlap runs parallel.mode=single; use train.pipeline=sync")
     if parallel.dmp is None:
         raise ConfigError(

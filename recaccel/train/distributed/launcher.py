@@ -84,7 +84,7 @@ def _run_dir_held(
     """Holds ``run_dir``'s lock for the ``with`` block and lends it to the ranks (every
     attempt: a restarted rank 0 finds it held by its parent), after checking the run
     directory (:func:`check_run_dir_for_ranks`)."""
-    from recaccel.train.run_lock import lend_to_ranks, locked
+    from recaccel.train.run.run_lock import lend_to_ranks, locked
 
     with locked(run_dir), lend_to_ranks(run_dir):
         check_run_dir_for_ranks(run_dir, cfg, nproc=nproc, resume=resume, overwrite=overwrite, clear=clear)
@@ -102,7 +102,7 @@ def check_run_dir_for_ranks(
         RecaccelError: one line naming the directory or checkpoint and what is wrong.
     """
     from recaccel.train.distributed.dist_checkpoint import check_resume_world_size
-    from recaccel.train.runlog import check_run_dir, clear_run
+    from recaccel.train.run.runlog import check_run_dir, clear_run
 
     if resume:
         check_resume_world_size(run_dir, cfg, nproc)
@@ -121,8 +121,8 @@ def rank_argv(config_file: Path, *, resume: bool, overwrite: bool) -> list[str]:
 
 def rank_loudness() -> list[str]:
     """``--verbose`` or ``--quiet`` when this process shows its console lines so
-    (:func:`~recaccel.train.console.show_console`: what ``-v`` and ``-q`` set), else none."""
-    from recaccel.train.console import console
+    (:func:`~recaccel.train.run.console.show_console`: what ``-v`` and ``-q`` set), else none."""
+    from recaccel.train.run.console import console
 
     level = console.level
     if level == logging.NOTSET:  # never set: the ranks' default
@@ -139,14 +139,14 @@ def _write_rank_config(cfg: Config, folder: Path) -> Path:
 def ranks_until_stopped(run_dir: Path, launch: Callable[[], int]) -> None:
     """Runs ``launch``; when a signal stopped its ranks cleanly (sent to the launcher,
     whose agent forwards it, or to a rank: they agree to stop; rank 0 printed where the
-    run resumes), raises the :class:`~recaccel.train.preemption.Preempted` rank 0 raised.
+    run resumes), raises the :class:`~recaccel.train.loop.preemption.Preempted` rank 0 raised.
 
     Raises:
         Preempted: the ranks stopped cleanly (its ``exit_status``: 143 for SIGTERM, 130
             for SIGINT).
         KeyboardInterrupt, RankFailedError: the ranks ended before a clean stop.
     """
-    from recaccel.train.preemption import log_mark, stop_in_log
+    from recaccel.train.loop.preemption import log_mark, stop_in_log
 
     start = log_mark(run_dir)  # this launch's events come after
     try:
@@ -164,7 +164,7 @@ def final_metrics(run_dir: Path) -> dict[str, Any]:
     Raises:
         RecaccelError: the ranks finished without writing it.
     """
-    from recaccel.train.runlog import METRICS_FILE
+    from recaccel.train.run.runlog import METRICS_FILE
 
     path = run_dir / METRICS_FILE
     try:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recaccel.train.preemption import STOP_SIGNALS
+from recaccel.train.loop.preemption import STOP_SIGNALS
 
 _SIGNALS = [s.name for s in STOP_SIGNALS]
 

@@ -55,7 +55,7 @@ from recaccel.config.rules import check_rule
 from recaccel.errors import ConfigError
 from recaccel.train.distributed.faults import SlowRank
 from recaccel.train.distributed.pair_probe import LinkWatch, probe
-from recaccel.train.observers import Note, StepDone, StepObserver
+from recaccel.train.loop.observers import Note, StepDone, StepObserver
 
 KINDS = ("agree", "lookup", "dense_sync")  # the timed collectives of a step
 # One row per rank in the gather: window medians of these, then the window's step count.

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from recaccel.train.observers import StepObserver
+from recaccel.train.loop.observers import StepObserver
 
 
 class StragglerPolicy(StepObserver):

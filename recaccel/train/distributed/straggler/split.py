@@ -12,7 +12,7 @@ from typing import Any
 
 from recaccel.errors import ConfigError
 from recaccel.train.distributed.straggler.policy import StragglerPolicy
-from recaccel.train.observers import Note, StepDone
+from recaccel.train.loop.observers import Note, StepDone
 
 MIN_SHARE = 0.25  # a rank keeps at least this fraction of an equal share (its speed stays measured)
 

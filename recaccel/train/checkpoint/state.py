@@ -14,7 +14,7 @@ or copied without it) is accepted once its zip CRC-32s pass, with a warning.
 
 ``train.keep_checkpoints`` step checkpoints stay (the newest). ``best.pt`` (with
 ``train.best_metric``) is written the same way, digest file first, and replaced at each
-better evaluation (:mod:`recaccel.train.best`).
+better evaluation (:mod:`recaccel.train.checkpoint.best`).
 """
 
 from __future__ import annotations
@@ -33,23 +33,19 @@ import torch
 from recaccel.errors import RecaccelError
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import are_counters
-from recaccel.train.checkpoint_io import (
+from recaccel.train.checkpoint.digests import file_sha256, fsync_path, read_digests, write_digests
+from recaccel.train.checkpoint.errors import CheckpointError, first_line
+from recaccel.train.checkpoint.paths import DIGEST_SUFFIX, digest_file, list_checkpoints, newest_checkpoint
+from recaccel.train.checkpoint.payload import (
     STATE_KEYS,
-    CheckpointError,
     apply_state,
     check_entries,
     check_module_state,
     check_optimizer_state,
-    file_sha256,
-    first_line,
-    fsync_path,
     python_rng_state,
-    read_digests,
     read_payload,
-    write_digests,
 )
-from recaccel.train.checkpoint_paths import DIGEST_SUFFIX, digest_file, list_checkpoints, newest_checkpoint
-from recaccel.train.runlog import CHECKPOINT_DIR
+from recaccel.train.run.runlog import CHECKPOINT_DIR
 
 BEST_FILE = "best.pt"  # in checkpoints/: the checkpoint of train.best_metric's best evaluation
 

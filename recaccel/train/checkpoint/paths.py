@@ -5,7 +5,7 @@ A ``step-<step>.pt`` file has its SHA-256 beside it in ``step-<step>.pt.sha256``
 (:func:`digest_file`, ``sha256sum`` format); a ``.dcp`` folder lists its files' SHA-256s
 in its ``recaccel.json``.
 
-Both checkpoint writers (:mod:`recaccel.train.checkpoint`,
+Both checkpoint writers (:mod:`recaccel.train.checkpoint.state`,
 :mod:`recaccel.train.distributed.dist_checkpoint`) and the resume logic list them here,
 so neither writer imports the other.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from recaccel.train.runlog import CHECKPOINT_DIR
+from recaccel.train.run.runlog import CHECKPOINT_DIR
 
 INFO_FILE = "recaccel.json"  # in a .dcp folder, written last: the folder is complete
 DIGEST_SUFFIX = ".sha256"  # beside a .pt file: its SHA-256, written before the file is renamed into place

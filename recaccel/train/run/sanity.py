@@ -46,8 +46,8 @@ from recaccel.ops.embedding.cache.sizing import PackNeed, pack_rows, plan_cache,
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
 if TYPE_CHECKING:
-    from recaccel.train.objectives import Objective
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.trainer import Trainer
+    from recaccel.train.model.objectives import Objective
 
 logger = logging.getLogger(__name__)
 

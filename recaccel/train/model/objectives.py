@@ -1,6 +1,6 @@
 """What a training step optimizes: plain DLRM on Batches, or MAML on TaskBatches.
 
-The :class:`~recaccel.train.trainer.Trainer` loop is the same for both; an objective
+The :class:`~recaccel.train.loop.trainer.Trainer` loop is the same for both; an objective
 supplies the readers, the step loss and the evaluation.
 """
 
@@ -21,7 +21,7 @@ from recaccel.io.readers.rows import BatchReader
 from recaccel.metrics import check_finite
 from recaccel.models.factory import places_tables_on_host
 from recaccel.sparse import Batch, TaskBatch
-from recaccel.train.evaluation import (
+from recaccel.train.evaluation.evaluate import (
     binary_metrics,
     gather_streaming,
     predict,
@@ -30,8 +30,8 @@ from recaccel.train.evaluation import (
     stream_binary,
     streamed_metrics,
 )
-from recaccel.train.precision import matmul_precision
-from recaccel.train.predictions import PredictionSink, concat_columns, row_columns, task_columns
+from recaccel.train.evaluation.predictions import PredictionSink, concat_columns, row_columns, task_columns
+from recaccel.train.model.precision import matmul_precision
 
 # Concatenates a per-rank [N_r, ...] tensor over ranks (the process layout's ``gather``).
 Gather = Callable[[Tensor], Tensor]
@@ -71,7 +71,7 @@ class Objective(Protocol):
             gather: concatenates a per-rank tensor over ranks, for metrics over all rows.
             source: the data's path, for messages.
             predictions: when given, called once with the per-row columns of
-                :mod:`recaccel.train.predictions`.
+                :mod:`recaccel.train.evaluation.predictions`.
         """
         ...
 
@@ -97,7 +97,7 @@ def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractC
     """The mixed-precision context of ``train.precision`` on ``device``.
 
     ``fp32`` and ``tf32``: none (float32 tensors; how CUDA multiplies them is
-    :func:`~recaccel.train.precision.matmul_precision`'s switch). ``bf16``:
+    :func:`~recaccel.train.model.precision.matmul_precision`'s switch). ``bf16``:
     ``torch.autocast`` to bfloat16, which runs the MLPs and the interaction in bfloat16
     (on CUDA, and on CPU); the embedding lookup opts out
     (:class:`~recaccel.models.arches.SparseArch`), and parameters, gradients and the dense
@@ -114,19 +114,19 @@ class DLRMObjective:
     Under ``train.precision = "bf16"`` the forward runs under :func:`autocast`; the
     logits are cast to float32 and the loss and metrics are computed in float32.
     :meth:`evaluate` sets the run's TF32 switches itself
-    (:func:`~recaccel.train.precision.matmul_precision`), so evaluating a checkpoint
+    (:func:`~recaccel.train.model.precision.matmul_precision`), so evaluating a checkpoint
     alone multiplies as its training did.
 
     A step is :meth:`embed` (the sparse lookup; its backward applies the fused sparse
     update) then :meth:`head_loss` (the dense head and the loss): the pipelined steps
-    (:mod:`recaccel.train.step`) call them apart.
+    (:mod:`recaccel.train.loop.step`) call them apart.
 
     Args:
         cfg: the run's config.
         model: the DLRM.
         loss: the loss kind.
         head: the dense head ``(dense [B, Dd], pooled [B, F, D]) -> logits [B]``
-            (default ``model.head``; :func:`recaccel.train.dense_head.build_head` gives a
+            (default ``model.head``; :func:`recaccel.train.model.dense_head.build_head` gives a
             compiled or CUDA-graphed one).
     """
 

@@ -32,7 +32,7 @@ from recaccel.errors import ConfigError
 from recaccel.ops.embedding import PackedEmbeddingBag
 
 if TYPE_CHECKING:
-    from recaccel.train.parallel import Parallelism
+    from recaccel.train.loop.parallel import Parallelism
 
 _SHAPES: dict[str, Callable[[float, float], float]] = {
     "linear": lambda t, power: 1.0 - t,

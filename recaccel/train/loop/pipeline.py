@@ -13,9 +13,9 @@ the modes change:
   on CPU (and on CUDA wherever the kernels are deterministic).
 - ``semi_sync``: as ``sync``, one batch further ahead: each item also carries the next
   prepared batch (:attr:`StepInput.following`), whose embedding lookup the semi-sync
-  step (:class:`recaccel.train.step.SemiSyncStep`) runs before this step's sparse update.
+  step (:class:`recaccel.train.loop.step.SemiSyncStep`) runs before this step's sparse update.
 - ``overlap``: as ``semi_sync`` (each item carries the next prepared batch), whose lookup
-  the overlapped step (:class:`recaccel.train.overlap.OverlapStep`) runs after this step's
+  the overlapped step (:class:`recaccel.train.loop.overlap.OverlapStep`) runs after this step's
   sparse update, alongside this step's weight gradients and dense optimizer step: the
   results of ``off``.
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from recaccel.config import Config, config_to_toml
 from recaccel.errors import ConfigError, RecaccelError
-from recaccel.train.loggers import CSV_FILE, Logger, TensorBoardHParams, build_loggers, scalars
+from recaccel.train.run.loggers import CSV_FILE, Logger, TensorBoardHParams, build_loggers, scalars
 
 CONFIG_FILE = "config.toml"
 LOG_FILE = "log.jsonl"
@@ -71,7 +71,7 @@ def clear_run(run_dir: Path) -> list[Path]:
     every ``step-<step>.*`` file or folder (checkpoints, their sidecars, ``.tmp`` files),
     ``.step-<step>.dcp.partial`` folders and ``best.pt`` with its sidecar; in tensorboard/ the ``events.out.tfevents.*``
     files. Those two folders go only when nothing else is left in them. The ``.lock``
-    file stays (:mod:`recaccel.train.run_lock`): the caller holds it.
+    file stays (:mod:`recaccel.train.run.run_lock`): the caller holds it.
 
     Returns:
         The paths deleted.
@@ -115,7 +115,7 @@ class RunLog:
         loggers: ``train.loggers``; log.jsonl is always written, ``"tensorboard"`` also
             writes each event's numbers as scalars under ``run_dir/tensorboard/`` (and the
             config as hyperparameters); ``"csv"``, ``"wandb"`` and ``"mlflow"`` are
-            :mod:`recaccel.train.loggers`' loggers.
+            :mod:`recaccel.train.run.loggers`' loggers.
         resumed_at: the step a resumed run continues from: log.jsonl keeps only what
             was logged up to it (:func:`trim_log`), so each step appears once, and
             TensorBoard drops what an earlier writer logged after it. None: append to

@@ -7,9 +7,9 @@
   lookup runs before this step's backward, so it reads the rows before this step's
   sparse update (one step stale, as TorchRec's semi-sync pipeline); on CUDA it runs on a
   side stream alongside this step's dense forward.
-- :class:`~recaccel.train.overlap.OverlapStep` (``train.pipeline = "overlap"``): the
+- :class:`~recaccel.train.loop.overlap.OverlapStep` (``train.pipeline = "overlap"``): the
   next batch's lookup after this step's sparse update, alongside its weight gradients
-  and dense optimizer step (the results of ``off``; see :mod:`recaccel.train.overlap`).
+  and dense optimizer step (the results of ``off``; see :mod:`recaccel.train.loop.overlap`).
 - :class:`MicroBatchStep` (``train.micro_batches = k``): the batch's rows in k parts;
   each part's lookup (no graph) runs on a side stream ahead of the previous part's dense
   forward and backward; dense gradients accumulate over the parts, and the sparse update
@@ -28,10 +28,10 @@ from torch import Tensor
 from recaccel.config import TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding import PackedEmbeddingBag
-from recaccel.train.objectives import DLRMObjective, Objective, loss_denominator
-from recaccel.train.overlap import OverlapStep
-from recaccel.train.parts import part_bounds
-from recaccel.train.pipeline import StepInput
+from recaccel.train.loop.overlap import OverlapStep
+from recaccel.train.loop.parts import part_bounds
+from recaccel.train.loop.pipeline import StepInput
+from recaccel.train.model.objectives import DLRMObjective, Objective, loss_denominator
 
 
 class StepRunner(Protocol):
@@ -166,7 +166,7 @@ def build_step(train: TrainConfig, objective: Objective, device: torch.device) -
 
     Raises:
         ConfigError: micro-batches with an embedding that cannot defer its update;
-            ``overlap`` where it cannot hold (:mod:`recaccel.train.overlap`).
+            ``overlap`` where it cannot hold (:mod:`recaccel.train.loop.overlap`).
     """
     t = train
     if t.pipeline == "overlap":  # the config refused graphs and compile with it

@@ -24,7 +24,7 @@ possible:
    forward waits for the lookup's event.
 
 With ``train.micro_batches = k`` each part's dense forward and backward run in turn on
-its own lookup, as :class:`~recaccel.train.step.MicroBatchStep` does; the weight
+its own lookup, as :class:`~recaccel.train.loop.step.MicroBatchStep` does; the weight
 gradients of every part but the last run after that part's backward (micro-batches keep
 one part's activations), the last part's after the next lookup has started.
 
@@ -67,9 +67,9 @@ from recaccel.models.dlrm import DLRM
 from recaccel.models.split_linear import WgradQueue
 from recaccel.ops.embedding import PackedEmbeddingBag
 from recaccel.sparse import Batch
-from recaccel.train.objectives import DLRMObjective, Objective, loss_denominator
-from recaccel.train.parts import part_bounds
-from recaccel.train.pipeline import StepInput, batch_tensors
+from recaccel.train.loop.parts import part_bounds
+from recaccel.train.loop.pipeline import StepInput, batch_tensors
+from recaccel.train.model.objectives import DLRMObjective, Objective, loss_denominator
 
 
 @dataclass
@@ -91,7 +91,7 @@ class OverlapStep:
         device: where the step runs.
         parts: ``train.micro_batches``: with k > 1 each part's dense forward and backward
             runs in turn (weight gradients accumulate), and the sparse update once, as
-            :class:`~recaccel.train.step.MicroBatchStep` does: its results, bit for bit.
+            :class:`~recaccel.train.loop.step.MicroBatchStep` does: its results, bit for bit.
     """
 
     def __init__(self, objective: DLRMObjective, device: torch.device, parts: int = 1) -> None:

@@ -1,6 +1,6 @@
 """Graceful stops: SIGTERM (what schedulers send on preemption) and SIGINT (Ctrl-C).
 
-While :meth:`recaccel.train.trainer.Trainer.fit` runs in the main thread,
+While :meth:`recaccel.train.loop.trainer.Trainer.fit` runs in the main thread,
 :class:`StopSignals` replaces both signals' handlers with one that only records the
 request. The loop finishes the step it is in, writes that step's checkpoint (the usual
 atomic save), logs a ``stopped`` event, closes the run log and raises :class:`Preempted`;
@@ -29,7 +29,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from recaccel.train.distributed.launch import under_torchrun
-from recaccel.train.runlog import LOG_FILE
+from recaccel.train.run.runlog import LOG_FILE
 
 logger = logging.getLogger(__name__)
 

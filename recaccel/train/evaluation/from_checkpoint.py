@@ -24,19 +24,14 @@ from torch import Tensor, nn
 
 from recaccel.config import Config
 from recaccel.errors import RecaccelError
-from recaccel.train.checkpoint import TrainState, load_checkpoint
-from recaccel.train.checkpoint_io import (
-    CheckpointError,
-    apply_state,
-    check_module_state,
-    first_line,
-    safe_dcp_reader,
-    show,
-)
-from recaccel.train.checkpoint_paths import INFO_FILE, all_checkpoints
-from recaccel.train.parallel import SingleProcess
-from recaccel.train.predictions import write_predictions
-from recaccel.train.runlog import CHECKPOINT_DIR
+from recaccel.train.checkpoint.dcp_read import safe_dcp_reader
+from recaccel.train.checkpoint.errors import CheckpointError, first_line, show
+from recaccel.train.checkpoint.paths import INFO_FILE, all_checkpoints
+from recaccel.train.checkpoint.payload import apply_state, check_module_state
+from recaccel.train.checkpoint.state import TrainState, load_checkpoint
+from recaccel.train.evaluation.predictions import write_predictions
+from recaccel.train.loop.parallel import SingleProcess
+from recaccel.train.run.runlog import CHECKPOINT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +54,7 @@ def evaluate_run(
         path: the data to score.
         checkpoint: the step of the checkpoint (default: the newest).
         predictions: a Parquet file to write one prediction per evaluation row to
-            (:mod:`recaccel.train.predictions`).
+            (:mod:`recaccel.train.evaluation.predictions`).
         model: the run's own model, as given to ``recaccel.train`` (None: recaccel's).
 
     Returns:
@@ -72,7 +67,7 @@ def evaluate_run(
     from tqdm.auto import tqdm
 
     from recaccel.io.loader import DeviceLoader
-    from recaccel.train.trainer import Trainer, resolve_device
+    from recaccel.train.loop.trainer import Trainer, resolve_device
 
     chosen = pick_checkpoint(cfg.train.out_dir, checkpoint)
     single = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mode="single"))
@@ -159,7 +154,7 @@ def checkpoint_step(path: Path) -> int:
 class CheckpointProcess(SingleProcess):
     """One process whose ``load_checkpoint`` restores the model of one named checkpoint.
 
-    Handed to :class:`~recaccel.train.trainer.Trainer` (``resume=True``), it scores the
+    Handed to :class:`~recaccel.train.loop.trainer.Trainer` (``resume=True``), it scores the
     checkpoint at ``path`` instead of resuming the newest one.
 
     Args:
@@ -213,7 +208,7 @@ def load_sharded_model(
         read_info,
         verify_sharded,
     )
-    from recaccel.train.optim import build_dense_optimizer
+    from recaccel.train.model.optim import build_dense_optimizer
 
     info = read_info(path)
     verify_sharded(path)

@@ -4,7 +4,7 @@ Every periodic evaluation (``train.eval_every``) is compared with the best so fa
 better value becomes the best (the trainer keeps that step's checkpoint as
 ``checkpoints/best.pt``); otherwise the count of evaluations since the best grows, and at
 ``train.early_stop_patience`` the run stops early. The record travels in every checkpoint
-(:class:`~recaccel.train.checkpoint.BestRecord`), so a resumed run decides as an
+(:class:`~recaccel.train.checkpoint.state.BestRecord`), so a resumed run decides as an
 uninterrupted one would.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from recaccel.config import TrainConfig
 from recaccel.errors import ConfigError
-from recaccel.train.checkpoint import BestRecord
+from recaccel.train.checkpoint.state import BestRecord
 
 # Metric names (or parts of names, split at non-letters) where smaller is better.
 _LOWER_IS_BETTER = frozenset({"ne", "mae", "mse", "rmse"})

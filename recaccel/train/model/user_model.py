@@ -1,7 +1,7 @@
 """One's own model in a run (``recaccel.train(cfg, model=...)``): what it must provide.
 
 A DLRM step looks the sparse features up, then runs the dense head on them
-(:class:`~recaccel.train.objectives.DLRMObjective`), so a model is trained by recaccel
+(:class:`~recaccel.train.model.objectives.DLRMObjective`), so a model is trained by recaccel
 when it splits the same way. The contract, shapes B batch, Dd dense features, F sparse
 fields, D embedding dim:
 

@@ -3,7 +3,7 @@
 :class:`SingleProcess` is one process on one device; :class:`recaccel.train.distributed.hybrid.
 HybridParallel` shards embeddings through TorchRec and sums dense gradients over ranks.
 The Trainer calls the same methods on either, so its loop has no mode branches;
-:func:`recaccel.train.trainer.build_parallel` picks one from ``parallel.mode``.
+:func:`recaccel.train.loop.trainer.build_parallel` picks one from ``parallel.mode``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from torch import Tensor, nn
 
 from recaccel.config import TrainConfig
 from recaccel.io.readers.protocol import Reader
-from recaccel.train.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from recaccel.train.objectives import Objective
-from recaccel.train.observers import StepDone, StepObserver, StepObservers
-from recaccel.train.pipeline import BatchPipeline
-from recaccel.train.preemption import pending_signal
-from recaccel.train.step import build_step
+from recaccel.train.checkpoint.state import TrainState, load_checkpoint, save_checkpoint
+from recaccel.train.loop.observers import StepDone, StepObserver, StepObservers
+from recaccel.train.loop.pipeline import BatchPipeline
+from recaccel.train.loop.preemption import pending_signal
+from recaccel.train.loop.step import build_step
+from recaccel.train.model.objectives import Objective
 
 __all__ = ["BatchWithState", "Parallelism", "SingleProcess", "StepDone"]
 
@@ -70,7 +70,7 @@ class Parallelism(Protocol):
 
     def stop_requested(self) -> str | None:
         """The stop signal (``"SIGTERM"``, ``"SIGINT"``) every rank acts on after the step
-        just yielded, or None: all ranks get the same answer (:mod:`recaccel.train.preemption`)."""
+        just yielded, or None: all ranks get the same answer (:mod:`recaccel.train.loop.preemption`)."""
         ...
 
     def save_checkpoint(
@@ -118,7 +118,7 @@ class SingleProcess:
         observers: StepObservers | None = None,
     ) -> Iterator[StepDone]:
         """The batches through the :class:`BatchPipeline` of ``train.pipeline``, each
-        stepped by the runner of :func:`recaccel.train.step.build_step`."""
+        stepped by the runner of :func:`recaccel.train.loop.step.build_step`."""
         pipeline = BatchPipeline(objective.prepare, self.device, train.pipeline, objective.batches_ahead)
         runner = build_step(train, objective, self.device)
         for item in pipeline(source):

@@ -21,26 +21,26 @@ from recaccel.io.loader import DeviceLoader
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
 from recaccel.models.factory import build_model
-from recaccel.train.best import next_record, summary
-from recaccel.train.cache_meter import CacheMeter
-from recaccel.train.checkpoint import TrainState, load_reader_position, save_best
-from recaccel.train.checkpoint_paths import all_checkpoints
-from recaccel.train.console import PhaseTimer, show_eval, show_event
-from recaccel.train.data_wait import DataWait
-from recaccel.train.dense_head import build_head, check_head_options
+from recaccel.train.checkpoint.best import next_record, summary
+from recaccel.train.checkpoint.paths import all_checkpoints
+from recaccel.train.checkpoint.state import TrainState, load_reader_position, save_best
 from recaccel.train.distributed.faults import KillRank
 from recaccel.train.distributed.monitor import check_faults
-from recaccel.train.evaluation import MetricWindow
-from recaccel.train.objectives import DLRMObjective, MetaObjective, Objective
-from recaccel.train.observers import Note, StepObserver, StepObservers
-from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.parallel import Parallelism, SingleProcess, StepDone
-from recaccel.train.precision import log_fallback, matmul_precision
-from recaccel.train.preemption import Preempted, StopSignals
-from recaccel.train.profiling import StepProfiler
-from recaccel.train.runlog import RunLog, check_run_dir, clear_run, read_events
-from recaccel.train.schedule import LRSchedule, sparse_rate_setters
-from recaccel.train.user_model import ModelSource, build_user_model
+from recaccel.train.evaluation.evaluate import MetricWindow
+from recaccel.train.loop.data_wait import DataWait
+from recaccel.train.loop.observers import Note, StepObserver, StepObservers
+from recaccel.train.loop.parallel import Parallelism, SingleProcess, StepDone
+from recaccel.train.loop.preemption import Preempted, StopSignals
+from recaccel.train.loop.schedule import LRSchedule, sparse_rate_setters
+from recaccel.train.model.dense_head import build_head, check_head_options
+from recaccel.train.model.objectives import DLRMObjective, MetaObjective, Objective
+from recaccel.train.model.optim import build_dense_optimizer
+from recaccel.train.model.precision import log_fallback, matmul_precision
+from recaccel.train.model.user_model import ModelSource, build_user_model
+from recaccel.train.run.cache_meter import CacheMeter
+from recaccel.train.run.console import PhaseTimer, show_eval, show_event
+from recaccel.train.run.profiling import StepProfiler
+from recaccel.train.run.runlog import RunLog, check_run_dir, clear_run, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,8 @@ class Trainer:
             directory: ``fit`` deletes its checkpoints, log and metrics first.
         fresh_if_no_checkpoint: with ``resume``, a run directory without any checkpoint
             (a run stopped before its first one) trains from step 0 instead of failing.
-        model: one's own model instead of ``[model]``'s (:mod:`recaccel.train.user_model`).
-        observers: step observers to add to the run's own (:mod:`recaccel.train.observers`).
+        model: one's own model instead of ``[model]``'s (:mod:`recaccel.train.model.user_model`).
+        observers: step observers to add to the run's own (:mod:`recaccel.train.loop.observers`).
 
     Raises:
         RecaccelError: a new run into a run directory that holds another run, without
@@ -260,7 +260,7 @@ class Trainer:
         SIGTERM or SIGINT (fit in the main thread) stops the run gracefully: the step in
         progress finishes (a periodic evaluation too; a signal during the data start-up
         stops after the first step), its checkpoint is written, log.jsonl gets a
-        ``stopped`` event and is closed, and :class:`~recaccel.train.preemption.Preempted`
+        ``stopped`` event and is closed, and :class:`~recaccel.train.loop.preemption.Preempted`
         is raised. Resuming the run then equals the run never stopped. A signal during the
         final evaluation lets it finish: the run completes (its last checkpoint is already
         written). A second signal ends the process at once. Hybrid ranks all stop after
@@ -268,7 +268,7 @@ class Trainer:
 
         The run's ``train.precision`` sets torch's TF32 switches for the whole of fit
         (steps, backward, evaluations); they are back as they were when fit returns or raises
-        (:func:`~recaccel.train.precision.matmul_precision`).
+        (:func:`~recaccel.train.model.precision.matmul_precision`).
 
         Raises:
             Preempted: stopped by SIGTERM or SIGINT, the checkpoint of its last step saved
@@ -279,7 +279,7 @@ class Trainer:
             return self._fit()
 
     def _fit(self) -> dict[str, Any]:
-        from recaccel.train.sanity import sanity_pass
+        from recaccel.train.run.sanity import sanity_pass
 
         sanity_pass(self)  # bad evaluation data, a host cache too small: refused (or sized) before step 1
         self.schedule = self._schedule()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from recaccel.ops.embedding import PackedEmbeddingBag
-from recaccel.train.observers import StepObserver
+from recaccel.train.loop.observers import StepObserver
 
 # Counters that add up over modules and steps (the hit rate is recomputed from two of them).
 _COUNTERS = (

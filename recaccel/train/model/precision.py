@@ -1,7 +1,7 @@
 """``train.precision``: the float32 matmul mode a run sets for its duration.
 
 ``fp32`` and ``tf32`` keep every tensor in float32 and differ only in how CUDA multiplies
-them; ``bf16`` adds autocast around the forward (:func:`recaccel.train.objectives.autocast`).
+them; ``bf16`` adds autocast around the forward (:func:`recaccel.train.model.objectives.autocast`).
 :func:`matmul_precision` sets torch's TF32 switches for the whole run (training steps,
 their backward, evaluation) and puts them back when the run ends.
 """

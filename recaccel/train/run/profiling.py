@@ -3,7 +3,7 @@
 The Chrome trace (CPU ops; CUDA kernels, copies and streams on a GPU) is written as
 ``profile-steps-<first>-<last>.json`` in the run directory, each step labelled
 :data:`STEP_LABEL`. ``recaccel-train`` then draws its per-thread and per-stream
-timeline next to it as ``.png`` (``recaccel.bench.profile_timeline.draw_profile`` does
+timeline next to it as ``.png`` (``recaccel.plotting.profile.draw_profile`` does
 the same from Python).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from recaccel.train.observers import Note, StepDone, StepObserver
+from recaccel.train.loop.observers import Note, StepDone, StepObserver
 
 logger = logging.getLogger(__name__)
 
