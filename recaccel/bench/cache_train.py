@@ -2,7 +2,7 @@
 
 ``recaccel-bench cache_train`` trains one DLRM three ways in one run, on the same batches
 (Zipf ids over every table, kept on the device: no input cost), through the trainer's own
-loop (:meth:`~recaccel.train.parallel.SingleProcess.steps`: the batch pipeline prepares
+loop (:meth:`~recaccel.train.loop.parallel.SingleProcess.steps`: the batch pipeline prepares
 ``cache_lookahead - 1`` batches ahead, which makes their rows resident):
 
 - ``device``: every table on the device (the ceiling);
@@ -44,9 +44,9 @@ from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.models.factory import build_model
 from recaccel.sparse import Batch, SparseFeatures
-from recaccel.train.objectives import DLRMObjective
-from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.parallel import SingleProcess
+from recaccel.train.loop.parallel import SingleProcess
+from recaccel.train.model.objectives import DLRMObjective
+from recaccel.train.model.optim import build_dense_optimizer
 
 TARGET = 0.6  # host at 10% cached: this share of the device placement's samples/s (GPU)
 

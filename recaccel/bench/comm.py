@@ -100,8 +100,8 @@ def _run_kind(rank: int, args: argparse.Namespace, kind: str) -> dict:
     from recaccel.train.distributed.hybrid import HybridParallel
     from recaccel.train.distributed.hybrid_data import GlobalSlices
     from recaccel.train.distributed.sharding import plan_rows
-    from recaccel.train.objectives import DLRMObjective
-    from recaccel.train.optim import build_dense_optimizer
+    from recaccel.train.model.objectives import DLRMObjective
+    from recaccel.train.model.optim import build_dense_optimizer
 
     cfg = load_config(
         None,

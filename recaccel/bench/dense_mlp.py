@@ -10,7 +10,7 @@ Per precision (``fp32``: strict float32; ``tf32``: float32 matmuls on tensor cor
   (:mod:`recaccel.models.fused_linear`, the default on CUDA).
 
 Then one dense optimizer step over the same parameters: Adam ``foreach`` against Adam
-``fused`` (:func:`recaccel.train.optim.implementation`; CUDA only). Each row gives median
+``fused`` (:func:`recaccel.train.model.optim.implementation`; CUDA only). Each row gives median
 ms, TFLOP/s (forward 2*B*sum(K*N), backward twice that), the share of the bf16 matmul rate
 measured in the same run (8192^3), and the largest relative difference of the fast path's
 output from the plain one's.
@@ -39,7 +39,7 @@ from torch import Tensor
 
 from recaccel.bench.common import environment_info, time_interleaved, write_results_markdown
 from recaccel.models.arches import MLP, mlp
-from recaccel.train.optim import implementation
+from recaccel.train.model.optim import implementation
 
 PRECISIONS = ("fp32", "tf32", "bf16")
 BOTTOM = (13, [512, 256, 128])

@@ -317,7 +317,7 @@ def measure_data_wait(work: Path, args) -> tuple[dict, str, str]:
     from recaccel.api import train
     from recaccel.config import load_config
     from recaccel.io.convert.synth import generate_synthetic
-    from recaccel.train.trainer import resolve_device
+    from recaccel.train.loop.trainer import resolve_device
 
     cfg = load_config(
         args.train_config,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from recaccel.bench.train_timeline import STEP, plot_timeline, spans_from_trace
-from recaccel.train.profiling import STEP_LABEL
+from recaccel.train.run.profiling import STEP_LABEL
 
 
 def draw_profile(trace: str | Path, png: str | Path | None = None) -> Path:

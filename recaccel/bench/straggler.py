@@ -226,8 +226,8 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
 
     from recaccel.config import load_config
     from recaccel.train.distributed.hybrid import HybridParallel
-    from recaccel.train.observers import BatchCallback
-    from recaccel.train.trainer import Trainer
+    from recaccel.train.loop.observers import BatchCallback
+    from recaccel.train.loop.trainer import Trainer
 
     torch.set_num_threads(1)
     logging.getLogger("recaccel").setLevel(logging.ERROR)  # the monitor's flag warnings

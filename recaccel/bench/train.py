@@ -26,7 +26,7 @@ that they fit one 80 GB GPU).
 
 ``--precision fp32,tf32,bf16`` times every candidate under each ``train.precision`` mode
 in turn, all under the same setting (a fair baseline): the mode's TF32 switch
-(:func:`~recaccel.train.precision.matmul_precision`) over the mode's whole pass, and
+(:func:`~recaccel.train.model.precision.matmul_precision`) over the mode's whole pass, and
 under ``bf16`` autocast around each candidate's dense forward; rows carry
 ``"precision"`` and speedups compare rows of one mode. Off CUDA ``tf32`` runs as
 ``fp32`` (a note says so). Without it each preset runs its own ``train.precision``.
@@ -98,8 +98,8 @@ from recaccel.bench.train_steps import (
 from recaccel.bench.train_timeline import draw_timeline
 from recaccel.config import Precision
 from recaccel.errors import ConfigError
-from recaccel.train.pipeline import batch_tensors
-from recaccel.train.precision import matmul_precision
+from recaccel.train.loop.pipeline import batch_tensors
+from recaccel.train.model.precision import matmul_precision
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 split into phases for the instrumented pass.
 
 - ``recaccel``: the trainer's own loop (:func:`recaccel.models.factory.build_model`, the
-  DLRM objective with the head of :func:`~recaccel.train.dense_head.build_head`, and
-  :meth:`SingleProcess.steps <recaccel.train.parallel.SingleProcess.steps>`: the
-  :class:`~recaccel.train.pipeline.BatchPipeline` and the step runner of
-  :func:`~recaccel.train.step.build_step`, the dense optimizer of
-  :func:`~recaccel.train.optim.build_dense_optimizer`) on auto backends, the sparse
+  DLRM objective with the head of :func:`~recaccel.train.model.dense_head.build_head`, and
+  :meth:`SingleProcess.steps <recaccel.train.loop.parallel.SingleProcess.steps>`: the
+  :class:`~recaccel.train.loop.pipeline.BatchPipeline` and the step runner of
+  :func:`~recaccel.train.loop.step.build_step`, the dense optimizer of
+  :func:`~recaccel.train.model.optim.build_dense_optimizer`) on auto backends, the sparse
   optimizer fused into the embedding's backward; one candidate per :class:`Combination`
   of ``train.pipeline``, ``train.micro_batches`` and ``train.cuda_graphs``;
 - ``reference``: the same with the reference backends (``off/1/off`` only);
@@ -37,11 +37,11 @@ from recaccel.io.format.schema import FeatureSchema
 from recaccel.models.factory import build_model
 from recaccel.ops.backend import op_backends, resolve_backend
 from recaccel.sparse import Batch
-from recaccel.train.dense_head import build_head
-from recaccel.train.objectives import DLRMObjective, autocast
-from recaccel.train.optim import build_dense_optimizer
-from recaccel.train.parallel import SingleProcess, StepDone
-from recaccel.train.step import build_step
+from recaccel.train.loop.parallel import SingleProcess, StepDone
+from recaccel.train.loop.step import build_step
+from recaccel.train.model.dense_head import build_head
+from recaccel.train.model.objectives import DLRMObjective, autocast
+from recaccel.train.model.optim import build_dense_optimizer
 
 CANDIDATES = ("recaccel", "eager", "reference", "compiled")
 PHASES = (
