@@ -220,12 +220,13 @@ def test_nothing_imports_cli_or_bench():
         if within(imp.target, "recaccel.cli"):
             return not within(imp.source, "recaccel.cli")
         if within(imp.target, "recaccel.bench"):
-            return not within_any(imp.source, ("recaccel.cli", "recaccel.bench"))
+            return not within_any(imp.source, ("recaccel.cli.bench", "recaccel.bench"))
         return False
 
     assert_none(
         violations(lambda m: True, forbidden),
-        "only recaccel.cli imports recaccel.cli and recaccel.bench (the benchmarks import each other)",
+        "only recaccel.cli imports recaccel.cli, and only recaccel-bench's entry (recaccel.cli.bench) "
+        "imports recaccel.bench (the benchmarks import each other; plots come from recaccel.plotting)",
     )
 
 
@@ -298,7 +299,6 @@ def shortest_cycle(graph: dict[str, set[str]], start: str, members: set[str]) ->
 # cycle, and on an entry that is no longer a cycle group, so the list only shrinks.
 CYCLES_BEING_SPLIT = (
     frozenset({"recaccel.train.distributed.hybrid", "recaccel.train.distributed.hybrid_pipeline"}),
-    frozenset({"recaccel.bench.train", "recaccel.bench.train_report"}),
     frozenset({"recaccel.train.run.sanity", "recaccel.train.loop.trainer"}),
 )
 
@@ -512,7 +512,7 @@ def test_readme_names_existing_modules():
 
 def test_bench_registry_names_existing_modules():
     # The registry imports benchmarks by name, lazily: a moved module would only fail when run.
-    path = modules()["recaccel.bench.registry"]
+    path = modules()["recaccel.bench.harness.registry"]
     named = [
         node.value
         for node in ast.walk(ast.parse(path.read_text()))
@@ -537,16 +537,11 @@ LONG_FUNCTIONS_ALLOWED_IN = ("recaccel/io/convert/",)
 # fail on an entry that no longer exists or has shrunk under the limit: the lists only shrink.
 LONG_FILES_BEING_SPLIT = frozenset(
     {
-        "recaccel/bench/kernels.py",
-        "recaccel/bench/train.py",
-        "recaccel/bench/train_steps.py",
         "recaccel/train/loop/trainer.py",
     }
 )
 LONG_FUNCTIONS_BEING_SPLIT = frozenset(
     {
-        "recaccel/bench/meta.py:run_meta_bench",
-        "recaccel/bench/train_steps.py:eager_candidate",
         # cli/ was outside the split of issue 28 item 6 (ops, io, sparse): split next.
         "recaccel/cli/data.py:data_main",
     }

@@ -5,6 +5,6 @@ same run (interleaved, median of many repeats) and writes markdown, JSON and a p
 module (and torch) is imported only when it runs.
 """
 
-from recaccel.bench.registry import BENCHMARKS
+from recaccel.bench.harness.registry import BENCHMARKS
 
 __all__ = ["BENCHMARKS"]

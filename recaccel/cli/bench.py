@@ -31,6 +31,6 @@ def bench_main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bench_registry() -> dict[str, tuple[str, Callable, Callable]]:
-    from recaccel.bench import registry
+    from recaccel.bench.harness import registry
 
     return registry.BENCHMARKS

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recaccel.bench.common import pyplot, save_figure
 from recaccel.cli.common import run_command, setup_logging
 from recaccel.errors import ConfigError
+from recaccel.plotting import pyplot, save_figure
 
 DEFAULT_PNG = "monitor.png"
 # Table columns: (event field, heading, scale to the shown unit).

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recaccel.bench.common import pyplot, save_figure
 from recaccel.cli.common import run_command, setup_logging
 from recaccel.errors import ConfigError
+from recaccel.plotting import pyplot, save_figure
 
 DEFAULT_PNG = "curves.png"
 # Evaluation fields that are sizes or constants of the data, not a quality to follow.

@@ -175,7 +175,7 @@ def _draw_profile(cfg: Config) -> None:
 
     steps = cfg.train.profile_steps
     if steps and trace_path(Path(cfg.train.out_dir), steps).is_file():
-        from recaccel.bench.profile_timeline import draw_profile
+        from recaccel.plotting.profile import draw_profile
 
         draw_profile(trace_path(Path(cfg.train.out_dir), steps))
 

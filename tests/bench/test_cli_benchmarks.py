@@ -142,7 +142,7 @@ def test_a_benchmark_writes_under_runs_bench_unless_told(tmp_path, monkeypatch, 
 def test_asked_for_a_place_the_plot_goes_next_to_the_summary():
     import argparse
 
-    from recaccel.bench.common import add_output_args, plot_file
+    from recaccel.bench.harness.report import add_output_args, plot_file
 
     parser = argparse.ArgumentParser()
     add_output_args(parser, "x", plot="y")

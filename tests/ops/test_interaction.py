@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recaccel.bench.common import time_interleaved_samples
-from recaccel.bench.interaction import run_interaction_bench, write_markdown_summary
+from recaccel.bench.harness.timing import time_interleaved_samples
+from recaccel.bench.kernels.interaction import run_interaction_bench, write_markdown_summary
 from recaccel.models.arches import InteractionArch
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.interaction import (

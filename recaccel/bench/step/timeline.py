@@ -1,0 +1,147 @@
+"""The timeline picture of ``recaccel-bench train``: what a few pipelined steps of the
+trainer's loop do, per CPU thread and per CUDA stream.
+
+:func:`record_timeline` runs the loop of a ``recaccel`` candidate
+(:class:`~recaccel.bench.step.parts.TrainerParts`) under ``torch.profiler`` with its
+pieces labelled (the objective's ``prepare``, ``embed``, head and loss, the embedding's
+micro-batch lookup and deferred update, the dense optimizer, the loader's next batch;
+the labels are removed afterwards); :mod:`recaccel.plotting.timeline` reads the
+profiler's Chrome trace and draws it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from recaccel.bench.step.candidates import Candidate
+from recaccel.bench.step.data import Preset, ReaderBatches, RotatingBatches
+from recaccel.bench.step.parts import TrainerParts
+from recaccel.plotting.timeline import (
+    DATA,
+    FORWARD,
+    LOOKUP,
+    OPTIMIZER,
+    PREFIX,
+    PREPARE,
+    SPARSE,
+    STEP,
+    Timeline,
+    plot_timeline,
+    spans_from_trace,
+)
+
+
+def _labelled(label: str, fn: Callable) -> Callable:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with record_function(PREFIX + label):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def labelled_phases(parts: TrainerParts) -> Iterator[None]:
+    """Wraps the loop's pieces in ``record_function`` labels (instance attributes), and
+    restores them on exit."""
+    objective, optimizer = parts.objective, parts.optimizer
+    embedding = objective.embedding
+    targets = [
+        (objective, "prepare", PREPARE),
+        (objective, "embed", LOOKUP),
+        (objective, "_head", FORWARD),
+        (objective, "_loss", FORWARD),
+        (optimizer, "step", OPTIMIZER),
+        (optimizer, "zero_grad", OPTIMIZER),
+    ]
+    targets += [(embedding, a, k) for a, k in (("lookup_rows", LOOKUP), ("apply_gradient", SPARSE))]
+    saved = []
+    for obj, attr, label in targets:
+        if getattr(obj, attr, None) is None:
+            continue
+        saved.append((obj, attr, obj.__dict__.get(attr, _MISSING)))
+        setattr(obj, attr, _labelled(label, getattr(obj, attr)))
+    try:
+        yield
+    finally:
+        for obj, attr, old in reversed(saved):
+            if old is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, old)
+
+
+_MISSING = object()
+
+
+def _labelled_pairs(pairs: Iterator) -> Iterator:
+    while True:
+        with record_function(PREFIX + DATA):
+            pair = next(pairs, None)
+        if pair is None:
+            return
+        yield pair
+
+
+def record_timeline(
+    parts: TrainerParts, source, device: torch.device, steps: int, warmup: int = 2
+) -> Timeline:
+    """Profiles ``steps`` steps of the trainer's loop on ``source``'s batches (after
+    ``warmup`` unprofiled ones) and returns their spans.
+
+    Args:
+        parts: the candidate's objective, optimizer and loop.
+        source: ``RotatingBatches`` or ``ReaderBatches`` (its ``pairs()``).
+        device: where the loop runs (CUDA adds the streams' kernels).
+        steps: profiled steps.
+        warmup: steps run first, unprofiled.
+    """
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with labelled_phases(parts), tempfile.TemporaryDirectory(prefix="recaccel-timeline-") as tmp:
+        loop = parts.steps(_labelled_pairs(source.pairs()))
+        for _ in range(warmup):
+            next(loop)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                with record_function(STEP):
+                    next(loop)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        del loop
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return spans_from_trace(trace)
+
+
+def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps: int, path: Path) -> str:
+    """Profiles ``steps`` steps of ``candidate`` (through the reader when ``data`` is the
+    dataset's folder, else on the device batches) and draws them at ``path``; returns the
+    note naming the picture, or why there is none (a profiler failure does not end the
+    benchmark)."""
+    reader = isinstance(data, Path)
+    where = "through the reader" if reader else "device data"
+    label = candidate.combination.label
+    try:
+        dev = next(candidate.trainer.model.parameters()).device
+        source = ReaderBatches(data, preset, dev) if reader else RotatingBatches(data)
+        try:
+            spans = record_timeline(candidate.trainer, source, dev, steps)
+        finally:
+            source.close()
+        plot_timeline(spans, path, f"{preset.name}: recaccel {label}, {where}, {dev}")
+    except Exception as e:  # the profiler (CUPTI) or matplotlib: the timed results stand without it
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"{preset.name}: no timeline ({type(e).__name__}: {first})"[:300]
+    return f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}"

@@ -1,0 +1,186 @@
+"""``make gpu-check``'s small mode end to end, and the parts a GPU run leans on."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tarfile
+import time
+
+from recaccel.bench.gpu_check import runner as gpu_check
+from recaccel.bench.gpu_check.report import pytest_failures, pytest_summary
+from recaccel.bench.gpu_check.targets import MET, NOT_MEASURED, NOT_MET, evaluate
+from recaccel.bench.gpu_check.targets import TARGETS as TARGET_SPECS
+
+TARGETS = tuple(t[0] for t in TARGET_SPECS)
+
+
+def test_small_mode_runs_every_step_and_ends_with_the_targets(tmp_path, capsys):
+    out = tmp_path / "check"
+    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = printed[printed.index("== gpu-check summary") :]
+    for target in TARGETS:  # the table comes last, one line per target
+        assert f"| {target} |" in summary
+    report = json.loads((out / "gpu_check.json").read_text())
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    every = ("pytest", "embedding", "interaction", "dcnv2", "train_dcnv2", "cache_train", "io", "meta")
+    assert {k: status[k] for k in every} == dict.fromkeys(every, "ok")
+    plan = printed[: printed.index("gpu-check: ceilings")]
+    for step in gpu_check.STEPS:  # the plan names every step with its budget, before any runs
+        assert f"  {step} " in plan
+    assert "recaccel-bench interaction --kind dcnv2" in plan and "recaccel-bench cache_train" in plan
+    assert status["train"] in ("ok", "skipped")  # skipped only while the benchmark is not registered
+    assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
+    assert " passed" in report["pytest"]["summary"] and "passed" in (out / "pytest.txt").read_text()
+    assert [t["target"] for t in report["targets"]] == list(TARGETS)
+    got = {t["target"]: t for t in report["targets"]}
+    # Measured on CPU too (judged against a GPU threshold): the cache figure.
+    assert got["host tables at 10% cached >= 60% of all-device samples/s"]["value"] > 0
+    assert "workers=" in got["criteo_1hot schema reader >= 12 M rows/s"]["figure"]  # the io worker sweep
+    # What comes back from a lent machine: at most 8 files, flat; the rest in the tarball.
+    left = sorted(p.name for p in out.iterdir())
+    assert len(left) <= 8 and all(p.is_file() for p in out.iterdir())
+    assert {"gpu_check.md", "gpu_check.json", "pytest.txt", "gpu_check_parts.tar.gz"} <= set(left)
+    with tarfile.open(out / "gpu_check_parts.tar.gz") as tar:
+        names = {m.rsplit("/", 1)[-1] for m in tar.getnames()}
+    for bench in ("embedding", "interaction", "dcnv2", "cache_train", "io", "meta"):
+        assert f"{bench}.md" in names and f"{bench}.log" in names
+    assert {"embedding.json", "interaction.json", "meta.json"} <= names
+    md = (out / "gpu_check.md").read_text()
+    assert "## Benchmark: embedding" in md and "## GPU targets" in md and "recaccel-bench io" in md
+
+
+def test_a_step_past_its_budget_is_killed_with_what_it_started(tmp_path):
+    marker = tmp_path / "child_alive"
+    # The step starts a grandchild that would write a file after 3 s: killing the group stops it.
+    script = tmp_path / "step.py"
+    late = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    script.write_text(
+        f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {late!r}])\ntime.sleep(30)\n"
+    )
+    log = tmp_path / "step.log"
+    status, rc, seconds = gpu_check.run_step([sys.executable, str(script)], log, 1.0, dict(os.environ))
+    assert (status, rc) == ("timeout", None) and seconds < 10
+    time.sleep(3.5)
+    assert not marker.exists()
+    assert gpu_check.run_step([sys.executable, "-c", "raise SystemExit(3)"], log, 10, {})[:2] == ("failed", 3)
+
+
+def test_clock_gives_each_step_its_budget_or_what_is_left():
+    clock = gpu_check.Clock(total_s=100, reserve_s=10)
+    assert clock.allowance(30) == 30
+    assert 89 < clock.allowance(500) <= 90
+
+
+def test_pytest_log_parsing():
+    log = "tests/a.py::t PASSED\nFAILED tests/b.py::u - AssertionError: x\n= 1 failed, 4 passed, 90 deselected in 3.1s =\n"
+    assert pytest_summary(log) == "1 failed, 4 passed, 90 deselected in 3.1s"
+    assert pytest_failures(log) == ["FAILED tests/b.py::u - AssertionError: x"]
+    assert pytest_summary("collecting ...\n") == ""
+
+
+def _emb_row(mode, t, b, d, l, mb, **ms):
+    return {
+        "mode": mode,
+        "T": t,
+        "B": b,
+        "D": d,
+        "L": l,
+        "MB_moved": mb,
+        **{f"{k}_ms": v for k, v in ms.items()},
+    }
+
+
+def test_targets_judge_triton_precision_rows_and_the_data_cost_from_result_files(tmp_path):
+    # copy ceiling 1000 GB/s: 800 MB in 1 ms = 800 GB/s = 80%.
+    emb = [
+        _emb_row("forward", 26, 16384, 128, 1, 800.0, per_table=50.0, reference=0.5, triton=1.0),
+        _emb_row("forward", 100, 16384, 64, 20, 600.0, per_table=90.0, reference=0.1, triton=1.0),
+        _emb_row("fwd+bwd+update", 26, 16384, 128, 1, 800.0, per_table=9.0, reference=0.1, triton=1.0),
+    ]
+    (tmp_path / "embedding.json").write_text(json.dumps({"results": emb}))
+    row = {"candidate": "recaccel", "preset": "bench_criteo_1hot", "batch": 65536, "pipeline": "off",
+           "micro_batches": 1, "cuda_graphs": False}  # fmt: skip
+    train = [
+        {**row, "mode": "device", "precision": "bf16", "samples_per_s": 13e6, "step_ms": 5.0},
+        {**row, "mode": "device", "precision": "tf32", "samples_per_s": 7e6, "step_ms": 9.0},
+        {**row, "mode": "reader", "precision": "bf16", "samples_per_s": 12e6, "step_ms": 5.5},
+        {**row, "mode": "reader", "precision": "tf32", "samples_per_s": 7e6, "step_ms": 9.0},
+    ]
+    (tmp_path / "train.json").write_text(json.dumps({"results": train}))
+    cache = {"rows": [{"candidate": "device", "vs_device": 1.0}, {"candidate": "host", "vs_device": 0.5}]}
+    (tmp_path / "cache_train.json").write_text(json.dumps(cache))
+    got = {t["target"]: t for t in evaluate(tmp_path, {"copy_GBps": 1000.0})}
+    fwd = got["embedding forward >= 80% of copy bandwidth (triton)"]
+    # The reference's faster figures are not judged: Triton's worst case is.
+    assert fwd["status"] == NOT_MET and abs(fwd["value"] - 0.6) < 1e-9 and "T=100" in fwd["figure"]
+    assert got["embedding fwd+bwd+update >= 50% of copy bandwidth (triton)"]["status"] == MET
+    assert got["bench_criteo_1hot bf16 >= 12 M samples/s"]["value"] == 13e6
+    assert got["bench_criteo_1hot tf32 >= 8 M samples/s"]["status"] == NOT_MET
+    assert got["bench_wide bf16 >= 0.8 M samples/s"]["status"] == NOT_MEASURED
+    cost = got["data cost < 2% of step time"]
+    assert cost["status"] == NOT_MET and abs(cost["value"] - 0.5 / 5.5) < 1e-12  # (reader - device) / reader
+    assert got["host tables at 10% cached >= 60% of all-device samples/s"]["status"] == NOT_MET
+    assert all(t["status"] == NOT_MEASURED for t in evaluate(tmp_path / "missing", {}))
+
+
+def _pipeline_row(preset, mode, pipeline, micro, graphs, speedup, sps):
+    return {"candidate": "recaccel", "preset": preset, "mode": mode, "batch": 4096, "pipeline": pipeline,
+            "micro_batches": micro, "cuda_graphs": graphs, "speedup_vs_off": speedup,
+            "samples_per_s": sps, "step_ms": 1.0, "speedup_vs_eager": 1.0}  # fmt: skip
+
+
+def test_pipelined_targets_read_sync_with_graphs_against_off_on_device_data(tmp_path):
+    train = [
+        _pipeline_row("bench_criteo_1hot", "device", "off", 1, False, 1.0, 1e6),
+        _pipeline_row("bench_criteo_1hot", "device", "sync", 2, True, 3.0, 3e6),  # not the target's row
+        _pipeline_row("bench_criteo_1hot", "device", "sync", 1, True, 1.1, 1.1e6),
+        _pipeline_row("bench_criteo_1hot", "reader", "sync", 1, True, 2.0, 2e6),
+        _pipeline_row("bench_wide", "device", "sync", 1, True, 1.2, 1e6),
+    ]
+    (tmp_path / "train.json").write_text(json.dumps({"results": train}))
+    got = {t["target"]: t for t in evaluate(tmp_path, {})}
+    criteo = got["bench_criteo_1hot sync + CUDA graphs >= 1.15x off"]
+    wide = got["bench_wide sync + CUDA graphs >= 1.15x off"]
+    assert (
+        criteo["status"] == NOT_MET
+        and criteo["value"] == 1.1
+        and "through the reader 2.00x" in criteo["figure"]
+    )
+    assert wide["status"] == MET and wide["value"] == 1.2
+
+
+def test_git_commit_is_the_projects_own_or_unknown_never_a_parent_repositorys(tmp_path):
+    import shutil
+    import subprocess
+
+    from recaccel.bench.harness.environment import PROJECT_ROOT, environment_info
+
+    own = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=PROJECT_ROOT, capture_output=True, text=True
+    )
+    if own.returncode == 0:
+        assert environment_info("cpu")["git_commit"] == own.stdout.strip()
+    # The tree copied without its .git into another repository (as a lent machine runs it).
+    outer = tmp_path / "outer"
+    shutil.copytree(
+        PROJECT_ROOT / "recaccel", outer / "copy" / "recaccel", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    git = ["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "parent"], check=True)
+    code = "from recaccel.bench.harness.environment import _git_commit; print(_git_commit())"
+    env = {**os.environ, "PYTHONPATH": str(outer / "copy")}
+    got = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "unknown"
+
+
+def test_gpu_mode_plan_fits_seven_minutes_and_names_each_step():
+    steps_s = sum(cuda for cuda, _ in gpu_check.BUDGETS.values())
+    assert steps_s <= gpu_check.TOTAL_BUDGET_S["cuda"] - 10 and gpu_check.TOTAL_BUDGET_S["cuda"] < 420
+    plan = gpu_check.plan_text(gpu_check.STEPS, "cuda", gpu_check.TOTAL_BUDGET_S["cuda"])
+    assert "--kind dcnv2" in plan and "bench_dcnv2_mlperf" in plan and "cache_train" in plan
+    assert f"steps {steps_s} s" in plan
