@@ -162,6 +162,7 @@ def test_meta_run_exports_its_global_model(meta_run, tmp_path):
 
 
 def _one_line_error(capsys, argv: list[str]) -> str:
+    capsys.readouterr()  # drop what a fixture's training run printed before the export
     assert export_main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("recaccel-export: error: ") and "\n" not in err, err
@@ -204,8 +205,8 @@ def test_hybrid_run_exports_from_its_sharded_checkpoint(tmp_path):
 
     from recaccel.cli import train_main
     from recaccel.io.convert.synth import generate_synthetic
-    from tests.train.test_hybrid_cli import TINY as HYBRID_TINY
-    from tests.train.test_hybrid_cli import _argv as hybrid_argv
+    from tests.helpers.hybrid_run import HYBRID_TINY
+    from tests.helpers.hybrid_run import hybrid_set_args as hybrid_argv
 
     data, run = tmp_path / "data", tmp_path / "hybrid"
     generate_synthetic(load_config(None, [*HYBRID_TINY, f'synth.out_dir="{data}"']).synth)
