@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import zlib
@@ -70,26 +69,11 @@ def shared_data():
     return shared_dataset
 
 
-@contextlib.contextmanager
-def gloo_group_of_one():
-    """A real one-process gloo group on a free local port, destroyed on exit."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture
 def one_rank_group():
     """A real one-process gloo group, for code that issues (or must not issue) collectives."""
+    from tests.helpers.gloo_ranks import gloo_group_of_one
+
     with gloo_group_of_one():
         yield
 
@@ -101,3 +85,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Data shared by the training tests, one dataset per test module that asks. Imported inside
+# the fixtures, so that loading this file imports no recaccel module.
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    """The synthetic dataset of ``tests.helpers.dlrm_run.TINY`` (6000 training rows)."""
+    from recaccel.config import load_config
+    from recaccel.io.convert.synth import generate_synthetic
+    from tests.helpers.dlrm_run import TINY
+
+    root = tmp_path_factory.mktemp("synth")
+    cfg = load_config(None, [*TINY, f'synth.out_dir="{root}"'])
+    generate_synthetic(cfg.synth)
+    return root
+
+
+@pytest.fixture(scope="module")
+def small_data(tmp_path_factory) -> Path:
+    """The synthetic dataset of ``tests.helpers.resume.SMALL`` (1800 training rows)."""
+    from recaccel.config import load_config
+    from recaccel.io.convert.synth import generate_synthetic
+    from tests.helpers.resume import SMALL
+
+    root = tmp_path_factory.mktemp("synth")
+    generate_synthetic(load_config(None, [*SMALL, f'synth.out_dir="{root}"']).synth)
+    return root
+
+
+@pytest.fixture(scope="module")
+def task_data(tmp_path_factory) -> tuple[Path, Path]:
+    """Task-grouped ratings: 48 training users, 16 test users."""
+    from tests.helpers.meta_run import write_ratings
+
+    root = tmp_path_factory.mktemp("tasks")
+    return write_ratings(root / "train", range(0, 48), 0), write_ratings(root / "test", range(48, 64), 1)

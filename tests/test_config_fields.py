@@ -34,7 +34,7 @@ from recaccel.preflight import preflight
 
 def _is_table(hint: Any) -> bool:
     """A nested table field ([data.schema]: its rules are tested in tests/io/test_schema_mapping.py;
-    model.init_args, the arguments of one's own model: in tests/train/test_class_path.py)."""
+    model.init_args, the arguments of one's own model: in tests/train/model/test_class_path.py)."""
     if typing.get_origin(hint) is dict:
         return True
     return any(isinstance(a, type) and dataclasses.is_dataclass(a) for a in (hint, *typing.get_args(hint)))

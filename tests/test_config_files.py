@@ -20,7 +20,7 @@ from recaccel.config import (
     section_types,
 )
 from recaccel.errors import ConfigError
-from tests.train.test_trainer import TINY, tiny_data  # noqa: F401  (fixture)
+from tests.helpers.dlrm_run import TINY
 
 
 def _write(path: Path, text: str) -> Path:

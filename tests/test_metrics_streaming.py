@@ -18,7 +18,6 @@ from recaccel.metrics import (
     float32_keys,
     normalized_entropy,
 )
-from tests.train.test_resume_matrix import tiny_data  # noqa: F401  (fixture)
 
 
 def _stream(logits, labels, weights=None, batch=1000, **kwargs) -> dict:
@@ -138,13 +137,13 @@ def test_bad_batches_are_refused_in_one_line():
     assert acc.compute()["eval_rows"] == 0
 
 
-def test_trainer_evaluation_streams_the_metrics_of_the_in_memory_path(tiny_data, tmp_path):  # noqa: F811
+def test_trainer_evaluation_streams_the_metrics_of_the_in_memory_path(small_data, tmp_path):  # noqa: F811
     from recaccel.config import load_config
     from recaccel.train.evaluation.evaluate import binary_metrics
     from recaccel.train.loop.trainer import Trainer
-    from tests.train.test_resume_matrix import _sets
+    from tests.helpers.resume import small_sets
 
-    argv = _sets(tiny_data, tmp_path / "run", "train.steps=6")
+    argv = small_sets(small_data, tmp_path / "run", "train.steps=6")
     cfg = load_config(None, [s for s in argv if s != "--set"])
     trainer = Trainer(cfg)
     trainer.fit()

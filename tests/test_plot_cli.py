@@ -9,10 +9,7 @@ import pytest
 
 from recaccel.cli import plot_main, train_main
 from recaccel.cli.plot import curves
-from tests.train.test_resume_matrix import (
-    _sets,
-    tiny_data,  # noqa: F401  (fixture)
-)
+from tests.helpers.resume import small_sets
 
 pytest.importorskip("matplotlib", exc_type=ImportError)
 
@@ -24,7 +21,7 @@ def _write_log(run: Path, events: list[dict]) -> None:
     (run / "log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
 
-def test_plot_of_a_trained_run(tiny_data, tmp_path, capsys):  # noqa: F811
+def test_plot_of_a_trained_run(small_data, tmp_path, capsys):  # noqa: F811
     run = tmp_path / "run"
     sets = [
         "train.steps=6",
@@ -33,7 +30,7 @@ def test_plot_of_a_trained_run(tiny_data, tmp_path, capsys):  # noqa: F811
         "optim.schedule=cosine",
         "optim.warmup_steps=2",
     ]
-    assert train_main(_sets(tiny_data, run, *sets)) == 0
+    assert train_main(small_sets(small_data, run, *sets)) == 0
     capsys.readouterr()
     assert plot_main([str(run)]) == 0
     png = run / "curves.png"

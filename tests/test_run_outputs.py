@@ -13,7 +13,7 @@ import pytest
 from recaccel.cli import eval_main, export_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
-from tests.export.conftest import TINY, train_run
+from tests.helpers.export_run import EXPORT_TINY, train_run
 
 STEP = 4  # the run's newest checkpoint
 
@@ -21,7 +21,7 @@ STEP = 4  # the run's newest checkpoint
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("outputs")
-    generate_synthetic(load_config(None, [*TINY, f'synth.out_dir="{root / "data"}"']).synth)
+    generate_synthetic(load_config(None, [*EXPORT_TINY, f'synth.out_dir="{root / "data"}"']).synth)
     return train_run(root / "data", root / "run")
 
 

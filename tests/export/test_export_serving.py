@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from recaccel.export import load_run
-from tests.export.test_export_torchrec import data_batches, export, random_sparse
+from tests.helpers.export_run import data_batches, export, random_sparse
 
 
 @pytest.fixture(params=["dot_run", "dcn_run", "melu_run", "meta_run"])

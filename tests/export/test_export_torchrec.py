@@ -18,37 +18,12 @@ from recaccel.cli import export_main
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
 from recaccel.export import load_run, torchrec_state_dict
-from recaccel.io.readers.options import ReadOptions
-from recaccel.io.readers.rows import BatchReader
-from recaccel.sparse import SparseFeatures
-from tests.export.conftest import train_run
+from tests.helpers.export_run import data_batches, export, random_sparse, train_run
 
 
 @pytest.fixture(params=["dot", "dcn"])
 def dlrm_run(request) -> Path:
     return request.getfixturevalue(f"{request.param}_run")
-
-
-def data_batches(run: Path, batch_size: int = 64) -> list:
-    """The run's test rows, in order, in batches (the last one short)."""
-    cfg = load_config(run / "config.toml")
-    return list(BatchReader(cfg.data.test, batch_size, ReadOptions(shuffle=False, drop_last=False)))
-
-
-def random_sparse(fields: list[tuple[str, int]], batch: int, seed: int) -> SparseFeatures:
-    """Bags of 0..3 ids (empty bags and repeated ids included) for every field."""
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 4, (len(fields) * batch,), generator=g)
-    values = [
-        torch.randint(0, rows, (int(lengths[f * batch : (f + 1) * batch].sum()),), generator=g)
-        for f, (_, rows) in enumerate(fields)
-    ]
-    return SparseFeatures.from_lengths([n for n, _ in fields], torch.cat(values), lengths)
-
-
-def export(run: Path, fmt: str, out: Path, *extra: str) -> dict:
-    assert export_main([str(run), str(out), "--format", fmt, *extra]) == 0
-    return json.loads(out.with_suffix(".json").read_text())
 
 
 def torchrec_model_from_json(spec: dict):

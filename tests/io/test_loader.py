@@ -20,60 +20,13 @@ from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.tasks.reader import TaskReader
-from recaccel.sparse import Batch, SparseFeatures, TaskBatch
-from tests.io.test_tasks import write_tasks
+from recaccel.sparse import TaskBatch
+from tests.helpers.loader_batches import ListReader, assert_same, make_batch
+from tests.helpers.task_data import write_tasks
 
-EXACT = dict(rtol=0, atol=0)
 HAS_DALI = (
     importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.dali") is not None
 )
-
-
-def make_batch(b: int, dd: int, keys: list[str], seed: int, weights: bool, id_weights: bool) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(0, 4, (len(keys) * b,), generator=g)
-    n = int(lengths.sum())
-    sparse = SparseFeatures.from_lengths(
-        keys,
-        torch.randint(0, 1000, (n,), generator=g),
-        lengths,
-        torch.rand(n, generator=g) if id_weights else None,
-    )
-    return Batch(
-        torch.randn(b, dd, generator=g),
-        sparse,
-        torch.rand(b, generator=g),
-        torch.rand(b, generator=g) if weights else None,
-    )
-
-
-def assert_same(a, b) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, TaskBatch):
-        for x, y in ((a.support, b.support), (a.query, b.query)):
-            assert_same(x, y)
-        for x, y in (
-            (a.support_mask, b.support_mask),
-            (a.query_mask, b.query_mask),
-            (a.task_ids, b.task_ids),
-        ):
-            assert x.dtype == y.dtype
-            torch.testing.assert_close(x.cpu(), y.cpu(), **EXACT)
-        return
-    assert a.sparse.keys == b.sparse.keys
-    pairs = [
-        (a.dense, b.dense),
-        (a.labels, b.labels),
-        (a.weights, b.weights),
-        (a.sparse.values, b.sparse.values),
-        (a.sparse.offsets, b.sparse.offsets),
-        (a.sparse.weights, b.sparse.weights),
-    ]
-    for x, y in pairs:
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert x.dtype == y.dtype and x.shape == y.shape
-            torch.testing.assert_close(x.cpu(), y.cpu(), **EXACT)
 
 
 @pytest.mark.parametrize("weights,id_weights", [(False, False), (True, False), (False, True), (True, True)])
@@ -103,35 +56,6 @@ def test_pack_unpack_task_batch_and_buffer_reuse():
     assert layout_of(tb).nbytes == layout.nbytes
     with pytest.raises(TypeError, match="Batch or TaskBatch"):
         pack({"dense": torch.zeros(1)})
-
-
-class _ListReader:
-    """A Reader of fixed batches; state = number handed out. The loader reads only
-    ``iter_with_state`` (plain iteration raises, so a loader that used it would fail)."""
-
-    epoch, counters, num_batches = 0, {}, None
-
-    def __init__(self, batches, fail_at: int | None = None) -> None:
-        self.batches, self.pos, self.fail_at = batches, 0, fail_at
-
-    def set_epoch(self, epoch: int) -> None:
-        raise AssertionError("the loader does not move the epoch")
-
-    def __iter__(self):
-        raise AssertionError("the loader iterates iter_with_state()")
-
-    def iter_with_state(self):
-        for i, b in enumerate(self.batches):
-            if i == self.fail_at:
-                raise RuntimeError("reader broke")
-            self.pos = i + 1
-            yield b, self.state_dict()
-
-    def state_dict(self):
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state) -> None:
-        self.pos = state["pos"]
 
 
 def test_cpu_loader_same_batches_with_and_without_prefetch_and_exact_states():
@@ -190,20 +114,20 @@ def test_loader_task_batches_and_resume_through_the_loader():
 def test_loader_propagates_reader_errors_and_stops_cleanly():
     batches = [make_batch(4, 1, ["a"], i, False, False) for i in range(5)]
     with pytest.raises(RuntimeError, match="reader broke"):
-        list(DeviceLoader(_ListReader(batches, fail_at=3), "cpu", prefetch=2))
-    loader = DeviceLoader(_ListReader(batches), "cpu", prefetch=1)
+        list(DeviceLoader(ListReader(batches, fail_at=3), "cpu", prefetch=2))
+    loader = DeviceLoader(ListReader(batches), "cpu", prefetch=1)
     for i, _ in enumerate(loader):
         if i == 1:
             break
     assert loader.state_dict() == {"pos": 2}
-    assert len(list(DeviceLoader(_ListReader(batches), "cpu", prefetch=0))) == 5
+    assert len(list(DeviceLoader(ListReader(batches), "cpu", prefetch=0))) == 5
 
 
 def test_loader_state_is_the_one_paired_with_the_batch_handed_out():
     """The reader runs ahead on the thread (its own position moves on); the loader's state
     is the one ``iter_with_state`` paired with the last batch the consumer got."""
     batches = [make_batch(4, 1, ["a"], i, False, False) for i in range(6)]
-    reader = _ListReader(batches)
+    reader = ListReader(batches)
     assert isinstance(reader, Reader)
     loader = DeviceLoader(reader, "cpu", prefetch=3)
     states = []
@@ -216,9 +140,9 @@ def test_loader_state_is_the_one_paired_with_the_batch_handed_out():
 
 def test_backend_choice_errors():
     with pytest.raises(ConfigError, match="backend"):
-        DeviceLoader(_ListReader([]), "cpu", backend="nccl")
+        DeviceLoader(ListReader([]), "cpu", backend="nccl")
     with pytest.raises(ConfigError, match="CUDA device"):
-        DeviceLoader(_ListReader([]), "cpu", backend="dali")
+        DeviceLoader(ListReader([]), "cpu", backend="dali")
 
 
 @pytest.mark.skipif(HAS_DALI, reason="DALI is installed; this checks the message when it is not")

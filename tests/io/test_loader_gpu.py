@@ -22,7 +22,7 @@ import torch
 
 from recaccel.io.loader import DeviceLoader
 from recaccel.sparse import Batch
-from tests.io.test_loader import _ListReader, assert_same, make_batch
+from tests.helpers.loader_batches import ListReader, assert_same, make_batch
 
 pytestmark = pytest.mark.gpu
 
@@ -57,7 +57,7 @@ def test_slow_device_work_reads_exactly_the_host_batches(slow, consumer_on_side_
         make_batch(512 + 37 * (i % 5), 13, ["a", "b", "c"], 100 + i, i % 2 == 0, i % 3 == 0)
         for i in range(40)
     ]
-    loader = DeviceLoader(_ListReader(host), "cuda", prefetch)
+    loader = DeviceLoader(ListReader(host), "cuda", prefetch)
     consumer = torch.cuda.Stream() if consumer_on_side_stream else torch.cuda.current_stream()
     read = []
     with torch.cuda.stream(consumer):
@@ -81,7 +81,7 @@ def test_slow_device_work_reads_exactly_the_host_batches(slow, consumer_on_side_
 
 def test_pinned_buffers_are_page_locked_and_reused():
     host = [make_batch(256, 4, ["a"], i, False, False) for i in range(8)]
-    loader = DeviceLoader(_ListReader(host), "cuda", prefetch=1)
+    loader = DeviceLoader(ListReader(host), "cuda", prefetch=1)
     for _ in loader:
         pass
     pinned = [slot.host for slot in loader._slots if slot.host is not None]

@@ -30,39 +30,13 @@ from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, Sparse
 from recaccel.io.format.writer import DatasetWriter, write_parquet
 from recaccel.io.readers.options import ReadOptions, Shard
 from recaccel.io.readers.rows import BatchReader
+from tests.helpers.row_data import make_columns, make_schema, small_dataset
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXACT = dict(rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- data helpers
-
-
-def make_schema(num_dense: int, multi_hot: list[bool], cards: list[int]) -> FeatureSchema:
-    sparse = tuple(SparseField(f"s{i}", c, m) for i, (m, c) in enumerate(zip(multi_hot, cards)))
-    return FeatureSchema(dense=tuple(f"d{i}" for i in range(num_dense)), sparse=sparse)
-
-
-def make_columns(schema: FeatureSchema, n: int, seed: int, style: int = 0) -> dict:
-    """Random valid rows; ``style`` varies the multi-hot input convention."""
-    rng = np.random.default_rng(seed)
-    cols: dict = {schema.label: rng.integers(0, 2, n).astype(np.float32)}
-    for name in schema.dense:
-        cols[name] = rng.normal(size=n) * 100
-    for f in schema.sparse:
-        if not f.multi_hot:
-            cols[f.name] = rng.integers(0, f.cardinality, n)
-            continue
-        lengths = rng.integers(0, 4, n)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        values = rng.integers(0, f.cardinality, int(offsets[-1]))
-        if style % 3 == 0:
-            cols[f.name] = (values, offsets)
-        elif style % 3 == 1:
-            cols[f.name] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(values))
-        else:
-            cols[f.name] = [values[offsets[i] : offsets[i + 1]].tolist() for i in range(n)]
-    return cols
 
 
 @st.composite
@@ -131,12 +105,6 @@ def same_batches(a: list, b: list) -> None:
         for t, u in ((x.dense, y.dense), (x.labels, y.labels), (x.sparse.values, y.sparse.values)):
             torch.testing.assert_close(t, u, **EXACT)
         torch.testing.assert_close(x.sparse.offsets, y.sparse.offsets, **EXACT)
-
-
-def small_dataset(tmp: Path, n: int = 300, rg: int = 25, per_file: int | None = 120, seed: int = 0):
-    schema = make_schema(2, [False, True, False], [50, 20, 7])
-    write_parquet(tmp, schema, make_columns(schema, n, seed), rows_per_row_group=rg, rows_per_file=per_file)
-    return schema
 
 
 # ---------------------------------------------------------------- writer and plain reading

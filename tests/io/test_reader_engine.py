@@ -14,8 +14,8 @@ from recaccel.config import DataConfig
 from recaccel.errors import ConfigError
 from recaccel.io.format.decode import Policies
 from recaccel.io.readers import BatchReader, Reader, ReadOptions, Shard, ShardedReader, TaskReader
-from tests.io.test_parquet import small_dataset
-from tests.io.test_tasks import cfg, write_tasks
+from tests.helpers.row_data import small_dataset
+from tests.helpers.task_data import tasks_config, write_tasks
 
 # Written by the readers of commit 2d47b3b (before the engine) on the datasets below.
 OLD_ROWS_STATE_AT_5 = {
@@ -166,7 +166,9 @@ def rows_reader(path: Path) -> BatchReader:
 
 
 def tasks_reader(path: Path) -> TaskReader:
-    return TaskReader(path, dataclasses.replace(cfg(), unit_row_groups=2), ReadOptions(seed=5, read_ahead=0))
+    return TaskReader(
+        path, dataclasses.replace(tasks_config(), unit_row_groups=2), ReadOptions(seed=5, read_ahead=0)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -242,5 +244,5 @@ def test_read_options_checks_and_config():
 
 
 def test_task_reader_never_shuffles_or_drops_in_evaluation(data):
-    reader = TaskReader(data[1], cfg(), ReadOptions(shuffle=True, drop_last=True), train=False)
+    reader = TaskReader(data[1], tasks_config(), ReadOptions(shuffle=True, drop_last=True), train=False)
     assert not reader.options.shuffle and not reader.options.drop_last

@@ -27,8 +27,8 @@ from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, Shard, TaskReader
 from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
-from tests.io.test_parquet import make_columns, make_schema, small_dataset
-from tests.io.test_tasks import cfg, write_tasks
+from tests.helpers.row_data import make_columns, make_schema, small_dataset
+from tests.helpers.task_data import tasks_config, write_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
 # Decode counters of the task reader count row groups decoded again to complete a task,
@@ -87,7 +87,7 @@ def rows_reader(path: Path, workers: int) -> BatchReader:
 
 
 def task_reader(path: Path, workers: int) -> TaskReader:
-    return TaskReader(path, cfg(unit_row_groups=1), ReadOptions(seed=4, workers=workers))
+    return TaskReader(path, tasks_config(unit_row_groups=1), ReadOptions(seed=4, workers=workers))
 
 
 def test_shared_memory_round_trip_keeps_dtypes_shapes_order_and_none():
@@ -355,18 +355,18 @@ def test_a_rank_without_row_groups_reads_nothing_and_starts_no_workers(tmp_path)
 @pytest.mark.numeric
 def test_training_with_2_workers_matches_0_workers_bit_for_bit_and_resumes_with_0(tmp_path):
     from recaccel.cli import train_main
-    from tests.train.test_trainer import TINY, _argv, _final_state, _overrides
+    from tests.helpers.dlrm_run import TINY, final_state, overrides, set_args
 
     data = tmp_path / "synth"
-    cfg = load_config(None, [*TINY, f'synth.out_dir="{data}"'])
-    generate_synthetic(cfg.synth)
+    tasks_config = load_config(None, [*TINY, f'synth.out_dir="{data}"'])
+    generate_synthetic(tasks_config.synth)
     common = ["train.epochs=2", "train.steps=30"]
     full, part = tmp_path / "full", tmp_path / "part"
-    assert train_main(_argv(_overrides(data, full, *common, "data.workers=0"))) == 0
+    assert train_main(set_args(overrides(data, full, *common, "data.workers=0"))) == 0
     # Stopped mid-epoch with 2 workers, then resumed in-process.
-    assert train_main(_argv(_overrides(data, part, *common, "data.workers=2", "train.steps=17"))) == 0
+    assert train_main(set_args(overrides(data, part, *common, "data.workers=2", "train.steps=17"))) == 0
     assert train_main(["--resume", str(part), "--set", "train.steps=30", "--set", "data.workers=0"]) == 0
-    a, b = _final_state(full), _final_state(part)
+    a, b = final_state(full), final_state(part)
     assert a["step"] == b["step"] == 30
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
@@ -379,6 +379,6 @@ def test_data_workers_reaches_both_readers_for_training_and_evaluation(rows_data
     data_cfg = DataConfig(workers=3)
     for train in (True, False):
         assert BatchReader.from_config(rows_data, data_cfg, train=train).options.workers == 3
-        assert TaskReader.from_config(task_data, cfg(), data_cfg, train=train).options.workers == 3
+        assert TaskReader.from_config(task_data, tasks_config(), data_cfg, train=train).options.workers == 3
     with pytest.raises(ConfigError, match="workers"):
         DataConfig(workers=-1)

@@ -20,7 +20,7 @@ from recaccel.io.format.grouping import GROUPED_KEY, grouped_claim
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.tasks.reader import TaskReader
-from tests.io.test_tasks import SETTINGS, batch_tasks
+from tests.helpers.task_data import TASK_SETTINGS, batch_tasks
 
 
 def source_schema(with_task: bool, with_ts: bool) -> FeatureSchema:
@@ -56,7 +56,7 @@ def read_rows(path: Path) -> list[dict]:
     return [r for f in sorted(path.glob("*.parquet")) for r in pq.read_table(f).to_pylist()]
 
 
-@SETTINGS
+@TASK_SETTINGS
 @given(
     st.integers(0, 300),
     st.integers(1, 40),

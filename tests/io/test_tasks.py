@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from recaccel.config import Config, DataConfig, TasksConfig
@@ -25,64 +25,24 @@ from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.decode import Policies
-from recaccel.io.format.grouping import grouped_schema
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers.options import ReadOptions, Shard
 from recaccel.io.readers.tasks.pool import take_batch
 from recaccel.io.readers.tasks.reader import TaskReader
+from tests.helpers.task_data import (
+    TASK_SETTINGS,
+    batch_tasks,
+    task_columns,
+    task_schema,
+    tasks_config,
+    write_tasks,
+)
 
-SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 EXACT = dict(rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------- data helpers
-
-
-def task_schema(n: int, *, timestamp: bool = True, grouped: bool = True) -> FeatureSchema:
-    sparse = (SparseField("rid", max(n, 1)), SparseField("tags", 9, multi_hot=True), SparseField("c", 5))
-    base = FeatureSchema(dense=("d0",), sparse=sparse, label_kind="rating")
-    if grouped:
-        return grouped_schema(base, "user", "ts" if timestamp else None)
-    return dataclasses.replace(base, task_key="user", timestamp="ts" if timestamp else None)
-
-
-def task_columns(
-    sizes: list[int], seed: int, *, timestamp: bool = True, keys: list[int] | None = None
-) -> dict:
-    """Rows of tasks with ``sizes`` rows each, sorted by task key (rid = row number)."""
-    rng = np.random.default_rng(seed)
-    n = int(sum(sizes))
-    keys = (
-        keys
-        if keys is not None
-        else sorted(rng.choice(10 * len(sizes) + 10, len(sizes), replace=False).tolist())
-    )
-    lengths = rng.integers(0, 3, n)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    cols = {
-        "label": rng.integers(1, 6, n).astype(np.float32),
-        "d0": rng.normal(size=n).astype(np.float32),
-        "rid": np.arange(n),
-        "tags": (rng.integers(0, 9, int(offsets[-1])), offsets),
-        "c": rng.integers(0, 5, n),
-        "user": np.repeat(np.asarray(keys, dtype=np.int64), sizes),
-    }
-    if timestamp:
-        cols["ts"] = rng.integers(0, 50, n)  # ties on purpose
-    return cols
-
-
-def write_tasks(
-    path: Path, sizes: list[int], seed: int = 0, rg: int = 16, per_file: int | None = None, **kw
-) -> dict:
-    timestamp = kw.pop("timestamp", True)
-    # Unaligned by default: tasks then cross row groups, as in files from other tools.
-    align = kw.pop("align_tasks", False)
-    cols = task_columns(sizes, seed, timestamp=timestamp, **kw)
-    schema = task_schema(int(sum(sizes)), timestamp=timestamp)
-    write_parquet(path, schema, cols, rows_per_row_group=rg, rows_per_file=per_file, align_tasks=align)
-    return cols
 
 
 def file_tasks(path: Path) -> dict[int, list[tuple[int, int]]]:
@@ -93,24 +53,6 @@ def file_tasks(path: Path) -> dict[int, list[tuple[int, int]]]:
         for r in pq.read_table(f).to_pylist():
             out[r["user"]].append((r["rid"], r.get("ts", 0)))
     return dict(out)
-
-
-def batch_tasks(tb) -> list[tuple[int, list[int], list[int]]]:
-    """(task key, support rids, query rids) of every task in a TaskBatch (real rows only)."""
-    t, s, q = tb.num_tasks, tb.support_size, tb.query_size
-    srid = tb.support.sparse.field("rid")[0].view(t, s)
-    qrid = tb.query.sparse.field("rid")[0].view(t, q)
-    out = []
-    for i in range(t):
-        sm, qm = tb.support_mask[i] > 0, tb.query_mask[i] > 0
-        out.append((int(tb.task_ids[i]), srid[i][sm].tolist(), qrid[i][qm].tolist()))
-    return out
-
-
-def cfg(**kw) -> TasksConfig:
-    base = dict(tasks_per_batch=3, support_size=6, query_size=4, min_task_rows=2, shuffle_buffer_tasks=5)
-    base.update(kw)
-    return TasksConfig(**base)
 
 
 def expected_query(n: int, c: TasksConfig, count: int = 0) -> int:
@@ -133,7 +75,7 @@ def check_shapes(tb, c: TasksConfig) -> None:
 # ---------------------------------------------------------------- batch assembly
 
 
-@SETTINGS
+@TASK_SETTINGS
 @given(st.integers(0, 30), st.integers(0, 3), st.lists(st.booleans(), max_size=6), st.integers(0, 2**16))
 def test_take_batch_equals_take_then_to_batch(n, dd, multi, seed):
     rng = np.random.default_rng(seed)
@@ -165,7 +107,7 @@ def test_take_batch_equals_take_then_to_batch(n, dd, multi, seed):
 # ---------------------------------------------------------------- split rules
 
 
-@SETTINGS
+@TASK_SETTINGS
 @given(
     st.lists(st.integers(1, 20), min_size=1, max_size=12),
     st.sampled_from(["random", "time"]),
@@ -178,7 +120,7 @@ def test_eval_mode_keeps_every_row_with_the_split_rule(sizes, split, fraction, r
         path = Path(tmp)
         write_tasks(path, sizes, seed, rg=rg)
         ref = file_tasks(path)
-        c = cfg(split=split, query_fraction=fraction, min_task_rows=1)
+        c = tasks_config(split=split, query_fraction=fraction, min_task_rows=1)
         reader = TaskReader(path, c, ReadOptions(seed=seed), train=False)
         seen = {}
         for tb in reader:
@@ -205,7 +147,7 @@ def test_eval_mode_keeps_every_row_with_the_split_rule(sizes, split, fraction, r
         ]  # key order, deterministic
 
 
-@SETTINGS
+@TASK_SETTINGS
 @given(
     st.lists(st.integers(1, 30), min_size=1, max_size=10),
     st.sampled_from(["random", "time"]),
@@ -218,7 +160,7 @@ def test_train_mode_samples_to_sizes(sizes, split, s, q, seed):
         path = Path(tmp)
         write_tasks(path, sizes, seed, rg=7)
         ref = file_tasks(path)
-        c = cfg(split=split, support_size=s, query_size=q, min_task_rows=1, query_fraction=0.4)
+        c = tasks_config(split=split, support_size=s, query_size=q, min_task_rows=1, query_fraction=0.4)
         reader = TaskReader(path, c, ReadOptions(seed=seed, shuffle=True))
         got = {}
         for tb in reader:
@@ -247,7 +189,7 @@ def test_padding_repeats_the_first_row_and_masks_match():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [3, 9, 1, 5], 1, rg=4)
-        c = cfg(support_size=5, query_size=3, min_task_rows=1, tasks_per_batch=4)
+        c = tasks_config(support_size=5, query_size=3, min_task_rows=1, tasks_per_batch=4)
         (tb,) = list(TaskReader(path, c, ReadOptions(seed=0, shuffle=False)))
         rid_s = tb.support.sparse.field("rid")[0].view(4, 5)
         rid_q = tb.query.sparse.field("rid")[0].view(4, 3)
@@ -262,7 +204,7 @@ def test_fixed_query_count_melu_protocol():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [25, 11, 40, 13], 2, rg=8)
-        c = cfg(support_size=40, query_size=10, min_task_rows=13)
+        c = tasks_config(support_size=40, query_size=10, min_task_rows=13)
         for reader in (
             TaskReader(path, c, ReadOptions(seed=0), query_count=10),
             TaskReader(path, dataclasses.replace(c, query_fraction=0.0), ReadOptions(seed=0)),
@@ -277,7 +219,7 @@ def test_small_tasks_are_skipped_and_counted():
         path = Path(tmp)
         sizes = [1, 4, 2, 7, 3, 3, 9]
         write_tasks(path, sizes, 3, rg=5)
-        reader = TaskReader(path, cfg(min_task_rows=4), ReadOptions(seed=0), train=False)
+        reader = TaskReader(path, tasks_config(min_task_rows=4), ReadOptions(seed=0), train=False)
         keys = [k for tb in reader for k, _, _ in batch_tasks(tb)]
         assert len(keys) == 3
         small = [s for s in sizes if s < 4]
@@ -298,7 +240,7 @@ def test_every_row_once_per_epoch_across_ranks(world_size, train, unit):
         sizes = rng.integers(1, 25, 40).tolist()
         write_tasks(path, sizes, 4, rg=9, per_file=100)
         ref = file_tasks(path)
-        c = cfg(support_size=30, query_size=30, min_task_rows=1, shuffle_buffer_tasks=4)
+        c = tasks_config(support_size=30, query_size=30, min_task_rows=1, shuffle_buffer_tasks=4)
         for epoch in (0, 1):
             rids: Counter = Counter()
             keys: Counter = Counter()
@@ -325,7 +267,7 @@ def test_every_row_once_across_ranks_and_dataloader_workers(train):
         sizes = np.random.default_rng(8).integers(1, 25, 60).tolist()
         write_tasks(path, sizes, 4, rg=9, per_file=100)
         ref = file_tasks(path)
-        c = cfg(support_size=30, query_size=30, min_task_rows=1, shuffle_buffer_tasks=4)
+        c = tasks_config(support_size=30, query_size=30, min_task_rows=1, shuffle_buffer_tasks=4)
         rids: Counter = Counter()
         for rank in range(2):
             reader = TaskReader(
@@ -349,7 +291,7 @@ def test_shuffle_is_seeded_and_changes_with_epoch():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [5] * 60, 6, rg=10)
-        c = cfg(shuffle_buffer_tasks=20)
+        c = tasks_config(shuffle_buffer_tasks=20)
 
         def order(seed, epoch):
             r = TaskReader(path, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=seed))
@@ -379,7 +321,7 @@ def test_resume_mid_epoch_yields_exactly_the_rest(train):
         path = Path(tmp)
         rng = np.random.default_rng(7)
         write_tasks(path, rng.integers(1, 20, 45).tolist(), 7, rg=11)
-        c = cfg(shuffle_buffer_tasks=7, tasks_per_batch=4, min_task_rows=3)
+        c = tasks_config(shuffle_buffer_tasks=7, tasks_per_batch=4, min_task_rows=3)
         full_reader = TaskReader(path, c, ReadOptions(seed=3), train=train)
         full = [(batch_tasks(tb), st) for tb, st in full_reader.iter_with_state()]
         assert full[-1][1]["epoch_done"] and not full[0][1]["epoch_done"] or len(full) == 1
@@ -417,7 +359,7 @@ def test_a_unit_read_after_the_next_one_reuses_its_kept_head(read_ahead):
         write_tasks(path, sizes, 9, rg=7)
         reader = TaskReader(
             path,
-            dataclasses.replace(cfg(min_task_rows=1), unit_row_groups=1),
+            dataclasses.replace(tasks_config(min_task_rows=1), unit_row_groups=1),
             ReadOptions(seed=2, read_ahead=read_ahead),
         )
         rids = Counter(r for tb in reader for _, sup, qry in batch_tasks(tb) for r in sup + qry)
@@ -442,7 +384,7 @@ def test_task_aligned_row_groups_are_decoded_once(train):
         sizes = [5, 3, 8, 2, 7, 4, 4, 1, 7, 6] * 4  # none longer than a row group
         write_tasks(path / "aligned", sizes, 3, rg=8, align_tasks=True)
         write_tasks(path / "cut", sizes, 3, rg=8)
-        c = cfg(min_task_rows=1)
+        c = tasks_config(min_task_rows=1)
 
         def read(p):
             reader = TaskReader(
@@ -469,7 +411,7 @@ def test_files_without_statistics_read_the_key_column():
         pq.write_table(table, path / "plain" / "part-00000.parquet", row_group_size=4, write_statistics=False)
         md = pq.ParquetFile(path / "plain" / "part-00000.parquet").metadata
         assert md.row_group(0).column(0).statistics is None
-        c = cfg(min_task_rows=1)
+        c = tasks_config(min_task_rows=1)
         a = [
             batch_tasks(tb)
             for tb in TaskReader(
@@ -489,13 +431,13 @@ def test_state_is_checked():
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [4, 5, 6], 0)
-        state = TaskReader(path, cfg(), ReadOptions(seed=1)).state_dict()
+        state = TaskReader(path, tasks_config(), ReadOptions(seed=1)).state_dict()
         with pytest.raises(ConfigError, match="seed"):
-            TaskReader(path, cfg(), ReadOptions(seed=2)).load_state_dict(state)
+            TaskReader(path, tasks_config(), ReadOptions(seed=2)).load_state_dict(state)
         with pytest.raises(ConfigError, match="version"):
-            TaskReader(path, cfg(), ReadOptions(seed=1)).load_state_dict({"version": 99})
+            TaskReader(path, tasks_config(), ReadOptions(seed=1)).load_state_dict({"version": 99})
         bad = dict(state, task_offset=10_000)
-        reader = TaskReader(path, cfg(), ReadOptions(seed=1))
+        reader = TaskReader(path, tasks_config(), ReadOptions(seed=1))
         reader.load_state_dict(bad)
         with pytest.raises(DataError, match="past the window"):
             list(reader)
@@ -506,7 +448,7 @@ def test_memory_stays_bounded_on_a_file_ten_times_the_buffer():
         path = Path(tmp)
         sizes = [20] * 500  # 10,000 rows
         write_tasks(path, sizes, 8, rg=100)
-        c = cfg(shuffle_buffer_tasks=50, support_size=8, query_size=4, tasks_per_batch=8)
+        c = tasks_config(shuffle_buffer_tasks=50, support_size=8, query_size=4, tasks_per_batch=8)
         reader = TaskReader(path, dataclasses.replace(c, unit_row_groups=1), ReadOptions(seed=0))
         n = sum(tb.num_tasks for tb in reader)
         assert n == 500
@@ -523,16 +465,18 @@ def test_from_config_uses_data_settings():
         path = Path(tmp)
         write_tasks(path, [4] * 10, 0)
         data = DataConfig(seed=9, shuffle=False, drop_last=True, invalid_ids="clip")
-        r = TaskReader.from_config(path, cfg(), data, train=True)
+        r = TaskReader.from_config(path, tasks_config(), data, train=True)
         o = r.options
         assert (o.seed, o.shuffle, o.drop_last, o.policies.invalid_ids) == (9, False, True, "clip")
         assert sum(tb.num_tasks for tb in r) == 9 and r.counters["tasks_dropped_last"] == 1
-        ev = TaskReader.from_config(path, cfg(), data, train=False)
+        ev = TaskReader.from_config(path, tasks_config(), data, train=False)
         assert not ev.train and not ev.options.shuffle and not ev.options.drop_last
-        whole = TaskReader.from_config(path, Config(data=data, tasks=cfg(tasks_per_batch=5)), train=True)
+        whole = TaskReader.from_config(
+            path, Config(data=data, tasks=tasks_config(tasks_per_batch=5)), train=True
+        )
         assert (whole.options.seed, whole.cfg.tasks_per_batch, whole.options.drop_last) == (9, 5, True)
         with pytest.raises(ConfigError, match=r"\[data\]"):
-            TaskReader.from_config(path, cfg(), train=True)
+            TaskReader.from_config(path, tasks_config(), train=True)
 
 
 # ---------------------------------------------------------------- bad input
@@ -544,7 +488,7 @@ def test_unsorted_task_key_in_grouped_file_names_file_and_row_group():
         cols = task_columns([3, 3, 3, 3], 0, keys=[1, 2, 3, 4])
         cols["user"] = np.array([1, 1, 1, 3, 3, 3, 2, 2, 4, 4, 4, 4])  # inside row group 0
         write_parquet(path, task_schema(12), cols, rows_per_row_group=8, align_tasks=False)
-        reader = TaskReader(path, cfg(), ReadOptions(seed=0))
+        reader = TaskReader(path, tasks_config(), ReadOptions(seed=0))
         with pytest.raises(
             DataError, match=r"part-00000.parquet, row group 0.*from 3 to 2 at row 6.*claims to be grouped"
         ):
@@ -555,13 +499,13 @@ def test_unsorted_task_key_in_grouped_file_names_file_and_row_group():
         cols["user"] = np.array([5, 5, 5, 5, 1, 1, 1, 1, 2, 2, 2, 2])
         write_parquet(path, task_schema(12), cols, rows_per_row_group=4, align_tasks=False)
         with pytest.raises(DataError, match=r"row group 1.*decreases from 5 to 1"):
-            TaskReader(path, cfg(), ReadOptions(seed=0))
+            TaskReader(path, tasks_config(), ReadOptions(seed=0))
     with tempfile.TemporaryDirectory() as tmp:  # not claimed: same check, other advice
         path = Path(tmp)
         cols = task_columns([2, 2], 0, keys=[2, 1])
         write_parquet(path, task_schema(4, grouped=False), cols, rows_per_row_group=4, align_tasks=False)
         with pytest.raises(DataError, match="not sorted by task key; rewrite it"):
-            list(TaskReader(path, cfg(), ReadOptions(seed=0)))
+            list(TaskReader(path, tasks_config(), ReadOptions(seed=0)))
 
 
 def test_missing_task_key_or_timestamp():
@@ -572,14 +516,14 @@ def test_missing_task_key_or_timestamp():
             path, schema, {"label": np.zeros(3, np.float32), "d0": np.ones(3), "c": np.zeros(3, int)}
         )
         with pytest.raises(DataError, match="no task key"):
-            TaskReader(path, cfg(), ReadOptions(seed=0))
+            TaskReader(path, tasks_config(), ReadOptions(seed=0))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [3, 3], 0, timestamp=False)
         with pytest.raises(DataError, match="timestamp"):
-            TaskReader(path, cfg(split="time"), ReadOptions(seed=0))
+            TaskReader(path, tasks_config(split="time"), ReadOptions(seed=0))
         with pytest.raises(ConfigError, match="query_fraction"):
-            TaskReader(path, cfg(query_fraction=1.5), ReadOptions(seed=0))
+            TaskReader(path, tasks_config(query_fraction=1.5), ReadOptions(seed=0))
 
 
 def test_corrupt_truncated_and_empty_files():
@@ -590,7 +534,7 @@ def test_corrupt_truncated_and_empty_files():
         data = files[1].read_bytes()
         files[1].write_bytes(data[: len(data) // 2])
         with pytest.raises(DataError, match="part-00001.parquet.*(corrupt|truncated)"):
-            TaskReader(path, cfg(), ReadOptions(seed=0))
+            TaskReader(path, tasks_config(), ReadOptions(seed=0))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_tasks(path, [5, 5, 5, 5], 0, rg=20)
@@ -600,11 +544,11 @@ def test_corrupt_truncated_and_empty_files():
         raw[mid : mid + 64] = bytes(64)  # a data page, checksummed
         f.write_bytes(bytes(raw))
         with pytest.raises(DataError, match="part-00000.parquet"):
-            list(TaskReader(path, cfg(), ReadOptions(seed=0)))
+            list(TaskReader(path, tasks_config(), ReadOptions(seed=0)))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         write_parquet(path, task_schema(1), task_columns([0], 0, keys=[1]) | {"rid": np.zeros(0, int)})
-        reader = TaskReader(path, cfg(), ReadOptions(seed=0))
+        reader = TaskReader(path, tasks_config(), ReadOptions(seed=0))
         assert list(reader) == [] and reader.state_dict()["epoch_done"]
 
 
@@ -615,7 +559,7 @@ def test_schemas_that_disagree():
         write_tasks(path / "b", [3, 3], 1, timestamp=False)
         (path / "b" / "part-00000.parquet").rename(path / "a" / "part-00001.parquet")
         with pytest.raises(DataError, match="part-00001.parquet.*schema differs"):
-            TaskReader(path / "a", cfg(), ReadOptions(seed=0))
+            TaskReader(path / "a", tasks_config(), ReadOptions(seed=0))
 
 
 def test_null_values_in_list_columns_follow_the_policy():
@@ -625,10 +569,10 @@ def test_null_values_in_list_columns_follow_the_policy():
         cols["tags"] = pa.array([[1], None, [2], [3, None], [], [4]], pa.list_(pa.int64()))
         write_parquet(path, task_schema(6), cols)
         with pytest.raises(DataError, match=r"column 'tags'.*null list at row 1"):
-            list(TaskReader(path, cfg(), ReadOptions(seed=0)))
+            list(TaskReader(path, tasks_config(), ReadOptions(seed=0)))
         reader = TaskReader(
             path,
-            cfg(min_task_rows=1),
+            tasks_config(min_task_rows=1),
             ReadOptions(seed=0, policies=Policies(invalid_ids="skip")),
             train=False,
         )
