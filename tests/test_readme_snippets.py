@@ -8,7 +8,8 @@ import re
 from pathlib import Path
 
 from recaccel.config import load_config
-from tests.conftest import REPO_ROOT
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 README = (REPO_ROOT / "README.md").read_text()
 

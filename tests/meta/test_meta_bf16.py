@@ -16,7 +16,7 @@ from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import write_parquet
 from recaccel.meta.learner import MetaLearner
-from tests.meta.conftest import make_dlrm, make_task_batch
+from tests.helpers.meta_batches import make_dlrm, make_task_batch
 
 
 def _step(precision: str, engine: str, first_order: bool, meta_sgd: bool) -> tuple[float, list, torch.Tensor]:

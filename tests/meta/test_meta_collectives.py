@@ -9,7 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from recaccel.config import MetaConfig
 from recaccel.meta import MetaLearner
-from tests.meta.conftest import make_dlrm, make_task_batch
+from tests.helpers.meta_batches import make_dlrm, make_task_batch
 
 _COLLECTIVES = [
     "all_reduce",

@@ -13,7 +13,7 @@ from recaccel.config import MetaConfig
 from recaccel.meta import MetaLearner
 from recaccel.meta.evaluation import TaskMetrics, evaluate_meta
 from recaccel.meta.ranking import ndcg_per_task
-from tests.meta.conftest import make_dlrm, make_task_batch
+from tests.helpers.meta_batches import make_dlrm, make_task_batch
 
 
 def _explicit_ndcg(scores, rel, k, gain):

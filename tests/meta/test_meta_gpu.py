@@ -14,7 +14,7 @@ import torch
 
 from recaccel.config import MetaConfig
 from recaccel.meta import MetaLearner
-from tests.meta.conftest import make_dlrm, make_task_batch
+from tests.helpers.meta_batches import make_dlrm, make_task_batch
 
 pytestmark = pytest.mark.gpu
 

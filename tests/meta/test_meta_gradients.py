@@ -11,7 +11,7 @@ from torch.func import functional_call
 from recaccel.config import MetaConfig
 from recaccel.errors import ConfigError
 from recaccel.meta import SHIFT, MetaLearner
-from tests.meta.conftest import DIM, NUM_FIELDS, make_dlrm, make_task_batch
+from tests.helpers.meta_batches import DIM, NUM_FIELDS, make_dlrm, make_task_batch
 
 pytestmark = pytest.mark.numeric
 
@@ -228,7 +228,7 @@ def _packed_dlrm(mode: str):
     from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
     from recaccel.models.dlrm import DLRM
     from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
-    from tests.meta.conftest import KEYS, NUM_DENSE, ROWS
+    from tests.helpers.meta_batches import KEYS, NUM_DENSE, ROWS
 
     torch.manual_seed(3)
     tables = [TableSpec(k, ROWS, DIM, optimizer="sgd") for k in KEYS]

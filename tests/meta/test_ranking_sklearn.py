@@ -14,7 +14,7 @@ from recaccel.meta import MetaLearner
 from recaccel.meta.evaluation import TaskMetrics, evaluate_meta
 from recaccel.meta.ranking import auc_per_task, ndcg_per_task
 from recaccel.metrics import MetricError, UndefinedMetricWarning
-from tests.meta.conftest import make_dlrm, make_task_batch
+from tests.helpers.meta_batches import make_dlrm, make_task_batch
 
 skm = pytest.importorskip("sklearn.metrics", reason="scikit-learn is the outside reference for nDCG and AUC")
 

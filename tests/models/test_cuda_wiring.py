@@ -133,7 +133,7 @@ def _meta_model(pad: bool) -> DLRM:
 
 
 def _task_batch():
-    from tests.meta.conftest import make_task_batch
+    from tests.helpers.meta_batches import make_task_batch
 
     return make_task_batch(3, 4, 5, loss="bce", seed=5)
 
