@@ -31,7 +31,7 @@ from recaccel.ops.embedding.reference import fused_backward
 from recaccel.ops.embedding.row_groups import group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.sparse import SparseFeatures
-from tests.ops.conftest import compile_in_subprocess
+from tests.helpers.ops_inputs import compile_in_subprocess
 
 pytestmark = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),

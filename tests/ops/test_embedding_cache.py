@@ -27,7 +27,7 @@ from recaccel.ops.embedding.cache import CacheOptions
 from recaccel.ops.embedding.cache.host_store import check_host_memory
 from recaccel.ops.embedding.cache.pack import CachedPack
 from recaccel.sparse import SparseFeatures
-from tests.ops.conftest import random_sparse_batch
+from tests.helpers.ops_inputs import random_sparse_batch
 
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),

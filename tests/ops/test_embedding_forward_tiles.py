@@ -28,7 +28,7 @@ from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
 from recaccel.ops.embedding.reference import reference_lookup
 from recaccel.ops.embedding.triton import forward as fwd
 from recaccel.sparse import SparseFeatures
-from tests.ops.conftest import compile_in_subprocess
+from tests.helpers.ops_inputs import compile_in_subprocess
 
 pytestmark = [
     pytest.mark.numeric,

@@ -26,7 +26,7 @@ from recaccel.ops.embedding import (
 from recaccel.ops.embedding.cache import CacheOptions
 from recaccel.ops.embedding.packing import gather_pack_ids
 from recaccel.sparse import SparseFeatures
-from tests.ops.conftest import random_sparse_batch
+from tests.helpers.ops_inputs import random_sparse_batch
 
 HAS_TRITON = torch.cuda.is_available() or triton_interpret_enabled()
 HAS_FBGEMM = importlib.util.find_spec("fbgemm_gpu") is not None
