@@ -11,8 +11,7 @@ from recaccel.cli import train_main
 from recaccel.config import load_config
 from recaccel.io.convert.synth import generate_synthetic
 from tests.helpers.export_run import EXPORT_TINY, train_run
-from tests.helpers.meta_run import meta_set_args as meta_argv
-from tests.helpers.meta_run import write_ratings
+from tests.helpers.meta_run import meta_set_args, write_ratings
 
 DCN = ["model.interaction=dcnv2", "model.dcn_layers=2", "model.dcn_rank=3", "model.pooling=mean"]
 
@@ -54,6 +53,7 @@ def meta_run(tmp_path_factory) -> Path:
     )
     out = tmp_path_factory.mktemp("meta") / "run"
     assert (
-        train_main(meta_argv(train, test, out, "train.mode=meta", "train.steps=2", "meta.meta_sgd=true")) == 0
+        train_main(meta_set_args(train, test, out, "train.mode=meta", "train.steps=2", "meta.meta_sgd=true"))
+        == 0
     )
     return out

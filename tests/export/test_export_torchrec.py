@@ -180,8 +180,7 @@ def test_hybrid_run_exports_from_its_sharded_checkpoint(tmp_path):
 
     from recaccel.cli import train_main
     from recaccel.io.convert.synth import generate_synthetic
-    from tests.helpers.hybrid_run import HYBRID_TINY
-    from tests.helpers.hybrid_run import hybrid_set_args as hybrid_argv
+    from tests.helpers.hybrid_run import HYBRID_TINY, hybrid_set_args
 
     data, run = tmp_path / "data", tmp_path / "hybrid"
     generate_synthetic(load_config(None, [*HYBRID_TINY, f'synth.out_dir="{data}"']).synth)
@@ -193,7 +192,11 @@ def test_hybrid_run_exports_from_its_sharded_checkpoint(tmp_path):
     ]
     assert (
         train_main(
-            [*hybrid_argv(data, run, *extra, 'parallel.table_sharding=["C2=data_parallel"]'), "--nproc", "2"]
+            [
+                *hybrid_set_args(data, run, *extra, 'parallel.table_sharding=["C2=data_parallel"]'),
+                "--nproc",
+                "2",
+            ]
         )
         == 0
     )

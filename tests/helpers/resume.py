@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from recaccel.train.checkpoint.state import list_checkpoints
-from tests.helpers.meta_run import meta_set_args as meta_argv
+from tests.helpers.meta_run import meta_set_args
 
 TIMING_KEYS = {"samples_per_s", "data_wait_s", "data_startup_s", "data_wait_fraction"}
 
@@ -99,7 +99,7 @@ def assert_same_entries(a: Any, b: Any, where: str = "") -> None:
 
 
 def meta_sets(train: Path, test: Path, out: Path, *extra: str) -> list[str]:
-    return meta_argv(
+    return meta_set_args(
         train,
         test,
         out,

@@ -175,8 +175,7 @@ def test_hybrid_run_evaluates_in_one_process(tmp_path):
     pytest.importorskip("torchrec", exc_type=ImportError)
     from sklearn.metrics import roc_auc_score
 
-    from tests.helpers.hybrid_run import HYBRID_TINY
-    from tests.helpers.hybrid_run import hybrid_set_args as hybrid_argv
+    from tests.helpers.hybrid_run import HYBRID_TINY, hybrid_set_args
 
     data, run = tmp_path / "data", tmp_path / "hybrid"
     generate_synthetic(load_config(None, [*HYBRID_TINY, f'synth.out_dir="{data}"']).synth)
@@ -186,7 +185,7 @@ def test_hybrid_run_evaluates_in_one_process(tmp_path):
         "parallel.mode=hybrid",
         "parallel.sharding=row_wise",
     ]
-    argv = hybrid_argv(data, run, *extra, 'parallel.table_sharding=["C2=data_parallel"]')
+    argv = hybrid_set_args(data, run, *extra, 'parallel.table_sharding=["C2=data_parallel"]')
     assert train_main([*argv, "--nproc", "2"]) == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
         "step-000000004.dcp",

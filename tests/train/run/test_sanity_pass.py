@@ -46,7 +46,7 @@ def wide_data(tmp_path_factory) -> Path:
 
 
 def _argv(train: Path, test: Path | str, out: Path, *extra: str) -> list[str]:
-    """``tests.train.checkpoint.test_resume_matrix._sets`` with another ``data.test``."""
+    """``tests.helpers.resume.small_sets`` with another ``data.test``."""
     return [*small_sets(train.parent, out, *extra), "--set", f'data.test="{test}"']
 
 
