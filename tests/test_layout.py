@@ -624,3 +624,60 @@ def test_size_checks_see_methods_and_shrunk_entries():
         "b.py is allow-listed but has 10 lines: remove it from L",
         "d.py is allow-listed but is gone: remove it from L",
     ]
+
+
+# ------------------------------------------------------------------ tests/
+
+TESTS = REPO / "tests"
+
+
+def _is_test_file(module: str) -> bool:
+    return module.startswith("test_") or module == "conftest"
+
+
+def foreign_test_imports(source: str, where: str) -> list[str]:
+    """Imports of another test file (a test module or a conftest) in ``source``: shared
+    helpers live in tests/helpers/, shared fixtures in conftest.py files, which pytest finds."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            names = [f"{'.' * node.level}{node.module or ''}"]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [
+            f"{where}:{node.lineno}: imports {name}"
+            for name in names
+            if name.startswith(".") or (within(name, "tests") and _is_test_file(name.rpartition(".")[2]))
+        ]
+    return found
+
+
+def test_test_files_share_code_through_helpers_and_conftest_only():
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        found += foreign_test_imports(path.read_text(), str(path.relative_to(REPO)))
+    assert_none(found, "test files import no other test module or conftest (tests/helpers/ instead)")
+
+
+def test_train_tests_mirror_the_train_packages():
+    train = REPO / "recaccel" / "train"
+    packages = {p.name for p in train.iterdir() if (p / "__init__.py").is_file()}
+    folders = {p.name for p in (TESTS / "train").iterdir() if p.is_dir() and any(p.glob("test_*.py"))}
+    assert folders == packages, (
+        f"tests/train/ folders {sorted(folders)} != recaccel/train/ packages {sorted(packages)}"
+    )
+
+
+def test_test_import_check_sees_a_test_module_and_a_conftest_but_lets_a_model_module_pass():
+    source = "from tests.helpers.dlrm_run import TINY\nfrom tests.train.loop.test_trainer import x\n"
+    source += "import tests.ops.conftest\nfrom .test_tasks import cfg\n"
+    source += "from tests.train.model.class_path_models import ConcatMLP\n"  # a model the test names
+    assert foreign_test_imports(source, "t.py") == [
+        "t.py:2: imports tests.train.loop.test_trainer",
+        "t.py:3: imports tests.ops.conftest",
+        "t.py:4: imports .test_tasks",
+    ]

@@ -13,7 +13,7 @@ from recaccel.bench.step.candidates import parse_precisions
 from recaccel.bench.step.report import speedups
 from recaccel.cli import bench_main
 from recaccel.errors import ConfigError
-from tests.bench.conftest import TINY_PRESET
+from tests.helpers.bench_presets import TINY_PRESET
 
 
 def _argv(tmp_path, preset, *extra):
