@@ -18,6 +18,11 @@ with an RNG seeded by ``(seed, epoch, rank, window)`` and batches of T tasks are
 from that order; tasks left at a window's end start the next batch. Without shuffle a
 window is one unit and tasks come in key order.
 
+Batches per epoch. ``num_batches`` is exact for the rank: opening the reader reads the
+task key column of every row group once (to find where tasks start), and with it
+counts the tasks of at least ``min_task_rows`` rows each row group owns
+(:mod:`recaccel.io.readers.tasks.count`); no other column is decoded.
+
 Split and shapes (:mod:`recaccel.io.readers.tasks.split`). Training splits each task seeded by
 ``(seed, epoch)``, samples a side larger than S (support) or Q (query) down to S or Q
 rows, and pads the rest: every batch has support T*S and query T*Q rows (the last one
@@ -74,7 +79,8 @@ from recaccel.io.readers.options import ReadOptions, Shard
 from recaccel.io.readers.state import counters_at
 from recaccel.io.readers.tasks.pool import TaskPool, build_task_batch
 from recaccel.io.readers.tasks.split import SPLIT_COUNTERS, SplitSpec
-from recaccel.io.readers.tasks.stream import HeadStash, check_order, key_bounds, wanted_heads
+from recaccel.io.readers.tasks.count import batch_count, kept_tasks_owned
+from recaccel.io.readers.tasks.stream import HeadStash, check_order, key_index, wanted_heads
 from recaccel.io.readers.tasks.units import UnitJob, UnitLoader, UnitWorker
 from recaccel.sparse import TaskBatch
 
@@ -198,8 +204,10 @@ class TaskReader(ShardedReader):
         self.projection = Projection.select(self.schema, columns, side)
         self.cfg = cfg
         self.train = train
-        self._bounds = key_bounds(self.info, self.schema.task_key)
+        index = key_index(self.info, self.schema.task_key, self.spec.min_task_rows)
+        self._bounds = (index.first, index.last)
         check_order(self.info, *self._bounds, self.schema.task_key)
+        self._kept_owned = kept_tasks_owned(index)  # kept tasks each row group owns
 
     @classmethod
     def from_config(
@@ -235,9 +243,25 @@ class TaskReader(ShardedReader):
         )
 
     @property
-    def num_batches(self) -> None:
-        """None: tasks per epoch are known only once the key column has been split."""
-        return None
+    def num_batches(self) -> int:
+        """Batches of the epoch the next iteration reads, exact for this rank (counted
+        from the task key's row-group index, see :meth:`batches_in_epoch`)."""
+        return self.batches_in_epoch(self.epoch)
+
+    def batches_in_epoch(self, epoch: int, shard: tuple[int, int] | None = None) -> int:
+        """The batches an epoch yields, counted without decoding the data: the kept tasks
+        (at least ``min_task_rows`` rows) that the shard's units own, T per batch.
+
+        With several ranks and shuffling, ranks get other units each epoch, so the count
+        may change with ``epoch``; with one rank it does not.
+
+        Args:
+            epoch: the epoch.
+            shard: (shard, shards) instead of (rank, world_size), e.g. one DataLoader
+                worker's share of the rank (each worker cuts its own short last batch).
+        """
+        tasks = sum(int(self._kept_owned[unit.start : unit.stop].sum()) for unit in self.units(epoch, shard))
+        return batch_count(tasks, self.cfg.tasks_per_batch, self.options.drop_last)
 
     def units(self, epoch: int, shard: tuple[int, int] | None = None) -> list[range]:
         """This rank's units (runs of ``unit_row_groups`` consecutive row groups, as

@@ -102,14 +102,36 @@ def wanted_heads(units: list[range]) -> set[int]:
     return {u.start for j, u in enumerate(units) if len(u) and pos.get(u.start - 1, -1) > j}
 
 
-def key_bounds(info: DatasetInfo, column: str) -> tuple[np.ndarray, np.ndarray]:
-    """First and last task key of every row group of ``info``: two int64 [G] arrays.
+@dataclass(frozen=True)
+class KeyIndex:
+    """The task key's row-group index: what the reader knows of each row group's tasks
+    from its key column alone (int64 [G] arrays, G = row groups).
+
+    Attributes:
+        first, last: first and last task key.
+        runs: distinct keys (runs of equal keys).
+        head, tail: rows of the first and of the last run.
+        inner_kept: runs strictly between the first and the last one with at least
+            ``min_rows`` rows (such a task lies wholly inside the row group).
+        min_rows: the size threshold ``inner_kept`` was counted with.
+    """
+
+    first: np.ndarray
+    last: np.ndarray
+    runs: np.ndarray
+    head: np.ndarray
+    tail: np.ndarray
+    inner_kept: np.ndarray
+    min_rows: int
+
+
+def key_index(info: DatasetInfo, column: str, min_rows: int = 1) -> KeyIndex:
+    """The :class:`KeyIndex` of ``info``, reading the task key column of every row group.
 
     Raises:
         DataError: on an unreadable footer or key column, or a null key.
     """
-    first = np.empty(len(info.row_groups), dtype=np.int64)
-    last = np.empty(len(info.row_groups), dtype=np.int64)
+    rows = np.zeros((6, len(info.row_groups)), dtype=np.int64)
     files: dict = {}
     try:
         for g, ref in enumerate(info.row_groups):
@@ -117,18 +139,36 @@ def key_bounds(info: DatasetInfo, column: str) -> tuple[np.ndarray, np.ndarray]:
                 pf = files.get(ref.path)
                 if pf is None:
                     pf = files[ref.path] = pq.ParquetFile(str(ref.path), page_checksum_verification=True)
-                lo_hi = _read_bounds(pf, ref, column)
+                keys = _read_keys(pf, ref, column)
             except READ_ERRORS as e:
                 where = dict(path=str(ref.path), row_group=ref.row_group, column=column)
                 raise DataError(f"cannot read the task key: {read_error_text(e)}", **where) from None
-            first[g], last[g] = lo_hi
+            rows[:, g] = _summarize(keys, min_rows)
     finally:
         for pf in files.values():
             pf.close()
-    return first, last
+    return KeyIndex(*rows, min_rows=min_rows)
 
 
-def _read_bounds(pf: pq.ParquetFile, ref: RowGroupRef, column: str) -> tuple[int, int]:
+def key_bounds(info: DatasetInfo, column: str) -> tuple[np.ndarray, np.ndarray]:
+    """First and last task key of every row group of ``info``: two int64 [G] arrays.
+
+    Raises:
+        DataError: on an unreadable footer or key column, or a null key.
+    """
+    index = key_index(info, column)
+    return index.first, index.last
+
+
+def _summarize(keys: np.ndarray, min_rows: int) -> tuple[int, ...]:
+    """(first, last, runs, head, tail, inner_kept) of one row group's keys."""
+    starts = np.concatenate([[0], np.flatnonzero(keys[1:] != keys[:-1]) + 1])
+    sizes = np.diff(np.append(starts, keys.shape[0]))
+    inner = int(np.count_nonzero(sizes[1:-1] >= min_rows))
+    return int(keys[0]), int(keys[-1]), int(sizes.shape[0]), int(sizes[0]), int(sizes[-1]), inner
+
+
+def _read_keys(pf: pq.ParquetFile, ref: RowGroupRef, column: str) -> np.ndarray:
     arr = pf.read_row_group(ref.row_group, columns=[column]).column(0)
     where = dict(path=str(ref.path), column=column, row_group=ref.row_group)
     if len(arr) != ref.num_rows:  # a damaged file can decode to fewer values
@@ -141,8 +181,7 @@ def _read_bounds(pf: pq.ParquetFile, ref: RowGroupRef, column: str) -> tuple[int
             "with recaccel-data tasks SRC OUT --config (the same [data.schema]), then train on OUT",
             **where,
         )
-    keys = arr.to_numpy()
-    return int(keys[0]), int(keys[-1])
+    return arr.to_numpy()
 
 
 class TaskStream:
