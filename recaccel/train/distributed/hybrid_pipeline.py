@@ -52,7 +52,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -67,8 +68,24 @@ from recaccel.train.loop.parallel import BatchWithState, StepDone
 from recaccel.train.loop.pipeline import batch_tensors
 from recaccel.train.model.objectives import DLRMObjective, Objective, loss_denominator
 
-if TYPE_CHECKING:
-    from recaccel.train.distributed.hybrid import HybridParallel
+
+class PipelinedParallel(Protocol):
+    """What the pipeline needs of the hybrid layout: ``HybridParallel`` of
+    ``recaccel.train.distributed.hybrid``, named by its shape so neither module imports
+    the other."""
+
+    device: torch.device
+    dmp: Any  # TorchRec's DistributedModelParallel over the sharded tables, or None
+    embedding: Any  # the TorchRecEmbedding after ``wrap``
+    step_rows: int
+
+    def collectives(self, what: str) -> AbstractContextManager[None]: ...
+
+    def agree(self, batch: Any | None, objective: Objective) -> tuple[float, int] | None: ...
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def sync_and_step(self, optimizer: torch.optim.Optimizer, share: Tensor) -> Tensor: ...
 
 
 @dataclasses.dataclass
@@ -112,7 +129,9 @@ class PipelinedBatch(Pipelineable):
 class _StepLoss(nn.Module):
     """The step's loss from the pooled lookup: a leaf of TorchRec's trace (no sharded module)."""
 
-    def __init__(self, parallel: HybridParallel, objective: Objective, optimizer: _SyncedOptimizer) -> None:
+    def __init__(
+        self, parallel: PipelinedParallel, objective: Objective, optimizer: _SyncedOptimizer
+    ) -> None:
         super().__init__()
         # Plain attributes: neither is part of what the pipeline's model holds.
         object.__setattr__(self, "parallel", parallel)
@@ -162,7 +181,7 @@ class _SyncedOptimizer:
     global mean loss of the step.
     """
 
-    def __init__(self, parallel: HybridParallel, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, parallel: PipelinedParallel, optimizer: torch.optim.Optimizer) -> None:
         self.parallel = parallel
         self.optimizer = optimizer
         self.param_groups = optimizer.param_groups  # TorchRec's semi-sync checks them
@@ -194,7 +213,7 @@ def _pipeline(mode: PipelineMode, model: nn.Module, optimizer: _SyncedOptimizer,
     )
 
 
-def check_pipelined(parallel: HybridParallel, objective: Objective, mode: PipelineMode) -> None:
+def check_pipelined(parallel: PipelinedParallel, objective: Objective, mode: PipelineMode) -> None:
     """Raises ConfigError when TorchRec's pipeline cannot run this hybrid setup."""
     if mode == "overlap":  # recaccel.train.loop.overlap runs one process's packed embedding
         raise ConfigError("train.pipeline=overlap runs parallel.mode=single; use train.pipeline=sync")
@@ -219,7 +238,7 @@ def check_pipelined(parallel: HybridParallel, objective: Objective, mode: Pipeli
 
 
 def pipelined_steps(
-    parallel: HybridParallel,
+    parallel: PipelinedParallel,
     source: Iterable[BatchWithState],
     objective: Objective,
     optimizer: torch.optim.Optimizer,
@@ -258,7 +277,7 @@ def pipelined_steps(
         lookup.pipeline = None
 
 
-def _agreed(parallel: HybridParallel, source: Iterable[BatchWithState], objective: Objective):
+def _agreed(parallel: PipelinedParallel, source: Iterable[BatchWithState], objective: Objective):
     """The source's batches as :class:`PipelinedBatch` es, for as long as every rank has one."""
     features = parallel.embedding.torchrec_features
     items = iter(source)

@@ -4,6 +4,7 @@ graceful stops."""
 
 __all__ = [
     "data_wait",
+    "finish",
     "observers",
     "overlap",
     "parallel",
@@ -11,6 +12,7 @@ __all__ = [
     "pipeline",
     "preemption",
     "schedule",
+    "setup",
     "step",
     "trainer",
 ]

@@ -3,93 +3,50 @@
 from __future__ import annotations
 
 import logging
-import os
-import random
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from recaccel.config import Config, LabelKind, Loss
-from recaccel.config.rules import check_rule
+from recaccel.config import Config
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.loader import DeviceLoader
 from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import epoch_done, saved_counters, set_counters
-from recaccel.models.factory import build_model
-from recaccel.train.checkpoint.best import next_record, summary
+from recaccel.train.checkpoint.best import next_record
 from recaccel.train.checkpoint.paths import all_checkpoints
 from recaccel.train.checkpoint.state import TrainState, load_reader_position, save_best
 from recaccel.train.distributed.faults import KillRank
-from recaccel.train.distributed.monitor import check_faults
 from recaccel.train.evaluation.evaluate import MetricWindow
 from recaccel.train.loop.data_wait import DataWait
+from recaccel.train.loop.finish import incidents, run_figures
 from recaccel.train.loop.observers import Note, StepObserver, StepObservers
-from recaccel.train.loop.parallel import Parallelism, SingleProcess, StepDone
+from recaccel.train.loop.parallel import Parallelism, StepDone
 from recaccel.train.loop.preemption import Preempted, StopSignals
 from recaccel.train.loop.schedule import LRSchedule, sparse_rate_setters
-from recaccel.train.model.dense_head import build_head, check_head_options
-from recaccel.train.model.objectives import DLRMObjective, MetaObjective, Objective
+from recaccel.train.loop.setup import (
+    build_objectives,
+    build_parallel,
+    resolve_device,
+    resolve_loss,
+    seed_generators,
+)
+from recaccel.train.model.objectives import DLRMObjective, Objective
 from recaccel.train.model.optim import build_dense_optimizer
 from recaccel.train.model.precision import log_fallback, matmul_precision
-from recaccel.train.model.user_model import ModelSource, build_user_model
+from recaccel.train.model.user_model import ModelSource
 from recaccel.train.run.cache_meter import CacheMeter
 from recaccel.train.run.console import PhaseTimer, show_eval, show_event
 from recaccel.train.run.profiling import StepProfiler
-from recaccel.train.run.runlog import RunLog, check_run_dir, clear_run, read_events
+from recaccel.train.run.runlog import RunLog, check_run_dir, clear_run
+
+# The builders live in loop.setup; their old home still names them.
+__all__ = ["Trainer", "build_parallel", "resolve_device", "resolve_loss"]
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={name!r} but no CUDA device is available")
-    try:
-        return torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"train.device={name!r} is not a device name (auto, cpu, cuda)") from None
-
-
-def resolve_loss(cfg: Config, label_kind: LabelKind) -> Loss:
-    """``bce`` for click labels, ``mse`` for ratings (``train.loss = auto`` picks by data)."""
-    loss = cfg.train.loss
-    if loss == "auto":
-        return "bce" if label_kind == "binary" else "mse"
-    if loss == "bce" and label_kind != "binary":
-        raise ConfigError(f"train.loss=bce needs binary labels; {cfg.data.train} has {label_kind} labels")
-    return loss
-
-
-def build_parallel(cfg: Config, device: torch.device) -> Parallelism:
-    """The process layout ``cfg.parallel.mode`` asks for.
-
-    Raises:
-        ConfigError: ``single`` mode in a multi-process launch.
-    """
-    if cfg.parallel.mode == "hybrid":
-        from recaccel.train.distributed.hybrid import HybridParallel
-
-        check_rule(cfg, "hybrid_keeps_no_best_checkpoint")  # a config changed after it was loaded
-        return HybridParallel(cfg, device)
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        raise ConfigError(
-            f"{world} processes were launched but parallel.mode=single; set parallel.mode=hybrid"
-        )
-    if cfg.parallel.data == "dynamic":
-        raise ConfigError("config key parallel.data=dynamic needs parallel.mode=hybrid")
-    if cfg.parallel.straggler != "off":
-        raise ConfigError(
-            f"config key parallel.straggler={cfg.parallel.straggler} needs parallel.mode=hybrid"
-        )
-    check_faults(cfg, 1)
-    return SingleProcess(device)
 
 
 class Trainer:
@@ -123,7 +80,6 @@ class Trainer:
         observers: list[StepObserver] | None = None,
     ) -> None:
         self.cfg = cfg
-        self._model_source = model
         self.run_dir = Path(cfg.train.out_dir)
         if resume and overwrite:
             raise ConfigError("--resume continues the run in the run directory; --overwrite would delete it")
@@ -134,10 +90,10 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         self.parallel = parallel or build_parallel(cfg, self.device)
         self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
-        self._seed()
+        seed_generators(cfg.train)
         log_fallback(cfg.train.precision, self.device)
         self.schema = open_dataset(cfg.data.train, cfg.data.schema).schema
-        self.objective, self.evaluator = self._objectives()
+        self.objective, self.evaluator = build_objectives(cfg, self.schema, self.device, model)
         self.module = self.parallel.wrap(self.objective.module)
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
         self.reader = self._reader(self.objective, cfg.data.train, train=True)
@@ -169,36 +125,6 @@ class Trainer:
         self._event(note.kind, **note.fields)
         if note.text is not None and self.parallel.is_main:
             show_event(note.text, *note.args, warning=note.warning)
-
-    def _seed(self) -> None:
-        """Seeds every generator a checkpoint saves, so runs (and their checkpoints) repeat
-        in fresh processes too."""
-        t = self.cfg.train
-        if t.deterministic:
-            torch.use_deterministic_algorithms(True)
-        torch.manual_seed(t.seed)
-        random.seed(t.seed)
-        np.random.seed(t.seed)
-
-    def _objectives(self) -> tuple[Objective, Objective]:
-        """The training objective and the one evaluation runs.
-
-        ``train.eval_tasks`` scores a plain DLRM like a meta-learner (fine-tuned on each
-        task's support rows, and as is), on the same query rows: the meta baselines.
-        """
-        cfg = self.cfg
-        check_rule(cfg, "hybrid_places_no_table_on_host")
-        if self._model_source is not None:
-            model = build_user_model(self._model_source, cfg, self.schema, self.device)
-        else:
-            model = build_model(cfg.model, cfg.optim, self.schema, self.device)
-        loss = resolve_loss(cfg, self.schema.label_kind)
-        check_head_options(cfg.train, model, self.device)
-        if cfg.train.mode == "meta":
-            objective = MetaObjective(cfg, model, loss)
-            return objective, objective
-        objective = DLRMObjective(cfg, model, loss, head=build_head(model, cfg.train, self.device))
-        return objective, (MetaObjective(cfg, model, loss) if cfg.train.eval_tasks else objective)
 
     def _restore(self, fresh_if_no_checkpoint: bool) -> None:
         """Loads the newest checkpoint of the run directory (model, optimizer, TrainState)."""
@@ -512,16 +438,7 @@ class Trainer:
         if self.parallel.is_main:
             show_eval(self.state.step, metrics, final=True)
         metrics.update(
-            steps=self.state.step,
-            epochs=self.state.epoch,
-            train_samples=self.state.samples,
-            samples_per_s=self.state.samples / max(self.state.train_seconds, 1e-9),
-            train_loss=self.state.last_loss,
-            data_wait_s=wait.seconds,
-            data_startup_s=wait.startup_seconds,
-            data_wait_fraction=wait.fraction(self.state.train_seconds - seconds_before),
-            data=dict(self.state.data) if self.state.data is not None else dict(self.reader.counters),
-            **summary(self.state.best, self.cfg.train),
+            run_figures(self.state, wait, seconds_before, self.reader.counters, self.cfg.train),
             **self.observers.final_metrics(),  # cache totals; hybrid rank 0: monitor, straggler
         )
         metrics.update(self._incidents())
@@ -533,12 +450,8 @@ class Trainer:
         return metrics
 
     def _incidents(self) -> dict[str, int]:
-        """Rank 0: how many times the ranks were restarted and how many monitor flags were
-        raised over the whole run (resumed stretches included), from its log."""
-        if self.log is None:
-            return {}
-        kinds = [event.get("event") for event in read_events(self.run_dir)]
-        return {"restarts": kinds.count("restart"), "flags": kinds.count("flag")}
+        """Rank 0: the run's restarts and monitor flags, from its log (none elsewhere)."""
+        return incidents(self.run_dir) if self.log is not None else {}
 
     def _counters(self, position: dict[str, Any]) -> dict[str, int]:
         """The reader counters as of the last trained batch: those paired with its position

@@ -33,10 +33,11 @@ import logging
 import random
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
+from torch import nn
 
 from recaccel.errors import DataError
 from recaccel.io.format.schema import FeatureSchema
@@ -46,7 +47,8 @@ from recaccel.ops.embedding.cache.sizing import PackNeed, pack_rows, plan_cache,
 from recaccel.sparse import Batch, SparseFeatures, TaskBatch
 
 if TYPE_CHECKING:
-    from recaccel.train.loop.trainer import Trainer
+    from recaccel.config import Config
+    from recaccel.train.loop.parallel import Parallelism
     from recaccel.train.model.objectives import Objective
 
 logger = logging.getLogger(__name__)
@@ -55,7 +57,20 @@ _ENABLED = True  # tests turn the pass off to compare a run with and without it
 _TRAIN_SAMPLE = 2  # training batches measured beyond one window
 
 
-def sanity_pass(trainer: Trainer) -> None:
+class TrainerView(Protocol):
+    """What the pass reads of the trainer (``recaccel.train.loop.trainer.Trainer`` has it;
+    named by its shape so the trainer's module and this one do not import each other)."""
+
+    cfg: Config
+    device: torch.device
+    parallel: Parallelism
+    schema: FeatureSchema
+    objective: Objective
+    evaluator: Objective
+    module: nn.Module  # the objective's module as the parallelism wrapped it
+
+
+def sanity_pass(trainer: TrainerView) -> None:
     """Checks the evaluation data and sizes the host cache before the first step (module docstring).
 
     Raises:
@@ -76,7 +91,7 @@ def sanity_pass(trainer: Trainer) -> None:
             evaluate_one(trainer, batch, path)
 
 
-def sources(trainer: Trainer) -> list[tuple[str, str]]:
+def sources(trainer: TrainerView) -> list[tuple[str, str]]:
     """(config key, path) of every source the run evaluates at its end."""
     cfg = trainer.cfg
     found = [("data.test", cfg.data.test)]
@@ -187,7 +202,7 @@ def check_ids(model: FeatureSchema, sf: SparseFeatures, path: str, key: str) -> 
 # ------------------------------------------------------------------ host cache
 
 
-def size_host_caches(trainer: Trainer, evals: list[Batch | TaskBatch]) -> None:
+def size_host_caches(trainer: TrainerView, evals: list[Batch | TaskBatch]) -> None:
     """Sizes every device cache of host tables (or shortens the lookahead) for the first
     batches, with one warning; nothing without host tables.
 
@@ -218,7 +233,7 @@ def size_host_caches(trainer: Trainer, evals: list[Batch | TaskBatch]) -> None:
         set_lookahead(trainer, plan.window - 1)
 
 
-def training_sample(trainer: Trainer, count: int) -> list[Batch | TaskBatch]:
+def training_sample(trainer: TrainerView, count: int) -> list[Batch | TaskBatch]:
     """The first ``count`` training-sized batches of ``data.train`` in file order (a
     reader of its own: the run's training reader and its shuffle are not touched)."""
     cfg = trainer.cfg
@@ -238,7 +253,7 @@ def training_sample(trainer: Trainer, count: int) -> list[Batch | TaskBatch]:
             close()
 
 
-def set_lookahead(trainer: Trainer, lookahead: int) -> None:
+def set_lookahead(trainer: TrainerView, lookahead: int) -> None:
     """Runs with ``model.cache_lookahead = lookahead``: the pipeline prepares that many
     batches minus one ahead (the caches' window was set with their size); the config
     records it."""
@@ -250,7 +265,7 @@ def set_lookahead(trainer: Trainer, lookahead: int) -> None:
 # ------------------------------------------------------------------ one batch
 
 
-def evaluate_one(trainer: Trainer, batch: Batch | TaskBatch, path: str) -> None:
+def evaluate_one(trainer: TrainerView, batch: Batch | TaskBatch, path: str) -> None:
     """One evaluation batch through the run's evaluation (its metrics are dropped: one
     batch may hold one class only, whose AUC is undefined)."""
     trainer.module.eval()
