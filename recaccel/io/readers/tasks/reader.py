@@ -77,9 +77,9 @@ from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.readers.engine import Position, ShardedReader
 from recaccel.io.readers.options import ReadOptions, Shard
 from recaccel.io.readers.state import counters_at
+from recaccel.io.readers.tasks.count import batch_count, kept_tasks_owned
 from recaccel.io.readers.tasks.pool import TaskPool, build_task_batch
 from recaccel.io.readers.tasks.split import SPLIT_COUNTERS, SplitSpec
-from recaccel.io.readers.tasks.count import batch_count, kept_tasks_owned
 from recaccel.io.readers.tasks.stream import HeadStash, check_order, key_index, wanted_heads
 from recaccel.io.readers.tasks.units import UnitJob, UnitLoader, UnitWorker
 from recaccel.sparse import TaskBatch
