@@ -23,7 +23,29 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="recaccel-data", description="Generate and convert datasets.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_synth(sub)
+    _add_criteo(sub)
+    _add_movielens(sub)
+    _add_melu(sub)
+    _add_tasks(sub)
+    _add_inspect(sub)
 
+    args = parser.parse_args(argv)
+    setup_logging(args.verbose)
+
+    def body() -> int:
+        if args.command == "inspect":
+            return _inspect(args)
+        report = _DATA_COMMANDS[args.command](args)
+        hidden = ("schema", "train_paths", "test_paths", "skipped_lines", "paths")
+        print(json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=2, default=str))
+        return 0
+
+    return run_command("recaccel-data", body)
+
+
+def _add_synth(sub: argparse._SubParsersAction) -> None:
+    """The ``synth`` subcommand: generate the [synth] config's dataset."""
     synth = sub.add_parser("synth", help="Criteo-like synthetic data with a planted model ([synth] config)")
     add_config_args(synth, required=False)
     synth.add_argument(
@@ -33,6 +55,9 @@ def data_main(argv: Sequence[str] | None = None) -> int:
         help="replace a dataset generated with another config, or other files in its split folders",
     )
 
+
+def _add_criteo(sub: argparse._SubParsersAction) -> None:
+    """The ``criteo`` subcommand: Criteo TSV to Parquet."""
     criteo = sub.add_parser("criteo", help="Criteo Kaggle/Terabyte TSV to Parquet")
     criteo.add_argument("src", help="TSV file (label, I1..I13, C1..C26)")
     criteo.add_argument("out_dir", help="output folder (train/ and test/ are written inside)")
@@ -52,6 +77,9 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     criteo.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(criteo)
 
+
+def _add_movielens(sub: argparse._SubParsersAction) -> None:
+    """The ``movielens`` subcommand: MovieLens 100K to task-grouped Parquet."""
     movielens = sub.add_parser("movielens", help="MovieLens 100K to task-grouped Parquet (user = task)")
     movielens.add_argument("src", help="folder with u.data, u.user, u.item, u.genre, u.occupation")
     movielens.add_argument("out_dir", help="output folder (train/ and test/ are written inside)")
@@ -69,6 +97,9 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     movielens.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(movielens)
 
+
+def _add_melu(sub: argparse._SubParsersAction) -> None:
+    """The ``melu`` subcommand: MeLU's MovieLens 1M states to task-grouped Parquet."""
     melu = sub.add_parser("melu", help="MeLU's preprocessed MovieLens 1M states to task-grouped Parquet")
     melu.add_argument(
         "src", help="folder with *_state.json, *_state_y.json, users.dat, movies_extrainfos.dat"
@@ -98,6 +129,9 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     melu.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(melu)
 
+
+def _add_tasks(sub: argparse._SubParsersAction) -> None:
+    """The ``tasks`` subcommand: any Parquet regrouped by a task key."""
     tasks = sub.add_parser(
         "tasks",
         help="rewrite a Parquet dataset grouped by a task key (any Parquet with a [data.schema] config)",
@@ -126,6 +160,9 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     tasks.add_argument("--overwrite", "--force", action="store_true", help=_OVERWRITE_HELP)
     _compression_arg(tasks)
 
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    """The ``inspect`` subcommand: a Parquet's columns and a suggested [data.schema]."""
     inspect = sub.add_parser(
         "inspect", help="any Parquet's columns (type, nulls, distinct) and a suggested [data.schema]"
     )
@@ -154,19 +191,6 @@ def data_main(argv: Sequence[str] | None = None) -> int:
         help="columns with at most this many distinct values get an exact vocabulary (with --write-schema); "
         "more: a hash",
     )
-
-    args = parser.parse_args(argv)
-    setup_logging(args.verbose)
-
-    def body() -> int:
-        if args.command == "inspect":
-            return _inspect(args)
-        report = _DATA_COMMANDS[args.command](args)
-        hidden = ("schema", "train_paths", "test_paths", "skipped_lines", "paths")
-        print(json.dumps({k: v for k, v in report.items() if k not in hidden}, indent=2, default=str))
-        return 0
-
-    return run_command("recaccel-data", body)
 
 
 def _inspect(args: argparse.Namespace) -> int:
