@@ -5,17 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from recaccel.ops.embedding import PackedEmbeddingBag
+from recaccel.ops.embedding.cache.counters import SUMMED_KEYS
 from recaccel.train.loop.observers import StepObserver
-
-# Counters that add up over modules and steps (the hit rate is recomputed from two of them).
-_COUNTERS = (
-    "cache_requests",
-    "cache_hits",
-    "cache_rows_fetched",
-    "cache_rows_evicted",
-    "cache_bytes_h2d",
-    "cache_bytes_d2h",
-)
 
 
 class CacheMeter(StepObserver):
@@ -57,12 +48,12 @@ class CacheMeter(StepObserver):
         now = self.totals()
         if not now:
             return {}
-        last = self._last or {key: 0.0 for key in _COUNTERS}
+        last = self._last or {key: 0.0 for key in SUMMED_KEYS}
         steps = max(step - self._last_step, 1)
-        delta = {key: now[key] - last[key] for key in _COUNTERS}
+        delta = {key: now[key] - last[key] for key in SUMMED_KEYS}
         self._last, self._last_step = now, step
         out = {"cache_hit_rate": _hit_rate(delta)}
-        for key in _COUNTERS[2:]:
+        for key in SUMMED_KEYS[2:]:
             out[f"{key}_per_step"] = delta[key] / steps
         out["cache_staging_bytes"] = now.get("cache_staging_bytes", 0.0)
         return out

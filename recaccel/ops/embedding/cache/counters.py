@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
-STAT_KEYS = (
-    "cache_hit_rate",
+# Statistics that add up over packs and steps (a hit rate is recomputed from two of them).
+SUMMED_KEYS = (
     "cache_requests",
     "cache_hits",
     "cache_rows_fetched",
     "cache_rows_evicted",
     "cache_bytes_h2d",
     "cache_bytes_d2h",
-    "cache_staging_bytes",
-    "cache_rows",
 )
+STAT_KEYS = ("cache_hit_rate", *SUMMED_KEYS, "cache_staging_bytes", "cache_rows")
 
 
 @dataclasses.dataclass
