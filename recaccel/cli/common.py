@@ -146,13 +146,18 @@ def add_config_args(parser: argparse.ArgumentParser, *, required: bool) -> None:
         metavar="FILE",
         help="TOML config file (see configs/; repeatable: merged left to right); without it, built-in defaults",
     )
+    add_set_arg(parser, "override a config value (repeatable), e.g. --set train.steps=100")
+
+
+def add_set_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable), collected into ``args.overrides``."""
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set train.steps=100",
+        help=help_text,
     )
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from recaccel.cli.common import format_metric, run_command, setup_logging
+from recaccel.cli.common import add_set_arg, format_metric, run_command, setup_logging
 from recaccel.output_paths import Read, check_output, run_reads, write_text_atomic
 
 
@@ -46,13 +46,8 @@ def eval_main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="replace an existing --out / --predictions file (never the run's own files or the data read)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a value of the run's config (repeatable), e.g. --set data.eval_batch_size=4096",
+    add_set_arg(
+        parser, "override a value of the run's config (repeatable), e.g. --set data.eval_batch_size=4096"
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     args = parser.parse_args(argv)
