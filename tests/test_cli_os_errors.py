@@ -85,8 +85,9 @@ def test_an_output_below_a_file_is_refused_naming_the_file(data, tmp_path, capsy
 
 
 def test_another_os_error_is_one_line_with_its_reason_and_path(data, capsys, monkeypatch):
-    def failing_disk(path, **kwargs):
-        raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+    def failing_disk(paths, **kwargs):  # inspect reads every path given: it fails on the first
+        first = paths[0] if isinstance(paths, list) else paths
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(first))
 
     monkeypatch.setattr("recaccel.io.format.inspect.inspect_dataset", failing_disk)
     assert data_main(["inspect", str(data)]) == 2

@@ -142,7 +142,7 @@ class ProcessLoader(Generic[S, T]):
             proc = ctx.Process(
                 target=_serve,
                 args=(job, theirs, mark, f"{self._prefix}w{k}", slots, plan is not None, workers),
-                name=f"recaccel-reader-{k}",
+                name=f"reader-worker-{k}",
                 daemon=True,
             )
             proc.start()
