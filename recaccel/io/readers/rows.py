@@ -258,11 +258,7 @@ class BatchReader(ShardedReader):
                     carry = rest if carry is None else Columns.concat([carry, rest])
                     carry_rows += n - i
                 del cols
-            if carry_rows and not self.options.drop_last:
-                batch = carry.to_batch()
-                self._count(batch)
-                yield batch, Position(epoch, (len(buffers), 0), True), counters_at(self.counters)
-            self.counters["rows_dropped_last"] += carry_rows if self.options.drop_last else 0
+            yield from self._last_batch(carry, carry_rows, Position(epoch, (len(buffers), 0), True))
         finally:
             loader.close()
 
@@ -336,13 +332,19 @@ class BatchReader(ShardedReader):
                 if piece.tail is not None:
                     carry = piece.tail if carry is None else Columns.concat([carry, piece.tail])
                     carry_rows += n - i
-            if carry_rows and not self.options.drop_last:
-                batch = carry.to_batch()
-                self._count(batch)
-                yield batch, Position(epoch, (len(buffers), 0), True), counters_at(self.counters)
-            self.counters["rows_dropped_last"] += carry_rows if self.options.drop_last else 0
+            yield from self._last_batch(carry, carry_rows, Position(epoch, (len(buffers), 0), True))
         finally:
             loader.close()
+
+    def _last_batch(
+        self, carry: Columns | None, carry_rows: int, end: Position
+    ) -> Iterator[tuple[Batch, Position, dict[str, int]]]:
+        """The rows carried past the last buffer: one short batch, or counted as dropped."""
+        if carry_rows and not self.options.drop_last:
+            batch = carry.to_batch()
+            self._count(batch)
+            yield batch, end, counters_at(self.counters)
+        self.counters["rows_dropped_last"] += carry_rows if self.options.drop_last else 0
 
     def _count(self, batch: Batch) -> None:
         self.counters["rows_yielded"] += batch.batch_size
