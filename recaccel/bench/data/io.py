@@ -53,7 +53,7 @@ from recaccel.bench.data import io_workers
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, plot_file, write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved_samples
-from recaccel.config import SynthConfig, TasksConfig
+from recaccel.config import SynthConfig
 from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.readers.options import ReadOptions
@@ -157,13 +157,7 @@ def candidates(path: Path, args) -> dict:
     schema = info.schema
     plain_cols = [schema.label, *schema.dense, *schema.sparse_names]
     task_cols = plain_cols + [schema.task_key] + ([schema.timestamp] if schema.timestamp else [])
-    tcfg = TasksConfig(
-        tasks_per_batch=args.tasks_per_batch,
-        support_size=args.support_size,
-        query_size=args.query_size,
-        min_task_rows=2,
-        shuffle_buffer_tasks=1024,
-    )
+    tcfg = io_workers.tasks_config(args)
 
     def raw(columns, threads=False):
         n = 0

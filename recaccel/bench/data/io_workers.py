@@ -44,6 +44,17 @@ NUM_DENSE = 13
 RAW = ("raw_pyarrow", "raw_pyarrow_threads")
 
 
+def tasks_config(args) -> TasksConfig:
+    """The task batches both io benchmarks read: the command's sizes, small tasks allowed."""
+    return TasksConfig(
+        tasks_per_batch=args.tasks_per_batch,
+        support_size=args.support_size,
+        query_size=args.query_size,
+        min_task_rows=2,
+        shuffle_buffer_tasks=1024,
+    )
+
+
 def parse_workers(text: str) -> list[int]:
     """``"0,1,2"`` -> ``[0, 1, 2]``.
 
@@ -130,13 +141,7 @@ def sweep_candidates(
         options = ReadOptions(seed=0, read_ahead=args.read_ahead, workers=workers)
         return BatchReader(path, args.batch_size, options, shuffle_buffer_rows=buffer_rows)
 
-    tasks_cfg = TasksConfig(
-        tasks_per_batch=args.tasks_per_batch,
-        support_size=args.support_size,
-        query_size=args.query_size,
-        min_task_rows=2,
-        shuffle_buffer_tasks=1024,
-    )
+    tasks_cfg = tasks_config(args)
 
     def tasks(workers: int):
         return TaskReader(path, tasks_cfg, ReadOptions(seed=0, read_ahead=args.read_ahead, workers=workers))
