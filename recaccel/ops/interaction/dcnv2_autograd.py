@@ -31,6 +31,46 @@ def empty_gradients(x0: Tensor, u: Tensor, v: Tensor) -> tuple[Tensor, Tensor, T
     )
 
 
+def register_cross_ops(
+    name: str, forward: CrossOp, backward: CrossOp, *, layer_major: bool
+) -> tuple[CrossOp, CrossOp]:
+    """Registers one path's forward and backward as ``recaccel::<name>`` and
+    ``recaccel::<name>_backward`` custom ops, with fake (meta) implementations.
+
+    Args:
+        name: The forward op's name in the ``recaccel`` namespace.
+        forward: ``(x0, U, V, b) -> (out [B, K], xs, hs, ys)``.
+        backward: ``(grad_out, x0, U, V, xs, hs, ys) -> (dx0, dU, dV, db)``.
+        layer_major: Whether the intermediates are [L, B, .] (else [B, L, .]).
+    """
+
+    def forward_op(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return forward(x0, u, v, b)
+
+    def forward_fake(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        rows, k = x0.shape
+        layers, _, rank = u.shape
+
+        def saved(n: int, width: int) -> Tensor:
+            return x0.new_empty(n, rows, width) if layer_major else x0.new_empty(rows, n, width)
+
+        return x0.new_empty(rows, k), saved(layers - 1, k), saved(layers, rank), saved(layers, k)
+
+    def backward_op(
+        grad_out: Tensor, x0: Tensor, u: Tensor, v: Tensor, xs: Tensor, hs: Tensor, ys: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return backward(grad_out, x0, u, v, xs, hs, ys)
+
+    def backward_fake(grad_out, x0, u, v, xs, hs, ys) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return empty_gradients(x0, u, v)
+
+    fwd = torch.library.custom_op(f"recaccel::{name}", forward_op, mutates_args=())
+    fwd.register_fake(forward_fake)
+    bwd = torch.library.custom_op(f"recaccel::{name}_backward", backward_op, mutates_args=())
+    bwd.register_fake(backward_fake)
+    return fwd, bwd
+
+
 def cross_function(forward_op: CrossOp, backward_op: CrossOp, what: str) -> type[torch.autograd.Function]:
     """An autograd Function over one path's forward and backward custom ops.
 

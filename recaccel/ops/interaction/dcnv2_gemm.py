@@ -33,7 +33,7 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.ops.backend import check_triton_launchable
-from recaccel.ops.interaction.dcnv2_autograd import cross_function, empty_gradients
+from recaccel.ops.interaction.dcnv2_autograd import cross_function, register_cross_ops
 from recaccel.ops.interaction.dcnv2_reference import (
     CROSS_TRITON_DTYPES,
     check_cross_input,
@@ -153,36 +153,9 @@ def _backward(
     return g, grad_u, grad_v, grad_b
 
 
-@torch.library.custom_op("recaccel::dcnv2_cross_gemm", mutates_args=())
-def _cross_op(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(x0, u, v, b)
-
-
-@_cross_op.register_fake
-def _cross_fake(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    rows, k = x0.shape
-    layers, _, rank = u.shape
-    return (
-        x0.new_empty(rows, k),
-        x0.new_empty(layers - 1, rows, k),
-        x0.new_empty(layers, rows, rank),
-        x0.new_empty(layers, rows, k),
-    )
-
-
-@torch.library.custom_op("recaccel::dcnv2_cross_gemm_backward", mutates_args=())
-def _cross_backward_op(
-    grad_out: Tensor, x0: Tensor, u: Tensor, v: Tensor, xs: Tensor, hs: Tensor, ys: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _backward(grad_out, x0, u, v, xs, hs, ys)
-
-
-@_cross_backward_op.register_fake
-def _cross_backward_fake(grad_out, x0, u, v, xs, hs, ys) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return empty_gradients(x0, u, v)
-
-
-_CrossFn = cross_function(_cross_op, _cross_backward_op, "GEMM-path")
+_CrossFn = cross_function(
+    *register_cross_ops("dcnv2_cross_gemm", _forward, _backward, layer_major=True), "GEMM-path"
+)
 
 
 def dcnv2_cross_gemm(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> Tensor:

@@ -34,7 +34,7 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.ops.backend import check_triton_launchable
-from recaccel.ops.interaction.dcnv2_autograd import cross_function, empty_gradients
+from recaccel.ops.interaction.dcnv2_autograd import cross_function, register_cross_ops
 from recaccel.ops.interaction.dcnv2_reference import (
     CROSS_TRITON_DTYPES,
     check_cross_input,
@@ -253,36 +253,7 @@ def _backward(
     return grad_x0, grad_u, grad_v, grad_b
 
 
-@torch.library.custom_op("recaccel::dcnv2_cross", mutates_args=())
-def _cross_op(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _forward(x0, u, v, b)
-
-
-@_cross_op.register_fake
-def _cross_fake(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    rows, k = x0.shape
-    layers, _, rank = u.shape
-    return (
-        x0.new_empty(rows, k),
-        x0.new_empty(rows, layers - 1, k),
-        x0.new_empty(rows, layers, rank),
-        x0.new_empty(rows, layers, k),
-    )
-
-
-@torch.library.custom_op("recaccel::dcnv2_cross_backward", mutates_args=())
-def _cross_backward_op(
-    grad_out: Tensor, x0: Tensor, u: Tensor, v: Tensor, xs: Tensor, hs: Tensor, ys: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _backward(grad_out, x0, u, v, xs, hs, ys)
-
-
-@_cross_backward_op.register_fake
-def _cross_backward_fake(grad_out, x0, u, v, xs, hs, ys) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return empty_gradients(x0, u, v)
-
-
-_CrossFn = cross_function(_cross_op, _cross_backward_op, "fused")
+_CrossFn = cross_function(*register_cross_ops("dcnv2_cross", _forward, _backward, layer_major=False), "fused")
 
 
 def dcnv2_cross_triton(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> Tensor:
