@@ -176,7 +176,20 @@ class TensorBoardHParams:
         pass  # the writer is TensorBoardLog's
 
 
-class WandbLog:
+class _NumbersLog:
+    """A logger of each event's finite numbers at the event's step (nothing for an event
+    without any); subclasses say how one event's numbers are sent."""
+
+    def event(self, record: dict[str, Any]) -> None:
+        numbers = event_numbers(record)
+        if numbers:
+            self._log_numbers(numbers, record_step(record))
+
+    def _log_numbers(self, numbers: dict[str, float], step: int) -> None:
+        raise NotImplementedError
+
+
+class WandbLog(_NumbersLog):
     """Weights & Biases: the config, and each event's numbers at its step.
 
     Args:
@@ -194,16 +207,14 @@ class WandbLog:
     def config(self, cfg: Config) -> None:
         self._run.config.update(flat_config(cfg), allow_val_change=True)
 
-    def event(self, record: dict[str, Any]) -> None:
-        numbers = event_numbers(record)
-        if numbers:
-            self._run.log(numbers, step=record_step(record))
+    def _log_numbers(self, numbers: dict[str, float], step: int) -> None:
+        self._run.log(numbers, step=step)
 
     def close(self) -> None:
         self._run.finish()
 
 
-class MlflowLog:
+class MlflowLog(_NumbersLog):
     """MLflow: the config as parameters, and each event's numbers as metrics at its step.
 
     Args:
@@ -222,10 +233,8 @@ class MlflowLog:
         for chunk in _chunks(flat_config(cfg), 100):  # MLflow takes at most 100 per call
             self._mlflow.log_params(chunk)
 
-    def event(self, record: dict[str, Any]) -> None:
-        numbers = event_numbers(record)
-        if numbers:
-            self._mlflow.log_metrics(numbers, step=record_step(record))
+    def _log_numbers(self, numbers: dict[str, float], step: int) -> None:
+        self._mlflow.log_metrics(numbers, step=step)
 
     def close(self) -> None:
         self._mlflow.end_run()
