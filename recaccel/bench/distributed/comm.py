@@ -17,9 +17,7 @@ expectations), global batch B split over W = 2 ranks.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import socket
 import tempfile
 import time
 from collections import defaultdict
@@ -27,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from recaccel.bench.distributed.local_group import free_port, join_local_gloo
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, write_results_markdown
 from recaccel.config import ShardingKind, choices
@@ -171,13 +170,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, kinds: list[str], ou
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=300),
-    )
+    join_local_gloo(rank, WORLD, port, timeout_s=300)
     results = {kind: _run_kind(rank, args, kind) for kind in kinds}
     Path(out).joinpath(f"rank{rank}.json").write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -241,9 +234,7 @@ def main(args: argparse.Namespace, command_line: str) -> Path:
         )
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_worker, args=(r, port, args, kinds, tmp)) for r in range(WORLD)]

@@ -35,10 +35,8 @@ flagged within 20 steps; zero rows lost or repeated.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -49,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from recaccel.bench.distributed.local_group import free_port, join_local_gloo
 from recaccel.bench.distributed.straggler_report import SCENARIOS, analyse, write_markdown, write_plot
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, plot_file
@@ -234,13 +233,7 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
     logging.getLogger("recaccel").setLevel(logging.ERROR)  # the monitor's flag warnings
     out = Path(root)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=120),
-        )
+        join_local_gloo(rank, world, port, timeout_s=120)
         for run in plan:
             key = run["key"]
             start = time.perf_counter()
@@ -262,12 +255,6 @@ def _rank_main(rank: int, world: int, port: int, root: str, plan: list[dict[str,
         (out / f"error-{rank}.txt").write_text(traceback.format_exc())
         os._exit(1)
     os._exit(0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
@@ -293,7 +280,7 @@ def run_ranks(
         for n in names
     ]
     ctx = mp.get_context("spawn")
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_rank_main, args=(r, args.ranks, port, str(root), plan)) for r in range(args.ranks)
     ]
