@@ -74,16 +74,10 @@ class TableSpec:
         self.features = list(self.features) if self.features else [self.name]
         if len(set(self.features)) != len(self.features):
             raise ConfigError(f"table {self.name!r}: duplicate feature names in {self.features}")
-        if self.pooling not in POOLINGS:
-            raise ConfigError(f"table {self.name!r}: pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(
-                f"table {self.name!r}: optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}"
-            )
-        if self.placement not in PLACEMENTS:
-            raise ConfigError(
-                f"table {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}"
-            )
+        for key, allowed in (("pooling", POOLINGS), ("optimizer", OPTIMIZERS), ("placement", PLACEMENTS)):
+            value = getattr(self, key)
+            if value not in allowed:
+                raise ConfigError(f"table {self.name!r}: {key} must be one of {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
