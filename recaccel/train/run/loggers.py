@@ -11,6 +11,7 @@ import csv
 import importlib
 import json
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -176,7 +177,7 @@ class TensorBoardHParams:
         pass  # the writer is TensorBoardLog's
 
 
-class _NumbersLog:
+class _NumbersLog(ABC):
     """A logger of each event's finite numbers at the event's step (nothing for an event
     without any); subclasses say how one event's numbers are sent."""
 
@@ -185,8 +186,9 @@ class _NumbersLog:
         if numbers:
             self._log_numbers(numbers, record_step(record))
 
+    @abstractmethod
     def _log_numbers(self, numbers: dict[str, float], step: int) -> None:
-        raise NotImplementedError
+        """Sends one event's numbers at ``step``."""
 
 
 class WandbLog(_NumbersLog):

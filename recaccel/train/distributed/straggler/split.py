@@ -7,6 +7,7 @@ same decision on every rank, from the same agreed numbers).
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,7 @@ def split_units(total: int, shares: Sequence[float], minimum: int = 1) -> list[i
     return [minimum + p for p in parts]
 
 
-class SharedSplit(StragglerPolicy):
+class SharedSplit(StragglerPolicy, ABC):
     """Each rank's share of the global batch from measured speed (the same on every rank).
 
     A policy says how a window's rates become new shares (:meth:`decide`); this class
@@ -61,9 +62,9 @@ class SharedSplit(StragglerPolicy):
         self._units = [0] * world_size  # ... and rows (or tasks) per rank
         self._steps = 0
 
+    @abstractmethod
     def decide(self, rates: list[float]) -> list[float]:
         """The next shares from each rank's units per compute second over a window."""
-        raise NotImplementedError
 
     def observe(self, compute_s: Sequence[float], units: Sequence[float]) -> bool:
         """Adds one step's per-rank compute time and units; decides when a window is full.
