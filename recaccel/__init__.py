@@ -5,7 +5,8 @@ The public API: :func:`train`, :func:`launch` (N processes), :func:`resume`,
 catches. Importing it does not import torch (checked by ``tests/test_layout.py``).
 """
 
-from recaccel.api import evaluate, launch, resume, train
+from recaccel import train  # the package, callable as recaccel.api.train (see its __init__)
+from recaccel.api import evaluate, launch, resume
 from recaccel.config import (
     Config,
     DataConfig,

@@ -8,7 +8,9 @@ TorchRec (``import recaccel`` stays light).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 from recaccel.lazy import lazy_exports
 
@@ -64,3 +66,28 @@ __all__ = [
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+
+
+class _TrainPackage(types.ModuleType):
+    """``recaccel.train`` names both this package and the API's training function.
+
+    ``recaccel`` binds the package, made callable as :func:`recaccel.api.train`: were the
+    function bound there instead, ``import recaccel.train.loop.trainer as t`` (which walks
+    the attributes) would find the function and fail.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        from recaccel.api import train
+
+        return train(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> Any:  # inspect.signature(recaccel.train): the function's
+        import inspect
+
+        from recaccel.api import train
+
+        return inspect.signature(train)
+
+
+sys.modules[__name__].__class__ = _TrainPackage
