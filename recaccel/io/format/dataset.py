@@ -22,6 +22,8 @@ import pyarrow.parquet as pq
 
 from recaccel.config import SchemaMapping, UnreadableFilesPolicy, choices
 from recaccel.errors import ConfigError, DataError
+from recaccel.io.format.cache.manifest import is_cache, load_manifest, mapping_text
+from recaccel.io.format.cache.read import CachedRowGroupReader
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.decode import Policies, Projection, row_group_to_columns
 from recaccel.io.format.mapping import resolve_mapping
@@ -57,11 +59,13 @@ class DatasetInfo:
         schema: the dataset schema.
         files: the files, sorted by name.
         row_groups: every non-empty row group, in file order.
+        cache: the pre-decoded cache folder the rows are read from, or None (Parquet).
     """
 
     schema: FeatureSchema
     files: tuple[Path, ...]
     row_groups: tuple[RowGroupRef, ...]
+    cache: Path | None = dataclasses.field(default=None, compare=False)
 
     @property
     def num_rows(self) -> int:
@@ -179,7 +183,8 @@ def open_dataset(
     """Reads and checks the footers of a dataset.
 
     Args:
-        path: a ``.parquet`` file or a directory of them.
+        path: a ``.parquet`` file or a directory of them, or a cache folder (see
+            :mod:`recaccel.io.format.cache`): then the source's row groups, read from it.
         schema: the expected schema; None = the one stored in the first file's metadata,
             which every other file must then carry too. A given schema lets files
             written by other tools (without recaccel metadata) be read; so does a
@@ -196,6 +201,8 @@ def open_dataset(
             an unreadable, corrupt or truncated file, a file whose stored schema differs
             from the first file's, or a missing or mistyped column.
     """
+    if is_cache(path):
+        return _open_cache(path, schema)
     files = list_files(path, unreadable)
     expected = schema
     first: Path | None = None
@@ -226,6 +233,37 @@ def open_dataset(
             logger.warning("recaccel dataset: file %s has no rows; skipping it", f)
         row_groups += _row_groups(f, meta)
     return DatasetInfo(expected, tuple(files), tuple(row_groups))
+
+
+def _open_cache(path: str | Path, schema: FeatureSchema | SchemaMapping | None) -> DatasetInfo:
+    """The source's DatasetInfo as a cache folder records it (its checks passed)."""
+    manifest = load_manifest(path)
+    where = str(Path(path) / "cache.json")
+    if isinstance(schema, FeatureSchema) and schema != manifest.schema:
+        differ = ", ".join(_schema_diff(schema, manifest.schema))
+        raise DataError(f"the cache's schema differs from the expected one in: {differ}", path=where)
+    if not isinstance(schema, FeatureSchema) and mapping_text(schema) != manifest.mapping:
+        raise DataError(
+            "the cache was built with another [data.schema] mapping than this config's; "
+            "rebuild it with recaccel-data cache --config",
+            path=where,
+        )
+    refs = tuple(RowGroupRef(g.path, g.row_group, g.rows) for g in manifest.row_groups)
+    return DatasetInfo(manifest.schema, tuple(manifest.files), refs, cache=Path(path))
+
+
+def row_group_reader(
+    schema: FeatureSchema,
+    projection: Projection,
+    policies: Policies,
+    stats: dict[str, int],
+    cache: Path | None = None,
+) -> RowGroupReader | CachedRowGroupReader:
+    """The row-group reader of a dataset: Parquet, or the cache folder ``cache``
+    (``DatasetInfo.cache``); both return the same Columns and counters."""
+    if cache is None:
+        return RowGroupReader(schema, projection, policies, stats)
+    return CachedRowGroupReader(cache, schema, projection, policies, stats)
 
 
 def _row_groups(path: Path, meta: pq.FileMetaData) -> list[RowGroupRef]:

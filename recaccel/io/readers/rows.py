@@ -55,7 +55,7 @@ import numpy as np
 from recaccel.config import DataConfig
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns, take_batch
-from recaccel.io.format.dataset import RowGroupReader, RowGroupRef
+from recaccel.io.format.dataset import RowGroupReader, RowGroupRef, row_group_reader
 from recaccel.io.format.decode import (
     Policies,
     Projection,
@@ -286,6 +286,7 @@ class BatchReader(ShardedReader):
             epoch,
             shard,
             self.batch_size,
+            self.info.cache,
         )
 
     def _cut_in_workers(
@@ -364,10 +365,11 @@ class _BufferJob:
     epoch: int
     shard: int
     batch_size: int
+    cache: Path | None = None  # the dataset's pre-decoded cache folder (DatasetInfo.cache)
 
     def new_worker(self) -> RowGroupReader:
-        """A row-group reader with its own file handles and counters."""
-        return RowGroupReader(self.schema, self.projection, self.policies, new_decode_stats())
+        """A row-group reader (Parquet, or the dataset's cache) with its own files and counters."""
+        return row_group_reader(self.schema, self.projection, self.policies, new_decode_stats(), self.cache)
 
     def load(
         self, source: RowGroupReader, b: int, note: Callable[[int], None] = lambda _: None

@@ -1,0 +1,219 @@
+"""The cache's manifest, ``cache.json``: what a pre-decoded dataset holds, and its checks.
+
+A cache folder holds ``cache.json`` and one raw little-endian file per column (see
+:mod:`recaccel.io.format.cache.build`). The manifest records the format version, the
+schema, the read policies and the ``[data.schema]`` mapping the rows were decoded
+under, the source files (size, mtime_ns) with their row groups (footer rows, kept
+rows, the decode counters their Parquet read added), and each column file's dtype and
+shape. :func:`load_manifest` trusts none of it: a bad version, a missing or truncated
+column file, or a source file changed since the build is one :class:`DataError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recaccel.config import SchemaMapping
+from recaccel.errors import DataError
+from recaccel.io.format.schema import FeatureSchema
+
+MANIFEST = "cache.json"
+FORMAT = "recaccel-cache"
+VERSION = 1
+REBUILD = "rebuild it with recaccel-data cache"
+
+
+@dataclass(frozen=True)
+class ColumnFile:
+    """One column file: its name in the cache folder, dtype (little-endian) and shape."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.dtype(self.dtype).itemsize * np.prod(self.shape, dtype=np.int64))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "dtype": self.dtype, "shape": list(self.shape)}
+
+
+@dataclass(frozen=True)
+class CachedRowGroup:
+    """A source row group: its file, index, footer rows, rows kept and counter increments."""
+
+    path: Path
+    row_group: int
+    rows: int
+    kept: int
+    counters: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, checked ``cache.json`` (see the module docstring).
+
+    Attributes:
+        folder: the cache folder.
+        schema: the dataset schema (the mapping already applied).
+        policies: the read policies, ``{"invalid_ids": ..., ...}``.
+        mapping: the ``[data.schema]`` mapping as JSON text, or None.
+        files: the source files as recorded: path -> (size, mtime_ns).
+        row_groups: every non-empty source row group, in file order.
+        columns: the column files by column name (``dense``, ``labels``, ``row_starts``,
+            ``ids:<field>``, ``offsets:<field>``, ``side:<name>``).
+    """
+
+    folder: Path
+    schema: FeatureSchema
+    policies: dict[str, str]
+    mapping: str | None
+    files: dict[Path, tuple[int, int]]
+    row_groups: tuple[CachedRowGroup, ...]
+    columns: dict[str, ColumnFile]
+
+
+def is_cache(path: str | Path) -> bool:
+    """Whether ``path`` is a folder holding a cache manifest."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def mapping_text(schema: object) -> str | None:
+    """A ``[data.schema]`` mapping as comparable JSON text (None for a schema or nothing)."""
+    if not isinstance(schema, SchemaMapping):
+        return None
+    return json.dumps(dataclasses.asdict(schema), sort_keys=True, default=str)
+
+
+def file_stamp(path: Path) -> tuple[int, int]:
+    """(size, mtime_ns) of a file: what says it changed."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
+def manifest_json(manifest: Manifest) -> str:
+    """The ``cache.json`` text of ``manifest``."""
+    files = []
+    for path, (size, mtime) in manifest.files.items():
+        groups = [
+            {"row_group": g.row_group, "rows": g.rows, "kept": g.kept, "counters": g.counters}
+            for g in manifest.row_groups
+            if g.path == path
+        ]
+        files.append({"path": str(path), "size": size, "mtime_ns": mtime, "row_groups": groups})
+    raw = {
+        "format": FORMAT,
+        "version": VERSION,
+        "schema": json.loads(manifest.schema.to_json()),
+        "policies": manifest.policies,
+        "mapping": manifest.mapping,
+        "files": files,
+        "columns": {name: col.to_json() for name, col in manifest.columns.items()},
+    }
+    return json.dumps(raw, indent=1)
+
+
+def load_manifest(folder: str | Path) -> Manifest:
+    """Reads and checks a cache's manifest and column files (see the module docstring).
+
+    Raises:
+        DataError: one line naming the file: unreadable or malformed ``cache.json``, an
+            unknown format version, a missing or wrongly sized column file, or a source
+            file that exists with another size or mtime than when the cache was built.
+    """
+    folder = Path(folder)
+    where = str(folder / MANIFEST)
+    try:
+        raw = json.loads((folder / MANIFEST).read_text())
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            raise DataError(f"not a recaccel cache manifest; {REBUILD}", path=where)
+        if raw.get("version") != VERSION:
+            raise DataError(
+                f"cache format version {raw.get('version')!r}, this recaccel reads {VERSION}; {REBUILD}",
+                path=where,
+            )
+        manifest = _parse(folder, raw)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DataError(
+            f"unreadable cache manifest ({type(e).__name__}: {e}); {REBUILD}", path=where
+        ) from None
+    _check_columns(manifest)
+    _check_sources(manifest)
+    return manifest
+
+
+def _parse(folder: Path, raw: dict[str, Any]) -> Manifest:
+    """The manifest of the JSON object ``raw`` (a KeyError or TypeError where it is malformed)."""
+    schema = FeatureSchema.from_json(json.dumps(raw["schema"]), str(folder / MANIFEST))
+    files, groups = {}, []
+    for entry in raw["files"]:
+        path = Path(entry["path"])
+        files[path] = (int(entry["size"]), int(entry["mtime_ns"]))
+        for g in entry["row_groups"]:
+            counters = {str(k): int(v) for k, v in g["counters"].items()}
+            groups.append(CachedRowGroup(path, int(g["row_group"]), int(g["rows"]), int(g["kept"]), counters))
+    columns = {
+        str(name): ColumnFile(
+            str(c["file"]), str(np.dtype(c["dtype"]).str), tuple(int(s) for s in c["shape"])
+        )
+        for name, c in raw["columns"].items()
+    }
+    policies = {str(k): str(v) for k, v in raw["policies"].items()}
+    mapping = raw["mapping"]
+    return Manifest(
+        folder, schema, policies, None if mapping is None else str(mapping), files, tuple(groups), columns
+    )
+
+
+def _check_columns(manifest: Manifest) -> None:
+    """Every column file exists, has the recorded size and stays inside the folder."""
+    for col in manifest.columns.values():
+        path = manifest.folder / col.file
+        if Path(col.file).name != col.file:
+            raise DataError(
+                f"column file name {col.file!r} is not a plain file name; {REBUILD}", path=str(path)
+            )
+        if not path.is_file():
+            raise DataError(f"cache column file is missing; {REBUILD}", path=str(path))
+        size = path.stat().st_size
+        if size != col.nbytes:
+            raise DataError(
+                f"cache column file holds {size} bytes, the manifest says {col.nbytes} "
+                f"({col.dtype} x {list(col.shape)}; truncated?); {REBUILD}",
+                path=str(path),
+            )
+    rows = sum(g.kept for g in manifest.row_groups)
+    starts = manifest.columns.get("row_starts")
+    if starts is None or starts.shape != (len(manifest.row_groups) + 1,):
+        raise DataError(
+            f"cache row-start index does not match its row groups; {REBUILD}", path=str(manifest.folder)
+        )
+    for name in ("dense", "labels"):
+        col = manifest.columns.get(name)
+        if col is None or col.shape[0] != rows:
+            raise DataError(
+                f"cache column {name!r} does not hold {rows} rows; {REBUILD}", path=str(manifest.folder)
+            )
+
+
+def _check_sources(manifest: Manifest) -> None:
+    """A recorded source file that still exists must be as it was at the build."""
+    for path, stamp in manifest.files.items():
+        try:
+            now = file_stamp(path)
+        except OSError:
+            continue  # gone: the cache stands alone
+        if now != stamp:
+            raise DataError(
+                f"the source file {path} changed since the cache was built "
+                f"(size, mtime_ns {stamp} then, {now} now); {REBUILD}",
+                path=str(manifest.folder),
+            )
