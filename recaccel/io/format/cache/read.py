@@ -71,6 +71,7 @@ class CachedRowGroupReader:
             raise ConfigError(f"{mismatch}; set it back or {REBUILD}")
         if schema != self.manifest.schema:
             raise DataError(f"the reader's schema differs from the cache's; {REBUILD}", path=str(folder))
+        _check_projection(self.manifest, schema, projection)
         self.schema = schema
         self.projection = projection
         self.policies = policies
@@ -164,6 +165,18 @@ class CachedRowGroupReader:
         add_counts(self.stats, increments)
         for key in first:
             logger.warning("recaccel reader: %s (first occurrence; see the reader's counters)", key)
+
+
+def _check_projection(manifest: Manifest, schema: FeatureSchema, projection: Projection) -> None:
+    """A subset of the columns is read as Parquet would only where no policy dropped or
+    repaired a value: the cache's rows were kept or dropped looking at every column."""
+    full = projection.dense == tuple(schema.dense) and projection.sparse == tuple(schema.sparse)
+    acted = sorted({k for g in manifest.row_groups for k, v in g.counters.items() if v and k != "rows_read"})
+    if not full and acted:
+        raise ConfigError(
+            f"the cache at {manifest.folder} was built dropping or repairing values ({', '.join(acted)}) "
+            "looking at every column; reading a subset of its columns needs the Parquet source"
+        )
 
 
 def _dense_columns(schema: FeatureSchema, projection: Projection) -> list[int] | None:
