@@ -29,6 +29,7 @@ def data_main(argv: Sequence[str] | None = None) -> int:
     _add_melu(sub)
     _add_tasks(sub)
     _add_inspect(sub)
+    _add_cache(sub)
 
     args = parser.parse_args(argv)
     setup_logging(args.verbose)
@@ -191,6 +192,44 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         help="columns with at most this many distinct values get an exact vocabulary (with --write-schema); "
         "more: a hash",
     )
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    """The ``cache`` subcommand: a dataset's decoded columns in memory-mappable files."""
+    cache = sub.add_parser(
+        "cache",
+        help="decode a Parquet dataset once into a read-only cache folder that data.train / data.eval "
+        "can name (repeated epochs skip Parquet decoding)",
+    )
+    cache.add_argument(
+        "src", help="Parquet file or folder (recaccel's, or any with --config's [data.schema])"
+    )
+    cache.add_argument("dst", help="the cache folder to write (absent or empty)")
+    add_config_args(cache, required=False)
+    cache.add_argument("--force", action="store_true", help="replace what DST holds")
+
+
+def _cache(args: argparse.Namespace) -> dict[str, Any]:
+    """Builds the cache under --config's [data.schema] and read policies (defaults without)."""
+    from recaccel.config import load_config
+    from recaccel.io.format.cache.build import build_cache
+    from recaccel.io.format.decode import Policies
+
+    data = load_config(args.config, args.overrides).data if args.config or args.overrides else None
+    reads = [Read(Path(args.src), "the data this command reads")]
+    reads += [Read(Path(c), "a config file this command reads") for c in args.config or ()]
+    check_output_dir(args.dst, (".",), flag="DST", force=args.force, reads=reads, force_flag="--force")
+    if data is None:
+        return build_cache(args.src, args.dst, force=args.force, progress=True).to_dict()
+    return build_cache(
+        args.src,
+        args.dst,
+        schema=data.schema,
+        policies=Policies(data.invalid_ids, data.invalid_dense, data.invalid_labels),
+        unreadable=data.unreadable_files,
+        force=args.force,
+        progress=True,
+    ).to_dict()
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -369,4 +408,5 @@ _DATA_COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "movielens": _movielens,
     "melu": _melu,
     "tasks": _tasks,
+    "cache": _cache,
 }
