@@ -39,7 +39,7 @@ import numpy as np
 
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns
-from recaccel.io.format.dataset import RowGroupReader, RowGroupRef
+from recaccel.io.format.dataset import RowGroupReader, RowGroupRef, row_group_reader
 from recaccel.io.format.decode import new_decode_stats
 from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.state import are_counters, set_counters, with_last
@@ -282,7 +282,8 @@ class DynamicShardReader:
     def _cut(self, start: dict[str, Any], round_id: str) -> Iterator[tuple[Batch, dict[str, Any]]]:
         queue = self.queue(start)
         done, offsets = list(start["done"]), dict(start["offsets"])
-        source = RowGroupReader(self.base.schema, self.base.projection, self.base.policies, self.counters)
+        base = self.base
+        source = row_group_reader(base.schema, base.projection, base.policies, self.counters, base.info.cache)
         carry: list[Columns] = []
         carried: list[int] = []  # shards whose remaining rows are all in the carry
         carry_rows = 0

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recaccel.errors import DataError
+from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.dataset import READ_ERRORS, DatasetInfo, RowGroupReader, RowGroupRef, read_error_text
 from recaccel.io.format.grouping import grouped_claim
@@ -129,8 +129,13 @@ def key_index(info: DatasetInfo, column: str, min_rows: int = 1) -> KeyIndex:
     """The :class:`KeyIndex` of ``info``, reading the task key column of every row group.
 
     Raises:
+        ConfigError: for a pre-decoded cache (it holds the kept rows' keys only).
         DataError: on an unreadable footer or key column, or a null key.
     """
+    if info.cache is not None:
+        raise ConfigError(
+            f"task reading needs the Parquet source, not the cache at {info.cache}: name the dataset it was built from"
+        )
     rows = np.zeros((6, len(info.row_groups)), dtype=np.int64)
     files: dict = {}
     try:
