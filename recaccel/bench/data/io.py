@@ -118,6 +118,11 @@ def add_args(parser) -> None:
     parser.add_argument(
         "--max-seconds", type=float, default=600.0, help="with --workers: no repeat starts after this long"
     )
+    parser.add_argument(
+        "--cache",
+        action="store_true",
+        help="with --workers: also time the plain reader from a pre-decoded cache of the same data",
+    )
     parser.add_argument("--json", help="also write every figure, the environment and the command here")
     add_output_args(parser, "io", plot="the throughputs")
 

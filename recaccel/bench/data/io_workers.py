@@ -9,7 +9,9 @@ candidates make full passes over it, timed interleaved (order rotating per repea
 - ``plain`` at each worker count: :class:`~recaccel.io.readers.rows.BatchReader` with
   ``ReadOptions(workers=N)`` (shuffled, validated batches);
 - ``tasks`` at each worker count, on a schema with a task key (criteo_1hot):
-  :class:`~recaccel.io.readers.tasks.reader.TaskReader`.
+  :class:`~recaccel.io.readers.tasks.reader.TaskReader`;
+- ``plain_cache`` at each worker count (``--cache``): the plain reader from a
+  pre-decoded cache of the same dataset (the same batches; its build is timed apart).
 
 Throughput is dataset rows over the whole pass (worker start-up included: paid once per
 epoch); ``startup_s`` is the time to the first batch. ``speedup_vs_1_worker`` divides by
@@ -124,7 +126,7 @@ def timed_pass(batches: Callable[[], Iterable]) -> tuple[float, float]:
 
 
 def sweep_candidates(
-    path: Path, args, counts: list[int], buffer_rows: int
+    path: Path, args, counts: list[int], buffer_rows: int, cache: Path | None = None
 ) -> dict[tuple[str, int | None], Callable]:
     """(candidate, workers) -> zero-argument callable returning one pass's batch iterable
     (the plain reader's shuffle buffers of ``buffer_rows`` rows)."""
@@ -137,9 +139,9 @@ def sweep_candidates(
             with pq.ParquetFile(str(f)) as pf:
                 yield from pf.iter_batches(batch_size=args.batch_size, columns=columns, use_threads=threads)
 
-    def plain(workers: int):
+    def plain(workers: int, source: Path = path):
         options = ReadOptions(seed=0, read_ahead=args.read_ahead, workers=workers)
-        return BatchReader(path, args.batch_size, options, shuffle_buffer_rows=buffer_rows)
+        return BatchReader(source, args.batch_size, options, shuffle_buffer_rows=buffer_rows)
 
     tasks_cfg = tasks_config(args)
 
@@ -152,6 +154,8 @@ def sweep_candidates(
     }
     for n in counts:
         cands[("plain", n)] = lambda n=n: plain(n)
+    for n in counts if cache is not None else ():
+        cands[("plain_cache", n)] = lambda n=n: plain(n, cache)
     if schema.task_key is not None:
         for n in counts:
             cands[("tasks", n)] = lambda n=n: tasks(n)
@@ -221,7 +225,7 @@ def plot_workers(table: list[dict], path: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(schemas), figsize=(5.5 * len(schemas), 4.0), squeeze=False)
     for ax, schema in zip(axes[0], schemas):
         rows = [r for r in table if r["schema"] == schema]
-        for name, marker in (("plain", "o"), ("tasks", "s")):
+        for name, marker in (("plain", "o"), ("tasks", "s"), ("plain_cache", "^")):
             points = sorted((r["workers"], r["rows_per_s"] / 1e6) for r in rows if r["candidate"] == name)
             if points:
                 ax.plot(*zip(*points), marker=marker, label=f"{name} reader")
@@ -277,7 +281,10 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
         info = open_dataset(path)
         load_before = _load()
         buffer = buffer_rows(name, args)
-        samples = time_sweep(sweep_candidates(path, args, counts, buffer), args.repeats, args.max_seconds)
+        cache = _build_cache(path, work / f"{name}.cache", notes) if getattr(args, "cache", False) else None
+        samples = time_sweep(
+            sweep_candidates(path, args, counts, buffer, cache), args.repeats, args.max_seconds
+        )
         table += sweep_rows(name, info.num_rows, samples)
         notes.append(f"{_dataset_note(name, info, buffer, args.compression)}; 1-minute load average "
                      f"{load_before:.2f} before and {_load():.2f} after its passes")  # fmt: skip
@@ -304,6 +311,18 @@ def _dataset_note(name: str, info, buffer: int, compression: str) -> str:
         f"{len(info.schema.dense)} dense + {len(info.schema.sparse)} one-hot sparse columns"
         + (", task key" if info.schema.task_key else "")
     )
+
+
+def _build_cache(path: Path, dst: Path, notes: list[str]) -> Path:
+    """A pre-decoded cache of ``path`` in ``dst``; its build time goes to ``notes``."""
+    from recaccel.io.format.cache.build import build_cache
+
+    report = build_cache(path, dst)
+    notes.append(
+        f"cache of {path.name}: {report.rows} rows, {report.bytes / 2**20:.1f} MiB of column files, "
+        f"built in {report.seconds:.2f} s (once; not in the plain_cache passes)"
+    )
+    return dst
 
 
 def _load() -> float:
