@@ -1,11 +1,16 @@
-"""Decoding numbered items in worker processes, results back in order through shared memory.
+"""Decoding numbered items in worker processes that live across epochs, results back in
+order through shared memory.
 
-:class:`ProcessLoader` is the process counterpart of
-:class:`~recaccel.io.readers.read_ahead.WorkerLoader`: item ``i`` (a shuffle buffer, a
-unit of row groups) is decoded by worker ``i % N`` with a :class:`Job`, its result
-copied into one of that worker's shared-memory slots (:mod:`shm_ring`) and copied out
-by the main process when ``get(i)`` asks for it. The items and their order are those of
-the in-process path, so every batch cut from them is too.
+:class:`WorkerPool` is N worker processes, each with a pipe and its shared-memory slots
+(:mod:`shm_ring`). A reader keeps one (:func:`pool_for`): started on the first iteration
+that needs it, reused by every following iteration (epoch) of that reader, so an epoch
+boundary costs one small message per worker rather than N process starts. A
+:class:`ProcessLoader` is one iteration's use of a pool: it sends every worker the
+iteration's :class:`Job` (pickled once) and then item numbers; item ``i`` (a shuffle
+buffer, a unit of row groups) is decoded by worker ``i % N``, its result copied into one
+of that worker's slots and copied out by the main process when ``get(i)`` asks for it.
+The items and their order are those of the in-process path, so every batch cut from
+them is too.
 
 Flow. ``get(i)`` sends items ``i .. i + ahead`` to their workers (each once), then waits
 for item ``i``, copying out every result that arrives meanwhile. A worker has at most
@@ -16,15 +21,24 @@ for an argument computed from the sizes of the items before it: how a worker cut
 batches learns the rows carried into its buffer while the buffers before it are still
 being decoded elsewhere.
 
-Threads. Each worker gives Arrow's thread pool its share of the cores, torch one thread.
+Life. An iteration that ends with nothing in flight (every item it sent handed out, no
+error) leaves the pool idle for the next one; any other end (an early ``break``, an
+exception, a worker error) closes it, and the next iteration starts a new one. A pool is
+stopped, and its segments unlinked, when its reader is garbage-collected, at interpreter
+exit, or when the main process dies (each worker exits when its pipe closes). A pool
+whose worker died while idle is replaced.
+
+Threads. Each worker gives Arrow's thread pool its share of the cores, torch one thread
+(:mod:`recaccel.io.readers.process_worker`: the worker's side).
 
 Failures. A load that raises sends its exception back, raised by ``get`` of that item
 (a :class:`~recaccel.errors.RecaccelError` as it is, anything else as one line naming
 the file and row group). A worker that dies is found by its process sentinel while the
 main process waits: a :class:`ReaderWorkerError` naming the file and row group it was
-decoding. Workers ignore SIGINT (the main process decides), exit when their pipe closes
-(the main process died) and unlink their slots on the way out; ``close()`` (also run at
-garbage collection) stops them and unlinks whatever a killed worker left.
+decoding. Workers ignore SIGINT (the main process decides). A SIGINT (Ctrl-C) arriving
+while a pool's processes start or stop is held back until the pool is consistent and
+its finalizer registered (:mod:`recaccel.io.readers.interrupts`), then raised, so the
+``KeyboardInterrupt`` never cuts the forkserver handshake or a shutdown short.
 
 Workers start from a ``forkserver`` (``spawn`` where there is none): never ``fork``, as
 the main process has torch and threads running.
@@ -32,27 +46,25 @@ the main process has torch and threads running.
 
 from __future__ import annotations
 
-import collections
 import multiprocessing as mp
 import os
 import pickle
 import secrets
-import signal
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
-import pyarrow
-import torch
-
 from recaccel.errors import ConfigError, RecaccelError
-from recaccel.io.readers.shm_ring import SlotReader, SlotWriter, unlink_prefix
+from recaccel.io.readers.interrupts import sigint_deferred
+from recaccel.io.readers.process_worker import serve
+from recaccel.io.readers.shm_ring import SlotReader, unlink_prefix
 
 S = TypeVar("S")
 T = TypeVar("T")
 
-_JOIN_S = 2.0  # how long close() waits for a worker before killing it
+_JOIN_S = 2.0  # how long a shutdown waits for a worker before killing it
 _POLL_S = 1.0  # how often a waiting get() looks at the worker's liveness
 
 
@@ -61,7 +73,7 @@ class ReaderWorkerError(RecaccelError):
 
 
 class Job(Protocol[S, T]):
-    """What a worker process runs (picklable: it travels to the worker once)."""
+    """What a worker process runs for one iteration (picklable: sent to each worker once)."""
 
     def new_worker(self) -> S:
         """The worker's reading state (file handles, counters); it has ``close()``."""
@@ -99,6 +111,104 @@ class Plan(NamedTuple):
     step: Callable[[Any, Any], Any]
 
 
+class WorkerPool:
+    """``workers`` reader processes with ``slots`` shared-memory slots each, started on
+    the first :meth:`begin` and kept until :meth:`close` (or garbage collection)."""
+
+    def __init__(self, workers: int, slots: int) -> None:
+        self.workers = workers
+        self.slots = slots
+        self.prefix = f"rca{os.getpid()}x{secrets.token_hex(3)}"
+        self.procs: list[mp.process.BaseProcess] = []
+        self.conns: list[Connection] = []
+        self.marks: list[Any] = []  # per worker: the block it is reading (see Job.where)
+        self.reader = SlotReader()
+        self.busy = False  # an iteration is using it
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.procs, self.conns, self.reader, self.prefix, self._pid
+        )
+
+    @property
+    def pids(self) -> list[int]:
+        """The worker processes' ids."""
+        return [p.pid for p in self.procs if p.pid is not None]
+
+    def fits(self, workers: int, slots: int) -> bool:
+        """Whether an iteration wanting ``workers`` x ``slots`` can use this pool now:
+        open, idle, of this process, that size, every worker alive."""
+        return (
+            self._finalizer.alive
+            and not self.busy
+            and self._pid == os.getpid()
+            and (self.workers, self.slots) == (workers, slots)
+            and all(p.exitcode is None for p in self.procs)
+        )
+
+    def begin(self, job: Job, two_phase: bool) -> None:
+        """Starts the processes if they are not running, then sends each worker ``job``."""
+        self.busy = True
+        if not self.procs:
+            self._start()
+        message = ForkingPickler.dumps(("job", job, two_phase))
+        for k, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(message)
+            except OSError:  # died since fits() looked
+                proc = self.procs[k]
+                raise ReaderWorkerError(
+                    f"reader worker {k} (pid {proc.pid}) died (exit code {proc.exitcode}) between iterations"
+                ) from None
+
+    def release(self) -> None:
+        """Marks the pool idle: its iteration handed out everything it sent."""
+        self.busy = False
+
+    def close(self) -> None:
+        """Stops the workers and unlinks their shared memory."""
+        self._finalizer()
+
+    def _start(self) -> None:
+        """Starts the processes with SIGINT held back (see the module docstring)."""
+        ctx = _context()
+        with sigint_deferred():
+            for k in range(self.workers):
+                mine, theirs = ctx.Pipe()
+                self.conns.append(mine)  # first: a failed start still closes it
+                mark = ctx.Array("q", 1, lock=False)
+                mark[0] = -1
+                proc = ctx.Process(
+                    target=serve,
+                    args=(theirs, mark, f"{self.prefix}w{k}", self.slots, self.workers),
+                    name=f"reader-worker-{k}",
+                    daemon=True,
+                )
+                proc.start()
+                theirs.close()  # the worker sees EOF once this process's end closes
+                self.procs.append(proc)
+                self.marks.append(mark)
+
+
+# Each owner's (reader's) pool: weak keys, so a collected reader drops its pool, whose
+# finalizer then stops it; outside the reader, which stays picklable.
+_POOLS: weakref.WeakKeyDictionary[Any, WorkerPool] = weakref.WeakKeyDictionary()
+
+
+def pool_for(owner: Any, workers: int, slots: int) -> WorkerPool:
+    """The idle pool ``owner`` keeps, or a new one it keeps from now on (None: a pool
+    of the caller's own). A pool still busy with an abandoned iteration stays with that
+    iteration, which closes it; one unfit otherwise (a dead worker) is closed."""
+    pool = _POOLS.get(owner) if owner is not None else None
+    if pool is not None and pool.fits(workers, slots):
+        return pool
+    if pool is not None and not pool.busy:
+        pool.close()
+    pool = WorkerPool(workers, slots)
+    if owner is not None:
+        _POOLS[owner] = pool
+    return pool
+
+
 class ProcessLoader(Generic[S, T]):
     """Items ``0 .. count-1`` loaded by ``job`` in ``workers`` processes, ``ahead`` in advance.
 
@@ -108,10 +218,18 @@ class ProcessLoader(Generic[S, T]):
         ahead: items loaded in advance (at least ``workers``, so every worker is busy).
         workers: worker processes (>= 1).
         plan: for a two-phase job (``size`` and ``finish``), its argument chain.
+        owner: whose pool to use and keep idle after a clean end (see :func:`pool_for`);
+            None = a pool of this loader's own, stopped by :meth:`close`.
     """
 
     def __init__(
-        self, job: Job[S, T], count: int, ahead: int, workers: int, plan: Plan | None = None
+        self,
+        job: Job[S, T],
+        count: int,
+        ahead: int,
+        workers: int,
+        plan: Plan | None = None,
+        owner: Any = None,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -125,33 +243,19 @@ class ProcessLoader(Generic[S, T]):
         self._ahead = max(ahead, workers)
         self._n = workers
         self._plan = plan
-        self._prefix = f"rca{os.getpid()}x{secrets.token_hex(3)}"
+        self._keep = owner is not None
         slots = -(-(self._ahead + 1) // workers) + 1
-        ctx = _context()
-        self._procs: list[mp.process.BaseProcess] = []
-        self._conns: list[Connection] = []
-        self._marks = []
-        self._reader = SlotReader()
-        self._finalizer = weakref.finalize(
-            self, _shutdown, self._procs, self._conns, self._reader, self._prefix
-        )
-        for k in range(workers):
-            mine, theirs = ctx.Pipe()
-            mark = ctx.Array("q", 1, lock=False)
-            mark[0] = -1
-            proc = ctx.Process(
-                target=_serve,
-                args=(job, theirs, mark, f"{self._prefix}w{k}", slots, plan is not None, workers),
-                name=f"reader-worker-{k}",
-                daemon=True,
-            )
-            proc.start()
-            theirs.close()  # the worker sees EOF once this process's end closes
-            self._procs.append(proc)
-            self._conns.append(mine)
-            self._marks.append(mark)
+        self._pool: WorkerPool | None = pool_for(owner, workers, slots)
+        try:
+            self._pool.begin(job, plan is not None)
+        except BaseException:  # KeyboardInterrupt included: nothing may stay half-sent
+            self._pool.close()
+            raise
+        self._procs, self._conns, self._marks = self._pool.procs, self._pool.conns, self._pool.marks
         self._sent = -1  # the highest item sent to a worker
         self._taken = -1  # the highest item handed out
+        self._owed: set[int] = set()  # sent, not yet received
+        self._failed = False
         self._done: dict[int, tuple[str, Any]] = {}  # received, not yet handed out
         self._sizes: dict[int, Any] = {}
         self._arg_at: tuple[int, Any] = (plan.first, plan.initial) if plan else (0, None)
@@ -160,7 +264,7 @@ class ProcessLoader(Generic[S, T]):
     @property
     def pids(self) -> list[int]:
         """The worker processes' ids."""
-        return [p.pid for p in self._procs if p.pid is not None]
+        return self._pool.pids if self._pool is not None else []
 
     def get(self, i: int) -> T:
         """Item ``i`` (items are asked for in increasing order; raises what its load raised)."""
@@ -168,6 +272,7 @@ class ProcessLoader(Generic[S, T]):
             raise ValueError(f"item {i} asked for after item {self._taken} of {self._count}")
         self._sent = max(self._sent, i - 1)  # a resume starts mid-way
         for j in range(self._sent + 1, min(i + 1 + self._ahead, self._count)):
+            self._owed.add(j)
             self._send(j, j)
             self._sent = j
         self._taken = i
@@ -177,6 +282,7 @@ class ProcessLoader(Generic[S, T]):
         kind, payload = self._done.pop(i)
         if kind == "ok":
             return payload
+        self._failed = True
         exc, mark = payload
         if isinstance(exc, RecaccelError):
             raise exc
@@ -189,8 +295,15 @@ class ProcessLoader(Generic[S, T]):
         return list(range(self._taken + 1, self._sent + 1))
 
     def close(self) -> None:
-        """Stops the workers and unlinks their shared memory."""
-        self._finalizer()
+        """Ends the iteration: an owner's pool with nothing in flight and no error stays
+        idle for the next one; any other pool is stopped and its shared memory unlinked."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if self._keep and not (self._failed or self._owed or self._done):
+            pool.release()
+        else:
+            pool.close()
 
     def _send(self, j: int, message: Any) -> None:
         try:
@@ -234,13 +347,16 @@ class ProcessLoader(Generic[S, T]):
         if kind == "size":
             self._sizes[j] = payload
             self._advance()
-        elif kind == "ok":
-            self._done[j] = ("ok", self._reader.read(payload))
+            return
+        self._owed.discard(j)
+        if kind == "ok":
+            self._done[j] = ("ok", self._pool.reader.read(payload))
         else:
             self._done[j] = ("error", payload)
 
     def _died(self, i: int) -> ReaderWorkerError:
         """The error for worker ``i % N``, found dead while it owed item ``i``."""
+        self._failed = True
         k = i % self._n
         proc = self._procs[k]
         proc.join(_JOIN_S)
@@ -254,113 +370,26 @@ class ProcessLoader(Generic[S, T]):
         return min(j for j in range(self._taken, self._sent + 1) if j % self._n == k and j not in self._done)
 
 
-def _shutdown(procs: list, conns: list[Connection], reader: SlotReader, prefix: str) -> None:
-    """Stops the workers (asks, then terminates, then kills) and unlinks their segments."""
-    for conn in conns:
-        try:
-            conn.send(None)
-        except OSError:  # the worker is gone
-            pass
-    for proc in procs:
-        proc.join(_JOIN_S)
-        if proc.is_alive():
-            proc.terminate()
+def _shutdown(procs: list, conns: list[Connection], reader: SlotReader, prefix: str, pid: int) -> None:
+    """Stops the workers (asks, then terminates, then kills) and unlinks their segments,
+    with SIGINT held back so that a Ctrl-C cannot leave half of them behind."""
+    if os.getpid() != pid:  # a forked copy of the owner: the workers are not its own
+        return
+    with sigint_deferred():
+        for conn in conns:
+            try:
+                conn.send(None)
+            except OSError:  # the worker is gone
+                pass
+        for proc in procs:
             proc.join(_JOIN_S)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    for conn in conns:
-        conn.close()
-    reader.close()
-    unlink_prefix(prefix)
-
-
-def _serve(
-    job: Any, conn: Connection, mark: Any, prefix: str, slots: int, two_phase: bool, workers: int
-) -> None:
-    """A worker's loop: load each item sent (for a two-phase job: report its size, wait for
-    its argument, finish it), write the result to the next slot, send its layout."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _share_cores(workers)
-    writer = SlotWriter(prefix, slots)
-    worker = job.new_worker()
-    inbox = _Inbox(conn)
-
-    def note(m: int) -> None:
-        mark[0] = m
-
-    try:
-        for n, i in enumerate(inbox.items()):
-            mark[0] = -1
-            try:
-                result = job.load(worker, i, note)
-                if two_phase:
-                    conn.send(("size", i, job.size(result)))
-                    result = job.finish(result, i, inbox.argument(i))
-                layout = writer.write(n % slots, result)
-            except _Stop:
-                return
-            except Exception as exc:  # noqa: BLE001 (sent back, raised by the main process)
-                conn.send(("error", i, (_portable(exc), mark[0])))
-            else:
-                conn.send(("ok", i, layout))
-    except (BrokenPipeError, ConnectionResetError):  # the main process is gone
-        pass
-    finally:
-        worker.close()
-        writer.close()
-
-
-def _share_cores(workers: int) -> None:
-    """Gives each of ``workers`` processes its share of the cores for Arrow's thread pool,
-    so N workers do not run N times as many threads as there are cores, and torch one
-    thread: a worker's torch work is copies, and idle OpenMP threads spin."""
-    pyarrow.set_cpu_count(max(1, (os.cpu_count() or 1) // workers))
-    torch.set_num_threads(1)
-
-
-class _Stop(Exception):
-    """The main process said stop, or is gone."""
-
-
-class _Inbox:
-    """A worker's messages: item numbers to load, ("go", item, argument), None = stop."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._queued: collections.deque[int] = collections.deque()
-
-    def _next(self) -> Any:
-        try:
-            message = self._conn.recv()
-        except (EOFError, OSError):
-            raise _Stop from None
-        if message is None:
-            raise _Stop
-        return message
-
-    def items(self) -> Iterator[int]:
-        """The items to load, in order, until told to stop."""
-        while True:
-            try:
-                yield self._queued.popleft() if self._queued else self._next()
-            except _Stop:
-                return
-
-    def argument(self, i: int) -> Any:
-        """Item ``i``'s argument (items sent meanwhile are queued)."""
-        while True:
-            message = self._next()
-            if isinstance(message, tuple):
-                assert message[1] == i, (message, i)  # arguments come in item order
-                return message[2]
-            self._queued.append(message)
-
-
-def _portable(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling, else a one-line stand-in."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 (any pickling failure)
-        return ReaderWorkerError(f"{type(exc).__name__}: {exc}")
-    return exc
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(_JOIN_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in conns:
+            conn.close()
+        reader.close()
+        unlink_prefix(prefix)

@@ -310,6 +310,7 @@ class BatchReader(ShardedReader):
             self.options.read_ahead,
             self.options.workers,
             plan,
+            owner=self,  # the processes outlive this iteration: the next epoch reuses them
         )
         try:
             for b in range(start_buffer, len(buffers)):

@@ -317,6 +317,7 @@ class TaskReader(ShardedReader):
             self.options.read_ahead,
             None if workers else heads,
             (UnitJob(*args, units), workers) if workers else None,
+            owner=self,  # worker processes outlive this iteration: the next epoch reuses them
         )
         try:
             yield from self._batches(start, units, loader, shard[0])

@@ -127,6 +127,7 @@ class UnitLoader:
         ahead: units loaded in advance on that many threads; 0 = load on request.
         heads: the workers' shared row-group heads (counted in ``held_rows``), or None.
         processes: a job for worker processes, and how many (instead of threads).
+        owner: who keeps the worker processes for its next iteration (the reader).
     """
 
     def __init__(
@@ -137,11 +138,12 @@ class UnitLoader:
         ahead: int,
         heads: HeadStash | None = None,
         processes: tuple[UnitJob, int] | None = None,
+        owner: object = None,
     ) -> None:
         self._unit_rows = unit_rows
         self._loads: WorkerLoader | ProcessLoader
         if processes is not None and units:  # no units: start no processes
-            self._loads = ProcessLoader(processes[0], len(units), ahead, processes[1])
+            self._loads = ProcessLoader(processes[0], len(units), ahead, processes[1], owner=owner)
         else:
             self._loads = WorkerLoader(
                 new_worker, lambda w, u: w.load(units[u]), len(units), ahead, name="recaccel-tasks"
