@@ -178,6 +178,16 @@ class BatchReader(ShardedReader):
         rows = sum(ref.num_rows for ref in self.info.row_groups) // self.options.shard.world_size
         return rows // self.batch_size if self.options.drop_last else -(-rows // self.batch_size)
 
+    def batches_in_epoch(self, epoch: int, shard: tuple[int, int] | None = None) -> int:
+        """The batches ``epoch`` yields on this rank (or ``shard``), from the footers' row
+        counts: exact when no row is skipped. Ranks hold whole row groups, so with several
+        ranks and shuffling the count may change with ``epoch``."""
+        own = self.options.shard
+        refs = self.info.row_groups
+        order = self.block_order(len(refs), epoch, shard or (own.rank, own.world_size))
+        rows = sum(refs[i].num_rows for i in order)
+        return rows // self.batch_size if self.options.drop_last else -(-rows // self.batch_size)
+
     def buffers(self, epoch: int, shard: tuple[int, int] | None = None) -> list[list[RowGroupRef]]:
         """This rank's row groups in ``epoch``, grouped into shuffle buffers, in read order.
 

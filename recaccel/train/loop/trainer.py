@@ -26,6 +26,7 @@ from recaccel.train.loop.finish import incidents, run_figures
 from recaccel.train.loop.observers import Note, StepObserver, StepObservers
 from recaccel.train.loop.parallel import Parallelism, StepDone
 from recaccel.train.loop.preemption import Preempted, StopSignals
+from recaccel.train.loop.run_length import run_steps
 from recaccel.train.loop.schedule import LRSchedule, sparse_rate_setters
 from recaccel.train.loop.setup import (
     build_objectives,
@@ -154,17 +155,15 @@ class Trainer:
         return self.state.step >= t.steps if t.steps > 0 else self.state.epoch >= t.epochs
 
     def _total_steps(self) -> int | None:
+        """The run's steps, the same on every rank (None: not known ahead): ``train.steps``,
+        else the epochs' exact batch counts summed (see :mod:`~recaccel.train.loop.run_length`)."""
         t = self.cfg.train
-        per_epoch = self.reader.num_batches
-        return t.steps if t.steps > 0 else (per_epoch * t.epochs if per_epoch else None)
+        if t.steps > 0:
+            return t.steps
+        return run_steps(self.reader, t.epochs, lambda row: self.parallel.gather(row.to(self.device)))
 
-    def _schedule(self) -> LRSchedule:
-        """The learning-rate schedule over this run's steps (on every rank the same: the
-        shortest rank's length when the epochs set it)."""
-        total = self._total_steps()
-        if self.parallel.world_size > 1 and self.cfg.train.steps == 0:
-            totals = self.parallel.gather(torch.tensor([-1 if total is None else total], device=self.device))
-            total = None if int(totals.min()) < 0 else int(totals.min())
+    def _schedule(self, total: int | None) -> LRSchedule:
+        """The learning-rate schedule over this run's ``total`` steps."""
         setters = sparse_rate_setters(self.objective.module, self.parallel)
         return LRSchedule(self.cfg.optim, total, self.optimizer, setters)
 
@@ -208,10 +207,11 @@ class Trainer:
         from recaccel.train.run.sanity import sanity_pass
 
         sanity_pass(self)  # bad evaluation data, a host cache too small: refused (or sized) before step 1
-        self.schedule = self._schedule()
+        total = self._total_steps()
+        self.schedule = self._schedule(total)
         self._open_run()
         bar = tqdm(
-            total=self._total_steps(),
+            total=total,
             initial=self.state.step,
             unit="step",
             disable=not (self.cfg.train.progress and self.parallel.is_main),
