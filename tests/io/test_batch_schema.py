@@ -2,10 +2,12 @@ import json
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from recaccel.errors import DataError
+from recaccel.io.format import write_parquet
 from recaccel.io.format.schema import SCHEMA_METADATA_KEY, FeatureSchema, SparseField
 from recaccel.sparse import Batch, SparseFeatures
 
@@ -60,7 +62,8 @@ def test_schema_json_and_arrow_round_trip():
     )
     assert FeatureSchema.from_json(schema.to_json()) == schema
     arrow = schema.arrow_schema()
-    assert arrow.field("c1").type == pa.list_(pa.int64())
+    assert arrow.field("c1").type == pa.list_(pa.int32())  # ids stored as int32 where they fit
+    assert arrow.field("user").type == pa.int64()
     assert FeatureSchema.from_arrow(arrow, "x.parquet") == schema
     schema.validate_arrow(arrow, "x.parquet")
 
@@ -158,3 +161,38 @@ def test_schema_read_from_a_file_remembers_it_but_not_in_equality_or_json():
     read = FeatureSchema.from_arrow(schema.arrow_schema(), "f.parquet")
     assert read.origin == "f.parquet" and read == schema
     assert "origin" not in json.loads(read.to_json())
+
+
+def test_ids_are_stored_as_int32_where_the_cardinality_fits_and_int64_beyond():
+    narrow, wide = SparseField("a", 2**31), SparseField("b", 2**31 + 1, multi_hot=True)
+    assert narrow.arrow_type() == pa.int32()
+    assert wide.arrow_type() == pa.list_(pa.int64())
+
+
+def test_writer_refuses_ids_beyond_the_stored_int32_naming_column_and_id(tmp_path):
+    schema = FeatureSchema(("d0",), (SparseField("c0", 10), SparseField("m0", 10, multi_hot=True)))
+    good = {"label": np.zeros(2, np.float32), "d0": np.zeros(2, np.float32)}
+    cases = {
+        "c0": (np.array([1, 2**40], np.int64), "id 1099511627776"),
+        "m0": ((np.array([3, -(2**33)], np.int64), np.array([0, 1, 2])), "id -8589934592"),
+    }
+    for column, (bad, named) in cases.items():
+        cols = dict(good, c0=np.array([1, 2]), m0=(np.array([1, 2]), np.array([0, 1, 2])))
+        cols[column] = bad
+        with pytest.raises(DataError, match=f"{named} does not fit") as err:
+            write_parquet(tmp_path / column, schema, cols)
+        assert column in str(err.value) and "\n" not in str(err.value)
+    arrow_bad = dict(good, c0=pa.array([5, 2**35], pa.int64()), m0=(np.array([1, 2]), np.array([0, 1, 2])))
+    with pytest.raises(DataError, match="id 34359738368 does not fit"):
+        write_parquet(tmp_path / "arrow", schema, arrow_bad)
+
+
+def test_ids_out_of_range_but_within_int32_are_written_for_the_read_policies(tmp_path):
+    schema = FeatureSchema(("d0",), (SparseField("c0", 10),))
+    cols = {
+        "label": np.zeros(3, np.float32),
+        "d0": np.zeros(3, np.float32),
+        "c0": np.array([-1, 10, 2**31 - 1]),
+    }
+    (path,) = write_parquet(tmp_path, schema, cols)
+    assert pq.read_table(path).column("c0").to_pylist() == [-1, 10, 2**31 - 1]

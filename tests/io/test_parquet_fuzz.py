@@ -306,6 +306,13 @@ BAD_VALUES: dict[str, list] = {
 }
 
 
+def _wide(t: pa.DataType) -> pa.DataType:
+    """``t`` with its integers widened to int64."""
+    if pa.types.is_list(t):
+        return pa.list_(_wide(t.value_type))
+    return pa.int64() if pa.types.is_integer(t) else t
+
+
 def bad_values(rng: np.random.Generator) -> Variant:
     names = list(BAD_VALUES)
     picked = rng.choice(len(names), int(rng.integers(1, 3)), replace=False)
@@ -322,7 +329,8 @@ def bad_values(rng: np.random.Generator) -> Variant:
             for r, v in rows.items():
                 values[r] = v
             i = table.schema.get_field_index(name)
-            table = table.set_column(i, name, pa.array(values, table.schema.field(name).type))
+            # int64 ids (as older recaccel and other tools write) hold the huge bad ids.
+            table = table.set_column(i, name, pa.array(values, _wide(table.schema.field(name).type)))
         _rewrite(table, dst, table.schema.metadata[SCHEMA_METADATA_KEY])
 
     bad = {r for rows in plan.values() for r in rows}  # rid = row number

@@ -1,8 +1,10 @@
 """Feature schema: which columns a dataset has and what they mean.
 
-A recaccel Parquet dataset stores one float32 column per dense feature, one int64
-column per single-hot sparse field (or ``list<int64>`` for multi-hot fields), a
-float32 label, and optionally a task key and a timestamp. The schema itself travels in
+A recaccel Parquet dataset stores one float32 column per dense feature, one integer
+column per single-hot sparse field (or a list of integers for multi-hot fields), a
+float32 label, and optionally a task key and a timestamp (int64). Ids are written as
+int32 where the field's cardinality fits (Arrow decodes them ~3x faster than int64:
+``SparseField.arrow_type``); files with int64 ids, as older recaccel wrote, read the same. The schema itself travels in
 the Parquet key-value metadata under :data:`SCHEMA_METADATA_KEY`, so a reader needs
 nothing but the files.
 """
@@ -22,6 +24,8 @@ from recaccel.errors import DataError
 
 SCHEMA_METADATA_KEY = b"recaccel.schema"
 MAX_CARDINALITY = 2**63 - 1  # ids are int64
+INT32_IDS = 2**31  # cardinalities up to this store ids as int32 (every valid id fits)
+DICTIONARY_MAX_CARDINALITY = 2**16
 LABEL_KINDS = choices(LabelKind)
 
 
@@ -69,7 +73,17 @@ class SparseField:
         object.__setattr__(self, "multi_hot", bool(self.multi_hot))
 
     def arrow_type(self) -> pa.DataType:
-        return pa.list_(pa.int64()) if self.multi_hot else pa.int64()
+        """The column type the writer stores: int32 ids where every valid id fits (half
+        the bytes of int64, and Arrow decodes them ~3x faster), else int64."""
+        ids = pa.int32() if self.cardinality <= INT32_IDS else pa.int64()
+        return pa.list_(ids) if self.multi_hot else ids
+
+    def dictionary_encoded(self) -> bool:
+        """Whether the writer dictionary-encodes the column: only for small vocabularies.
+        A large one makes dictionary pages about as big as the ids themselves and slower
+        to decode than plain pages (measured with 8,192-row groups: plain is faster from
+        ~2^16 values up, dictionary several times faster below)."""
+        return self.cardinality < DICTIONARY_MAX_CARDINALITY
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,11 @@ Column data convention (``columns`` maps every schema column name to its data):
   ListArray, or a sequence of lists.
 
 The writer checks structure (names, lengths, types) but not values: the reader's
-policies decide what bad values mean.
+policies decide what bad values mean. One exception: ids are stored as int32 where the
+field's cardinality fits (:meth:`~recaccel.io.format.schema.SparseField.arrow_type`), so
+an id beyond int32's range (invalid for such a field whatever the policy) is refused
+with a :class:`DataError` naming the column and the id rather than wrapped. Id columns
+with large vocabularies are written without dictionary pages (faster to decode).
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class DatasetWriter:
         self.prefix = prefix
         self.compression = compression
         self._arrow_schema = schema.arrow_schema()
+        plain = {f.name for f in schema.sparse if not f.dictionary_encoded()}
+        self._dictionary_columns = [c for c in schema.column_names() if c not in plain]
         self._aligned = align_tasks and schema.task_key is not None
         # A file ends once it holds this many rows. Aligned files end before a full row
         # group could overflow them, so the file limit never cuts a row group mid-task.
@@ -212,7 +218,11 @@ class DatasetWriter:
         final = self.out_dir / f"{self.prefix}-{len(self._paths):05d}.parquet"
         self._tmp_path = final.with_name(final.name + ".tmp")
         self._writer = pq.ParquetWriter(
-            str(self._tmp_path), self._arrow_schema, compression=self.compression, write_page_checksum=True
+            str(self._tmp_path),
+            self._arrow_schema,
+            compression=self.compression,
+            write_page_checksum=True,
+            use_dictionary=self._dictionary_columns,
         )
         self._rows_in_file = 0
 
@@ -280,7 +290,7 @@ def _to_arrow(data: Any, fld: pa.Field, multi_hot: bool) -> pa.Array:
     """Converts one column's data to an Arrow array of the field's type."""
     try:
         if isinstance(data, (pa.Array, pa.ChunkedArray)):
-            return data.cast(fld.type)
+            return _cast_arrow(data, fld)
         if multi_hot and isinstance(data, tuple) and len(data) == 2:
             return _csr_to_list(np.asarray(data[0]), np.asarray(data[1]), fld)
         arr = np.asarray(data) if not multi_hot else None
@@ -290,6 +300,8 @@ def _to_arrow(data: Any, fld: pa.Field, multi_hot: bool) -> pa.Array:
             raise DataError(f"expected a 1-D array, got shape {arr.shape}", column=fld.name)
         if pa.types.is_integer(fld.type) and arr.dtype.kind not in "iu":
             raise DataError(f"expected integer ids, got dtype {arr.dtype}", column=fld.name)
+        if pa.types.is_integer(fld.type):
+            _check_ids_fit(arr, fld.type, fld.name)
         return pa.array(arr.astype(fld.type.to_pandas_dtype(), copy=False), type=fld.type)
     except (pa.ArrowException, TypeError, ValueError) as e:
         raise DataError(f"cannot convert to {fld.type}: {e}", column=fld.name) from None
@@ -309,4 +321,41 @@ def _csr_to_list(values: np.ndarray, offsets: np.ndarray, fld: pa.Field) -> pa.A
         )
     if offsets[-1] > np.iinfo(np.int32).max:
         raise DataError("more than 2**31-1 ids in one write call; write in smaller chunks", column=fld.name)
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values.astype(np.int64)))
+    _check_ids_fit(values, fld.type.value_type, fld.name)
+    ids = values.astype(fld.type.value_type.to_pandas_dtype(), copy=False)
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(ids))
+
+
+def _cast_arrow(data: pa.Array | pa.ChunkedArray, fld: pa.Field) -> pa.Array | pa.ChunkedArray:
+    """An Arrow column cast to the field's type; ids beyond the stored integer type are
+    refused naming the first of them (Arrow's safe cast raises rather than wraps)."""
+    try:
+        return data.cast(fld.type)
+    except pa.ArrowInvalid:
+        ints = fld.type.value_type if pa.types.is_list(fld.type) else fld.type
+        if not pa.types.is_integer(ints):
+            raise
+        flat = data.combine_chunks() if isinstance(data, pa.ChunkedArray) else data
+        flat = flat.flatten() if pa.types.is_list(flat.type) else flat
+        if not pa.types.is_integer(flat.type):
+            raise
+        _check_ids_fit(flat.drop_null().to_numpy(), ints, fld.name)
+        raise
+
+
+def _check_ids_fit(values: np.ndarray, stored: pa.DataType, column: str) -> None:
+    """Raises :class:`DataError` naming an id that ``stored`` cannot hold."""
+    target = np.dtype(stored.to_pandas_dtype())
+    if values.size == 0 or values.dtype.kind not in "iu" or np.can_cast(values.dtype, target, "safe"):
+        return
+    info = np.iinfo(target)
+    # Python ints compare uint64 and int64 values exactly.
+    lo, hi = int(values.min()), int(values.max())
+    if info.min <= lo and hi <= info.max:
+        return
+    bad = lo if lo < info.min else hi
+    raise DataError(
+        f"id {bad} does not fit the column's {stored} storage (every valid id of the field "
+        "does); hash or map ids into 0..cardinality-1 before writing",
+        column=column,
+    )
