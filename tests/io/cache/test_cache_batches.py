@@ -16,8 +16,8 @@ from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
 from tests.helpers.row_data import make_columns, make_schema
+from tests.helpers.same_batches import assert_same_batches
 from tests.helpers.task_data import tasks_config, write_tasks
-from tests.io.test_reader_workers import assert_same_batches
 
 SKIP = Policies(invalid_ids="skip")
 

@@ -13,7 +13,7 @@ from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions
 from tests.helpers.row_data import make_columns, make_schema
-from tests.io.test_reader_workers import assert_same_batches
+from tests.helpers.same_batches import assert_same_batches
 
 
 def test_cache_command_builds_under_the_configs_policies_and_prints_a_summary(tmp_path, capsys):
