@@ -31,7 +31,7 @@ def serve(conn: Connection, mark: Any, prefix: str, slots: int, workers: int) ->
     try:
         while (order := inbox.next_job()) is not None:
             _, job, two_phase = order
-            _run(job, two_phase, inbox, conn, writer, (mark, slots))
+            _run(job, two_phase, inbox, conn, writer, mark, slots)
     except (_Stop, BrokenPipeError, ConnectionResetError):  # told to stop, or the main process is gone
         pass
     finally:
@@ -39,11 +39,10 @@ def serve(conn: Connection, mark: Any, prefix: str, slots: int, workers: int) ->
 
 
 def _run(
-    job: Any, two_phase: bool, inbox: _Inbox, conn: Connection, writer: SlotWriter, mark_slots: tuple[Any, int]
+    job: Any, two_phase: bool, inbox: _Inbox, conn: Connection, writer: SlotWriter, mark: Any, slots: int
 ) -> None:
     """One iteration: load each item sent (for a two-phase job: report its size, wait for
     its argument, finish it), write the result to the next slot, send its layout."""
-    mark, slots = mark_slots  # the block being read (shared with the main process), slot count
     worker = job.new_worker()
 
     def note(m: int) -> None:

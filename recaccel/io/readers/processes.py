@@ -166,7 +166,8 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stops the workers and unlinks their shared memory."""
-        self._finalizer()
+        with sigint_deferred():  # a finalizer runs once: a Ctrl-C must not cut it short
+            self._finalizer()
 
     def _start(self) -> None:
         """Starts the processes with SIGINT held back (see the module docstring)."""
@@ -391,5 +392,5 @@ def _shutdown(procs: list, conns: list[Connection], reader: SlotReader, prefix: 
                 proc.join()
         for conn in conns:
             conn.close()
-        reader.close()
         unlink_prefix(prefix)
+        reader.close()

@@ -165,7 +165,10 @@ class SlotReader:
     def close(self) -> None:
         """Unmaps every segment (unlinking is the owner's job, or :func:`unlink_prefix`)."""
         for shm in self._open.values():
-            shm.close()
+            try:
+                shm.close()
+            except BufferError:  # a copy cut short (Ctrl-C) still views it: unmapped once collected
+                pass
         self._open.clear()
 
 
