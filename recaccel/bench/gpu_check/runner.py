@@ -120,6 +120,7 @@ BENCH_ARGS = {
         "io": [
             "--workers", "0,8,16", "--schema", "criteo_1hot,wide", "--rows", "2000000",
             "--wide-rows", "100000", "--repeats", "3", "--max-seconds", "6", "--train-steps", "0",
+            "--cache",
         ],
         "meta": [
             "--tasks", "128", "--support", "64", "--query", "64", "--dim", "64",
@@ -154,7 +155,7 @@ BENCH_ARGS = {
             "--workers", "0,1", "--schema", "criteo_1hot,wide", "--rows", "4000", "--wide-rows", "500",
             "--rows-per-row-group", "1000", "--batch-size", "256",
             "--tasks-per-batch", "4", "--support-size", "8", "--query-size", "4", "--repeats", "1",
-            "--train-steps", "5",
+            "--train-steps", "5", "--cache",
         ],
         "meta": [
             "--tasks", "2", "--support", "4", "--query", "4", "--repeats", "1", "--warmup", "0",
