@@ -18,9 +18,10 @@ import pytest
 
 from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
 from recaccel.io.readers.interrupts import sigint_deferred
+from tests.helpers.reader_processes import alive, our_segments, reader_workers, wait_gone
 from tests.helpers.row_data import small_dataset
+from tests.helpers.same_batches import assert_same_batches
 from tests.helpers.task_data import tasks_config, write_tasks
-from tests.io.test_reader_workers import alive, assert_same_batches, our_segments, reader_workers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,13 +62,6 @@ def epochs_with_pids(reader, epochs: int) -> tuple[list[list], list[list[int]]]:
             epoch.append(batch)
         batches.append(epoch)
     return batches, pids
-
-
-def wait_gone(pids: list[int], seconds: float = 10) -> bool:
-    deadline = time.monotonic() + seconds
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return not any(alive(p) for p in pids)
 
 
 @pytest.mark.parametrize("make", [rows_reader, task_reader], ids=["batch_reader", "task_reader"])

@@ -4,7 +4,6 @@ worker count, worker deaths as one error line, and no processes or shared memory
 from __future__ import annotations
 
 import dataclasses
-import gc
 import glob
 import json
 import multiprocessing as mp
@@ -28,6 +27,7 @@ from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, Shard, TaskReader
 from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
+from tests.helpers.reader_processes import alive, our_segments, reader_workers
 from tests.helpers.row_data import make_columns, make_schema, small_dataset
 from tests.helpers.task_data import tasks_config, write_tasks
 
@@ -63,13 +63,6 @@ def assert_same_batches(a: list, b: list) -> None:
 
 def without(state: dict, counters: tuple[str, ...]) -> dict:
     return {**state, "counters": {k: v for k, v in state["counters"].items() if k not in counters}}
-
-
-def our_segments() -> list[str]:
-    """This process's reader segments, once readers left to the cyclic garbage collector
-    (whose idle workers keep theirs) are collected."""
-    gc.collect()
-    return glob.glob(f"/dev/shm/rca{os.getpid()}x*")
 
 
 @pytest.fixture(scope="module")
@@ -226,10 +219,6 @@ def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(r
     assert our_segments() == []
 
 
-def reader_workers() -> list[int]:
-    return [p.pid for p in mp.active_children() if p.name.startswith("reader-worker")]
-
-
 def test_a_worker_killed_mid_epoch_stops_the_reader_with_one_line_within_seconds(rows_data):
     it = iter(rows_reader(rows_data, 2))
     next(it)
@@ -287,14 +276,6 @@ SIGNAL_SCRIPT = textwrap.dedent(
                     print(" ".join(map(str, pids)), flush=True)
     """
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")

@@ -1,0 +1,38 @@
+"""Looking at reader worker processes and their shared memory from a test."""
+
+from __future__ import annotations
+
+import gc
+import glob
+import multiprocessing as mp
+import os
+import time
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], seconds: float = 10) -> bool:
+    """Whether every process of ``pids`` is gone within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(alive(p) for p in pids)
+
+
+def reader_workers() -> list[int]:
+    """This process's reader worker processes."""
+    return [p.pid for p in mp.active_children() if p.name.startswith("reader-worker")]
+
+
+def our_segments() -> list[str]:
+    """This process's reader segments, once readers left to the cyclic garbage collector
+    (whose idle workers keep theirs) are collected."""
+    gc.collect()
+    return glob.glob(f"/dev/shm/rca{os.getpid()}x*")
