@@ -57,6 +57,7 @@ def _run(
                     conn.send(("size", i, job.size(result)))
                     result = job.finish(result, i, inbox.argument(i))
                 layout = writer.write(n % slots, result)
+                result = None  # copied out: not held while the next item loads or while idle
             except _Stop:
                 raise
             except Exception as exc:  # noqa: BLE001 (sent back, raised by the main process)
