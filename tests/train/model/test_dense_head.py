@@ -126,10 +126,32 @@ def _inductor_or_skip() -> None:
         pytest.skip(f"torch.compile's inductor backend is unavailable here: {type(e).__name__}: {e}")
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_compiled_head_matches_eager_forward_and_backward(precision):
-    _inductor_or_skip()
+@pytest.fixture
+def compiled_here():
+    """Dynamo reset, and Inductor's compiled-graph caches off for this test.
+
+    Inductor keeps whole compiled graphs on disk (by default one folder per user, shared
+    by every process on the host), and which entry a graph gets depends on process-wide
+    switches such as the float32 matmul precision a training run sets: after a training
+    test this graph was served a cached entry that corrupted the heap (an abort, never
+    seen alone or with a fresh cache folder). Compiled here, the graph comes from this
+    process; its C++ kernels, cached by their source, are still reused.
+    """
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
     torch._dynamo.reset()
+    with (
+        inductor_config.patch(fx_graph_cache=False),
+        functorch_config.patch(enable_autograd_cache=False),
+    ):
+        yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_head_matches_eager_forward_and_backward(precision, compiled_here):
+    _inductor_or_skip()
     model = small_model()
     eager_model = copy.deepcopy(model)
     compiled = build_head(model, TrainConfig(compile=True, precision=precision), CPU)
