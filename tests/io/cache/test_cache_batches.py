@@ -14,10 +14,9 @@ from recaccel.io.format.cache.build import build_cache
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
-from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
+from recaccel.io.readers import BatchReader, ReadOptions
 from tests.helpers.row_data import make_columns, make_schema
 from tests.helpers.same_batches import assert_same_batches
-from tests.helpers.task_data import tasks_config, write_tasks
 
 SKIP = Policies(invalid_ids="skip")
 
@@ -107,10 +106,3 @@ def test_one_hot_ids_are_cached_as_int32_and_batches_carry_no_offsets(tmp_path):
     got = list(BatchReader(tmp_path / "cache", 32, ReadOptions(seed=1)))
     assert_same_batches(want, got)
     assert got[0].sparse.one_hot and got[0].sparse.values.dtype.itemsize == 4
-
-
-def test_task_reading_from_a_cache_is_refused_in_one_line(tmp_path):
-    write_tasks(tmp_path / "src", [5, 7, 3, 9], rg=8)
-    build_cache(tmp_path / "src", tmp_path / "cache")
-    with pytest.raises(ConfigError, match=r"task reading needs the Parquet source, not the cache at"):
-        list(TaskReader(tmp_path / "cache", tasks_config(), ReadOptions(seed=1)))

@@ -63,7 +63,7 @@ def test_a_corrupt_manifest_is_one_error_naming_it(cache, damage):
 def test_a_manifest_of_another_format_version_is_refused(cache):
     raw = json.loads((cache / "cache.json").read_text())
     (cache / "cache.json").write_text(json.dumps({**raw, "version": 99}))
-    with pytest.raises(DataError, match=r"cache format version 99, this recaccel reads 1"):
+    with pytest.raises(DataError, match=r"cache format version 99, this recaccel reads 2"):
         open_dataset(cache)
 
 

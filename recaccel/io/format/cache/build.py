@@ -9,9 +9,13 @@ leaves nothing that reads as a cache):
 - per sparse field ``ids.<j>``: its ids in the decoder's dtype (int32 where the table
   fits), and for a multi-hot field ``offsets.<j>``: int64 [N+1];
 - per side column ``side.<k>``: int64 [N]; ``row_starts.i64``: int64 [G+1];
+- with a task key, ``task_keys.i64``: int64 [R], every source row's key read raw from
+  its Parquet column as the task reader's index reads it (rows a policy dropped too);
+  where that read fails, no file but the error's line in the manifest;
 - ``cache.json`` (see :mod:`recaccel.io.format.cache.manifest`).
 
-N = rows kept, G = non-empty row groups; every file is little-endian.
+N = rows kept, R = rows in the source's footers, G = non-empty row groups; every file is
+little-endian.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from recaccel.io.format.columns import Columns, id_dtype
 from recaccel.io.format.dataset import RowGroupReader, open_dataset
 from recaccel.io.format.decode import Policies, Projection, counter_increments, new_decode_stats
 from recaccel.io.format.schema import FeatureSchema
+from recaccel.io.format.task_keys import KeyColumnReader
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,32 @@ class _Columns:
         return {name: writer.close() for name, writer in self.writers.items()}
 
 
+class _TaskKeys:
+    """Every source row's task key, appended one row group at a time (see the module
+    docstring); after a failed read, only the error's line."""
+
+    def __init__(self, folder: Path, column: str) -> None:
+        self.reader = KeyColumnReader(column)
+        self.writer: _ColumnWriter | None = _ColumnWriter(folder, "task_keys.i64", np.int64)
+        self.folder = folder
+        self.error: str | None = None
+
+    def append(self, ref) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.append(self.reader.read(ref))
+        except DataError as e:  # plain reading still works; task reading gets this line
+            self.error = str(e)
+            self.writer.close()
+            (self.folder / self.writer.file).unlink()
+            self.writer = None
+
+    def close(self) -> dict[str, ColumnFile]:
+        self.reader.close()
+        return {} if self.writer is None else {"task_keys": self.writer.close()}
+
+
 def build_cache(
     src: str | Path,
     dst: str | Path,
@@ -172,6 +203,7 @@ def _decode_into(folder: Path, info, projection: Projection, policies: Policies,
     stats = new_decode_stats()
     reader = RowGroupReader(info.schema, projection, policies, stats)
     out = _Columns(folder, info.schema, projection.side)
+    keys = _TaskKeys(folder, info.schema.task_key) if info.schema.task_key is not None else None
     groups = []
     stamps = {Path(f).resolve(): file_stamp(Path(f)) for f in info.files}
     try:
@@ -180,6 +212,8 @@ def _decode_into(folder: Path, info, projection: Projection, policies: Policies,
             before = dict(stats)
             cols = reader.read(ref)
             out.append(cols)
+            if keys is not None:
+                keys.append(ref)
             delta = counter_increments(before, stats)
             groups.append(
                 CachedRowGroup(Path(ref.path).resolve(), ref.row_group, ref.num_rows, cols.num_rows, delta)
@@ -187,8 +221,11 @@ def _decode_into(folder: Path, info, projection: Projection, policies: Policies,
     finally:
         reader.close()
         columns = out.close()
+        if keys is not None:
+            columns.update(keys.close())
     policy = {k: getattr(policies, k) for k in ("invalid_ids", "invalid_dense", "invalid_labels")}
-    return Manifest(folder, info.schema, policy, None, stamps, tuple(groups), columns)
+    error = keys.error if keys is not None else None
+    return Manifest(folder, info.schema, policy, None, stamps, tuple(groups), columns, error)
 
 
 def _replace(tmp: Path, dst: Path) -> None:

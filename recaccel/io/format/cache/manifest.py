@@ -5,7 +5,9 @@ A cache folder holds ``cache.json`` and one raw little-endian file per column (s
 schema, the read policies and the ``[data.schema]`` mapping the rows were decoded
 under, the source files (size, mtime_ns) with their row groups (footer rows, kept
 rows, the decode counters their Parquet read added), and each column file's dtype and
-shape. :func:`load_manifest` trusts none of it: a bad version, a missing or truncated
+shape. A dataset with a task key also has ``task_keys``: every source row's key, those of
+rows a policy dropped included (what the task reader's row-group index reads), or, where
+they could not be read, the one-line error reading them raised (``task_keys_error``). :func:`load_manifest` trusts none of it: a bad version, a missing or truncated
 column file, or a source file changed since the build is one :class:`DataError`.
 """
 
@@ -26,7 +28,7 @@ from recaccel.io.format.schema import FeatureSchema
 
 MANIFEST = "cache.json"
 FORMAT = "recaccel-cache"
-VERSION = 1
+VERSION = 2  # 2: the task key of every source row (task reading)
 REBUILD = "rebuild it with recaccel-data cache"
 
 
@@ -69,7 +71,8 @@ class Manifest:
         files: the source files as recorded: path -> (size, mtime_ns).
         row_groups: every non-empty source row group, in file order.
         columns: the column files by column name (``dense``, ``labels``, ``row_starts``,
-            ``ids:<field>``, ``offsets:<field>``, ``side:<name>``).
+            ``ids:<field>``, ``offsets:<field>``, ``side:<name>``, ``task_keys``).
+        task_keys_error: why the source's task keys could not be recorded, or None.
     """
 
     folder: Path
@@ -79,6 +82,7 @@ class Manifest:
     files: dict[Path, tuple[int, int]]
     row_groups: tuple[CachedRowGroup, ...]
     columns: dict[str, ColumnFile]
+    task_keys_error: str | None = None
 
 
 def is_cache(path: str | Path) -> bool:
@@ -117,6 +121,7 @@ def manifest_json(manifest: Manifest) -> str:
         "mapping": manifest.mapping,
         "files": files,
         "columns": {name: col.to_json() for name, col in manifest.columns.items()},
+        "task_keys_error": manifest.task_keys_error,
     }
     return json.dumps(raw, indent=1)
 
@@ -167,9 +172,16 @@ def _parse(folder: Path, raw: dict[str, Any]) -> Manifest:
         for name, c in raw["columns"].items()
     }
     policies = {str(k): str(v) for k, v in raw["policies"].items()}
-    mapping = raw["mapping"]
+    mapping, error = raw["mapping"], raw["task_keys_error"]
     return Manifest(
-        folder, schema, policies, None if mapping is None else str(mapping), files, tuple(groups), columns
+        folder,
+        schema,
+        policies,
+        None if mapping is None else str(mapping),
+        files,
+        tuple(groups),
+        columns,
+        None if error is None else str(error),
     )
 
 
@@ -202,6 +214,13 @@ def _check_columns(manifest: Manifest) -> None:
             raise DataError(
                 f"cache column {name!r} does not hold {rows} rows; {REBUILD}", path=str(manifest.folder)
             )
+    keys = manifest.columns.get("task_keys")
+    source_rows = sum(g.rows for g in manifest.row_groups)
+    if keys is not None and keys.shape != (source_rows,):
+        raise DataError(
+            f"cache column 'task_keys' does not hold the source's {source_rows} rows; {REBUILD}",
+            path=str(manifest.folder),
+        )
 
 
 def _check_sources(manifest: Manifest) -> None:

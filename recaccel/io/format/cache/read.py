@@ -6,6 +6,9 @@ returns for the same row group under the same policies (views of the memory-mapp
 column files, honouring the projection) and adds the counter increments the Parquet
 read produced. Ids are range-checked per row group (one min/max per field), so a
 damaged file cannot hand an out-of-range id to an embedding table.
+
+:func:`cached_task_keys` gives the task reader's index every source row's task key, as
+the build read them from Parquet.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Protocol
 import numpy as np
 
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.cache.manifest import REBUILD, Manifest, load_manifest
+from recaccel.io.format.cache.manifest import REBUILD, ColumnFile, Manifest, load_manifest
 from recaccel.io.format.columns import Columns, id_dtype, single_hot_offsets
 from recaccel.io.format.decode import Policies, Projection, add_counts
 from recaccel.io.format.schema import FeatureSchema
@@ -151,12 +154,7 @@ class CachedRowGroupReader:
             col = self.manifest.columns.get(column)
             if col is None:
                 raise DataError(f"cache has no column {column!r}; {REBUILD}", path=str(self.manifest.folder))
-            path = self.manifest.folder / col.file
-            if col.nbytes == 0:  # an empty file cannot be mapped
-                arr = np.zeros(col.shape, dtype=col.dtype)
-            else:
-                arr = np.asarray(np.memmap(path, dtype=np.dtype(col.dtype), mode="r", shape=col.shape))
-            self._maps[column] = arr
+            arr = self._maps[column] = map_column(self.manifest.folder, col)
         return arr
 
     def _count(self, increments: dict[str, int]) -> None:
@@ -165,6 +163,34 @@ class CachedRowGroupReader:
         add_counts(self.stats, increments)
         for key in first:
             logger.warning("recaccel reader: %s (first occurrence; see the reader's counters)", key)
+
+
+def map_column(folder: Path, col: ColumnFile) -> np.ndarray:
+    """The column file ``col`` of the cache in ``folder``, memory-mapped read-only."""
+    if col.nbytes == 0:  # an empty file cannot be mapped
+        return np.zeros(col.shape, dtype=col.dtype)
+    return np.asarray(np.memmap(folder / col.file, dtype=np.dtype(col.dtype), mode="r", shape=col.shape))
+
+
+def cached_task_keys(folder: str | Path) -> list[np.ndarray]:
+    """Every source row's task key, one int64 array per row group in the dataset's order
+    (rows a policy dropped included), as the build read them from the Parquet key column.
+
+    Raises:
+        DataError: the line reading the source's keys raised at the build (the same as
+            reading them from the source raises), or one naming a cache without keys.
+    """
+    manifest = load_manifest(folder)
+    if manifest.task_keys_error is not None:
+        raise DataError(manifest.task_keys_error)
+    col = manifest.columns.get("task_keys")
+    if col is None:
+        raise DataError(
+            f"the cache holds no task keys (its dataset has no task key); {REBUILD}", path=str(folder)
+        )
+    keys = map_column(manifest.folder, col)
+    starts = np.cumsum([0] + [g.rows for g in manifest.row_groups])
+    return [keys[starts[g] : starts[g + 1]] for g in range(len(manifest.row_groups))]
 
 
 def _check_projection(manifest: Manifest, schema: FeatureSchema, projection: Projection) -> None:

@@ -9,7 +9,8 @@ exactly one owned row group, which lets ranks and shuffles work on row groups wh
 tasks stay whole.
 
 Boundaries come from reading the task key column of every row group once, when the
-stream is opened (a small column, about a millisecond per row group). The footer's
+stream is opened (a small column, about a millisecond per row group); a pre-decoded
+cache recorded the same keys when it was built, and they are read from it instead. The footer's
 min/max statistics would be cheaper but cannot be trusted to be safe: pyarrow aborts
 the process (a C++ exception it does not convert) when Python code opens the metadata
 of a column chunk whose size statistics disagree with the schema, as in a damaged
@@ -32,13 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from recaccel.errors import ConfigError, DataError
+from recaccel.errors import DataError
+from recaccel.io.format.cache.read import cached_task_keys
 from recaccel.io.format.columns import Columns
-from recaccel.io.format.dataset import READ_ERRORS, DatasetInfo, RowGroupReader, RowGroupRef, read_error_text
+from recaccel.io.format.dataset import DatasetInfo, RowGroupReader
 from recaccel.io.format.grouping import grouped_claim
+from recaccel.io.format.task_keys import KeyColumnReader
 
 
 @dataclass
@@ -126,32 +127,23 @@ class KeyIndex:
 
 
 def key_index(info: DatasetInfo, column: str, min_rows: int = 1) -> KeyIndex:
-    """The :class:`KeyIndex` of ``info``, reading the task key column of every row group.
+    """The :class:`KeyIndex` of ``info``, reading the task key column of every row group
+    (from Parquet, or the keys a pre-decoded cache recorded of it).
 
     Raises:
-        ConfigError: for a pre-decoded cache (it holds the kept rows' keys only).
         DataError: on an unreadable footer or key column, or a null key.
     """
-    if info.cache is not None:
-        raise ConfigError(
-            f"task reading needs the Parquet source, not the cache at {info.cache}: name the dataset it was built from"
-        )
     rows = np.zeros((6, len(info.row_groups)), dtype=np.int64)
-    files: dict = {}
+    if info.cache is not None:
+        for g, keys in enumerate(cached_task_keys(info.cache)):
+            rows[:, g] = _summarize(keys, min_rows)
+        return KeyIndex(*rows, min_rows=min_rows)
+    reader = KeyColumnReader(column)
     try:
         for g, ref in enumerate(info.row_groups):
-            try:
-                pf = files.get(ref.path)
-                if pf is None:
-                    pf = files[ref.path] = pq.ParquetFile(str(ref.path), page_checksum_verification=True)
-                keys = _read_keys(pf, ref, column)
-            except READ_ERRORS as e:
-                where = dict(path=str(ref.path), row_group=ref.row_group, column=column)
-                raise DataError(f"cannot read the task key: {read_error_text(e)}", **where) from None
-            rows[:, g] = _summarize(keys, min_rows)
+            rows[:, g] = _summarize(reader.read(ref), min_rows)
     finally:
-        for pf in files.values():
-            pf.close()
+        reader.close()
     return KeyIndex(*rows, min_rows=min_rows)
 
 
@@ -171,22 +163,6 @@ def _summarize(keys: np.ndarray, min_rows: int) -> tuple[int, ...]:
     sizes = np.diff(np.append(starts, keys.shape[0]))
     inner = int(np.count_nonzero(sizes[1:-1] >= min_rows))
     return int(keys[0]), int(keys[-1]), int(sizes.shape[0]), int(sizes[0]), int(sizes[-1]), inner
-
-
-def _read_keys(pf: pq.ParquetFile, ref: RowGroupRef, column: str) -> np.ndarray:
-    arr = pf.read_row_group(ref.row_group, columns=[column]).column(0)
-    where = dict(path=str(ref.path), column=column, row_group=ref.row_group)
-    if len(arr) != ref.num_rows:  # a damaged file can decode to fewer values
-        raise DataError(f"the task key has {len(arr)} values, the footer says {ref.num_rows} rows", **where)
-    if arr.null_count:
-        raise DataError("null task key", **where)
-    if not pa.types.is_integer(arr.type):  # a mapped string key: its ids are hashes, unsorted here
-        raise DataError(
-            f"the task key holds {arr.type} values, not task ids sorted by value: group the files first "
-            "with recaccel-data tasks SRC OUT --config (the same [data.schema]), then train on OUT",
-            **where,
-        )
-    return arr.to_numpy()
 
 
 class TaskStream:

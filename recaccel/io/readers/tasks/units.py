@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from recaccel.io.format.dataset import DatasetInfo, RowGroupReader
+from recaccel.io.format.dataset import DatasetInfo, row_group_reader
 from recaccel.io.format.decode import Policies, Projection, add_counts, counter_increments, new_decode_stats
 from recaccel.io.readers.processes import ProcessLoader
 from recaccel.io.readers.read_ahead import WorkerLoader
@@ -55,7 +55,7 @@ class UnitWorker:
         schema = info.schema
         self.stats = new_decode_stats()
         self.stats.update(dict.fromkeys(SPLIT_COUNTERS, 0), row_groups_read=0)
-        self.source = RowGroupReader(schema, projection, policies, self.stats)
+        self.source = row_group_reader(schema, projection, policies, self.stats, info.cache)
         self.stream = TaskStream(
             info, self.source, schema.task_key, schema.timestamp, bounds=bounds, stats=self.stats, heads=heads
         )
