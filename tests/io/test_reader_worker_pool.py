@@ -98,7 +98,7 @@ def test_a_break_mid_epoch_stops_the_workers_and_the_next_iteration_resumes_with
     assert wait_gone(second) and our_segments() == []
 
 
-def test_a_worker_that_died_between_epochs_is_replaced_and_the_next_epoch_is_the_same(rows_data):
+def test_a_worker_that_died_between_epochs_is_replaced_and_the_next_epoch_is_the_same(rows_data, caplog):
     base = rows_reader(rows_data, 0)
     want = [list(base) for _ in range(2)]
     gc.collect()
@@ -111,6 +111,7 @@ def test_a_worker_that_died_between_epochs_is_replaced_and_the_next_epoch_is_the
     assert wait_gone(dead[:1])
     assert_same_batches(want[1], list(reader))
     assert len(set(reader_workers()) - others - set(dead)) == 2  # a new pool
+    assert f"reader worker(s) [{dead[0]}] died between iterations" in caplog.text
     assert wait_gone(dead)  # the pool with the dead worker was stopped whole
     del reader
     gc.collect()

@@ -46,6 +46,7 @@ the main process has torch and threads running.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -60,6 +61,8 @@ from recaccel.errors import ConfigError, RecaccelError
 from recaccel.io.readers.interrupts import sigint_deferred
 from recaccel.io.readers.process_worker import serve
 from recaccel.io.readers.shm_ring import SlotReader, unlink_prefix
+
+logger = logging.getLogger(__name__)
 
 S = TypeVar("S")
 T = TypeVar("T")
@@ -134,16 +137,28 @@ class WorkerPool:
         """The worker processes' ids."""
         return [p.pid for p in self.procs if p.pid is not None]
 
+    @property
+    def open(self) -> bool:
+        """Whether the pool was not closed yet."""
+        return self._finalizer.alive
+
     def fits(self, workers: int, slots: int) -> bool:
         """Whether an iteration wanting ``workers`` x ``slots`` can use this pool now:
         open, idle, of this process, that size, every worker alive."""
         return (
-            self._finalizer.alive
+            self.open
             and not self.busy
             and self._pid == os.getpid()
             and (self.workers, self.slots) == (workers, slots)
-            and all(p.exitcode is None for p in self.procs)
+            and not any(self.dead())
         )
+
+    def dead(self) -> list[int]:
+        """The pids of workers found dead: their pipe closed (an idle worker sends nothing,
+        and its end closes as it dies, before the forkserver reports its exit)."""
+        return [
+            p.pid for p, c in zip(self.procs, self.conns, strict=False) if c.poll() or p.exitcode is not None
+        ]
 
     def begin(self, job: Job, two_phase: bool) -> None:
         """Starts the processes if they are not running, then sends each worker ``job``."""
@@ -203,6 +218,9 @@ def pool_for(owner: Any, workers: int, slots: int) -> WorkerPool:
     if pool is not None and pool.fits(workers, slots):
         return pool
     if pool is not None and not pool.busy:
+        dead = pool.dead() if pool.open else []
+        if dead:
+            logger.warning("reader worker(s) %s died between iterations; starting new ones", dead)
         pool.close()
     pool = WorkerPool(workers, slots)
     if owner is not None:
