@@ -11,12 +11,14 @@ candidates make full passes over it, timed interleaved (order rotating per repea
 - ``tasks`` at each worker count, on a schema with a task key (criteo_1hot):
   :class:`~recaccel.io.readers.tasks.reader.TaskReader`;
 - ``plain_cache`` at each worker count (``--cache``): the plain reader from a
-  pre-decoded cache of the same dataset (the same batches; its build is timed apart).
+  pre-decoded cache of the same dataset (the same batches; its build is timed apart);
+  ``tasks_cache`` beside it where the schema has a task key: the task reader from it.
 
 Throughput is dataset rows over the whole pass (worker start-up included: paid once per
 epoch); ``startup_s`` is the time to the first batch. ``speedup_vs_1_worker`` divides by
 the same reader's figure at one worker (``vs_in_process``: at none), ``vs_raw_pyarrow`` / ``vs_raw_threads`` by the
-raw candidates', ``tasks_vs_plain`` by plain at the same worker count.
+raw candidates', ``tasks_vs_plain`` by plain at the same worker count (``tasks_cache``:
+by ``plain_cache``).
 """
 
 from __future__ import annotations
@@ -145,8 +147,8 @@ def sweep_candidates(
 
     tasks_cfg = tasks_config(args)
 
-    def tasks(workers: int):
-        return TaskReader(path, tasks_cfg, ReadOptions(seed=0, read_ahead=args.read_ahead, workers=workers))
+    def tasks(workers: int, source: Path = path):
+        return TaskReader(source, tasks_cfg, ReadOptions(seed=0, read_ahead=args.read_ahead, workers=workers))
 
     cands: dict[tuple[str, int | None], Callable] = {
         ("raw_pyarrow", None): lambda: raw(False),
@@ -159,6 +161,8 @@ def sweep_candidates(
     if schema.task_key is not None:
         for n in counts:
             cands[("tasks", n)] = lambda n=n: tasks(n)
+        for n in counts if cache is not None else ():
+            cands[("tasks_cache", n)] = lambda n=n: tasks(n, cache)
     return cands
 
 
@@ -195,7 +199,7 @@ def sweep_rows(schema_name: str, rows: int, samples: dict[tuple, list[tuple[floa
     out = []
     for (name, workers), seconds in med.items():
         one, in_process = rate.get((name, 1)), rate.get((name, 0))
-        plain = rate.get(("plain", workers))
+        plain = rate.get(("plain_cache" if name == "tasks_cache" else "plain", workers))
         out.append(
             {
                 "schema": schema_name,
@@ -211,7 +215,9 @@ def sweep_rows(schema_name: str, rows: int, samples: dict[tuple, list[tuple[floa
                 else None,
                 "vs_raw_pyarrow": rate[(name, workers)] / rate[("raw_pyarrow", None)],
                 "vs_raw_threads": rate[(name, workers)] / rate[("raw_pyarrow_threads", None)],
-                "tasks_vs_plain": rate[(name, workers)] / plain if name == "tasks" and plain else None,
+                "tasks_vs_plain": rate[(name, workers)] / plain
+                if name.startswith("tasks") and plain
+                else None,
             }
         )
     return out
@@ -225,7 +231,7 @@ def plot_workers(table: list[dict], path: str | Path) -> Path:
     fig, axes = plt.subplots(1, len(schemas), figsize=(5.5 * len(schemas), 4.0), squeeze=False)
     for ax, schema in zip(axes[0], schemas):
         rows = [r for r in table if r["schema"] == schema]
-        for name, marker in (("plain", "o"), ("tasks", "s"), ("plain_cache", "^")):
+        for name, marker in (("plain", "o"), ("tasks", "s"), ("plain_cache", "^"), ("tasks_cache", "v")):
             points = sorted((r["workers"], r["rows_per_s"] / 1e6) for r in rows if r["candidate"] == name)
             if points:
                 ax.plot(*zip(*points), marker=marker, label=f"{name} reader")
@@ -298,7 +304,7 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
         "included (startup_s: time to the first batch, paid once per epoch).",
         "speedup_vs_1_worker / vs_in_process: over the same reader at workers=1 / workers=0; vs_raw_pyarrow / vs_raw_threads: "
         "over iter_batches of the same columns and batch size on one thread / all threads; "
-        "tasks_vs_plain: over plain at the same worker count.",
+        "tasks_vs_plain: over plain at the same worker count (tasks_cache: over plain_cache).",
     ]
     return table, notes
 
@@ -320,7 +326,7 @@ def _build_cache(path: Path, dst: Path, notes: list[str]) -> Path:
     report = build_cache(path, dst)
     notes.append(
         f"cache of {path.name}: {report.rows} rows, {report.bytes / 2**20:.1f} MiB of column files, "
-        f"built in {report.seconds:.2f} s (once; not in the plain_cache passes)"
+        f"built in {report.seconds:.2f} s (once; not in the plain_cache / tasks_cache passes)"
     )
     return dst
 
