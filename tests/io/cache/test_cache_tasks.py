@@ -6,6 +6,7 @@ position resumed on the cache."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,13 @@ def test_a_version_1_cache_is_refused_with_a_rebuild_line(cache, tmp_path):
     (old / "cache.json").write_text(json.dumps({**raw, "version": 1}))
     with pytest.raises(DataError, match=r"cache format version 1, this recaccel reads 2; rebuild it"):
         TaskReader(old, tasks_config(), ReadOptions(seed=1))
+
+
+def test_a_flipped_task_key_byte_is_one_error_naming_the_key_file_not_moved_tasks(cache, tmp_path):
+    copy = tmp_path / "cache"
+    shutil.copytree(cache, copy)
+    raw = bytearray((copy / "task_keys.i64").read_bytes())
+    raw[8 * 20] ^= 0x01  # row 20's key, one off: no range check would see it
+    (copy / "task_keys.i64").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"task_keys\.i64: cache column file does not match its CRC-32"):
+        reader(copy)

@@ -24,6 +24,7 @@ import dataclasses
 import os
 import shutil
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -132,12 +133,15 @@ class _TaskKeys:
         self.writer: _ColumnWriter | None = _ColumnWriter(folder, "task_keys.i64", np.int64)
         self.folder = folder
         self.error: str | None = None
+        self.crc32 = 0
 
     def append(self, ref) -> None:
         if self.writer is None:
             return
         try:
-            self.writer.append(self.reader.read(ref))
+            keys = np.ascontiguousarray(self.reader.read(ref), dtype="<i8")
+            self.writer.append(keys)
+            self.crc32 = zlib.crc32(keys, self.crc32)
         except DataError as e:  # plain reading still works; task reading gets this line
             self.error = str(e)
             self.writer.close()
@@ -225,7 +229,8 @@ def _decode_into(folder: Path, info, projection: Projection, policies: Policies,
             columns.update(keys.close())
     policy = {k: getattr(policies, k) for k in ("invalid_ids", "invalid_dense", "invalid_labels")}
     error = keys.error if keys is not None else None
-    return Manifest(folder, info.schema, policy, None, stamps, tuple(groups), columns, error)
+    crc = keys.crc32 if keys is not None and keys.writer is not None else None
+    return Manifest(folder, info.schema, policy, None, stamps, tuple(groups), columns, error, crc)
 
 
 def _replace(tmp: Path, dst: Path) -> None:

@@ -6,9 +6,12 @@ schema, the read policies and the ``[data.schema]`` mapping the rows were decode
 under, the source files (size, mtime_ns) with their row groups (footer rows, kept
 rows, the decode counters their Parquet read added), and each column file's dtype and
 shape. A dataset with a task key also has ``task_keys``: every source row's key, those of
-rows a policy dropped included (what the task reader's row-group index reads), or, where
-they could not be read, the one-line error reading them raised (``task_keys_error``). :func:`load_manifest` trusts none of it: a bad version, a missing or truncated
-column file, or a source file changed since the build is one :class:`DataError`.
+rows a policy dropped included (what the task reader's row-group index reads), with the
+CRC-32 of its file (``task_keys_crc32``: a damaged key would move task boundaries, which
+no range check sees), or, where they could not be read, the one-line error reading them
+raised (``task_keys_error``). :func:`load_manifest` trusts none of it: a bad version, a
+missing or truncated column file, or a source file changed since the build is one
+:class:`DataError`.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class Manifest:
         columns: the column files by column name (``dense``, ``labels``, ``row_starts``,
             ``ids:<field>``, ``offsets:<field>``, ``side:<name>``, ``task_keys``).
         task_keys_error: why the source's task keys could not be recorded, or None.
+        task_keys_crc32: the CRC-32 of the ``task_keys`` file, or None without one.
     """
 
     folder: Path
@@ -83,6 +87,7 @@ class Manifest:
     row_groups: tuple[CachedRowGroup, ...]
     columns: dict[str, ColumnFile]
     task_keys_error: str | None = None
+    task_keys_crc32: int | None = None
 
 
 def is_cache(path: str | Path) -> bool:
@@ -122,6 +127,7 @@ def manifest_json(manifest: Manifest) -> str:
         "files": files,
         "columns": {name: col.to_json() for name, col in manifest.columns.items()},
         "task_keys_error": manifest.task_keys_error,
+        "task_keys_crc32": manifest.task_keys_crc32,
     }
     return json.dumps(raw, indent=1)
 
@@ -172,7 +178,7 @@ def _parse(folder: Path, raw: dict[str, Any]) -> Manifest:
         for name, c in raw["columns"].items()
     }
     policies = {str(k): str(v) for k, v in raw["policies"].items()}
-    mapping, error = raw["mapping"], raw["task_keys_error"]
+    mapping, error, crc = raw["mapping"], raw["task_keys_error"], raw["task_keys_crc32"]
     return Manifest(
         folder,
         schema,
@@ -182,6 +188,7 @@ def _parse(folder: Path, raw: dict[str, Any]) -> Manifest:
         tuple(groups),
         columns,
         None if error is None else str(error),
+        None if crc is None else int(crc),
     )
 
 

@@ -14,6 +14,7 @@ the build read them from Parquet.
 from __future__ import annotations
 
 import logging
+import zlib
 from pathlib import Path
 from typing import Protocol
 
@@ -178,7 +179,8 @@ def cached_task_keys(folder: str | Path) -> list[np.ndarray]:
 
     Raises:
         DataError: the line reading the source's keys raised at the build (the same as
-            reading them from the source raises), or one naming a cache without keys.
+            reading them from the source raises), or one naming a cache without keys or
+            a key file that fails its checksum.
     """
     manifest = load_manifest(folder)
     if manifest.task_keys_error is not None:
@@ -189,6 +191,11 @@ def cached_task_keys(folder: str | Path) -> list[np.ndarray]:
             f"the cache holds no task keys (its dataset has no task key); {REBUILD}", path=str(folder)
         )
     keys = map_column(manifest.folder, col)
+    if zlib.crc32(keys) != manifest.task_keys_crc32:
+        raise DataError(
+            f"cache column file does not match its CRC-32 (damaged?); {REBUILD}",
+            path=str(manifest.folder / col.file),
+        )
     starts = np.cumsum([0] + [g.rows for g in manifest.row_groups])
     return [keys[starts[g] : starts[g + 1]] for g in range(len(manifest.row_groups))]
 

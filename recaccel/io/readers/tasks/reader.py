@@ -19,7 +19,8 @@ from that order; tasks left at a window's end start the next batch. Without shuf
 window is one unit and tasks come in key order.
 
 Batches per epoch. ``num_batches`` is exact for the rank: opening the reader reads the
-task key column of every row group once (to find where tasks start), and with it
+task key column of every row group once (to find where tasks start; from a pre-decoded
+cache, the keys its build recorded of that column), and with it
 counts the tasks of at least ``min_task_rows`` rows each row group owns
 (:mod:`recaccel.io.readers.tasks.count`); no other column is decoded.
 
