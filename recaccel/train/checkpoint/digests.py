@@ -1,8 +1,8 @@
 """Writing checkpoints durably and checking their bytes.
 
-- :func:`verify_file` / :func:`verify_bytes` / :func:`verify_digests` check a checkpoint's
-  bytes against the SHA-256s recorded when it was written (a file without one: its zip
-  CRC-32s), so a bit flip on disk is refused instead of loaded as changed weights;
+- :func:`verify_file` / :func:`verify_digests` check a checkpoint's bytes against the
+  SHA-256s recorded when it was written (a file without one: its zip CRC-32s), so a
+  bit flip on disk is refused instead of loaded as changed weights;
 - :func:`fsync_path` / :func:`fsync_tree` make a written checkpoint durable before it is
   renamed into place.
 """
@@ -10,14 +10,13 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import re
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from recaccel.train.checkpoint.errors import CheckpointError, first_line, show
 from recaccel.train.checkpoint.paths import INFO_FILE, digest_file
@@ -121,39 +120,16 @@ def verify_file(file: Path, path: str | os.PathLike | None = None) -> bool:
         actual = file_sha256(file)
     except OSError as e:
         raise CheckpointError(path, f"cannot be read ({first_line(e)})") from None
-    _check_recorded(actual, recorded, file, path)
-    return True
-
-
-def verify_bytes(data: bytes, file: Path, path: str | os.PathLike | None = None) -> bool:
-    """:func:`verify_file` on ``data``, the bytes already read from ``file`` (so a loader
-    reads a checkpoint once, hashing and unpickling the same bytes).
-
-    Returns:
-        Whether a digest file vouched for them (False: their zip CRC-32s only).
-
-    Raises:
-        CheckpointError: as :func:`verify_file`.
-    """
-    path = file if path is None else path
-    recorded = read_digests(digest_file(file), path)
-    if recorded is None:
-        check_zip_crcs(io.BytesIO(data), path)
-        return False
-    _check_recorded(hashlib.sha256(data).hexdigest(), recorded, file, path)
-    return True
-
-
-def _check_recorded(actual: str, recorded: set[str], file: Path, path: str | os.PathLike) -> None:
     if actual not in recorded:
         raise CheckpointError(
             path,
             f"SHA-256 checksum mismatch: its bytes changed since {digest_file(file).name} was written "
             f"(corrupted on disk or edited; delete {digest_file(file).name} to check only its zip CRC-32s)",
         )
+    return True
 
 
-def check_zip_crcs(file: Path | BinaryIO, path: str | os.PathLike) -> None:
+def check_zip_crcs(file: Path, path: str | os.PathLike) -> None:
     """Reads every member of a checkpoint's zip container, checking its CRC-32. A file
     that is no zip (torch's legacy format, a truncated or foreign file) is left to
     ``torch.load``, which names what it is.

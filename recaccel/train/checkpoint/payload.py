@@ -12,7 +12,6 @@ and what is wrong:
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import math
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from recaccel.train.checkpoint.digests import verify_bytes
+from recaccel.train.checkpoint.digests import verify_file
 from recaccel.train.checkpoint.errors import CheckpointError, first_line, refusal, show
 from recaccel.train.checkpoint.paths import digest_file
 
@@ -42,21 +41,14 @@ STATE_KEYS = ("step", "epoch", "samples", "train_seconds", "reader", "rng")
 def read_payload(source: str | os.PathLike | BinaryIO, path: str | os.PathLike, device: Any = "cpu") -> Any:
     """``torch.load(source, weights_only=True)`` with one-line errors naming ``path``.
 
-    A file (``source`` a path) is read once: its bytes are verified by
-    :func:`~recaccel.train.checkpoint.digests.verify_bytes`, then unpickled from memory
-    (the bytes checked are the bytes loaded). One without a digest file is logged as a
-    warning once it has loaded.
+    A file (``source`` a path) is first verified by :func:`verify_file`; one without a
+    digest file is logged as a warning once it has loaded.
 
     Raises:
         CheckpointError: the file fails its checksum, is unreadable, truncated, or its
             pickle asks for anything but tensors, numbers, strings and containers.
     """
-    sealed = True
-    if isinstance(source, (str, os.PathLike)):
-        file = Path(source)
-        data = _read_bytes(file, path)
-        sealed = verify_bytes(data, file, path)
-        source = io.BytesIO(data)
+    sealed = verify_file(Path(source), path) if isinstance(source, (str, os.PathLike)) else True
     try:
         payload = torch.load(source, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -68,16 +60,9 @@ def read_payload(source: str | os.PathLike | BinaryIO, path: str | os.PathLike, 
             "checkpoint %s has no %s digest file (written before recaccel recorded them, or copied "
             "without it): only its zip CRC-32s were checked",
             path,
-            digest_file(file).name,
+            digest_file(Path(source)).name,
         )
     return payload
-
-
-def _read_bytes(file: Path, path: str | os.PathLike) -> bytes:
-    try:
-        return file.read_bytes()
-    except OSError as e:
-        raise CheckpointError(path, f"cannot be read ({type(e).__name__}: {first_line(e)})") from None
 
 
 # ---------------------------------------------------------------- validation
