@@ -234,9 +234,13 @@ def take_batch(cols: Columns, rows: np.ndarray | slice) -> Batch:
         dense = np.array(cols.dense[start:stop], dtype=np.float32, order="C", copy=True)
         labels = np.array(cols.labels[start:stop], dtype=np.float32, copy=True)
         bags = [
-            (v[start:stop], None) if single else (v[o[start] : o[stop]], o[start : stop + 1] - o[start])
+            (None if cols.ids is not None else v[start:stop], None)
+            if single
+            else (v[o[start] : o[stop]], o[start : stop + 1] - o[start])
             for v, o, single in zip(cols.values, cols.offsets, cols.single)
         ]
+        # Row-major ids: the rows are a view, copied field-major in transposed blocks.
+        ids = None if cols.ids is None else cols.ids[start:stop]
     else:
         idx = np.asarray(rows, dtype=np.int64)
         b = idx.shape[0]

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 
 from recaccel.config import InvalidDensePolicy, InvalidIdsPolicy, InvalidLabelsPolicy, choices
 from recaccel.errors import ConfigError, DataError
+from recaccel.io.format.blocks import BLOCK_MIN_FIELDS, clean_dense_block, valid_one_hot_block
 from recaccel.io.format.columns import Columns, id_dtype, single_hot_offsets
 from recaccel.io.format.schema import FeatureSchema, SparseField
 
@@ -178,28 +179,11 @@ def row_group_to_columns(
     labels, bad = _decode_labels(by_name, schema, policies, path, row_group)
     _drop_rows(stats, drop, bad, "rows_skipped_invalid_labels")
 
-    dense = np.empty((n, len(proj.dense)), dtype=np.float32)
-    dense_bad = np.zeros(n, dtype=bool)
-    for j, name in enumerate(proj.dense):
-        dense[:, j], bad = _decode_dense(
-            _column(by_name, name, path, row_group), name, policies, path, row_group, stats
-        )
-        if bad is not None:
-            dense_bad |= bad
-    _drop_rows(stats, drop, dense_bad, "rows_skipped_invalid_dense")
-
-    steps = single_hot_offsets(n)  # shared by every single-hot field
-    values, offsets = [], []
-    ids_bad = np.zeros(n, dtype=bool)
-    for sf in proj.sparse:
-        val, off, bad = _decode_ids(
-            _column(by_name, sf.name, path, row_group), sf, policies, path, row_group, stats, steps
-        )
-        values.append(val)
-        offsets.append(off)
-        if bad is not None:
-            ids_bad |= bad
-    _drop_rows(stats, drop, ids_bad, "rows_skipped_invalid_ids")
+    dense = _dense_columns(by_name, proj.dense, policies, path, row_group, stats, drop)
+    ids = np.result_type(*(id_dtype(f.cardinality) for f in proj.sparse)) if proj.sparse else None
+    values, offsets, block = _sparse_columns(
+        by_name, proj.sparse, ids, policies, path, row_group, stats, drop
+    )
 
     side = {}
     for name in proj.side:
@@ -210,8 +194,8 @@ def row_group_to_columns(
         side[name] = np.asarray(arr.to_numpy(zero_copy_only=False), dtype=np.int64)
 
     single = [not f.multi_hot for f in proj.sparse]  # null single-hot rows are dropped or raised
-    ids = np.result_type(*(id_dtype(f.cardinality) for f in proj.sparse)) if proj.sparse else None
-    cols = Columns(dense, labels, [f.name for f in proj.sparse], values, offsets, side, single, id_dtype=ids)
+    keys = [f.name for f in proj.sparse]
+    cols = Columns(dense, labels, keys, values, offsets, side, single, ids=block, id_dtype=ids)
     if drop.any():
         _count(stats, "rows_skipped", int(drop.sum()))
         cols = cols.take(np.flatnonzero(~drop))
@@ -225,6 +209,66 @@ def _column(by_name: dict[str, pa.ChunkedArray], name: str, path: str, row_group
     if isinstance(col, pa.ChunkedArray):  # one chunk is the common case: no copy then
         return col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
     return col
+
+
+def _dense_columns(
+    by_name: dict[str, pa.ChunkedArray],
+    names: tuple[str, ...],
+    policies: Policies,
+    path: str,
+    row_group: int,
+    stats: dict[str, int],
+    drop: np.ndarray,
+) -> np.ndarray:
+    """float32 [n, Dd]: the dense columns; rows to drop are marked in ``drop``."""
+    dense = clean_dense_block(by_name, names) if len(names) >= BLOCK_MIN_FIELDS else None
+    if dense is not None:
+        return dense
+    # A null, NaN or inf somewhere, a missing column, or few columns: column by column.
+    dense = np.empty((drop.shape[0], len(names)), dtype=np.float32)
+    dense_bad = np.zeros(drop.shape[0], dtype=bool)
+    for j, name in enumerate(names):
+        dense[:, j], bad = _decode_dense(
+            _column(by_name, name, path, row_group), name, policies, path, row_group, stats
+        )
+        if bad is not None:
+            dense_bad |= bad
+    _drop_rows(stats, drop, dense_bad, "rows_skipped_invalid_dense")
+    return dense
+
+
+def _sparse_columns(
+    by_name: dict[str, pa.ChunkedArray],
+    fields: tuple[SparseField, ...],
+    ids: np.dtype | None,
+    policies: Policies,
+    path: str,
+    row_group: int,
+    stats: dict[str, int],
+    drop: np.ndarray,
+) -> tuple[list[np.ndarray], list[np.ndarray], np.ndarray | None]:
+    """(values, offsets) per field and the row-major block of the single-hot ids (None
+    when they were checked column by column); rows to drop are marked in ``drop``."""
+    steps = single_hot_offsets(drop.shape[0])  # shared by every single-hot field
+    one_hot = [f for f in fields if not f.multi_hot]
+    block = valid_one_hot_block(by_name, one_hot, ids) if len(one_hot) >= BLOCK_MIN_FIELDS else None
+    values, offsets = [], []
+    ids_bad = np.zeros(drop.shape[0], dtype=bool)
+    k = 0  # column of the next single-hot field in ``block``
+    for sf in fields:
+        if block is not None and not sf.multi_hot:  # checked with the block: valid
+            val, off, bad = block[:, k], steps, None
+            k += 1
+        else:
+            val, off, bad = _decode_ids(
+                _column(by_name, sf.name, path, row_group), sf, policies, path, row_group, stats, steps
+            )
+        values.append(val)
+        offsets.append(off)
+        if bad is not None:
+            ids_bad |= bad
+    _drop_rows(stats, drop, ids_bad, "rows_skipped_invalid_ids")
+    return values, offsets, block
 
 
 def _null_mask(arr: pa.Array) -> np.ndarray:
