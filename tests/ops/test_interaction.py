@@ -27,6 +27,7 @@ from recaccel.ops.interaction import (
     dot_interaction_reference,
     interaction_output_dim,
 )
+from recaccel.ops.tf32 import tf32_enabled
 
 pytestmark = pytest.mark.numeric
 
@@ -388,7 +389,7 @@ def test_gpu_real_size(rows, dtype):
     g = _rand(out.shape, torch.float32, seed=1, device="cuda").to(dtype)
     (gx,) = torch.autograd.grad(out, x, g)
     (gx_ref,) = torch.autograd.grad(ref, x_ref, g.double())
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and not tf32_enabled():
         torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gx.double(), gx_ref, rtol=1e-5, atol=1e-4)
     else:

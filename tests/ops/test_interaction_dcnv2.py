@@ -18,6 +18,7 @@ from recaccel.ops.interaction import (
     dcnv2_cross_reference,
     init_cross_weights,
 )
+from recaccel.ops.tf32 import tf32
 
 pytestmark = pytest.mark.numeric
 
@@ -274,9 +275,5 @@ def test_gpu_mlperf_size_half(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,k,r,layers", [(1, 7, 1, 1), (16384, 432, 64, 2), (1000, 3456, 512, 3)])
 def test_gpu_matches_reference_fp32_ieee(b, k, r, layers):
-    allow = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with tf32(False):
         _check_triton(b, k, r, layers, torch.float32, seed=12)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = allow

@@ -41,6 +41,7 @@ from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved
 from recaccel.models.arches import MLP, mlp
+from recaccel.ops.tf32 import tf32
 from recaccel.train.model.optim import implementation
 
 PRECISIONS = ("fp32", "tf32", "bf16")
@@ -62,13 +63,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 @contextlib.contextmanager
 def precision_mode(precision: str, device: torch.device) -> Iterator[None]:
     """Runs the block in ``precision``: TF32 matmuls for ``tf32``, bf16 autocast for ``bf16``."""
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    try:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+    with (
+        tf32(precision == "tf32"),
+        torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"),
+    ):
+        yield
 
 
 def build_mlps(device: torch.device, *, fast: bool, seed: int = 0) -> list[MLP]:

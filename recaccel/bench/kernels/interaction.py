@@ -42,6 +42,7 @@ from recaccel.ops.interaction import (
     init_cross_weights,
     interaction_output_dim,
 )
+from recaccel.ops.tf32 import tf32
 from recaccel.plotting import pyplot, save_figure
 
 log = logging.getLogger(__name__)
@@ -68,12 +69,8 @@ def _as_list(value: int | Sequence[int]) -> list[int]:
 @contextlib.contextmanager
 def _tf32(allow: bool) -> Iterator[None]:
     """TF32 matmuls allowed (or not) inside, restored after."""
-    before = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow
-    try:
+    with tf32(allow):
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def _min_bytes(b: int, f: int, d: int, elem: int, pad: bool = False) -> tuple[int, int]:

@@ -168,7 +168,7 @@ def dcnv2_cross_gemm(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> Tensor:
 
     Returns:
         x_L [B, K] in ``x0``'s dtype. The GEMMs follow torch's matmul settings (TF32 for
-        float32 where ``torch.backends.cuda.matmul.allow_tf32``); elementwise work in float32.
+        float32 where torch's TF32 switch is on); elementwise work in float32.
 
     Raises:
         ValueError: bad shapes, or a dtype the kernels do not take.

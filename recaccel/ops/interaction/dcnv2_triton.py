@@ -39,6 +39,7 @@ from recaccel.ops.interaction.dcnv2_reference import (
     CROSS_TRITON_DTYPES,
     check_cross_input,
 )
+from recaccel.ops.tf32 import tf32_enabled
 
 _OP = "dcnv2_cross"
 
@@ -193,7 +194,7 @@ def _launch_config(k: int, rank: int) -> tuple[int, int, int, int]:
 
 def _precision(dtype: torch.dtype) -> str:
     """tl.dot input precision: half inputs multiply exactly; float32 follows torch's TF32 flag."""
-    if dtype != torch.float32 or torch.backends.cuda.matmul.allow_tf32:
+    if dtype != torch.float32 or tf32_enabled():
         return "tf32"
     return "ieee"
 

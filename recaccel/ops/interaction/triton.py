@@ -57,6 +57,7 @@ from recaccel.ops.interaction.reference import (
     pair_indices,
     symmetric_from_pairs,
 )
+from recaccel.ops.tf32 import tf32_enabled
 
 _OP = "dot_interaction"
 ONE_TILE_MAX_ROWS = 64  # up to here one row tile holds all R rows; beyond, the tile-pair grid
@@ -68,8 +69,7 @@ def dot_precision(dtype: torch.dtype, *, on_cuda: bool, allow_tf32: bool) -> str
     Args:
         dtype: Input dtype (float32, bfloat16 or float16).
         on_cuda: True when the kernels run compiled on a GPU, False under the interpreter.
-        allow_tf32: ``torch.backends.cuda.matmul.allow_tf32`` (True under
-            ``torch.set_float32_matmul_precision("high")``).
+        allow_tf32: torch's TF32 switch (:func:`recaccel.ops.tf32.tf32_enabled`).
 
     Returns:
         ``"native"`` (16-bit tensor-core products, exact in the float32 accumulator),
@@ -262,9 +262,7 @@ def _dot_interaction_bwd_kernel(
 
 def _kernel_precision(dtype: torch.dtype, device: torch.device) -> tuple[str, bool]:
     """(``tl.dot`` input_precision, upcast 16-bit operands to float32) for a launch."""
-    mode = dot_precision(
-        dtype, on_cuda=device.type == "cuda", allow_tf32=torch.backends.cuda.matmul.allow_tf32
-    )
+    mode = dot_precision(dtype, on_cuda=device.type == "cuda", allow_tf32=tf32_enabled())
     if mode == "native":
         return "tf32", False  # ignored by tl.dot for 16-bit operands
     return mode, mode == "ieee" and dtype != torch.float32

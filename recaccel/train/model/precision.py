@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import torch
 
 from recaccel.config import Precision
+from recaccel.ops.tf32 import tf32
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +39,9 @@ def log_fallback(precision: Precision, device: torch.device) -> None:
 def matmul_precision(precision: Precision) -> Iterator[None]:
     """Sets torch's TF32 switches for ``precision`` in the ``with`` body; restores them after.
 
-    ``tf32``: ``torch.backends.cuda.matmul.allow_tf32`` and
-    ``torch.backends.cudnn.allow_tf32`` on, so cuBLAS/cuDNN multiply float32 tensors on
+    ``tf32``: torch's TF32 switches on (:func:`recaccel.ops.tf32.tf32`: the legacy
+    ``allow_tf32`` flags, or the ``fp32_precision`` strings where the process uses that
+    API; restored exactly after), so cuBLAS/cuDNN multiply float32 tensors on
     TF32 tensor cores (10-bit mantissa operands, float32 accumulation). ``fp32`` and
     ``bf16``: both off, so what runs in float32 is float32-accurate whatever the process
     had set before (under ``bf16`` the MLPs and the interaction run in bfloat16 by
@@ -47,7 +49,7 @@ def matmul_precision(precision: Precision) -> Iterator[None]:
 
     The switch is the contract with recaccel's kernels: a Triton kernel picks its
     ``tl.dot`` ``input_precision`` at launch from its input dtype (bfloat16/float16
-    natively) and, for float32 inputs, from ``torch.backends.cuda.matmul.allow_tf32``
+    natively) and, for float32 inputs, from :func:`recaccel.ops.tf32.tf32_enabled`
     (on: ``"tf32"``; off: a float32-accurate mode), so it follows the run's mode without
     being told. The switches are process-wide, not per thread: the autograd engine's
     backward threads see them too. CPU matmuls ignore them, so on CPU ``tf32`` runs as
@@ -56,11 +58,5 @@ def matmul_precision(precision: Precision) -> Iterator[None]:
     Args:
         precision: ``train.precision``.
     """
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    tf32 = precision == "tf32"
-    torch.backends.cuda.matmul.allow_tf32 = tf32
-    torch.backends.cudnn.allow_tf32 = tf32
-    try:
+    with tf32(precision == "tf32"):
         yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

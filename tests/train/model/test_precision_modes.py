@@ -44,6 +44,17 @@ TINY = [
 SWITCHES = ("matmul", "cudnn")
 
 
+_STRING_OWNERS = [
+    (owner, "fp32_precision")
+    for owner in (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn)
+    if hasattr(owner, "fp32_precision")
+]
+
+
+def _fp32_precision_strings() -> list[str]:
+    return [getattr(owner, name) for owner, name in _STRING_OWNERS]
+
+
 def _switches() -> tuple[bool, bool]:
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 
@@ -51,9 +62,11 @@ def _switches() -> tuple[bool, bool]:
 @pytest.fixture
 def switches():
     """Puts the process's TF32 switches back after the test, whatever it set."""
-    saved = _switches()
+    saved, strings = _switches(), _fp32_precision_strings()
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    for (owner, name), value in zip(_STRING_OWNERS, strings):
+        setattr(owner, name, value)  # the legacy setter above leaves "ieee" where "none" was
 
 
 @pytest.fixture(scope="module")
