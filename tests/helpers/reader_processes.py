@@ -26,6 +26,16 @@ def wait_gone(pids: list[int], seconds: float = 10) -> bool:
     return not any(alive(p) for p in pids)
 
 
+def wait_reaped(pids: list[int], seconds: float = 10) -> bool:
+    """Whether every process of ``pids`` is reaped (no /proc entry) within ``seconds``. A
+    zombie leader is not enough where the others' pipes must read EOF: the threads of a
+    multi-threaded process (Arrow's) may still be exiting, holding its file table open."""
+    deadline = time.monotonic() + seconds
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not any(os.path.exists(f"/proc/{p}") for p in pids)
+
+
 def reader_workers() -> list[int]:
     """This process's reader worker processes."""
     return [p.pid for p in mp.active_children() if p.name.startswith("reader-worker")]

@@ -18,7 +18,7 @@ import pytest
 
 from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
 from recaccel.io.readers.interrupts import sigint_deferred
-from tests.helpers.reader_processes import alive, our_segments, reader_workers, wait_gone
+from tests.helpers.reader_processes import alive, our_segments, reader_workers, wait_gone, wait_reaped
 from tests.helpers.row_data import small_dataset
 from tests.helpers.same_batches import assert_same_batches
 from tests.helpers.task_data import tasks_config, write_tasks
@@ -108,7 +108,7 @@ def test_a_worker_that_died_between_epochs_is_replaced_and_the_next_epoch_is_the
     dead = sorted(set(reader_workers()) - others)
     assert len(dead) == 2
     os.kill(dead[0], signal.SIGKILL)
-    assert wait_gone(dead[:1])
+    assert wait_reaped(dead[:1])  # its pipe reads EOF only once all its threads are gone
     assert_same_batches(want[1], list(reader))
     assert len(set(reader_workers()) - others - set(dead)) == 2  # a new pool
     assert f"reader worker(s) [{dead[0]}] died between iterations" in caplog.text

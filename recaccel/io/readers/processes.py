@@ -155,7 +155,9 @@ class WorkerPool:
 
     def dead(self) -> list[int]:
         """The pids of workers found dead: their pipe closed (an idle worker sends nothing,
-        and its end closes as it dies, before the forkserver reports its exit)."""
+        and its end closes once all its threads have exited, before the forkserver reports
+        its exit). A worker dying at this very moment may still look alive: the iteration
+        then fails with the one-line dead-worker error, as for a death mid-epoch."""
         return [
             p.pid for p, c in zip(self.procs, self.conns, strict=False) if c.poll() or p.exitcode is not None
         ]
