@@ -16,6 +16,7 @@ import torch
 
 from recaccel.config import Config, ModelConfig, UnreadableFilesPolicy, check_rules, section_types, show_value
 from recaccel.errors import ConfigError, DataError
+from recaccel.io.format.cache.manifest import is_cache, load_manifest
 from recaccel.io.format.dataset import list_files
 from recaccel.ops.backend import fbgemm_installed, triton_interpret_enabled
 
@@ -76,11 +77,18 @@ def _check_dataset(
     unreadable: UnreadableFilesPolicy = "warn",
 ) -> None:
     """A dataset path must be what the readers open (:func:`~recaccel.io.format.dataset.list_files`):
-    a readable regular file, or a folder with ``*.parquet`` files in it (its unreadable ones
-    as ``unreadable`` says); ``hint()`` says how to make a missing one."""
+    a readable regular file, a folder with ``*.parquet`` files in it (its unreadable ones
+    as ``unreadable`` says), or a pre-decoded cache folder whose manifest checks out;
+    ``hint()`` says how to make a missing one."""
     if not Path(path).exists() and not Path(path).is_symlink():
         command = hint()
         raise ConfigError(f"{what} does not exist" + (f"; make it with: {command}" if command else ""))
+    if is_cache(path):
+        try:
+            load_manifest(path)
+        except DataError as e:
+            raise ConfigError(f"{what}: {e}") from None
+        return
     try:
         list_files(path, unreadable)
     except DataError as e:
