@@ -60,8 +60,9 @@ class DatasetWriter:
         prefix: file name prefix.
         overwrite: delete existing ``{prefix}-*.parquet`` files first instead of failing.
         compression: Parquet codec, one of :data:`recaccel.config.ParquetCodec`. ``snappy`` (default)
-            is the most widely readable; ``lz4`` decoded about twice as fast at a
-            similar size in our measurements (bench/results/io_lz4.md).
+            is the most widely readable. With int64 ids ``lz4`` decoded about twice as
+            fast (bench/results/io_lz4.md); with the int32 ids written since, snappy and
+            lz4 read at the same speed and ``none`` ~1.3x faster (criteo_1hot schema).
         align_tasks: with a task key in the schema, end row groups at task boundaries
             (module docstring); False = cut every ``rows_per_row_group`` rows.
 
