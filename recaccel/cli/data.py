@@ -198,7 +198,7 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
     """The ``cache`` subcommand: a dataset's decoded columns in memory-mappable files."""
     cache = sub.add_parser(
         "cache",
-        help="decode a Parquet dataset once into a read-only cache folder that data.train / data.eval "
+        help="decode a Parquet dataset once into a read-only cache folder that data.train / data.test "
         "can name (repeated epochs skip Parquet decoding)",
     )
     cache.add_argument(

@@ -182,8 +182,8 @@ class DataConfig(Section):
 
     SECTION: ClassVar[str] = "data"
 
-    train: PathText = "data/synth/train"  # a .parquet file or a folder of them
-    test: PathText = "data/synth/test"  # the evaluation data: a .parquet file or a folder of them
+    train: PathText = "data/synth/train"  # a .parquet file, a folder of them, or a cache folder
+    test: PathText = "data/synth/test"  # evaluation data: .parquet file(s) or a cache folder
     batch_size: Count = 512  # training rows per step (the global batch in hybrid mode, data = "global")
     eval_batch_size: Count = 4096  # rows per evaluation batch (memory only: metrics do not depend on it)
     shuffle: bool = True  # visit row groups in a seeded random order and mix rows in a shuffle buffer
