@@ -7,6 +7,10 @@ import glob
 import multiprocessing as mp
 import os
 import time
+from pathlib import Path
+
+from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
+from tests.helpers.task_data import tasks_config
 
 
 def alive(pid: int) -> bool:
@@ -46,3 +50,13 @@ def our_segments() -> list[str]:
     (whose idle workers keep theirs) are collected."""
     gc.collect()
     return glob.glob(f"/dev/shm/rca{os.getpid()}x*")
+
+
+def rows_reader(path: Path, workers: int) -> BatchReader:
+    """The worker tests' shuffled row reader: batches of 16, buffers of 40 rows."""
+    return BatchReader(path, 16, ReadOptions(seed=3, workers=workers), shuffle_buffer_rows=40)
+
+
+def task_reader(path: Path, workers: int) -> TaskReader:
+    """The worker tests' task reader: one row group per unit."""
+    return TaskReader(path, tasks_config(unit_row_groups=1), ReadOptions(seed=4, workers=workers))

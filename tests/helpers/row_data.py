@@ -42,3 +42,15 @@ def small_dataset(tmp: Path, n: int = 300, rg: int = 25, per_file: int | None = 
     schema = make_schema(2, [False, True, False], [50, 20, 7])
     write_parquet(tmp, schema, make_columns(schema, n, seed), rows_per_row_group=rg, rows_per_file=per_file)
     return schema
+
+
+def skipping_dataset(path: Path) -> Path:
+    """300 rows in 3 files of 25-row groups with a multi-hot field, 23 of them with an id
+    past its table: under ``invalid_ids = "skip"`` row groups keep fewer rows than their
+    footers say (so the rows carried between shuffle buffers shift)."""
+    schema = make_schema(2, [False, True, False], [50, 20, 7])
+    cols = make_columns(schema, 300, 1)
+    bad = np.random.default_rng(2).choice(300, 23, replace=False)
+    cols[schema.sparse[0].name][bad] = 999
+    write_parquet(path, schema, cols, rows_per_row_group=25, rows_per_file=120)
+    return path

@@ -13,39 +13,21 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from recaccel.io.readers import BatchReader, ReadOptions, TaskReader
 from recaccel.io.readers.interrupts import sigint_deferred
-from tests.helpers.reader_processes import alive, our_segments, reader_workers, wait_gone, wait_reaped
-from tests.helpers.row_data import small_dataset
+from tests.helpers.reader_processes import (
+    alive,
+    our_segments,
+    reader_workers,
+    rows_reader,
+    task_reader,
+    wait_gone,
+    wait_reaped,
+)
 from tests.helpers.same_batches import assert_same_batches
-from tests.helpers.task_data import tasks_config, write_tasks
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def rows_data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("rows")
-    small_dataset(path, n=300, rg=25, per_file=120)
-    return path
-
-
-@pytest.fixture(scope="module")
-def task_data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tasks")
-    write_tasks(path, [int(n) for n in np.random.default_rng(5).integers(2, 14, 40)], rg=16)
-    return path
-
-
-def rows_reader(path: Path, workers: int) -> BatchReader:
-    return BatchReader(path, 16, ReadOptions(seed=3, workers=workers), shuffle_buffer_rows=40)
-
-
-def task_reader(path: Path, workers: int) -> TaskReader:
-    return TaskReader(path, tasks_config(unit_row_groups=1), ReadOptions(seed=4, workers=workers))
 
 
 def epochs_with_pids(reader, epochs: int) -> tuple[list[list], list[list[int]]]:
@@ -66,7 +48,7 @@ def epochs_with_pids(reader, epochs: int) -> tuple[list[list], list[list[int]]]:
 
 @pytest.mark.parametrize("make", [rows_reader, task_reader], ids=["batch_reader", "task_reader"])
 def test_the_same_worker_processes_serve_every_epoch_and_batches_match_0_workers(make, request):
-    path = request.getfixturevalue("rows_data" if make is rows_reader else "task_data")
+    path = request.getfixturevalue("worker_rows_data" if make is rows_reader else "worker_task_data")
     want, _ = epochs_with_pids(make(path, 0), 3)
     reader = make(path, 2)
     got, pids = epochs_with_pids(reader, 3)
@@ -79,11 +61,11 @@ def test_the_same_worker_processes_serve_every_epoch_and_batches_match_0_workers
     assert wait_gone(pids[0]) and our_segments() == []
 
 
-def test_a_break_mid_epoch_stops_the_workers_and_the_next_iteration_resumes_with_new_ones(rows_data):
-    want = list(rows_reader(rows_data, 0))
+def test_a_break_mid_epoch_stops_the_workers_and_the_next_iteration_resumes_with_new_ones(worker_rows_data):
+    want = list(rows_reader(worker_rows_data, 0))
     gc.collect()
     others = set(reader_workers())
-    reader = rows_reader(rows_data, 2)
+    reader = rows_reader(worker_rows_data, 2)
     it = iter(reader)
     head = [next(it) for _ in range(5)]
     first = sorted(set(reader_workers()) - others)
@@ -98,12 +80,14 @@ def test_a_break_mid_epoch_stops_the_workers_and_the_next_iteration_resumes_with
     assert wait_gone(second) and our_segments() == []
 
 
-def test_a_worker_that_died_between_epochs_is_replaced_and_the_next_epoch_is_the_same(rows_data, caplog):
-    base = rows_reader(rows_data, 0)
+def test_a_worker_that_died_between_epochs_is_replaced_and_the_next_epoch_is_the_same(
+    worker_rows_data, caplog
+):
+    base = rows_reader(worker_rows_data, 0)
     want = [list(base) for _ in range(2)]
     gc.collect()
     others = set(reader_workers())
-    reader = rows_reader(rows_data, 2)
+    reader = rows_reader(worker_rows_data, 2)
     assert_same_batches(want[0], list(reader))
     dead = sorted(set(reader_workers()) - others)
     assert len(dead) == 2
@@ -207,13 +191,15 @@ def run_stress(data: Path, script: Path, trials: int, window: float, seed: int) 
 
 
 @pytest.mark.skipif(not Path("/proc").exists(), reason="reads /proc")
-def test_ctrl_c_at_random_moments_never_hangs_and_leaves_no_workers_or_shared_memory(rows_data, tmp_path):
+def test_ctrl_c_at_random_moments_never_hangs_and_leaves_no_workers_or_shared_memory(
+    worker_rows_data, tmp_path
+):
     script = tmp_path / "stress.py"
     script.write_text(STRESS_SCRIPT)
     trials = 16
     # 0.6 s covers the forkserver's and the first workers' start and several epoch
     # boundaries (an epoch here takes a few tens of milliseconds).
-    status, output, pid = run_stress(rows_data, script, trials, 0.6, seed=7)
+    status, output, pid = run_stress(worker_rows_data, script, trials, 0.6, seed=7)
     # Python ends on an uncaught KeyboardInterrupt by killing itself with SIGINT.
     assert status == -signal.SIGINT, output[-3000:]
     assert output.splitlines().count("ok") == trials - 1, output[-3000:]

@@ -3,7 +3,6 @@ worker count, worker deaths as one error line, and no processes or shared memory
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import multiprocessing as mp
@@ -27,9 +26,10 @@ from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions, Shard, TaskReader
 from recaccel.io.readers.processes import ProcessLoader, ReaderWorkerError
 from recaccel.io.readers.shm_ring import SlotReader, SlotWriter
-from tests.helpers.reader_processes import alive, our_segments, reader_workers
-from tests.helpers.row_data import make_columns, make_schema, small_dataset
-from tests.helpers.task_data import tasks_config, write_tasks
+from tests.helpers.reader_processes import alive, our_segments, reader_workers, rows_reader, task_reader
+from tests.helpers.row_data import make_columns, make_schema, skipping_dataset, small_dataset
+from tests.helpers.same_batches import assert_same_batches
+from tests.helpers.task_data import tasks_config
 
 ROOT = Path(__file__).resolve().parents[2]
 # Decode counters of the task reader count row groups decoded again to complete a task,
@@ -37,54 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TASK_DECODE_COUNTERS = ("rows_read", "row_groups_read", "max_buffered_rows")
 
 
-def tensors(value) -> list:
-    """Every tensor of a Batch / TaskBatch (None fields as None), in field order."""
-    if isinstance(value, torch.Tensor) or value is None:
-        return [value]
-    if dataclasses.is_dataclass(value):
-        return [t for f in dataclasses.fields(value) for t in tensors(getattr(value, f.name))]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors(v)]
-    if isinstance(value, dict):
-        return [t for k in sorted(value) for t in tensors(value[k])]
-    return []
-
-
-def assert_same_batches(a: list, b: list) -> None:
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b, strict=True):
-        tx, ty = tensors(x), tensors(y)
-        assert len(tx) == len(ty)
-        for u, v in zip(tx, ty, strict=True):
-            assert (u is None) == (v is None)
-            if u is not None:
-                assert u.dtype == v.dtype and u.shape == v.shape and torch.equal(u, v)
-
-
 def without(state: dict, counters: tuple[str, ...]) -> dict:
     return {**state, "counters": {k: v for k, v in state["counters"].items() if k not in counters}}
-
-
-@pytest.fixture(scope="module")
-def rows_data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("rows")
-    small_dataset(path, n=300, rg=25, per_file=120)
-    return path
-
-
-@pytest.fixture(scope="module")
-def task_data(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tasks")
-    write_tasks(path, [int(n) for n in np.random.default_rng(5).integers(2, 14, 40)], rg=16)
-    return path
-
-
-def rows_reader(path: Path, workers: int) -> BatchReader:
-    return BatchReader(path, 16, ReadOptions(seed=3, workers=workers), shuffle_buffer_rows=40)
-
-
-def task_reader(path: Path, workers: int) -> TaskReader:
-    return TaskReader(path, tasks_config(unit_row_groups=1), ReadOptions(seed=4, workers=workers))
 
 
 def test_shared_memory_round_trip_keeps_dtypes_shapes_order_and_none():
@@ -115,20 +69,14 @@ def test_shared_memory_round_trip_keeps_dtypes_shapes_order_and_none():
 def skipping_data(tmp_path_factory) -> Path:
     """Rows with ids past their table here and there: under ``skip`` buffers hold fewer
     rows than their footers say, so the rows carried between buffers shift."""
-    path = tmp_path_factory.mktemp("skips")
-    schema = make_schema(2, [False, True, False], [50, 20, 7])
-    cols = make_columns(schema, 300, 1)
-    bad = np.random.default_rng(2).choice(300, 23, replace=False)
-    cols[schema.sparse[0].name][bad] = 999
-    write_parquet(path, schema, cols, rows_per_row_group=25, rows_per_file=120)
-    return path
+    return skipping_dataset(tmp_path_factory.mktemp("skips"))
 
 
 @pytest.mark.parametrize(
     ("data", "options"),
     [
-        ("rows_data", {}),
-        ("rows_data", {"shuffle": False, "drop_last": True}),
+        ("worker_rows_data", {}),
+        ("worker_rows_data", {"shuffle": False, "drop_last": True}),
         ("skipping_data", {"policies": Policies(invalid_ids="skip")}),
     ],
 )
@@ -151,8 +99,8 @@ def test_batch_streams_and_states_are_identical_for_0_to_3_workers(data, options
     assert our_segments() == []
 
 
-def test_task_batch_streams_are_identical_for_0_to_3_workers(task_data):
-    runs = {n: list(task_reader(task_data, n).iter_with_state()) for n in (0, 1, 2, 3)}
+def test_task_batch_streams_are_identical_for_0_to_3_workers(worker_task_data):
+    runs = {n: list(task_reader(worker_task_data, n).iter_with_state()) for n in (0, 1, 2, 3)}
     base = runs[0]
     for n in (1, 2, 3):
         assert_same_batches([b for b, _ in base], [b for b, _ in runs[n]])
@@ -161,44 +109,44 @@ def test_task_batch_streams_are_identical_for_0_to_3_workers(task_data):
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 0), (0, 3), (3, 1)])
-def test_resume_mid_epoch_with_another_worker_count_yields_the_same_rest(rows_data, before, after):
-    full = list(rows_reader(rows_data, 0))
-    first = rows_reader(rows_data, before)
+def test_resume_mid_epoch_with_another_worker_count_yields_the_same_rest(worker_rows_data, before, after):
+    full = list(rows_reader(worker_rows_data, 0))
+    first = rows_reader(worker_rows_data, before)
     it = first.iter_with_state()
     for _ in range(7):
         _, state = next(it)
     it.close()
-    resumed = rows_reader(rows_data, after)
+    resumed = rows_reader(worker_rows_data, after)
     resumed.load_state_dict(state)
     assert_same_batches(full[7:], list(resumed))
 
 
-def test_task_reader_resumes_mid_epoch_with_another_worker_count(task_data):
-    full = list(task_reader(task_data, 0))
-    it = task_reader(task_data, 2).iter_with_state()
+def test_task_reader_resumes_mid_epoch_with_another_worker_count(worker_task_data):
+    full = list(task_reader(worker_task_data, 0))
+    it = task_reader(worker_task_data, 2).iter_with_state()
     for _ in range(3):
         _, state = next(it)
     it.close()
-    resumed = task_reader(task_data, 0)
+    resumed = task_reader(worker_task_data, 0)
     resumed.load_state_dict(state)
     assert_same_batches(full[3:], list(resumed))
 
 
-def test_breaking_out_of_the_loop_stops_the_workers_and_frees_shared_memory(rows_data):
-    reader = rows_reader(rows_data, 2)
+def test_breaking_out_of_the_loop_stops_the_workers_and_frees_shared_memory(worker_rows_data):
+    reader = rows_reader(worker_rows_data, 2)
     it = reader.iter_with_state()
     next(it)
     assert our_segments() != []  # the workers' slots exist while iterating
     it.close()
     assert our_segments() == []
     # Garbage collection of an abandoned loop does the same.
-    for _ in zip(range(2), rows_reader(rows_data, 2), strict=False):
+    for _ in zip(range(2), rows_reader(worker_rows_data, 2), strict=False):
         pass
     assert our_segments() == []
 
 
-def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(rows_data):
-    reader = rows_reader(rows_data, 0)
+def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(worker_rows_data):
+    reader = rows_reader(worker_rows_data, 0)
     buffers = reader.buffers(0)
     job = reader._job(buffers, 0, 0)
     loader = ProcessLoader(job, len(buffers), 0, 2)
@@ -219,8 +167,8 @@ def test_a_killed_worker_is_one_error_naming_file_and_row_group_within_seconds(r
     assert our_segments() == []
 
 
-def test_a_worker_killed_mid_epoch_stops_the_reader_with_one_line_within_seconds(rows_data):
-    it = iter(rows_reader(rows_data, 2))
+def test_a_worker_killed_mid_epoch_stops_the_reader_with_one_line_within_seconds(worker_rows_data):
+    it = iter(rows_reader(worker_rows_data, 2))
     next(it)
     pids = reader_workers()
     assert len(pids) == 2
@@ -285,13 +233,13 @@ SIGNAL_SCRIPT = textwrap.dedent(
     [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, -signal.SIGINT)],
 )
 def test_sigterm_or_ctrl_c_to_a_process_iterating_a_reader_leaves_no_workers_or_shared_memory(
-    rows_data, tmp_path, sig, status
+    worker_rows_data, tmp_path, sig, status
 ):
     script = tmp_path / "iterate.py"
     script.write_text(SIGNAL_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(rows_data)],
+        [sys.executable, str(script), str(worker_rows_data)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         env=env,
@@ -321,10 +269,10 @@ def _iterate_in_a_daemon(path: str, out) -> None:
         out.put(f"{type(exc).__name__}: {exc}")
 
 
-def test_workers_inside_a_daemonic_process_are_refused_in_one_line(rows_data):
+def test_workers_inside_a_daemonic_process_are_refused_in_one_line(worker_rows_data):
     ctx = mp.get_context("forkserver")  # the readers' server: recaccel is imported there already
     out = ctx.Queue()
-    proc = ctx.Process(target=_iterate_in_a_daemon, args=(str(rows_data), out), daemon=True)
+    proc = ctx.Process(target=_iterate_in_a_daemon, args=(str(worker_rows_data), out), daemon=True)
     proc.start()
     message = out.get(timeout=60)
     proc.join(10)
@@ -362,10 +310,13 @@ def test_training_with_2_workers_matches_0_workers_bit_for_bit_and_resumes_with_
     assert ma["auc"] == mb["auc"] and ma["logloss"] == mb["logloss"]
 
 
-def test_data_workers_reaches_both_readers_for_training_and_evaluation(rows_data, task_data):
+def test_data_workers_reaches_both_readers_for_training_and_evaluation(worker_rows_data, worker_task_data):
     data_cfg = DataConfig(workers=3)
     for train in (True, False):
-        assert BatchReader.from_config(rows_data, data_cfg, train=train).options.workers == 3
-        assert TaskReader.from_config(task_data, tasks_config(), data_cfg, train=train).options.workers == 3
+        assert BatchReader.from_config(worker_rows_data, data_cfg, train=train).options.workers == 3
+        assert (
+            TaskReader.from_config(worker_task_data, tasks_config(), data_cfg, train=train).options.workers
+            == 3
+        )
     with pytest.raises(ConfigError, match="workers"):
         DataConfig(workers=-1)

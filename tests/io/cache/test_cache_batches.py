@@ -15,7 +15,7 @@ from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions
-from tests.helpers.row_data import make_columns, make_schema
+from tests.helpers.row_data import make_columns, make_schema, skipping_dataset
 from tests.helpers.same_batches import assert_same_batches
 
 SKIP = Policies(invalid_ids="skip")
@@ -24,13 +24,7 @@ SKIP = Policies(invalid_ids="skip")
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Path:
     """300 rows in 3 files of 25-row groups, a multi-hot field, 23 rows with an id past its table."""
-    path = tmp_path_factory.mktemp("src")
-    schema = make_schema(2, [False, True, False], [50, 20, 7])
-    cols = make_columns(schema, 300, 1)
-    bad = np.random.default_rng(2).choice(300, 23, replace=False)
-    cols[schema.sparse[0].name][bad] = 999
-    write_parquet(path, schema, cols, rows_per_row_group=25, rows_per_file=120)
-    return path
+    return skipping_dataset(tmp_path_factory.mktemp("src"))
 
 
 @pytest.fixture(scope="module")
