@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -49,7 +50,10 @@ FIELDS = [
 
 
 def _split(hint: Any) -> tuple[Any, list[Any]]:
-    """(the type under ``Annotated``, its rules)."""
+    """(the type under ``Annotated``, its rules); for a number-or-word union
+    (``NonNegative | Literal["auto"]``) those of the number, whose rules are the ones to test."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        hint = typing.get_args(hint)[0]
     if typing.get_origin(hint) is Annotated:
         base, *rules = typing.get_args(hint)
         return base, rules

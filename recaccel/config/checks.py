@@ -130,8 +130,11 @@ def check_value(key: str, value: Any, hint: Any) -> Any:
             try:
                 return check_value(key, value, arg)
             except ConfigError as e:
-                errors.append(e)
-        raise errors[0]
+                errors.append((arg, e))
+        for arg, e in errors:  # a word is refused by the alternative of words, which lists them
+            if isinstance(value, str) and typing.get_origin(arg) is Literal:
+                raise e
+        raise errors[0][1]
     if origin is dict:
         _, item = typing.get_args(hint)
         if not isinstance(value, dict):

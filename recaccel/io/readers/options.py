@@ -6,7 +6,10 @@ batch) stays on the reader. ``ReadOptions.from_config`` maps the ``[data]`` sect
 
 from __future__ import annotations
 
+import multiprocessing as mp
+import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch.utils.data
 
@@ -97,7 +100,8 @@ class ReadOptions:
         cls, data_cfg: DataConfig, *, train: bool, shard: Shard, read_ahead: int | None = None
     ) -> ReadOptions:
         """The ``[data]`` section's options; evaluation (not ``train``) neither shuffles nor
-        drops. ``read_ahead`` None = ``data_cfg.read_ahead``."""
+        drops. ``read_ahead`` None = ``data_cfg.read_ahead``. ``data.workers = "auto"``
+        reads in this process here: the trainer resolves it first (:func:`auto_workers`)."""
         return cls(
             shuffle=data_cfg.shuffle and train,
             seed=data_cfg.seed,
@@ -106,5 +110,22 @@ class ReadOptions:
             read_ahead=data_cfg.read_ahead if read_ahead is None else read_ahead,
             shard=shard,
             unreadable_files=data_cfg.unreadable_files,
-            workers=data_cfg.workers,
+            workers=0 if data_cfg.workers == "auto" else data_cfg.workers,
         )
+
+
+MAX_AUTO_WORKERS = 8  # the README's GPU-host starting point: one decoding process per core pair
+
+
+def auto_workers(setting: int | Literal["auto"], device_type: str, local_ranks: int = 1) -> int:
+    """``data.workers`` as a count: a number as it is; ``"auto"`` = 0 on a CPU device (the
+    training process needs the cores, and on a small host a worker is slower than the
+    training process decoding itself: bench/results/io_workers_cpu.md) and inside a
+    daemonic process (which cannot start any), else half the cores shared by the
+    ``local_ranks`` processes of the host, at most :data:`MAX_AUTO_WORKERS`."""
+    if setting != "auto":
+        return setting
+    if device_type != "cuda" or mp.current_process().daemon:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(0, min(MAX_AUTO_WORKERS, cores // (2 * max(1, local_ranks))))

@@ -3,6 +3,8 @@ objectives and the seeded generators, each from the config."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import random
 
@@ -13,12 +15,15 @@ from recaccel.config import Config, LabelKind, Loss, TrainConfig
 from recaccel.config.rules import check_rule
 from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema
+from recaccel.io.readers.options import auto_workers
 from recaccel.models.factory import build_model
 from recaccel.train.distributed.monitor import check_faults
 from recaccel.train.loop.parallel import Parallelism, SingleProcess
 from recaccel.train.model.dense_head import build_head, check_head_options
 from recaccel.train.model.objectives import DLRMObjective, MetaObjective, Objective
 from recaccel.train.model.user_model import ModelSource, build_user_model
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -30,6 +35,17 @@ def resolve_device(name: str) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise ConfigError(f"train.device={name!r} is not a device name (auto, cpu, cuda)") from None
+
+
+def with_reader_workers(cfg: Config, device: torch.device) -> Config:
+    """``cfg`` with ``data.workers = "auto"`` resolved for ``device`` (and the host's
+    ranks, ``LOCAL_WORLD_SIZE``), logged once; so the run's config.toml records the count."""
+    if cfg.data.workers != "auto":
+        return cfg
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    workers = auto_workers("auto", device.type, local_ranks)
+    logger.info("data.workers = auto: %d reader process(es) on %s", workers, device)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
 
 
 def resolve_loss(cfg: Config, label_kind: LabelKind) -> Loss:

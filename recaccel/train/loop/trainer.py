@@ -34,6 +34,7 @@ from recaccel.train.loop.setup import (
     resolve_device,
     resolve_loss,
     seed_generators,
+    with_reader_workers,
 )
 from recaccel.train.model.objectives import DLRMObjective, Objective
 from recaccel.train.model.optim import build_dense_optimizer
@@ -91,6 +92,7 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         self.parallel = parallel or build_parallel(cfg, self.device)
         self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
+        cfg = self.cfg = with_reader_workers(cfg, self.device)
         seed_generators(cfg.train)
         log_fallback(cfg.train.precision, self.device)
         self.schema = open_dataset(cfg.data.train, cfg.data.schema).schema
