@@ -196,8 +196,9 @@ class DataConfig(Section):
     drop_last: bool = True  # drop an epoch's last batch when it has fewer than batch_size rows
     read_ahead: NonNegative = 2  # shuffle buffers decoded ahead, one worker thread each; 0 = inline
     # reader processes decoding batches in parallel, with the same batches, order and resume for
-    # any count; 0 = in the training process; auto = 0 on a CPU device, on a GPU half the
-    # cores shared by the host's ranks, at most 8. Raise it while data_wait_fraction falls
+    # any count; 0 = in the training process; auto = 0 on a CPU device or for data of under
+    # 4 shuffle buffers, on a GPU half the cores shared by the host's ranks, at most 8. Raise
+    # it while data_wait_fraction falls
     workers: NonNegative | Literal["auto"] = "auto"
     prefetch: NonNegative = 2  # batches prepared ahead on a thread; 0 = inline
     loader_backend: LoaderBackend = "torch"  # host-to-device stage

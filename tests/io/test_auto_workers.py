@@ -10,7 +10,7 @@ import torch
 
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
-from recaccel.io.readers.options import MAX_AUTO_WORKERS, auto_workers
+from recaccel.io.readers.options import MAX_AUTO_WORKERS, MIN_AUTO_BUFFERS, auto_workers
 from recaccel.train.loop.setup import with_reader_workers
 
 
@@ -27,6 +27,16 @@ def test_auto_on_a_gpu_takes_half_the_cores_shared_by_the_hosts_ranks_at_most_ei
     assert auto_workers("auto", "cuda") == min(MAX_AUTO_WORKERS, _cores() // 2)
     assert auto_workers("auto", "cuda", local_ranks=4) == min(MAX_AUTO_WORKERS, _cores() // 8)
     assert auto_workers("auto", "cuda", local_ranks=10_000) == 0
+
+
+def test_auto_reads_in_process_when_an_epoch_is_a_few_shuffle_buffers():
+    assert auto_workers("auto", "cuda", buffers=MIN_AUTO_BUFFERS - 1) == 0
+    assert auto_workers("auto", "cuda", buffers=MIN_AUTO_BUFFERS) == auto_workers("auto", "cuda")
+    cfg = load_config(None, ["data.shuffle_buffer_rows=1000"])
+    assert with_reader_workers(cfg, torch.device("cuda"), rows=3000).data.workers == 0
+    assert with_reader_workers(cfg, torch.device("cuda"), rows=4000).data.workers == auto_workers(
+        "auto", "cuda"
+    )
 
 
 def _auto_in_child(queue) -> None:

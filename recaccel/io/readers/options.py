@@ -115,17 +115,23 @@ class ReadOptions:
 
 
 MAX_AUTO_WORKERS = 8  # the README's GPU-host starting point: one decoding process per core pair
+MIN_AUTO_BUFFERS = 4  # an epoch of fewer shuffle buffers is decoded before workers pay off
 
 
-def auto_workers(setting: int | Literal["auto"], device_type: str, local_ranks: int = 1) -> int:
+def auto_workers(
+    setting: int | Literal["auto"], device_type: str, local_ranks: int = 1, buffers: int | None = None
+) -> int:
     """``data.workers`` as a count: a number as it is; ``"auto"`` = 0 on a CPU device (the
     training process needs the cores, and on a small host a worker is slower than the
-    training process decoding itself: bench/results/io_workers_cpu.md) and inside a
-    daemonic process (which cannot start any), else half the cores shared by the
-    ``local_ranks`` processes of the host, at most :data:`MAX_AUTO_WORKERS`."""
+    training process decoding itself: bench/results/io_workers_cpu.md), inside a daemonic
+    process (which cannot start any) and for data of fewer than :data:`MIN_AUTO_BUFFERS`
+    shuffle buffers an epoch (``buffers``; starting processes costs more than they save),
+    else half the cores shared by the ``local_ranks`` processes of the host, at most
+    :data:`MAX_AUTO_WORKERS`."""
     if setting != "auto":
         return setting
-    if device_type != "cuda" or mp.current_process().daemon:
+    small = buffers is not None and buffers < MIN_AUTO_BUFFERS
+    if device_type != "cuda" or small or mp.current_process().daemon:
         return 0
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(0, min(MAX_AUTO_WORKERS, cores // (2 * max(1, local_ranks))))

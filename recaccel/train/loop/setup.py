@@ -37,13 +37,15 @@ def resolve_device(name: str) -> torch.device:
         raise ConfigError(f"train.device={name!r} is not a device name (auto, cpu, cuda)") from None
 
 
-def with_reader_workers(cfg: Config, device: torch.device) -> Config:
-    """``cfg`` with ``data.workers = "auto"`` resolved for ``device`` (and the host's
-    ranks, ``LOCAL_WORLD_SIZE``), logged once; so the run's config.toml records the count."""
+def with_reader_workers(cfg: Config, device: torch.device, rows: int | None = None) -> Config:
+    """``cfg`` with ``data.workers = "auto"`` resolved for ``device``, the host's ranks
+    (``LOCAL_WORLD_SIZE``) and the training data's ``rows`` (in shuffle buffers), logged
+    once; so the run's config.toml records the count."""
     if cfg.data.workers != "auto":
         return cfg
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    workers = auto_workers("auto", device.type, local_ranks)
+    buffers = None if rows is None else -(-rows // cfg.data.shuffle_buffer_rows)
+    workers = auto_workers("auto", device.type, local_ranks, buffers)
     logger.info("data.workers = auto: %d reader process(es) on %s", workers, device)
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, workers=workers))
 

@@ -92,10 +92,11 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         self.parallel = parallel or build_parallel(cfg, self.device)
         self.device = self.parallel.device  # hybrid on CUDA: this rank's GPU
-        cfg = self.cfg = with_reader_workers(cfg, self.device)
         seed_generators(cfg.train)
         log_fallback(cfg.train.precision, self.device)
-        self.schema = open_dataset(cfg.data.train, cfg.data.schema).schema
+        train_data = open_dataset(cfg.data.train, cfg.data.schema)
+        self.schema = train_data.schema
+        cfg = self.cfg = with_reader_workers(cfg, self.device, train_data.num_rows)
         self.objective, self.evaluator = build_objectives(cfg, self.schema, self.device, model)
         self.module = self.parallel.wrap(self.objective.module)
         self.optimizer = build_dense_optimizer(self.objective.module, cfg.optim)
