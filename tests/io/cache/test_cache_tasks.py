@@ -126,7 +126,7 @@ def test_a_version_1_cache_is_refused_with_a_rebuild_line(cache, tmp_path):
     raw.pop("task_keys_error")
     (old / "cache.json").unlink()
     (old / "cache.json").write_text(json.dumps({**raw, "version": 1}))
-    with pytest.raises(DataError, match=r"cache format version 1, this recaccel reads 2; rebuild it"):
+    with pytest.raises(DataError, match=r"cache format version 1, this recaccel reads 3; rebuild it"):
         TaskReader(old, tasks_config(), ReadOptions(seed=1))
 
 

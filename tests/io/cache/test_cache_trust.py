@@ -17,6 +17,7 @@ from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.decode import Policies
 from recaccel.io.readers import BatchReader, ReadOptions
 from tests.helpers.row_data import small_dataset
+from tests.helpers.same_batches import assert_same_batches
 
 
 @pytest.fixture(scope="module")
@@ -63,20 +64,38 @@ def test_a_corrupt_manifest_is_one_error_naming_it(cache, damage):
 def test_a_manifest_of_another_format_version_is_refused(cache):
     raw = json.loads((cache / "cache.json").read_text())
     (cache / "cache.json").write_text(json.dumps({**raw, "version": 99}))
-    with pytest.raises(DataError, match=r"cache format version 99, this recaccel reads 2"):
+    with pytest.raises(DataError, match=r"cache format version 99, this recaccel reads 3"):
         open_dataset(cache)
 
 
-def test_a_flipped_id_byte_is_an_out_of_range_error_not_an_embedding_index(cache):
-    ids = np.fromfile(cache / "ids.0", dtype="<i4")
+def test_a_flipped_id_byte_is_one_error_naming_file_row_group_and_column_not_an_embedding_index(cache):
     raw = bytearray((cache / "ids.0").read_bytes())
     raw[4 * 30 + 3] ^= 0x40  # row 30 (row group 1) gets a huge id
     (cache / "ids.0").write_bytes(bytes(raw))
-    bad = int(np.frombuffer(bytes(raw), dtype="<i4")[30])
-    assert bad != ids[30]
     with pytest.raises(
-        DataError, match=rf"row group 1, column 's0': cached id {bad} is out of range \(valid ids are 0..49"
+        DataError, match=r"row group 1, column 's0': cache column file ids.0 does not match its CRC-32"
     ):
+        read_all(cache)
+
+
+@pytest.mark.parametrize("file, row, column", [("dense.f32", 55, "dense"), ("labels.f32", 3, "labels")])
+def test_a_flipped_bit_in_dense_values_or_labels_is_one_error_not_a_different_value(cache, file, row, column):
+    raw = bytearray((cache / file).read_bytes())
+    width = 4 * (2 if file == "dense.f32" else 1)  # small_dataset: 2 dense features
+    raw[width * row] ^= 0x01  # the lowest mantissa bit: a value a range check cannot tell
+    (cache / file).write_bytes(bytes(raw))
+    with pytest.raises(
+        DataError, match=rf"column '{column}': cache column file {file} does not match its CRC-32"
+    ) as e:
+        read_all(cache)
+    assert "\n" not in str(e.value) and "rebuild it" in str(e.value)
+
+
+def test_a_damaged_checksum_file_is_refused_when_the_reader_opens(cache):
+    raw = bytearray((cache / "checksums.u32").read_bytes())
+    raw[0] ^= 0xFF
+    (cache / "checksums.u32").write_bytes(bytes(raw))
+    with pytest.raises(DataError, match=r"checksums.u32.*cache checksum file does not match its CRC-32"):
         read_all(cache)
 
 
@@ -127,3 +146,28 @@ def test_an_interrupted_build_leaves_nothing_that_reads_as_a_cache(built, tmp_pa
     with pytest.raises(KeyboardInterrupt):
         build_cache(built[0], tmp_path / "dst")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_random_byte_flips_in_column_files_give_one_error_line_or_the_same_batches(built, tmp_path):
+    """A fault campaign: 40 seeded single-byte flips anywhere in the cache's column files;
+    each read raises one DataError line or yields exactly the batches of the intact cache."""
+    want = read_all(built[1])
+    files = sorted(p.name for p in built[1].iterdir() if p.name != "cache.json")
+    rng = np.random.default_rng(11)
+    outcomes = {"error": 0, "same": 0}
+    for trial in range(40):
+        cache = tmp_path / f"c{trial}"
+        shutil.copytree(built[1], cache)
+        name = files[int(rng.integers(len(files)))]
+        raw = bytearray((cache / name).read_bytes())
+        raw[int(rng.integers(len(raw)))] ^= int(rng.integers(1, 256))
+        (cache / name).write_bytes(bytes(raw))
+        try:
+            got = read_all(cache)
+        except DataError as e:
+            assert "\n" not in str(e) and "rebuild it" in str(e), (name, str(e))
+            outcomes["error"] += 1
+            continue
+        assert_same_batches(want, got)
+        outcomes["same"] += 1
+    assert outcomes["error"] >= 30, outcomes  # nearly every byte is read and checked

@@ -12,6 +12,8 @@ leaves nothing that reads as a cache):
 - with a task key, ``task_keys.i64``: int64 [R], every source row's key read raw from
   its Parquet column as the task reader's index reads it (rows a policy dropped too);
   where that read fails, no file but the error's line in the manifest;
+- ``checksums.u32``: uint32 [G, W], the CRC-32 of each row group's slice of each of the W
+  other column files (row starts and task keys aside);
 - ``cache.json`` (see :mod:`recaccel.io.format.cache.manifest`).
 
 N = rows kept, R = rows in the source's footers, G = non-empty row groups; every file is
@@ -66,19 +68,24 @@ class CacheReport:
 
 
 class _ColumnWriter:
-    """Appends arrays to one raw little-endian file, counting its elements."""
+    """Appends arrays to one raw little-endian file, counting its elements and keeping the
+    CRC-32 of each appended row group's bytes."""
 
     def __init__(self, folder: Path, file: str, dtype: np.dtype, width: int | None = None) -> None:
         self.file = file
         self.dtype = np.dtype(dtype).newbyteorder("<")
         self.width = width
         self.length = 0
+        self.crcs: list[int] = []
         self._out: BinaryIO = open(folder / file, "wb")  # noqa: SIM115 (closed by close())
 
-    def append(self, arr: np.ndarray) -> None:
+    def append(self, arr: np.ndarray, row_group: bool = True) -> None:
+        """Appends ``arr``; ``row_group``: it is a row group's slice (its CRC-32 kept)."""
         data = np.ascontiguousarray(arr, dtype=self.dtype)
         self._out.write(data.tobytes())
         self.length += data.shape[0]
+        if row_group:
+            self.crcs.append(zlib.crc32(data))
 
     def close(self) -> ColumnFile:
         self._out.close()
@@ -100,11 +107,12 @@ class _Columns:
             self.writers[f"ids:{f.name}"] = _ColumnWriter(folder, f"ids.{j}", id_dtype(f.cardinality))
             if f.multi_hot:
                 self.writers[f"offsets:{f.name}"] = _ColumnWriter(folder, f"offsets.{j}", np.int64)
-                self.writers[f"offsets:{f.name}"].append(np.zeros(1, dtype=np.int64))
+                self.writers[f"offsets:{f.name}"].append(np.zeros(1, dtype=np.int64), row_group=False)
         for k, name in enumerate(side):
             self.writers[f"side:{name}"] = _ColumnWriter(folder, f"side.{k}", np.int64)
         self.rows = 0
-        self.writers["row_starts"].append(np.zeros(1, dtype=np.int64))
+        self.writers["row_starts"].append(np.zeros(1, dtype=np.int64), row_group=False)
+        self.folder = folder
 
     def append(self, cols: Columns) -> None:
         w = self.writers
@@ -118,10 +126,17 @@ class _Columns:
         for name, col in cols.side.items():
             w[f"side:{name}"].append(col)
         self.rows += cols.num_rows
-        w["row_starts"].append(np.array([self.rows], dtype=np.int64))
+        w["row_starts"].append(np.array([self.rows], dtype=np.int64), row_group=False)
 
-    def close(self) -> dict[str, ColumnFile]:
-        return {name: writer.close() for name, writer in self.writers.items()}
+    def close(self) -> tuple[dict[str, ColumnFile], tuple[str, ...], int]:
+        """The column files, the checksummed columns and the CRC-32 of ``checksums.u32``."""
+        columns = {name: writer.close() for name, writer in self.writers.items()}
+        names = tuple(name for name in self.writers if name != "row_starts")
+        table = np.array([self.writers[n].crcs for n in names], dtype="<u4").T.reshape(-1, len(names))
+        sums = _ColumnWriter(self.folder, "checksums.u32", np.uint32, len(names))
+        sums.append(table, row_group=False)
+        columns["checksums"] = sums.close()
+        return columns, names, zlib.crc32(np.ascontiguousarray(table))
 
 
 class _TaskKeys:
@@ -224,13 +239,25 @@ def _decode_into(folder: Path, info, projection: Projection, policies: Policies,
             )
     finally:
         reader.close()
-        columns = out.close()
+        columns, checksummed, checksums_crc = out.close()
         if keys is not None:
             columns.update(keys.close())
     policy = {k: getattr(policies, k) for k in ("invalid_ids", "invalid_dense", "invalid_labels")}
     error = keys.error if keys is not None else None
     crc = keys.crc32 if keys is not None and keys.writer is not None else None
-    return Manifest(folder, info.schema, policy, None, stamps, tuple(groups), columns, error, crc)
+    return Manifest(
+        folder,
+        info.schema,
+        policy,
+        None,
+        stamps,
+        tuple(groups),
+        columns,
+        error,
+        crc,
+        checksummed,
+        checksums_crc,
+    )
 
 
 def _replace(tmp: Path, dst: Path) -> None:

@@ -9,7 +9,11 @@ shape. A dataset with a task key also has ``task_keys``: every source row's key,
 rows a policy dropped included (what the task reader's row-group index reads), with the
 CRC-32 of its file (``task_keys_crc32``: a damaged key would move task boundaries, which
 no range check sees), or, where they could not be read, the one-line error reading them
-raised (``task_keys_error``). :func:`load_manifest` trusts none of it: a bad version, a
+raised (``task_keys_error``). Every row group's slice of every column file (row starts
+and task keys aside) has its CRC-32 in ``checksums`` (uint32 [G, W], columns in
+``checksum_columns`` order; the file's own CRC-32 in ``checksums_crc32``), which a reader
+verifies for each slice it reads, as the Parquet reader verifies page checksums: a flipped
+bit is an error, never a different value. :func:`load_manifest` trusts none of it: a bad version, a
 missing or truncated column file, or a source file changed since the build is one
 :class:`DataError`.
 """
@@ -31,7 +35,7 @@ from recaccel.io.format.schema import FeatureSchema
 
 MANIFEST = "cache.json"
 FORMAT = "recaccel-cache"
-VERSION = 2  # 2: the task key of every source row (task reading)
+VERSION = 3  # 2: the task key of every source row (task reading); 3: row-group checksums
 REBUILD = "rebuild it with recaccel-data cache"
 
 
@@ -77,6 +81,8 @@ class Manifest:
             ``ids:<field>``, ``offsets:<field>``, ``side:<name>``, ``task_keys``).
         task_keys_error: why the source's task keys could not be recorded, or None.
         task_keys_crc32: the CRC-32 of the ``task_keys`` file, or None without one.
+        checksum_columns: the columns of the ``checksums`` file, in its column order.
+        checksums_crc32: the CRC-32 of the ``checksums`` file.
     """
 
     folder: Path
@@ -88,6 +94,8 @@ class Manifest:
     columns: dict[str, ColumnFile]
     task_keys_error: str | None = None
     task_keys_crc32: int | None = None
+    checksum_columns: tuple[str, ...] = ()
+    checksums_crc32: int = 0
 
 
 def is_cache(path: str | Path) -> bool:
@@ -128,6 +136,8 @@ def manifest_json(manifest: Manifest) -> str:
         "columns": {name: col.to_json() for name, col in manifest.columns.items()},
         "task_keys_error": manifest.task_keys_error,
         "task_keys_crc32": manifest.task_keys_crc32,
+        "checksum_columns": list(manifest.checksum_columns),
+        "checksums_crc32": manifest.checksums_crc32,
     }
     return json.dumps(raw, indent=1)
 
@@ -189,6 +199,8 @@ def _parse(folder: Path, raw: dict[str, Any]) -> Manifest:
         columns,
         None if error is None else str(error),
         None if crc is None else int(crc),
+        tuple(str(c) for c in raw["checksum_columns"]),
+        int(raw["checksums_crc32"]),
     )
 
 

@@ -4,8 +4,9 @@
 ``stats``, ``close()``): ``read`` returns the :class:`Columns` the Parquet reader
 returns for the same row group under the same policies (views of the memory-mapped
 column files, honouring the projection) and adds the counter increments the Parquet
-read produced. Ids are range-checked per row group (one min/max per field), so a
-damaged file cannot hand an out-of-range id to an embedding table.
+read produced. Every slice it reads is checked against the CRC-32 the build recorded for
+it (as the Parquet reader checks page checksums), and ids are range-checked per row group
+(one min/max per field): a damaged file is an error, never different values.
 
 :func:`cached_task_keys` gives the task reader's index every source row's task key, as
 the build read them from Parquet.
@@ -89,6 +90,13 @@ class CachedRowGroupReader:
         )
         self._maps: dict[str, np.ndarray] = {}
         self._starts = self._map("row_starts")
+        self._crcs = self._map("checksums")
+        if zlib.crc32(np.ascontiguousarray(self._crcs)) != self.manifest.checksums_crc32:
+            raise DataError(
+                f"cache checksum file does not match its CRC-32 (damaged?); {REBUILD}",
+                path=str(self.manifest.folder / self.manifest.columns["checksums"].file),
+            )
+        self._crc_of = {name: k for k, name in enumerate(self.manifest.checksum_columns)}
 
     def read(self, ref: _Ref) -> Columns:
         """The rows of ``ref`` as the Parquet reader decodes them, from the mapped files.
@@ -103,22 +111,29 @@ class CachedRowGroupReader:
                 f"row group is not in the cache; {REBUILD}", path=str(ref.path), row_group=ref.row_group
             )
         start, stop = int(self._starts[g]), int(self._starts[g + 1])
-        dense = self._map("dense")[start:stop]
+        if not 0 <= start <= stop <= self._map("labels").shape[0]:
+            raise DataError(
+                f"cache row-start index is out of order; {REBUILD}", path=str(self.manifest.folder)
+            )
+        dense = self._checked("dense", self._map("dense")[start:stop], g)
         if self._dense_cols is not None:
             dense = np.ascontiguousarray(dense[:, self._dense_cols])
         values, offsets = [], []
         steps = single_hot_offsets(stop - start)
         for sf in self.projection.sparse:
-            val, off = self._bag(sf.name, sf.multi_hot, start, stop, steps)
+            val, off = self._bag(sf.name, sf.multi_hot, start, stop, steps, g)
             _check_range(val, sf.cardinality, sf.name, ref)
             values.append(val)
             offsets.append(off)
-        side = {name: self._map(f"side:{name}")[start:stop] for name in self.projection.side}
+        side = {
+            name: self._checked(f"side:{name}", self._map(f"side:{name}")[start:stop], g)
+            for name in self.projection.side
+        }
         single = [not f.multi_hot for f in self.projection.sparse]
         keys = [f.name for f in self.projection.sparse]
         cols = Columns(
             dense,
-            self._map("labels")[start:stop],
+            self._checked("labels", self._map("labels")[start:stop], g),
             keys,
             values,
             offsets,
@@ -134,19 +149,33 @@ class CachedRowGroupReader:
         self._maps.clear()
 
     def _bag(
-        self, name: str, multi_hot: bool, start: int, stop: int, steps: np.ndarray
+        self, name: str, multi_hot: bool, start: int, stop: int, steps: np.ndarray, g: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, offsets) of rows ``start .. stop-1`` of one sparse field."""
+        """(ids, offsets) of rows ``start .. stop-1`` (row group ``g``) of one sparse field."""
         ids = self._map(f"ids:{name}")
         if not multi_hot:
-            return ids[start:stop], steps
+            return self._checked(f"ids:{name}", ids[start:stop], g), steps
         off = self._map(f"offsets:{name}")[start : stop + 1]
+        self._checked(f"offsets:{name}", off[1:], g)  # the row group's own; off[0] is the one before
         lo, hi = int(off[0]), int(off[-1])
         if not 0 <= lo <= hi <= ids.shape[0]:
             raise DataError(
                 f"cache offsets of field {name!r} are out of order; {REBUILD}", path=str(self.manifest.folder)
             )
-        return ids[lo:hi], off - lo
+        return self._checked(f"ids:{name}", ids[lo:hi], g), off - lo
+
+    def _checked(self, column: str, part: np.ndarray, g: int) -> np.ndarray:
+        """``part``, row group ``g``'s slice of ``column``, once its CRC-32 matches the build's."""
+        if zlib.crc32(part) != int(self._crcs[g, self._crc_of[column]]):
+            ref = self.manifest.row_groups[g]
+            raise DataError(
+                f"cache column file {self.manifest.columns[column].file} does not match its CRC-32 "
+                f"for this row group (damaged?); {REBUILD}",
+                path=str(ref.path),
+                row_group=ref.row_group,
+                column=column.partition(":")[2] or column,
+            )
+        return part
 
     def _map(self, column: str) -> np.ndarray:
         """The column file ``column``, memory-mapped read-only (once per reader)."""
