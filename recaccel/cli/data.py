@@ -215,17 +215,15 @@ def _cache(args: argparse.Namespace) -> dict[str, Any]:
     from recaccel.io.format.cache.build import build_cache
     from recaccel.io.format.decode import Policies
 
-    data = load_config(args.config, args.overrides).data if args.config or args.overrides else None
+    data = load_config(args.config, args.overrides).data  # the defaults without --config
     reads = [Read(Path(args.src), "the data this command reads")]
     reads += [Read(Path(c), "a config file this command reads") for c in args.config or ()]
     check_output_dir(args.dst, (".",), flag="DST", force=args.force, reads=reads, force_flag="--force")
-    if data is None:
-        return build_cache(args.src, args.dst, force=args.force, progress=True).to_dict()
     return build_cache(
         args.src,
         args.dst,
         schema=data.schema,
-        policies=Policies(data.invalid_ids, data.invalid_dense, data.invalid_labels),
+        policies=Policies.from_config(data),
         unreadable=data.unreadable_files,
         force=args.force,
         progress=True,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from recaccel.io.format.schema import INT32_IDS
 from recaccel.sparse import Batch, SparseFeatures
 
 
@@ -328,7 +329,7 @@ def _stack_ids(parts: list[Columns], single: list[bool], n: int, dtype: np.dtype
 
 def id_dtype(cardinality: int) -> np.dtype:
     """The id dtype of a table of ``cardinality`` rows: int32 when every id fits, else int64."""
-    return np.dtype(np.int32) if cardinality <= 2**31 else np.dtype(np.int64)
+    return np.dtype(np.int32) if cardinality <= INT32_IDS else np.dtype(np.int64)
 
 
 def batch_id_dtype(values: list[np.ndarray]) -> np.dtype:

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from recaccel.config import SchemaMapping, UnreadableFilesPolicy, choices
 from recaccel.errors import ConfigError, DataError
-from recaccel.io.format.cache.manifest import is_cache, load_manifest, mapping_text
+from recaccel.io.format.cache.manifest import MANIFEST, is_cache, load_manifest, mapping_text
 from recaccel.io.format.cache.read import CachedRowGroupReader
 from recaccel.io.format.columns import Columns
 from recaccel.io.format.decode import Policies, Projection, row_group_to_columns
@@ -238,7 +238,7 @@ def open_dataset(
 def _open_cache(path: str | Path, schema: FeatureSchema | SchemaMapping | None) -> DatasetInfo:
     """The source's DatasetInfo as a cache folder records it (its checks passed)."""
     manifest = load_manifest(path)
-    where = str(Path(path) / "cache.json")
+    where = str(Path(path) / MANIFEST)
     if isinstance(schema, FeatureSchema) and schema != manifest.schema:
         differ = ", ".join(_schema_diff(schema, manifest.schema))
         raise DataError(f"the cache's schema differs from the expected one in: {differ}", path=where)

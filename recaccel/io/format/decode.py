@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recaccel.config import InvalidDensePolicy, InvalidIdsPolicy, InvalidLabelsPolicy, choices
+from recaccel.config import DataConfig, InvalidDensePolicy, InvalidIdsPolicy, InvalidLabelsPolicy, choices
 from recaccel.errors import ConfigError, DataError
 from recaccel.io.format.blocks import BLOCK_MIN_FIELDS, clean_dense_block, valid_one_hot_block
 from recaccel.io.format.columns import Columns, id_dtype, single_hot_offsets
@@ -71,6 +71,11 @@ class Policies:
         ):
             if value not in allowed:
                 raise ConfigError(f"{key} must be one of {', '.join(allowed)}; got {value!r}")
+
+    @classmethod
+    def from_config(cls, data: DataConfig) -> Policies:
+        """The ``[data]`` section's ``invalid_*`` policies."""
+        return cls(data.invalid_ids, data.invalid_dense, data.invalid_labels)
 
 
 @dataclass(frozen=True)

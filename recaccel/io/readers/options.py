@@ -106,7 +106,7 @@ class ReadOptions:
             shuffle=data_cfg.shuffle and train,
             seed=data_cfg.seed,
             drop_last=data_cfg.drop_last and train,
-            policies=Policies(data_cfg.invalid_ids, data_cfg.invalid_dense, data_cfg.invalid_labels),
+            policies=Policies.from_config(data_cfg),
             read_ahead=data_cfg.read_ahead if read_ahead is None else read_ahead,
             shard=shard,
             unreadable_files=data_cfg.unreadable_files,

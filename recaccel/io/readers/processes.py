@@ -275,7 +275,6 @@ class ProcessLoader(Generic[S, T]):
         self._procs, self._conns, self._marks = self._pool.procs, self._pool.conns, self._pool.marks
         self._sent = -1  # the highest item sent to a worker
         self._taken = -1  # the highest item handed out
-        self._owed: set[int] = set()  # sent, not yet received
         self._failed = False
         self._done: dict[int, tuple[str, Any]] = {}  # received, not yet handed out
         self._sizes: dict[int, Any] = {}
@@ -293,7 +292,6 @@ class ProcessLoader(Generic[S, T]):
             raise ValueError(f"item {i} asked for after item {self._taken} of {self._count}")
         self._sent = max(self._sent, i - 1)  # a resume starts mid-way
         for j in range(self._sent + 1, min(i + 1 + self._ahead, self._count)):
-            self._owed.add(j)
             self._send(j, j)
             self._sent = j
         self._taken = i
@@ -321,7 +319,7 @@ class ProcessLoader(Generic[S, T]):
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        if self._keep and not (self._failed or self._owed or self._done):
+        if self._keep and not (self._failed or self.pending()):
             pool.release()
         else:
             pool.close()
@@ -369,7 +367,6 @@ class ProcessLoader(Generic[S, T]):
             self._sizes[j] = payload
             self._advance()
             return
-        self._owed.discard(j)
         if kind == "ok":
             self._done[j] = ("ok", self._pool.reader.read(payload))
         else:

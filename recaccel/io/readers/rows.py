@@ -176,7 +176,7 @@ class BatchReader(ShardedReader):
         """Batches per epoch for a progress bar: exact for one rank when no row is skipped;
         with several ranks (whole row groups per rank) the mean over ranks."""
         rows = sum(ref.num_rows for ref in self.info.row_groups) // self.options.shard.world_size
-        return rows // self.batch_size if self.options.drop_last else -(-rows // self.batch_size)
+        return self._batches_of(rows)
 
     def batches_in_epoch(self, epoch: int, shard: tuple[int, int] | None = None) -> int:
         """The batches ``epoch`` yields on this rank (or ``shard``), from the footers' row
@@ -185,7 +185,10 @@ class BatchReader(ShardedReader):
         own = self.options.shard
         refs = self.info.row_groups
         order = self.block_order(len(refs), epoch, shard or (own.rank, own.world_size))
-        rows = sum(refs[i].num_rows for i in order)
+        return self._batches_of(sum(refs[i].num_rows for i in order))
+
+    def _batches_of(self, rows: int) -> int:
+        """The batches ``rows`` rows make (the short last one dropped under ``drop_last``)."""
         return rows // self.batch_size if self.options.drop_last else -(-rows // self.batch_size)
 
     def buffers(self, epoch: int, shard: tuple[int, int] | None = None) -> list[list[RowGroupRef]]:
