@@ -242,7 +242,7 @@ def _decode_into(folder: Path, info, projection: Projection, policies: Policies,
         columns, checksummed, checksums_crc = out.close()
         if keys is not None:
             columns.update(keys.close())
-    policy = {k: getattr(policies, k) for k in ("invalid_ids", "invalid_dense", "invalid_labels")}
+    policy = dataclasses.asdict(policies)
     error = keys.error if keys is not None else None
     crc = keys.crc32 if keys is not None and keys.writer is not None else None
     return Manifest(

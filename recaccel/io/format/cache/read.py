@@ -14,6 +14,7 @@ the build read them from Parquet.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from pathlib import Path
@@ -40,8 +41,8 @@ class _Ref(Protocol):
 
 def policy_mismatch(manifest: Manifest, policies: Policies) -> str | None:
     """Which read policy differs from the one the cache was built under (None: none)."""
-    for key in ("invalid_ids", "invalid_dense", "invalid_labels"):
-        built, wanted = manifest.policies.get(key), getattr(policies, key)
+    for key, wanted in dataclasses.asdict(policies).items():
+        built = manifest.policies.get(key)
         if built != wanted:
             return f"data.{key} = {wanted!r} but the cache at {manifest.folder} was built with {built!r}"
     return None
