@@ -28,6 +28,7 @@ from recaccel.ops.embedding.cache.options import check_host_placement
 from recaccel.ops.embedding.cache.pack import CachedPack
 from recaccel.ops.embedding.deferred_check import PendingChecks
 from recaccel.ops.embedding.init_weights import init_table_weights, rounding_seed
+from recaccel.ops.embedding.lookup_out import into_out, pack_lookup, pack_outs
 from recaccel.ops.embedding.micro_batches import apply_pack_gradients, lookup_pack_rows
 from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
@@ -122,9 +123,8 @@ class PackedEmbeddingBag(nn.Module):
             id reading row 0 of its table: see :meth:`check_ids` for when the error is
             raised. ``"auto"``: deferred on the Triton backend, else ``True`` (what
             recaccel's models use). ``False`` does not check, except on the reference
-            backend, which always checks one way or the other. The fbgemm backend's tables stay
-            on ``device`` (``.to()`` does not move them); build the module on its final
-            device.
+            backend, which always checks one way or the other. The fbgemm backend's tables
+            stay on ``device`` (``.to()`` does not move them): build it on its final device.
         device: Where the rows live.
         seed: Seed of the initial rows.
         generator: A CPU generator for the initial rows (instead of ``seed``).
@@ -207,26 +207,28 @@ class PackedEmbeddingBag(nn.Module):
 
     # ----------------------------------------------------------------- lookups
 
-    def forward(self, sf: SparseFeatures) -> Tensor:
+    def forward(self, sf: SparseFeatures, *, out: Tensor | None = None) -> Tensor:
         """Pools every feature of a batch.
 
         Args:
             sf: F features of B rows (any subset of the tables' features, any order); a
                 :class:`PreparedSparse` this module prepared is looked up without being
                 prepared again (see :meth:`prepare`).
+            out: float32 [B, F, D] to write the result into (:mod:`.lookup_out`).
 
         Returns:
-            float32 [B, F, D] in ``sf.keys`` order.
+            float32 [B, F, D] in ``sf.keys`` order; ``out`` itself when given.
 
         Raises:
             ValueError: the batch's features have different dims (use
                 :meth:`forward_packs` or :meth:`forward_concat`).
             InvalidIdError: an id outside its table, or malformed offsets.
             DataError: an unknown or repeated feature.
+            RecaccelError: ``out`` of the wrong shape, dtype or device, or a leaf requiring grad.
         """
-        routing, outs = self._lookup(sf)
+        routing, outs = self._lookup(sf, out)
         check_one_dim(routing, "forward")
-        return routing.to_batch_order(outs)
+        return into_out(routing.to_batch_order(outs), out)
 
     def forward_packs(self, sf: SparseFeatures) -> list[Tensor]:
         """Pools a batch pack by pack (mixed dims).
@@ -328,20 +330,19 @@ class PackedEmbeddingBag(nn.Module):
             raise ConfigError(f"{_OP}.apply_gradient: no deferred sparse update with {reason}")
         apply_pack_gradients(self._prepared(sf, training=True), grad, self._packs, self._held)
 
-    def _lookup(self, sf: SparseFeatures) -> tuple[Routing, list[Tensor]]:
+    def _lookup(self, sf: SparseFeatures, out: Tensor | None = None) -> tuple[Routing, list[Tensor]]:
         self._pending_checks.raise_bad(wait=False)
         train = self.training and torch.is_grad_enabled()
         sf = self._prepared(sf, training=train)
-        routing = sf.routing
-        outs = [self._lookup_pack(p, sf, train) for p in range(len(routing.packs))]
+        outs = [self._lookup_pack(p, sf, train, o) for p, o in enumerate(pack_outs(sf, out, self._packs))]
         self._pending_checks.queue(sf)
-        return routing, outs
+        return sf.routing, outs
 
-    def _lookup_pack(self, p: int, sf: PreparedSparse, train: bool) -> Tensor:
+    def _lookup_pack(self, p: int, sf: PreparedSparse, train: bool, out: Tensor | None = None) -> Tensor:
         count, batch_size = sf.routing.packs[p].local.count, sf.batch_size
         if count == 0 or batch_size == 0:
             return torch.zeros(batch_size, count, self.plan.packs[p].dim, device=sf.values.device)
-        return self._packs[p].lookup(self._held(p), sf.pack_batch(p, train))
+        return pack_lookup(self._packs[p], self._held(p), sf.pack_batch(p, train), out)
 
     def _prepared(self, sf: SparseFeatures, training: bool) -> PreparedSparse:
         """``sf`` itself when this module prepared it (for training if ``training``), else

@@ -127,6 +127,10 @@ class PackBackend(Protocol):
     def lookup(self, held: Mapping[str, Tensor], batch: PackBatch) -> Tensor:
         """Pools the pack's features of a batch.
 
+        A pack whose class sets ``writes_out = True`` also takes ``out=``: float32
+        [B, F_p, D] (checked by the caller) that the kernel writes into and returns,
+        carrying the lookup's autograd node.
+
         Args:
             held: The module's tensors of this pack, by name.
             batch: The batch with its preparation; ``batch.train``: the lookup is part of
@@ -177,6 +181,8 @@ class HeldPack(ABC):
     """
 
     always_checks_ids: ClassVar[bool] = False
+    # Its lookup_autograd / lookup_frozen / lookup_fused take ``out=`` and write into it.
+    writes_out: ClassVar[bool] = False
 
     def __init__(self, layout: PackLayout, options: PackOptions) -> None:
         self.layout = layout
@@ -209,16 +215,18 @@ class HeldPack(ABC):
     def prepare(self, batch: PackBatch) -> PreparedPack | None:
         """See :meth:`PackBackend.prepare`."""
 
-    def lookup(self, held: Mapping[str, Tensor], batch: PackBatch) -> Tensor:
+    def lookup(self, held: Mapping[str, Tensor], batch: PackBatch, out: Tensor | None = None) -> Tensor:
+        """See :meth:`PackBackend.lookup`; ``out`` only where the class sets ``writes_out``."""
         weight = held["weight"]
+        kw = {} if out is None else {"out": out}
         if self.mode == "autograd":
-            return self.lookup_autograd(weight, batch)
+            return self.lookup_autograd(weight, batch, **kw)
         if not batch.train:
-            return self.lookup_frozen(weight, batch)
+            return self.lookup_frozen(weight, batch, **kw)
         # The rows are buffers: an empty input that requires grad makes autograd call the
         # fused backward.
         anchor = torch.empty(0, device=weight.device, requires_grad=True)
-        return self.lookup_fused(anchor, self._state(held), batch)
+        return self.lookup_fused(anchor, self._state(held), batch, **kw)
 
     @torch.no_grad()
     def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:

@@ -72,14 +72,18 @@ class TritonPack(HeldPack):
         groups = batch.group(ids.rows, self.layout.num_rows, unique=self.mode == "autograd")
         return PreparedPack(ids, groups)
 
-    def lookup_autograd(self, weight: Tensor, batch: PackBatch) -> Tensor:
-        return TritonEmbeddingBagFunction.apply(weight, batch, self.sparse_grad)
+    writes_out = True
 
-    def lookup_frozen(self, weight: Tensor, batch: PackBatch) -> Tensor:
-        return embedding_bag_forward(weight, batch.sf, batch.local, batch.batch_size)
+    def lookup_autograd(self, weight: Tensor, batch: PackBatch, out: Tensor | None = None) -> Tensor:
+        return TritonEmbeddingBagFunction.apply(weight, batch, self.sparse_grad, out)
 
-    def lookup_fused(self, anchor: Tensor, state: PackState, batch: PackBatch) -> Tensor:
-        return TritonFusedEmbeddingBagFunction.apply(anchor, state, self.optim, batch)
+    def lookup_frozen(self, weight: Tensor, batch: PackBatch, out: Tensor | None = None) -> Tensor:
+        return embedding_bag_forward(weight, batch.sf, batch.local, batch.batch_size, out=out)
+
+    def lookup_fused(
+        self, anchor: Tensor, state: PackState, batch: PackBatch, out: Tensor | None = None
+    ) -> Tensor:
+        return TritonFusedEmbeddingBagFunction.apply(anchor, state, self.optim, batch, out)
 
     def pool_rows(self, weight: Tensor, batch: PackBatch, lo: int, hi: int) -> Tensor:
         return embedding_bag_forward_rows(weight, batch.sf, batch.local, batch.batch_size, lo, hi)

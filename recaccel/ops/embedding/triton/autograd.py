@@ -7,7 +7,9 @@
   (:func:`~recaccel.ops.embedding.triton.backward.fused_update`, which
   ``apply_gradient`` runs too).
 
-The forward reads the batch's CSR directly; the backward takes the ids with their bags
+Both take an optional ``out`` [B, S, D] the forward writes into (a CUDA-graphed head's
+input buffer: :mod:`~recaccel.ops.embedding.lookup_out`) and returns. The forward reads
+the batch's CSR directly; the backward takes the ids with their bags
 and row grouping from the batch's preparation (made for training, so kept alive between
 the passes: see :mod:`recaccel.ops.embedding.prepared` for the memory), or makes them
 from the CSR when the lookup was not prepared for training (a backward through an
@@ -40,14 +42,24 @@ def backward_ids(batch: PackBatch) -> PreparedPack:
     return PreparedPack(ids, group_by_row(ids.rows))
 
 
+def mark_out(ctx, out: Tensor | None) -> None:
+    """A caller's ``out`` is an input the forward writes into and returns: marked dirty, so
+    the returned ``out`` carries this node."""
+    if out is not None:
+        ctx.mark_dirty(out)
+
+
 class TritonEmbeddingBagFunction(torch.autograd.Function):
     """Pooled lookup of one pack with a gradient for its packed weight [R, D]."""
 
     @staticmethod
-    def forward(ctx, weight: Tensor, batch: PackBatch, sparse_grad: bool) -> Tensor:
+    def forward(
+        ctx, weight: Tensor, batch: PackBatch, sparse_grad: bool, out: Tensor | None = None
+    ) -> Tensor:
         ctx.batch, ctx.sparse_grad = batch, sparse_grad
         ctx.weight_shape = weight.shape
-        return embedding_bag_forward(weight, batch.sf, batch.local, batch.batch_size)
+        mark_out(ctx, out)
+        return embedding_bag_forward(weight, batch.sf, batch.local, batch.batch_size, out=out)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -60,7 +72,7 @@ class TritonEmbeddingBagFunction(torch.autograd.Function):
             )
         else:
             grad = grad_rows.new_zeros(ctx.weight_shape).index_copy_(0, rows, grad_rows)
-        return grad, None, None
+        return grad, None, None, None
 
 
 class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
@@ -71,13 +83,21 @@ class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchor: Tensor, state: PackState, optim: SparseOptimConfig, batch: PackBatch) -> Tensor:
+    def forward(
+        ctx,
+        anchor: Tensor,
+        state: PackState,
+        optim: SparseOptimConfig,
+        batch: PackBatch,
+        out: Tensor | None = None,
+    ) -> Tensor:
         ctx.state, ctx.optim, ctx.batch = state, optim, batch
-        return embedding_bag_forward(state.weight, batch.sf, batch.local, batch.batch_size)
+        mark_out(ctx, out)
+        return embedding_bag_forward(state.weight, batch.sf, batch.local, batch.batch_size, out=out)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         batch = ctx.batch
         prepared = backward_ids(batch)
         fused_update(ctx.state, ctx.optim, grad_out, prepared.ids, batch.batch_size, prepared.groups)
-        return None, None, None, None
+        return None, None, None, None, None
