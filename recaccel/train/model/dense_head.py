@@ -110,6 +110,10 @@ def head_parameters(model: DLRM) -> list[nn.Parameter]:
     return list(params.values())
 
 
+def _describe(t: Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+
+
 @dataclass(frozen=True)
 class CallKey:
     """What a captured graph is valid for: the inputs' shapes, dtypes, devices and whether
@@ -121,11 +125,14 @@ class CallKey:
 
     @staticmethod
     def of(dense: Tensor, pooled: Tensor) -> CallKey:
-        def describe(t: Tensor) -> tuple:
-            return (tuple(t.shape), t.dtype, t.device, t.requires_grad)
+        return CallKey.of_pooled(dense, _describe(pooled))
 
+    @staticmethod
+    def of_pooled(dense: Tensor, pooled: tuple) -> CallKey:
+        """The key of a call with ``dense`` and a pooled tensor described by ``pooled``
+        (shape, dtype, device, requires grad), under the current autocast state."""
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        return CallKey(describe(dense), describe(pooled), autocast)
+        return CallKey(_describe(dense), pooled, autocast)
 
     @property
     def batch_size(self) -> int:
@@ -145,7 +152,14 @@ class HeadGraph:
     accumulation then copies them into ``.grad``, or adds them, and never adopts graph
     memory as ``.grad``, which the next replay would overwrite: accumulation over
     micro-batches stays right); dense and pooled gradients and the logits as copies, so
-    nothing handed out aliases graph memory.
+    nothing handed out aliases graph memory. (The pooled gradient's copy stays even when
+    the fused sparse update consumes it inside the same ``backward()``: from this node
+    nothing tells that apart from a consumer that keeps it, such as ``retain_grad``, a
+    hook, a leaf's ``.grad``, which the next replay would overwrite.)
+
+    Input: a ``pooled`` that already is ``static_pooled`` (same storage, shape and
+    strides: the lookup wrote into :meth:`GraphedHead.pooled_buffer`) is not copied;
+    :attr:`copy_ins` counts the copies made.
     """
 
     def __init__(
@@ -165,6 +179,8 @@ class HeadGraph:
         self.replay_backward = replay_backward
         self._addresses = [p.data_ptr() for p in self.params]
         self.generation = 0  # graphed forwards so far
+        self.copy_ins = 0  # forwards that copied pooled into static_pooled
+        self.pending = False  # a graphed forward's backward has not run yet
 
     def check_parameters(self) -> None:
         """Raises RuntimeError if a parameter's storage was replaced (the graph reads old addresses)."""
@@ -178,9 +194,12 @@ class HeadGraph:
         """Logits [B] (a copy) and the generation to hand to :meth:`backward`."""
         with torch.no_grad():
             self.static_dense.copy_(dense)
-            self.static_pooled.copy_(pooled)
+            if not aliases(pooled, self.static_pooled):
+                self.static_pooled.copy_(pooled)
+                self.copy_ins += 1
         self.replay_forward()
         self.generation += 1
+        self.pending = True
         return self.static_out.clone(), self.generation
 
     def backward(self, grad_out: Tensor, generation: int) -> tuple[Tensor | None, ...]:
@@ -192,10 +211,22 @@ class HeadGraph:
             )
         self.static_grad_out.copy_(grad_out)
         self.replay_backward()
+        self.pending = False
         grads = iter(self.static_grads)
         dense = next(grads).clone() if self.static_dense.requires_grad else None
         pooled = next(grads).clone() if self.static_pooled.requires_grad else None
         return (dense, pooled, *grads)
+
+
+def aliases(t: Tensor, static: Tensor) -> bool:
+    """Whether ``t`` is ``static``'s memory seen the same way (storage, shape, strides, dtype)."""
+    return (
+        t.data_ptr() == static.data_ptr()
+        and t.shape == static.shape
+        and t.stride() == static.stride()
+        and t.dtype == static.dtype
+        and t.device == static.device
+    )
 
 
 class _ReplayHead(torch.autograd.Function):
@@ -309,6 +340,29 @@ class GraphedHead:
 
     def _graphable(self) -> bool:
         return torch.is_grad_enabled() and self.model.training
+
+    def pooled_buffer(
+        self, dense: Tensor, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+    ) -> Tensor | None:
+        """Where a lookup may write the pooled input [B, F, D] of the next call, or None.
+
+        A detached alias of the graph's static input when a graph is captured and a call
+        now with ``dense`` and a pooled tensor of this shape, dtype and device that
+        requires grad (a training lookup's output) would replay it: the replay then
+        skips its copy-in. Else None (no graph yet, another shape, evaluation): look up
+        as usual and the call copies.
+
+        Ordering: the static input and the saved activations belong to the last graphed
+        call until its backward has run, so the buffer is handed out only when no
+        graphed call's backward is pending. Ask for it right before the lookup whose
+        result is the very next head call's input; a lookup made ahead of a pending
+        backward (a pipeline's prefetch of the next batch) must not write into it.
+        """
+        g = self.graph
+        if g is None or g.pending or not self._graphable():
+            return None
+        key = CallKey.of_pooled(dense, (tuple(shape), dtype, torch.device(device), True))
+        return g.static_pooled.detach() if key == g.key else None
 
     def __call__(self, dense: Tensor, pooled: Tensor) -> Tensor:
         """Logits [B] of dense [B, Dd] and pooled [B, F, D]."""

@@ -31,6 +31,7 @@ from recaccel.train.evaluation.evaluate import (
     streamed_metrics,
 )
 from recaccel.train.evaluation.predictions import PredictionSink, concat_columns, row_columns, task_columns
+from recaccel.train.model.head_input import embed_for_head
 from recaccel.train.model.precision import matmul_precision
 
 # Concatenates a per-rank [N_r, ...] tensor over ranks (the process layout's ``gather``).
@@ -166,11 +167,17 @@ class DLRMObjective:
         return self.module.embed(batch.sparse)
 
     def _forward(self, batch: Batch) -> Tensor:
-        """Logits [B] of the model under the run's precision."""
+        """Logits [B] of the model under the run's precision.
+
+        The lookup runs right before the head call that reads it, so with a CUDA-graphed
+        head it writes into the graph's input buffer
+        (:func:`~recaccel.train.model.head_input.embed_for_head`); :meth:`embed`, which a
+        pipeline calls ahead of a pending backward, never does.
+        """
         with autocast(self.cfg.train.precision, batch.labels.device):
             if self._head is None:
                 return self.module(batch)
-            return self._head(batch.dense, self.embed(batch))
+            return self._head(batch.dense, embed_for_head(self.module, self._head, batch.dense, batch.sparse))
 
     def head_loss(self, batch: Batch, pooled: Tensor) -> Tensor:
         """The step loss of ``batch`` from its pooled embeddings [B, F, D]."""

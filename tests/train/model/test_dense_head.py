@@ -28,13 +28,12 @@ from recaccel.models.dlrm import DLRM
 from recaccel.models.factory import build_model
 from recaccel.sparse import SparseFeatures
 from recaccel.train.model.dense_head import (
-    CallKey,
     GraphedHead,
-    HeadGraph,
     build_head,
     check_head_options,
     head_parameters,
 )
+from tests.helpers.graph_capture import eager_capture
 
 pytestmark = pytest.mark.numeric
 
@@ -168,32 +167,6 @@ def test_compiled_head_matches_eager_forward_and_backward(precision, compiled_he
 
 
 # ------------------------------------------------------------------ the graphed head's plumbing (CPU)
-
-
-def eager_capture(head, params, dense, pooled, *, warmup_iters):
-    """A HeadGraph whose 'replays' recompute eagerly into the same static tensors a real
-    capture allocates, so every replay overwrites outputs and gradients in place."""
-    static_dense = dense.detach().clone().requires_grad_(dense.requires_grad)
-    static_pooled = pooled.detach().clone().requires_grad_(pooled.requires_grad)
-    inputs = [t for t in (static_dense, static_pooled) if t.requires_grad] + list(params)
-    static_out = torch.empty(pooled.shape[0])
-    static_grad_out = torch.empty_like(static_out)
-    static_grads = tuple(torch.empty_like(t) for t in inputs)
-    saved = {}
-
-    def replay_forward():
-        with torch.enable_grad():
-            saved["out"] = head(static_dense, static_pooled)
-        static_out.copy_(saved["out"].detach())
-
-    def replay_backward():
-        for s, g in zip(static_grads, torch.autograd.grad(saved["out"], inputs, static_grad_out)):
-            s.copy_(g)
-
-    statics = (static_dense, static_pooled, static_out, static_grad_out)
-    return HeadGraph(
-        CallKey.of(dense, pooled), params, statics, static_grads, replay_forward, replay_backward
-    )
 
 
 def test_graphed_head_trains_like_eager_with_optimizer_steps_between():
