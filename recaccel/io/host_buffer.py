@@ -32,12 +32,16 @@ class Layout:
             for a TaskBatch).
         slots: per tensor, ``(byte offset, dtype, shape)`` or None if absent.
         nbytes: buffer size in bytes.
+        field_counts: per Batch part, each sparse field's number of ids counted on the
+            host (None where the offsets are malformed): the unpacked batch knows them
+            without reading the device (:attr:`SparseFeatures.known_field_counts`).
     """
 
     kind: str
     keys: tuple[tuple[str, ...], ...]
     slots: tuple[tuple[int, torch.dtype, tuple[int, ...]] | None, ...]
     nbytes: int
+    field_counts: tuple[tuple[int, ...] | None, ...] = ()
 
 
 def batch_tensors(batch: Batch | TaskBatch) -> tuple[str, list[tuple[str, ...]], list[Tensor | None]]:
@@ -59,8 +63,11 @@ def batch_tensors(batch: Batch | TaskBatch) -> tuple[str, list[tuple[str, ...]],
 
 
 def layout_of(batch: Batch | TaskBatch) -> Layout:
-    """The packed layout of ``batch`` (offsets aligned to :data:`ALIGN`)."""
+    """The packed layout of a CPU ``batch`` (offsets aligned to :data:`ALIGN`), with its
+    sparse fields' id counts (one pass over each part's offsets)."""
     kind, keys, tensors = batch_tensors(batch)
+    parts = [batch.support, batch.query] if isinstance(batch, TaskBatch) else [batch]
+    counts = tuple(part.sparse.count_fields_on_host() for part in parts)
     slots = []
     offset = 0
     for t in tensors:
@@ -69,11 +76,15 @@ def layout_of(batch: Batch | TaskBatch) -> Layout:
             continue
         slots.append((offset, t.dtype, tuple(t.shape)))
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    return Layout(kind, tuple(keys), tuple(slots), offset)
+    return Layout(kind, tuple(keys), tuple(slots), offset, counts)
 
 
 def pack(
-    batch: Batch | TaskBatch, out: Tensor | None = None, *, pin_memory: bool = False
+    batch: Batch | TaskBatch,
+    out: Tensor | None = None,
+    *,
+    pin_memory: bool = False,
+    layout: Layout | None = None,
 ) -> tuple[Tensor, Layout]:
     """Copies every tensor of a CPU ``batch`` into one uint8 buffer.
 
@@ -82,11 +93,12 @@ def pack(
         out: a uint8 CPU buffer of at least ``layout.nbytes`` bytes to fill (reused
             across batches); None = allocate one.
         pin_memory: allocate the new buffer in pinned memory.
+        layout: ``layout_of(batch)`` when the caller has it already.
 
     Returns:
         (the buffer, possibly a prefix view of ``out``; the layout).
     """
-    layout = layout_of(batch)
+    layout = layout_of(batch) if layout is None else layout
     if out is None or out.numel() < layout.nbytes:
         out = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, pin_memory=pin_memory)
     buf = out[: layout.nbytes]
@@ -101,9 +113,11 @@ def unpack(buf: Tensor, layout: Layout) -> Batch | TaskBatch:
     """Rebuilds the batch from views of ``buf`` (a uint8 buffer with the packed bytes)."""
     views = [None if slot is None else _view(buf, slot) for slot in layout.slots]
     parts = []
+    counts = layout.field_counts or (None,) * len(layout.keys)
     for i, keys in enumerate(layout.keys):
         dense, labels, weights, values, offsets, sw = views[i * _BATCH_SLOTS : (i + 1) * _BATCH_SLOTS]
-        parts.append(Batch(dense, SparseFeatures(list(keys), values, offsets, sw), labels, weights))
+        sparse = SparseFeatures(list(keys), values, offsets, sw).remember_field_counts(counts[i])
+        parts.append(Batch(dense, sparse, labels, weights))
     if layout.kind == "batch":
         return parts[0]
     smask, qmask, ids = views[len(layout.keys) * _BATCH_SLOTS :]

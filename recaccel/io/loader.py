@@ -132,10 +132,11 @@ class DeviceLoader:
         self._next_slot = (self._next_slot + 1) % len(self._slots)
         if slot.event is not None:
             slot.event.synchronize()  # the previous copy out of this pinned buffer is done
-        nbytes = layout_of(batch).nbytes
+        layout = layout_of(batch)  # with the field counts: the lookup then needs no device read
+        nbytes = layout.nbytes
         if slot.host is None or slot.host.numel() < nbytes:
             slot.host = torch.empty(nbytes + nbytes // 4 + ALIGN, dtype=torch.uint8, pin_memory=True)
-        host, layout = pack(batch, slot.host)
+        host, layout = pack(batch, slot.host, layout=layout)
         with torch.cuda.stream(self._stream):
             dev = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device=self.device)[: layout.nbytes]
             if self._dali is not None:

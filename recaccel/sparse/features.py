@@ -109,6 +109,58 @@ class SparseFeatures:
     def _set_offsets(self, offsets: Tensor | None) -> None:
         self._offsets = offsets
         self.__dict__.pop("_made", None)
+        self.__dict__.pop("_field_counts", None)
+
+    @property
+    def known_field_counts(self) -> tuple[int, ...] | None:
+        """Each field's number of ids [F], when the host knows them without reading the
+        ids' device: a one-hot batch (B each), or a batch whose counts came with it from
+        host memory (:meth:`count_fields_on_host`, :meth:`remember_field_counts`: the
+        device loader and :meth:`to` bring them); else None.
+
+        A lookup that splits a batch's ids among several packs sizes each pack from
+        them instead of reading the device (a host synchronization per step).
+        """
+        if self._offsets is None:
+            return (self.batch_size,) * self.num_fields
+        return self.__dict__.get("_field_counts")  # not a field: never stored or sent
+
+    def remember_field_counts(self, counts: tuple[int, ...] | None) -> SparseFeatures:
+        """Records ``counts`` (each field's number of ids, computed where the offsets were
+        in host memory) as :attr:`known_field_counts`; returns this batch. None records nothing.
+
+        Raises:
+            ValueError: ``counts`` does not hold F non-negative counts summing to N.
+        """
+        if counts is None or self._offsets is None:
+            return self
+        counts = tuple(int(c) for c in counts)
+        if len(counts) != self.num_fields or min(counts, default=0) < 0 or sum(counts) != self.values.numel():
+            raise ValueError(
+                f"field counts {counts} do not fit a batch of {self.num_fields} fields and "
+                f"{self.values.numel()} ids"
+            )
+        self.__dict__["_field_counts"] = counts
+        return self
+
+    def count_fields_on_host(self) -> tuple[int, ...] | None:
+        """Each field's number of ids, counted from offsets in host memory (CPU), or None
+        when the offsets are elsewhere or malformed (not a valid CSR: a lookup's bounds
+        check then reports them, and the counts of the CSR it reads may differ).
+
+        One pass over the offsets: for the loader's thread, before the batch is copied.
+        """
+        known = self.known_field_counts
+        if known is not None:
+            return known
+        offsets, n = self._offsets, self.values.numel()
+        if offsets.device.type != "cpu" or not self.keys:
+            return None
+        if int(offsets[0]) != 0 or int(offsets[-1]) != n or not bool((offsets[1:] >= offsets[:-1]).all()):
+            return None
+        b = self.batch_size
+        bounds = offsets[::b] if b > 0 else torch.zeros(self.num_fields + 1, dtype=offsets.dtype)
+        return tuple(bounds.diff().tolist())
 
     @property
     def one_hot(self) -> bool:
@@ -229,12 +281,17 @@ class SparseFeatures:
         starts = offsets[torch.arange(f + 1, device=device) * b]  # [F+1]: where each field's ids begin
         first = starts[:-1].index_select(0, pick)
         counts = starts.diff().index_select(0, pick)
-        # All fields reordered: the id count is known, so no host sync.
-        n = self.values.numel() if len(src) == f else int(counts.sum())
+        # All fields reordered, or their counts known: no host sync for the id count.
+        known = self.known_field_counts
+        moved = None if known is None else tuple(known[i] for i in src)
+        n = self.values.numel() if len(src) == f else sum(moved) if moved is not None else int(counts.sum())
         index = runs_index(first, counts, n)
         lengths = self.lengths().long().view(f, b).index_select(0, pick).reshape(-1)
         weights = None if self.weights is None else self.weights[index]
-        return SparseFeatures.from_lengths([self.keys[i] for i in src], self.values[index], lengths, weights)
+        picked = SparseFeatures.from_lengths(
+            [self.keys[i] for i in src], self.values[index], lengths, weights
+        )
+        return picked.remember_field_counts(moved)
 
     def slice_rows(self, lo: int, hi: int) -> SparseFeatures:
         """Rows ``[lo, hi)`` of every field (a rank's part of a global batch).
@@ -335,7 +392,10 @@ class SparseFeatures:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SparseFeatures:
         """This batch on ``device``; implicit offsets stay implicit (nothing copied for them)."""
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return SparseFeatures(self.keys, move(self.values), move(self.explicit_offsets), move(self.weights))
+        moved = SparseFeatures(self.keys, move(self.values), move(self.explicit_offsets), move(self.weights))
+        leaving_host = self.values.device.type == "cpu" and torch.device(device).type != "cpu"
+        counts = self.count_fields_on_host() if leaving_host else self.known_field_counts
+        return moved.remember_field_counts(counts)
 
     def pin_memory(self) -> SparseFeatures:
         """This batch in pinned memory; implicit offsets stay implicit."""

@@ -25,10 +25,11 @@ if not torch.cuda.is_available():  # before the kernel module is first imported
 
 import pytest
 
+from recaccel.io.host_buffer import pack, unpack
 from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.row_groups import PackSort, group_by_row, group_packs
-from recaccel.sparse import SparseFeatures
+from recaccel.sparse import Batch, SparseFeatures
 
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),
@@ -145,9 +146,57 @@ def test_a_reference_autograd_training_step_never_reads_the_device(sparse_batch)
 
 @needs_triton
 def test_a_batch_split_among_packs_is_read_once_for_all_packs(sparse_batch):
+    """A batch made on the device (its field counts unknown to the host): one read."""
     m = _module("triton").train()
     seen = _reads_of_a_step(m, _batch(sparse_batch, TWO_PACKS, seed=5))
     assert len(seen) == 1 and seen[0].startswith("tolist at packing.py"), seen
+
+
+def _through_the_loader(sf: SparseFeatures) -> SparseFeatures:
+    """``sf`` as the device loader hands it over: unpacked from its one buffer, with the
+    field counts counted on the host before the copy."""
+    b = sf.batch_size
+    batch = Batch(torch.zeros(b, 1), sf, torch.zeros(b))
+    return unpack(*pack(batch)).sparse
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+def test_a_batch_split_among_packs_from_the_loader_is_never_read(backend, index, sparse_batch):
+    m = _module(backend).train()
+    sf = _through_the_loader(_batch(sparse_batch, TWO_PACKS, seed=9, index=index))
+    assert sf.known_field_counts is not None
+    seen = _reads_of_a_step(m, sf)
+    if backend == "reference":  # its fused update (a specification) reads the unique rows
+        seen = [s for s in seen if "packing.py" in s]
+    assert seen == []
+
+
+@needs_triton
+def test_a_one_hot_batch_split_among_packs_is_never_read():
+    m = _module("triton").train()
+    rows = {f: t.num_rows for t in TABLES for f in t.features}
+    gen = torch.Generator().manual_seed(10)
+    ids = torch.cat([torch.randint(0, rows[k], (6,), generator=gen) for k in TWO_PACKS])
+    assert _reads_of_a_step(m, SparseFeatures(TWO_PACKS, ids.int(), None)) == []
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_counts_from_the_host_give_the_step_the_device_read_gives(backend, sparse_batch):
+    """Same lookups, same updated rows and optimizer state, bit for bit."""
+    read, known = _module(backend).train(), _module(backend).train()
+    known.load_state_dict(read.state_dict())
+    for seed in (11, 12):
+        sf = _batch(sparse_batch, TWO_PACKS, seed=seed)
+        carried = _through_the_loader(sf)
+        assert sf.known_field_counts is None and carried.known_field_counts is not None
+        got, want = known(known.prepare(carried)), read(read.prepare(sf))
+        assert torch.equal(got, want)
+        got.backward(torch.ones_like(got))
+        want.backward(torch.ones_like(want))
+    for name, state in read.table_states().items():
+        for key, tensor in state.items():
+            assert torch.equal(known.table_state(name)[key], tensor), (name, key)
 
 
 # ------------------------------------------------------------ one sort for all packs
@@ -190,3 +239,28 @@ def test_a_training_step_over_two_packs_matches_packs_sorted_one_by_one(backend,
     for name, state in together.table_states().items():
         for key, tensor in state.items():
             assert torch.equal(alone.table_state(name)[key], tensor), (name, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys", [ONE_PACK, TWO_PACKS], ids=["one-pack", "two-packs"])
+def test_a_cuda_training_step_from_the_loader_never_synchronizes(keys, sparse_batch):
+    """On CUDA, torch's sync debug mode turns every host synchronization of the prepare +
+    lookup + fused update of a loader-delivered batch into an error."""
+    from recaccel.io.loader import DeviceLoader
+    from tests.helpers.loader_batches import ListReader
+
+    m = _module("triton").train().cuda()
+    gen = torch.Generator().manual_seed(13)
+    batches = []
+    for seed in (14, 15):
+        sf = _batch(sparse_batch, keys, seed=seed, index=torch.int32)
+        batches.append(Batch(torch.rand(sf.batch_size, 1, generator=gen), sf, torch.rand(sf.batch_size)))
+    first, second = list(DeviceLoader(ListReader(batches), "cuda", prefetch=0))
+    _step(m, first.sparse)  # compiles the kernels and caches the routing
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(m, second.sparse)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    m.check_ids()

@@ -71,7 +71,10 @@ def defer_batch_check(sf: SparseFeatures) -> tuple[SparseFeatures, Tensor]:
     safe = torch.cummax(offsets.clamp(0, n), 0).values
     safe[0] = 0
     safe[-1] = n
-    return SparseFeatures(sf.keys, values, safe, sf.weights), counter
+    # Known field counts were counted from a valid CSR (which the clamp leaves as it is).
+    return SparseFeatures(sf.keys, values, safe, sf.weights).remember_field_counts(
+        sf.known_field_counts
+    ), counter
 
 
 class PendingChecks:

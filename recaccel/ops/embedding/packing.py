@@ -381,7 +381,9 @@ class PackIdCounts:
     """The number of ids each pack takes from one batch, read from the device at most
     once for all packs (one host synchronization), and only when a pack asks.
 
-    A batch whose features all go to one pack needs no read: that pack takes every id.
+    A batch whose features all go to one pack needs no read: that pack takes every id;
+    nor does a batch whose field counts the host knows (one-hot, or brought from host
+    memory by the device loader: :attr:`SparseFeatures.known_field_counts`).
 
     Args:
         sf: The batch (F features, B rows), its offsets valid (checked or clamped).
@@ -403,6 +405,9 @@ class PackIdCounts:
 
     def _read(self) -> list[int]:
         sf, routing = self._sf, self._routing
+        known = sf.known_field_counts
+        if known is not None:
+            return [sum(known[f] for f in route.features) for route in routing.packs]
         b, f = sf.batch_size, len(routing.keys)
         offsets = sf.offsets.long()
         per_feature = offsets[b : (f + 1) * b : b] - offsets[: f * b : b]  # [F]

@@ -47,11 +47,12 @@ def as_kernel_input(sf: SparseFeatures) -> SparseFeatures:
     if sf.one_hot:
         # Never read sf.offsets (an int64 arange made on first read): the kernels' CSR is
         # made here in the ids' dtype, so int32 ids keep int32 offsets all the way.
-        return SparseFeatures(sf.keys, values, one_hot_offsets(values), weights)
+        made = SparseFeatures(sf.keys, values, one_hot_offsets(values), weights)
+        return made.remember_field_counts(sf.known_field_counts)
     offsets = _index_tensor(sf.offsets)
     if values is sf.values and offsets is sf.offsets and weights is sf.weights:
         return sf
-    return SparseFeatures(sf.keys, values, offsets, weights)
+    return SparseFeatures(sf.keys, values, offsets, weights).remember_field_counts(sf.known_field_counts)
 
 
 def one_hot_offsets(values: Tensor) -> Tensor:
@@ -126,4 +127,4 @@ def prepare_packs(
         training=training,
         bad_ids=bad_ids,
         unchecked=given if bad_ids is not None else None,
-    )
+    ).remember_field_counts(sf.known_field_counts)
