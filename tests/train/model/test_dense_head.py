@@ -34,6 +34,7 @@ from recaccel.train.model.dense_head import (
     head_parameters,
 )
 from tests.helpers.graph_capture import eager_capture
+from tests.helpers.step_parts import random_batch, tiny_objective
 
 pytestmark = pytest.mark.numeric
 
@@ -345,3 +346,30 @@ def test_cuda_graphed_head_in_a_whole_step_through_the_fused_embedding():
     state, eager_state = model.state_dict(), eager_model.state_dict()
     for name, value in state.items():
         torch.testing.assert_close(value, eager_state[name], msg=name)
+
+
+@gpu
+def test_cuda_graphed_head_reading_the_lookups_buffer_trains_bitwise_like_the_copy_path():
+    """The Triton lookup writes into the captured graph's input; the copy path is the same
+    graphed head behind a plain function (no buffer to ask for)."""
+    results = []
+    for buffered in (True, False):
+        objective = tiny_objective("triton", device="cuda")
+        graphed = build_head(objective.module, TrainConfig(cuda_graphs=True), CUDA)
+        objective._head = graphed if buffered else (lambda dense, pooled, h=graphed: h(dense, pooled))
+        opt = torch.optim.SGD(objective.module.parameters(), lr=0.1)
+        losses = []
+        for step in range(3):
+            loss = objective.batch_loss(random_batch(64, step).to(CUDA))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        results.append((losses, objective.module.state_dict(), graphed))
+    (got, got_state, graphed), (want, want_state, graphed_copy) = results
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    for name, value in got_state.items():
+        assert torch.equal(value, want_state[name]), name
+    assert graphed.graphed_calls == graphed_copy.graphed_calls == 3
+    assert (graphed.graph.copy_ins, graphed_copy.graph.copy_ins) == (1, 3)
