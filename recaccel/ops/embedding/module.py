@@ -214,7 +214,7 @@ class PackedEmbeddingBag(nn.Module):
             sf: F features of B rows (any subset of the tables' features, any order); a
                 :class:`PreparedSparse` this module prepared is looked up without being
                 prepared again (see :meth:`prepare`).
-            out: float32 [B, F, D] to write the result into (:mod:`.lookup_out`).
+            out: float32 [B, F, D] to write the result into (:mod:`~recaccel.ops.embedding.lookup_out`).
 
         Returns:
             float32 [B, F, D] in ``sf.keys`` order; ``out`` itself when given.

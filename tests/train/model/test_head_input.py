@@ -200,6 +200,22 @@ def test_forward_into_out_matches_forward(backend, keys, direct):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_forward_into_out_in_autograd_mode_gives_the_same_row_gradients(backend):
+    with_out = PackedEmbeddingBag(TABLES, backend=backend, seed=0, mode="autograd")
+    plain = PackedEmbeddingBag(TABLES, backend=backend, seed=0, mode="autograd")
+    sf = sparse_batch(["a", "b"])
+    got = with_out(sf, out=torch.empty(3, 2, 4))
+    want = plain(sf)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(4))
+    got.backward(grad)
+    want.backward(grad)
+    grads = [(p.grad, q.grad) for p, q in zip(with_out.parameters(), plain.parameters(), strict=True)]
+    assert grads[0][0] is not None  # pack 0's rows; pack 1 ("s") is not in the batch
+    for g, w in grads:
+        assert (g is None and w is None) or torch.equal(g, w)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_into_out_without_grad(backend):
     emb = PackedEmbeddingBag(TABLES, backend=backend, seed=0).eval()
     sf, out = sparse_batch(["a", "b"]), torch.empty(3, 2, 4)
