@@ -18,6 +18,9 @@ a few small kernels per layer whose launch cost dominates at high throughput;
   captured as two CUDA graphs for the batch shape of the first training call and
   replayed for every call of that shape; every other call runs eagerly (counted,
   logged once). With ``train.compile`` too, the compiled head is what is captured.
+  The plain step's lookup writes the pooled embeddings straight into the graph's input
+  (:meth:`GraphedHead.pooled_buffer`, :mod:`recaccel.train.model.head_input`): a replay
+  then copies nothing in.
 
 Parameters are read by the graphs at their addresses: the dense optimizer must update
 them in place (every ``torch.optim`` optimizer does; loading a checkpoint with
