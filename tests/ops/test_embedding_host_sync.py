@@ -1,22 +1,17 @@
 """Embedding input preparation without host synchronization.
 
-On CUDA ``torch.cuda.set_sync_debug_mode("error")`` would catch a sync; on the CPU there
-is none to see, so :func:`host_reads` records every operation that would read a device
-value on the host (``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of a tensor,
-``nonzero``, ``unique``, ``unique_consecutive``, ``masked_select``) while the prepare +
-lookup + update path runs: a host read that creeps back into that path fails here. Host
-memory read on purpose goes through ``numpy()``, which refuses a CUDA tensor.
+On CUDA ``torch.cuda.set_sync_debug_mode("error")`` would catch a sync; on the CPU
+:func:`~tests.helpers.host_reads.host_reads` records every operation that would read a
+device value on the host while the prepare + lookup + update path runs: a host read that
+creeps back into that path fails here.
 
 The Triton kernels run under TRITON_INTERPRET=1 without CUDA (tiny shapes).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import traceback
-from collections.abc import Iterator
 
 import torch
 
@@ -30,6 +25,7 @@ from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.row_groups import PackSort, group_by_row, group_packs
 from recaccel.sparse import Batch, SparseFeatures
+from tests.helpers.host_reads import host_reads
 
 needs_triton = pytest.mark.skipif(
     not (torch.cuda.is_available() or triton_interpret_enabled()),
@@ -43,34 +39,6 @@ TABLES = [
 ]
 ONE_PACK = ["b2", "a", "b1"]  # every feature in pack 0, not in the pack's order
 TWO_PACKS = ["b2", "s", "a", "b1"]
-_READS = {
-    torch.Tensor: ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique"),
-    torch: ("nonzero", "unique", "unique_consecutive", "masked_select"),
-}
-_READS[torch.Tensor] += ("unique_consecutive", "masked_select")
-
-
-@contextlib.contextmanager
-def host_reads() -> Iterator[list[str]]:
-    """Records, as ``"name at file:line"``, each host read of a tensor's value made inside."""
-    seen: list[str] = []
-    saved = [(owner, name, getattr(owner, name)) for owner, names in _READS.items() for name in names]
-
-    def recorder(name, original):
-        def read(*args, **kwargs):
-            caller = traceback.extract_stack(limit=2)[0]
-            seen.append(f"{name} at {os.path.basename(caller.filename)}:{caller.lineno}")
-            return original(*args, **kwargs)
-
-        return read
-
-    for owner, name, original in saved:
-        setattr(owner, name, recorder(name, original))
-    try:
-        yield seen
-    finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
 
 
 def _module(backend: str, optimizer: str = "adam", mode: str = "fused") -> PackedEmbeddingBag:
