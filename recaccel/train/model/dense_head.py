@@ -155,10 +155,13 @@ class HeadGraph:
     accumulation then copies them into ``.grad``, or adds them, and never adopts graph
     memory as ``.grad``, which the next replay would overwrite: accumulation over
     micro-batches stays right); dense and pooled gradients and the logits as copies, so
-    nothing handed out aliases graph memory. (The pooled gradient's copy stays even when
-    the fused sparse update consumes it inside the same ``backward()``: from this node
-    nothing tells that apart from a consumer that keeps it, such as ``retain_grad``, a
-    hook, a leaf's ``.grad``, which the next replay would overwrite.)
+    nothing handed out aliases graph memory, with one exception: a pooled input its
+    lookup wrote into the buffer lent for a consumer that uses its gradient up inside
+    the same ``backward()`` (:meth:`GraphedHead.pooled_buffer` with ``lend_gradient``:
+    the fused sparse update, which keeps nothing) gets the static gradient itself, saving
+    a copy of [B, F, D]. From this node alone nothing would tell that consumer apart from
+    one that keeps the gradient (``retain_grad``, a hook, a leaf's ``.grad``), which the
+    next replay would overwrite: hence the lender's promise, never a guess here.
 
     Input: a ``pooled`` that already is ``static_pooled`` (same storage, shape and
     strides: the lookup wrote into :meth:`GraphedHead.pooled_buffer`) is not copied;
@@ -184,6 +187,9 @@ class HeadGraph:
         self.generation = 0  # graphed forwards so far
         self.copy_ins = 0  # forwards that copied pooled into static_pooled
         self.pending = False  # a graphed forward's backward has not run yet
+        self.lend_next = False  # the next forward's pooled, if the buffer, lends its gradient
+        self.lent = False  # this call's pooled gradient is handed out uncopied
+        self.clone_outs = 0  # backwards that copied the pooled gradient out
 
     def check_parameters(self) -> None:
         """Raises RuntimeError if a parameter's storage was replaced (the graph reads old addresses)."""
@@ -197,9 +203,11 @@ class HeadGraph:
         """Logits [B] (a copy) and the generation to hand to :meth:`backward`."""
         with torch.no_grad():
             self.static_dense.copy_(dense)
-            if not aliases(pooled, self.static_pooled):
+            in_place = aliases(pooled, self.static_pooled)
+            if not in_place:
                 self.static_pooled.copy_(pooled)
                 self.copy_ins += 1
+        self.lent, self.lend_next = in_place and self.lend_next, False
         self.replay_forward()
         self.generation += 1
         self.pending = True
@@ -217,7 +225,10 @@ class HeadGraph:
         self.pending = False
         grads = iter(self.static_grads)
         dense = next(grads).clone() if self.static_dense.requires_grad else None
-        pooled = next(grads).clone() if self.static_pooled.requires_grad else None
+        pooled = next(grads) if self.static_pooled.requires_grad else None
+        if pooled is not None and not self.lent:
+            pooled = pooled.clone()
+            self.clone_outs += 1
         return (dense, pooled, *grads)
 
 
@@ -345,7 +356,13 @@ class GraphedHead:
         return torch.is_grad_enabled() and self.model.training
 
     def pooled_buffer(
-        self, dense: Tensor, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device
+        self,
+        dense: Tensor,
+        shape: tuple[int, int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        lend_gradient: bool = False,
     ) -> Tensor | None:
         """Where a lookup may write the pooled input [B, F, D] of the next call, or None.
 
@@ -360,12 +377,20 @@ class GraphedHead:
         graphed call's backward is pending. Ask for it right before the lookup whose
         result is the very next head call's input; a lookup made ahead of a pending
         backward (a pipeline's prefetch of the next batch) must not write into it.
+
+        ``lend_gradient``: the caller promises that the lookup's result feeds only this
+        head call and that its backward uses the gradient up before ``backward()``
+        returns, keeping no reference (the fused sparse update): the call's backward then
+        hands out the graph's static gradient w.r.t. ``pooled`` without copying it.
         """
         g = self.graph
         if g is None or g.pending or not self._graphable():
             return None
         key = CallKey.of_pooled(dense, (tuple(shape), dtype, torch.device(device), True))
-        return g.static_pooled.detach() if key == g.key else None
+        if key != g.key:
+            return None
+        g.lend_next = lend_gradient
+        return g.static_pooled.detach()
 
     def __call__(self, dense: Tensor, pooled: Tensor) -> Tensor:
         """Logits [B] of dense [B, Dd] and pooled [B, F, D]."""

@@ -38,7 +38,10 @@ def head_buffer(model: nn.Module, head: Callable, dense: Tensor, sparse: SparseF
     if len(dims) != 1:
         return None
     shape = (dense.shape[0], len(model.sparse_arch.features), dims.pop())
-    return pooled_buffer(dense, shape, torch.float32, sparse.values.device)
+    # The fused update uses the pooled gradient up inside backward() and keeps nothing (and
+    # this lookup's result feeds only the head call that follows): the graph may lend it.
+    lend = embedding.mode == "fused"
+    return pooled_buffer(dense, shape, torch.float32, sparse.values.device, lend_gradient=lend)
 
 
 def embed_for_head(model: nn.Module, head: Callable, dense: Tensor, sparse: SparseFeatures) -> Tensor:

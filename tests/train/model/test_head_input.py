@@ -90,8 +90,46 @@ def test_buffer_path_trains_bitwise_like_the_copy_path(backend):
         assert torch.equal(g, w)
     assert_same_state(buffered.module, copied.module)  # dense parameters and every embedding row
     assert graphed.graphed_calls == graphed_copy.graphed_calls == steps
-    # Only the capturing call copied: every later lookup wrote into the graph's input.
+    # Only the capturing call copied: every later lookup wrote into the graph's input, and
+    # (the fused update uses it up inside backward) took its gradient without a copy.
     assert (graphed.graph.copy_ins, graphed_copy.graph.copy_ins) == (1, steps)
+    assert (graphed.graph.clone_outs, graphed_copy.graph.clone_outs) == (1, steps)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_lookup_that_keeps_its_gradient_gets_a_copy_of_it(backend):
+    """Autograd mode (the rows' gradient is built from the pooled one and kept in .grad):
+    the graph's static gradient is never lent, and training stays bitwise the copy path's."""
+    objective, graphed = graphed_objective(backend)
+    objective.embedding.mode = "autograd"
+    reference, graphed_copy = graphed_objective(backend)
+    reference.embedding.mode = "autograd"
+    copy_path(reference, graphed_copy)
+    steps = 3
+    for g, w in zip(train(objective, steps), train(reference, steps), strict=True):
+        assert torch.equal(g, w)
+    assert_same_state(objective.module, reference.module)
+    assert graphed.graph.copy_ins == 1 and graphed.graph.clone_outs == steps
+
+
+def test_a_lent_gradient_is_the_graphs_own_and_a_kept_one_a_copy():
+    objective, graphed = graphed_objective("reference")
+    train(objective, 1)  # captures
+    g = graphed.graph
+    seen = []
+    # The gradient w.r.t. pooled reaches the lookup's node: record what it receives.
+    hook = lambda grad: seen.append(grad.data_ptr())  # noqa: E731
+    for lend in (True, False):
+        batch = random_batch(ROWS, 7)
+        sparse = objective.module.prepare_sparse(batch.sparse)
+        buffer = graphed.pooled_buffer(
+            batch.dense, tuple(g.static_pooled.shape), torch.float32, "cpu", lend_gradient=lend
+        )
+        pooled = objective.embedding(sparse.reorder(objective.module.sparse_arch.features), out=buffer)
+        pooled.register_hook(hook)
+        graphed(batch.dense, pooled).sum().backward()
+    static_grad = g.static_grads[int(g.static_dense.requires_grad)].data_ptr()  # [dense's,] pooled's
+    assert seen == [static_grad, seen[1]] and seen[1] != static_grad
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
