@@ -8,8 +8,9 @@ in a 15-minute loan):
 1. environment (``nvidia-smi``, torch, Triton, device) and the two ceilings of this run:
    device-to-device copy bandwidth (bytes read + written, median) and the bf16 matmul
    rate (8192^3, random data);
-2. ``pytest -m gpu`` over ``tests/`` in a subprocess (four pytest-xdist workers when
-   xdist is installed), its log in ``DIR/pytest.txt``;
+2. ``pytest -m gpu``: the files marking GPU tests in four groups run as pytest processes
+   at once (:mod:`~recaccel.bench.gpu_check.pytest_groups`; the lent machines have no
+   pytest-xdist), their logs joined in ``DIR/pytest.txt``;
 3. every ``recaccel-bench`` benchmark at GPU sizes, each a subprocess writing markdown,
    JSON and plots (a benchmark not registered yet is skipped with a line): embedding,
    dot interaction, DCN-v2 cross network (bf16), training under tf32 and bf16 on
@@ -43,6 +44,13 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.gpu_check import report as report_files
+from recaccel.bench.gpu_check.pytest_groups import (
+    balance,
+    gpu_test_files,
+    join_logs,
+    run_groups,
+    sum_summaries,
+)
 from recaccel.bench.gpu_check.targets import evaluate
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.timing import measure_copy_bandwidth, time_interleaved
@@ -311,25 +319,19 @@ def bench_argv(name: str, device: str, parts: Path, options: set[str], plots: bo
     return argv
 
 
-def pytest_argv(device: str) -> list[str]:
-    """The GPU suite on CUDA; a fast selection in the small mode."""
+def pytest_groups(device: str) -> list[list[str]]:
+    """The pytest processes of the step, run at once (:mod:`~recaccel.bench.gpu_check.pytest_groups`):
+    the GPU suite's files in up to four groups on CUDA; a fast selection in the small mode."""
     base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "--tb=short"]
-    if device == "cuda":
-        # The GPU tests are independent: four workers share the GPU (Triton's compiles, the
-        # larger part of the serial suite's 155 s, run on four cores). -v names each test
-        # as it ends: a run killed at its budget shows where it was.
-        workers = ["-n", "4", "--dist", "loadfile"] if find_spec("xdist") is not None else []
-        return [
-            *base,
-            "-v",
-            *workers,
-            "-m",
-            "gpu",
-            "--continue-on-collection-errors",
-            "--durations=15",
-            "tests",
-        ]
-    return [*base, "-q", *CPU_PYTEST]
+    if device != "cuda":
+        return [[*base, "-q", *CPU_PYTEST]]
+    # The GPU tests are independent: four processes share the GPU (Triton's compiles, the
+    # larger part of the serial suite's time, run on four cores). -v names each test as it
+    # ends: a group killed at the budget shows where it was.
+    groups = max(1, min(4, (os.cpu_count() or 1) // 4))
+    files = balance(gpu_test_files(REPO / "tests", REPO), groups)
+    options = ["-v", "-m", "gpu", "--continue-on-collection-errors", "--durations=5"]
+    return [[*base, *options, *group] for group in files]
 
 
 class Clock:
@@ -345,28 +347,34 @@ class Clock:
 
 
 def _run_pytest(device: str, out: Path, clock: Clock, budget_s: float) -> tuple[StepResult, dict]:
-    argv = pytest_argv(device)
-    command = shlex.join(["python", *argv[1:]])
     if not (REPO / "tests").is_dir():
-        return StepResult("pytest", "skipped", budget_s, note=f"no tests/ in {REPO}"), {"command": command}
+        return StepResult("pytest", "skipped", budget_s, note=f"no tests/ in {REPO}"), {"command": ""}
+    argvs = pytest_groups(device)
+    command = " & ".join(shlex.join(["python", *argv[1:]]) for argv in argvs)
     allowed = clock.allowance(budget_s)
     if allowed < 5:
         return StepResult("pytest", "skipped", budget_s, note="no time left"), {"command": command}
-    log = out / report_files.PYTEST_LOG
-    status, rc, seconds = run_step(argv, log, allowed, _child_env(keep_triton_interpret=True))
-    text = log.read_text(errors="replace")
-    summary = report_files.pytest_summary(text)
-    if status == "timeout":
-        summary = (
-            f"killed after {seconds:.0f} s (budget {allowed:.0f} s); last: {summary or '-'}; "
-            f"the rest: {shlex.join(['python', *argv[1:]])} outside gpu-check"
-        )
-        with open(log, "a") as f:
-            f.write(f"\ngpu-check: pytest killed after {seconds:.0f} s (budget {allowed:.0f} s)\n")
-    elif status == "failed" and rc == 5:  # pytest: no tests collected
-        status = "ok"
+    logs = [out / f"pytest_group{i}.txt" for i in range(len(argvs))]
+    t0 = time.monotonic()
+    ended = run_groups(argvs, logs, allowed, _child_env(keep_triton_interpret=True), REPO)
+    seconds = time.monotonic() - t0
+    text = join_logs(argvs, logs, ended, out / report_files.PYTEST_LOG)
+    summary = sum_summaries(
+        [report_files.pytest_summary(log.read_text(errors="replace")) for log in logs], seconds
+    )
+    for log in logs:
+        log.unlink(missing_ok=True)  # joined into pytest.txt
+    killed = [argv for argv, e in zip(argvs, ended) if e.status == "timeout"]
+    status = "timeout" if killed else "failed" if any(e.status == "failed" for e in ended) else "ok"
+    if killed:
+        files = [a for argv in killed for a in argv if a.endswith(".py")]
+        rest = shlex.join(["python", "-m", "pytest", "-m", "gpu", *files])
+        summary = f"killed after {seconds:.0f} s (budget {allowed:.0f} s); so far: {summary or '-'}; the rest: {rest}"
+    rc = max((e.rc for e in ended if e.rc not in (None, 0, 5)), default=None if killed else 0)
     info = {"command": command, "summary": summary, "failures": report_files.pytest_failures(text), "rc": rc}
-    step = StepResult("pytest", status, round(allowed), seconds, rc, command, summary, _tail(log))
+    step = StepResult(
+        "pytest", status, round(allowed), seconds, rc, command, summary, "\n".join(text.splitlines()[-15:])
+    )
     return step, info
 
 
