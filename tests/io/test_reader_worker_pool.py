@@ -103,6 +103,27 @@ def test_a_worker_that_died_between_epochs_is_replaced_and_the_next_epoch_is_the
 
 
 def test_a_ctrl_c_inside_a_deferred_block_is_raised_after_it_under_the_previous_handler():
+    # Python's own handler, whatever this process inherited (a shell's background job
+    # starts with SIGINT ignored, and then a deferred Ctrl-C is rightly ignored too).
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _check_deferred_ctrl_c()
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+def test_a_ctrl_c_inside_a_deferred_block_stays_ignored_where_it_was_ignored():
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with sigint_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+def _check_deferred_ctrl_c() -> None:
     steps = []
     with pytest.raises(KeyboardInterrupt):
         with sigint_deferred():
