@@ -41,7 +41,9 @@ ONE_PACK = ["b2", "a", "b1"]  # every feature in pack 0, not in the pack's order
 TWO_PACKS = ["b2", "s", "a", "b1"]
 
 
-def _module(backend: str, optimizer: str = "adam", mode: str = "fused") -> PackedEmbeddingBag:
+def _module(
+    backend: str, optimizer: str = "adam", mode: str = "fused", device: str = "cpu"
+) -> PackedEmbeddingBag:
     tables = [dataclasses.replace(t, optimizer=optimizer) for t in TABLES[:2]]
     return PackedEmbeddingBag(
         [*tables, TABLES[2]],
@@ -49,6 +51,7 @@ def _module(backend: str, optimizer: str = "adam", mode: str = "fused") -> Packe
         mode=mode,
         optim=SparseOptimConfig(lr=0.1),
         bounds_check="deferred",
+        device=device,
     )
 
 
@@ -217,7 +220,7 @@ def test_a_cuda_training_step_from_the_loader_never_synchronizes(keys, sparse_ba
     from recaccel.io.loader import DeviceLoader
     from tests.helpers.loader_batches import ListReader
 
-    m = _module("triton").train().cuda()
+    m = _module("triton", device="cuda").train()
     gen = torch.Generator().manual_seed(13)
     batches = []
     for seed in (14, 15):
