@@ -10,9 +10,9 @@ Per case (forward: D 16..256, L 1 / 20 / variable / Zipf, fp32 and bf16, T=26 B=
 65536, T=500 B=4096 D=32; backward + fused row-wise Adagrad update: the same shapes with
 Zipf hot rows), most important first, it builds the seeded batch, runs the kernel's
 default config (its heuristic, :func:`~recaccel.ops.embedding.triton.forward.forward_config`
-/ :func:`~recaccel.ops.embedding.triton.backward.tile_config` without a device), then for
-each candidate config: one warm-up call (compiles it), its output checked against the
-default's (a config whose output differs, or that fails to compile, is dropped, not
+/ :func:`~recaccel.ops.embedding.triton.backward.tile_config` without a device), compiles
+every candidate config at once on a thread pool (:func:`precompile`, CUDA only), then for
+each candidate config: its output checked against the default's (a config whose output differs, or that fails to compile, is dropped, not
 timed), and the launch alone timed with ``triton.testing.do_bench``. Figures are GB/s
 in the embedding benchmark's byte accounting and % of the device-to-device copy bandwidth
 measured in the same run. The JSON is rewritten after every case, so a run cut short keeps
@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -113,7 +114,10 @@ def sweep_case(
         names = names[:1] + list(extra) + names[1:]
     if max_configs is not None:
         names = names[:max_configs]
-    want = candidates["default"].run()
+    if device.type == "cuda":
+        precompile([candidates[n] for n in names], compile_workers(), device)
+    # A copy: the forward's candidates share one output buffer, which the next run overwrites.
+    want = candidates["default"].run().clone()
     timed: dict[str, dict] = {}
     dropped: dict[str, str] = {}
     truncated = False
@@ -136,6 +140,34 @@ def sweep_case(
                  timed.get("default", {}).get("pct_copy", float("nan")), best, timed[best]["pct_copy"])  # fmt: skip
     return {"case": dataclasses.asdict(case), "name": case.name, "bytes": nbytes, "configs": timed,
             "dropped": dropped, "best": best, "truncated": truncated}  # fmt: skip
+
+
+def compile_workers() -> int:
+    """Threads compiling a case's configs at once: half the cores, at most 8."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def precompile(candidates: list[Candidate], workers: int, device: torch.device) -> None:
+    """Runs each candidate once on ``workers`` threads, so that Triton compiles their
+    configs at once (its compiler releases the GIL: the parallel compiles of Triton's own
+    autotuner proposals and of Inductor), then waits for the device. The timing loop then
+    finds every config compiled. Outputs are discarded; errors too (a config that fails
+    is run again by the check, which drops it). Never under the Triton interpreter, which
+    patches global state while a kernel runs.
+    """
+    if workers <= 1 or len(candidates) <= 1:
+        return
+
+    def run(candidate: Candidate) -> None:
+        try:
+            candidate.run()
+        except Exception as exc:  # reported by the check's own run
+            log.debug("precompile: %s: %s", candidate.fields, exc)
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recaccel-compile") as pool:
+        list(pool.map(run, candidates))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _check(candidate: Candidate, want: torch.Tensor, case: KernelCase) -> str | None:

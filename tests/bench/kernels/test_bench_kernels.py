@@ -201,3 +201,53 @@ def test_gpu_cases_cover_the_issue_shapes_and_interleave_kernels():
             sweep_cases.forward_sweep(case) if case.kernel == "forward" else sweep_cases.backward_sweep(case)
         )
         assert sweep and len({sweep_cases.config_name(f) for f in sweep}) == len(sweep)
+
+
+def test_a_config_writing_wrong_values_into_the_shared_output_buffer_is_dropped(tmp_path, monkeypatch):
+    """The forward's candidates write into one buffer: the default's output is kept as a
+    copy, or a config that writes wrong values there would match it by aliasing."""
+    case = sweep_cases.CPU_CASES[0]
+    shared = torch.zeros(4)
+
+    def candidates(case, device):
+        def writer(value: float):
+            return lambda: shared.fill_(value)
+
+        return {
+            "default": sweep_cases.Candidate({"block_bags": 1}, writer(1.0)),
+            "wrong": sweep_cases.Candidate({"block_bags": 2}, writer(2.0)),
+            "same": sweep_cases.Candidate({"block_bags": 4}, writer(1.0)),
+        }, 16
+
+    monkeypatch.setattr(kernels, "forward_candidates", candidates)
+    record = kernels.sweep_case(case, DEVICE, copy_gbs=1.0, deadline=float("inf"))
+    assert set(record["dropped"]) == {"wrong"} and set(record["configs"]) == {"default", "same"}
+
+
+def test_precompile_runs_every_config_once_on_several_threads_and_survives_a_failing_one():
+    import threading
+
+    seen: list[tuple[int, str]] = []
+    barrier = threading.Barrier(3, timeout=10)  # three runs at once, or the barrier breaks
+
+    def make(i: int):
+        def run():
+            seen.append((i, threading.current_thread().name))
+            if i < 3:
+                barrier.wait()
+            if i == 4:
+                raise RuntimeError("does not compile")
+            return torch.zeros(1)
+
+        return sweep_cases.Candidate({"i": i}, run)
+
+    kernels.precompile([make(i) for i in range(6)], workers=3, device=torch.device("cpu"))
+    assert sorted(i for i, _ in seen) == list(range(6))
+    assert all(name.startswith("recaccel-compile") for _, name in seen)
+    assert not barrier.broken
+    ran = []
+    kernels.precompile(
+        [sweep_cases.Candidate({}, lambda: ran.append(1))], workers=3, device=torch.device("cpu")
+    )
+    assert ran == []  # one config: nothing to do at once
+    assert 1 <= kernels.compile_workers() <= 8
