@@ -287,9 +287,9 @@ def check_candidates(
     """Checks every candidate against ``reference`` before anything is timed.
 
     1. Forward on batch 0 equals the reference's (``torch.testing.assert_close``).
-    2. One train step on batch 0, then forward on the last batch: equal for candidates
-       whose update rule is the reference's (the per-table baseline with element-wise
-       Adagrad is not). The step's output gradient is positive (``|G| + 0.5``) so that
+    2. One train step on batch 0, then forward on batch 0 (which reads every updated row)
+       and on the last batch: equal for candidates whose update rule is the reference's
+       (the per-table baseline with element-wise Adagrad is not). The step's output gradient is positive (``|G| + 0.5``) so that
        the gradients of a row's duplicates cannot cancel: Adam's first step moves each
        element by about ``lr * g / |g|``, which turns the rounding of a near-zero sum
        (summation order differs between implementations) into a visible difference.
@@ -316,10 +316,12 @@ def check_candidates(
     grad = inputs.grads[0].abs() + 0.5
     for cand in candidates.values():
         cand.train_step(first, grad)
-    expected = ref.forward(last)
-    for name, cand in candidates.items():
-        if name != reference and cand.same_update_as_reference:
-            compare(name, "forward after one train step", cand.forward(last), expected)
+    # The step's batch reads every row the step updated; the last batch may read none of them.
+    for batch in [first] if last is first else [first, last]:
+        expected = ref.forward(batch)
+        for name, cand in candidates.items():
+            if name != reference and cand.same_update_as_reference:
+                compare(name, "forward after one train step", cand.forward(batch), expected)
 
 
 # --------------------------------------------------------------------------- bytes
