@@ -11,7 +11,8 @@ forward alone and forward + backward (w.r.t. x0 and every weight):
   :mod:`recaccel.ops.interaction.dcnv2_triton`).
 
 Each row gives median ms, speedups over eager, TFLOP/s (the forward is 4*B*K*r*L FLOP, the
-backward twice that), every candidate's relative error against float64, and on CUDA whether
+backward twice that), every candidate's relative error against float64 (forward and largest
+gradient; one off by more than its bound stops the run before timing), and on CUDA whether
 the GEMM path meets its target: forward + backward >= :data:`TARGET_FWD_BWD` x eager.
 On CPU the Triton candidates run only under ``TRITON_INTERPRET=1``: correct, not speed.
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import product
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from torch import Tensor
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved
+from recaccel.bench.kernels.agreement import check_against_float64
 from recaccel.ops.backend import resolve_backend
 from recaccel.ops.interaction import dcnv2_cross_reference, init_cross_weights
 from recaccel.plotting import pyplot, save_figure
@@ -71,12 +73,6 @@ def _inputs(b: int, k: int, layers: int, rank: int, dtype: torch.dtype, device: 
     return [t.to(device=device, dtype=dtype) for t in (x0, u, v, bias)]
 
 
-def _rel_err(fn: Callable[..., Tensor], inputs: list[Tensor], exact: Tensor) -> float:
-    with torch.no_grad():
-        out = fn(*inputs).double()
-    return float((out - exact).norm() / exact.norm().clamp_min(1e-30))
-
-
 def target_verdict(row: dict) -> str:
     """Whether the row's GEMM path meets :data:`TARGET_FWD_BWD` (judged on CUDA only)."""
     speedup = row.get("gemm_fwd_bwd_speedup")
@@ -98,10 +94,20 @@ def bench_shape(
     device: torch.device,
     repeats: int,
     warmup: int,
+    impls: Mapping[str, Callable[..., Tensor]] | None = None,
 ) -> dict:
-    """One row: every implementation forward and forward + backward, timed interleaved."""
+    """One row: every implementation forward and forward + backward, timed interleaved, once
+    each has matched the float64 result (forward and every gradient, see
+    :func:`~recaccel.bench.kernels.agreement.check_against_float64`).
+
+    Args:
+        impls: name -> cross network; default :func:`_kernels` (``eager`` is the reference).
+
+    Raises:
+        CandidateMismatchError: an implementation is off by more than the bound; nothing is timed.
+    """
     k = d * (f + 1)
-    impls = _kernels(device)
+    impls = dict(impls) if impls is not None else _kernels(device)
     inputs = _inputs(b, k, layers, rank, dtype, device)
     leaves = [t.detach().requires_grad_() for t in inputs]
     grad = torch.randn(b, k, generator=torch.Generator().manual_seed(b + k)).to(device=device, dtype=dtype)
@@ -117,10 +123,14 @@ def bench_shape(
     for name, fn in impls.items():
         candidates[f"{name}_fwd"] = lambda fn=fn: fwd(fn)
         candidates[f"{name}_fwd_bwd"] = lambda fn=fn: fwd_bwd(fn)
-    exact = dcnv2_cross_reference(*[t.double() for t in inputs])
+    others = {name: fn for name, fn in impls.items() if name != "eager"}
+    errors = check_against_float64(
+        "dcnv2 bench", impls["eager"], others, inputs, grad, ["x0", "u", "v", "bias"]
+    )
     row = {"batch": b, "fields": f, "dim": d, "K": k, "layers": layers, "rank": rank}
     row.update(dtype=str(dtype).removeprefix("torch."), device=str(device))
-    row.update({f"{name}_rel_err": _rel_err(fn, inputs, exact) for name, fn in impls.items()})
+    for name, err in errors.items():
+        row[f"{name}_rel_err"], row[f"{name}_grad_rel_err"] = err["forward"], err["grad"]
     ms = time_interleaved(candidates, repeats, warmup, device)
     flops = 4.0 * b * k * rank * layers  # forward; the backward is twice that
     for name in IMPLS:

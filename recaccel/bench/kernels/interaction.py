@@ -34,6 +34,7 @@ import torch
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, plot_file, write_results_markdown
 from recaccel.bench.harness.timing import measure_copy_bandwidth, time_interleaved
+from recaccel.bench.kernels.agreement import check_against_float64
 from recaccel.errors import ConfigError
 from recaccel.ops.backend import resolve_backend
 from recaccel.ops.interaction import (
@@ -173,8 +174,11 @@ def _bench_one(
     if triton_fn is not None:
         candidates["triton_fwd"] = lambda: fwd(triton_fn)
         candidates["triton_fwd_bwd"] = lambda: fwd_bwd(triton_fn)
-        ref = fwd(reference).double()
-        row["max_rel_err"] = float((fwd(triton_fn).double() - ref).norm() / ref.norm().clamp_min(1e-30))
+        names = ["x0", "u", "v", "bias"] if kind == "dcnv2" else ["dense", "pooled"]
+        errors = check_against_float64(
+            f"{kind} interaction bench", reference, {"triton": triton_fn}, inputs, grad, names
+        )["triton"]
+        row["max_rel_err"], row["max_rel_err_grad"] = errors["forward"], errors["grad"]
     ms = time_interleaved(candidates, repeats, warmup, device)
     for name in CANDIDATES:
         row[f"{name}_ms"] = ms.get(name)
@@ -233,11 +237,14 @@ def run_interaction_bench(
     Returns:
         One dict per shape: kind, batch, fields, dim, dtype, precision (``float32``,
         ``tf32``, ``bfloat16`` or ``float16``), device, ``<candidate>_ms``,
-        speedups, the Triton path's relative error, on CUDA bandwidth fractions; for dcnv2
-        also layers, rank and forward TFLOP/s.
+        speedups, the Triton path's relative errors against float64 (``max_rel_err``
+        forward, ``max_rel_err_grad`` the largest gradient's), on CUDA bandwidth
+        fractions; for dcnv2 also layers, rank and forward TFLOP/s.
 
     Raises:
         ValueError: an unknown kind.
+        CandidateMismatchError: the Triton path's forward or a gradient is off by more than
+            the bound of :mod:`recaccel.bench.kernels.agreement` (checked before timing).
     """
     if kind not in KINDS:
         raise ValueError(f"interaction bench: kind must be one of {KINDS}, got {kind!r}")
