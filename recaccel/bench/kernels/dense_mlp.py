@@ -12,8 +12,9 @@ Per precision (``fp32``: strict float32; ``tf32``: float32 matmuls on tensor cor
 Then one dense optimizer step over the same parameters: Adam ``foreach`` against Adam
 ``fused`` (:func:`recaccel.train.model.optim.implementation`; CUDA only). Each row gives median
 ms, TFLOP/s (forward 2*B*sum(K*N), backward twice that), the share of the bf16 matmul rate
-measured in the same run (8192^3), and the largest relative difference of the fast path's
-output from the plain one's.
+measured in the same run (8192^3), and the largest relative differences of the fast path's
+output and gradients from the plain ones'; before timing, either beyond its bound
+(:data:`AGREEMENT`) stops the run.
 
 GPU, one command (the criteo MLPs, 13-512-256-128 and 479-1024-1024-512-256-1, B=65536)::
 
@@ -40,11 +41,14 @@ from torch import Tensor
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved
+from recaccel.errors import RecaccelError
 from recaccel.models.arches import MLP, mlp
 from recaccel.ops.tf32 import tf32
 from recaccel.train.model.optim import implementation
 
 PRECISIONS = ("fp32", "tf32", "bf16")
+# Bound on max |fast - plain| / max |plain| per output and gradient (both run the same precision).
+AGREEMENT = {"fp32": 1e-4, "tf32": 1e-2, "bf16": 5e-2}
 BOTTOM = (13, [512, 256, 128])
 TOP = (479, [1024, 1024, 512, 256, 1])
 
@@ -91,18 +95,42 @@ def mlp_flops(batch: int) -> int:
 
 def step_fn(
     mlps: list[MLP], inputs: list[Tensor], precision: str, device: torch.device
-) -> Callable[[], Tensor]:
-    """One forward + backward of both MLPs; returns the concatenated outputs (detached)."""
+) -> Callable[[], list[Tensor]]:
+    """One forward + backward of both MLPs; returns the concatenated outputs (detached), then
+    the gradients of the inputs and of every parameter."""
     params = [p for m in mlps for p in m.parameters()]
 
-    def step() -> Tensor:
+    def step() -> list[Tensor]:
         with precision_mode(precision, device):
             outs = [m(x) for m, x in zip(mlps, inputs, strict=True)]
         loss = sum(o.float().sum() for o in outs)
-        torch.autograd.grad(loss, [*inputs, *params])
-        return torch.cat([o.detach().float().flatten() for o in outs])
+        grads = torch.autograd.grad(loss, [*inputs, *params])
+        return [torch.cat([o.detach().float().flatten() for o in outs]), *grads]
 
     return step
+
+
+def check_fast_matches_plain(plain: list[Tensor], fast: list[Tensor], precision: str) -> tuple[float, float]:
+    """The fast path's outputs and gradients against the plain layers' (see :data:`AGREEMENT`).
+
+    Returns:
+        (outputs' max relative difference, the largest gradient's).
+
+    Raises:
+        RecaccelError: one line naming the output or gradient; the timing would be void.
+    """
+    bound = AGREEMENT[precision]
+    diffs = []
+    for i, (want, got) in enumerate(zip(plain, fast, strict=True)):
+        diff = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-30))
+        if not diff <= bound:  # NaN fails too
+            what = "outputs" if i == 0 else f"gradient {i} (inputs, then parameters)"
+            raise RecaccelError(
+                f"dense_mlp bench: the fast path's {what} differ from the plain layers' in {precision}: "
+                f"max |diff| / max |plain| = {diff:.3g} > {bound:g}; nothing is timed"
+            )
+        diffs.append(diff)
+    return diffs[0], max(diffs[1:], default=0.0)
 
 
 def bf16_matmul_tflops(device: torch.device, repeats: int, warmup: int) -> float | None:
@@ -124,8 +152,7 @@ def mlp_rows(args, device: torch.device, batch: int, matmul: float | None) -> li
     rows = []
     for precision in args.precision.split(","):
         steps = {name: step_fn(m, inputs, precision, device) for name, m in mlps.items()}
-        ref, got = steps["plain"](), steps["fast"]()
-        err = ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+        err, grad_err = check_fast_matches_plain(steps["plain"](), steps["fast"](), precision)
         times = time_interleaved(steps, args.repeats, args.warmup, device)
         for name, ms in times.items():
             tflops = mlp_flops(batch) / (ms * 1e-3) / 1e12
@@ -139,6 +166,7 @@ def mlp_rows(args, device: torch.device, batch: int, matmul: float | None) -> li
                     "tflops": round(tflops, 2),
                     "of_bf16_matmul": round(tflops / matmul, 3) if matmul else None,
                     "max_rel_diff": err if name == "fast" else 0.0,
+                    "max_rel_diff_grad": grad_err if name == "fast" else 0.0,
                 }
             )
     return rows
