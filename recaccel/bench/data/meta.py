@@ -28,11 +28,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved
 from recaccel.config import MetaConfig
+from recaccel.errors import RecaccelError
 from recaccel.meta import MetaLearner
 from recaccel.meta.synthetic import SyntheticTasks
 from recaccel.models.arches import DenseArch, InteractionArch, OverArch, SparseArch
@@ -42,6 +44,9 @@ from recaccel.sparse import TaskBatch
 log = logging.getLogger(__name__)
 
 ORDERS = {"first": True, "second": False}
+# Engine vs loop (float32, same math, other summation order): outer loss, outer gradients.
+LOSS_RTOL = 1e-5
+GRAD_RTOL = 1e-4
 
 
 @dataclass
@@ -184,8 +189,11 @@ def run_meta_bench(
 
     Returns:
         One dict per (engine, order): ``ms`` (median), ``tasks_per_s``, ``speedup_vs_loop``
-        (same order), ``second_over_first`` (same engine), ``peak_MiB`` and ``graph_MiB``, and
-        ``loss_diff_vs_loop`` (the outer losses agree: the candidates compute the same thing).
+        (same order), ``second_over_first`` (same engine), ``peak_MiB`` and ``graph_MiB``,
+        ``loss_diff_vs_loop`` and ``grad_diff_vs_loop`` (see :func:`check_engines_agree`).
+
+    Raises:
+        RecaccelError: an engine disagrees with the loop of its order (before anything is timed).
     """
     spec = MetaBenchSpec(
         **{
@@ -198,10 +206,7 @@ def run_meta_bench(
     )
     model, tb = build(spec)
     learners = {(e, o): _learner(model, spec, e, o) for e in engines for o in orders}
-    with torch.no_grad():
-        model.eval()  # forward only (no fused update) to check that the engines agree
-        losses = {key: float(learner.step_loss(tb)[0]) for key, learner in learners.items()}
-        model.train()
+    diffs = check_engines_agree(model, learners, tb)
     ms = time_interleaved(
         {f"{e}/{o}": (lambda lr=learner: _step(lr, tb)) for (e, o), learner in learners.items()},
         repeats,
@@ -210,7 +215,7 @@ def run_meta_bench(
     )
     rows = []
     for (e, o), learner in learners.items():
-        row = _row(spec, e, o, ms, losses)
+        row = _row(spec, e, o, ms, diffs)
         if memory:
             peak, graph = _memory(spec, learner, tb)
             row["peak_MiB"], row["graph_MiB"] = peak / 2**20, graph / 2**20
@@ -221,7 +226,59 @@ def run_meta_bench(
     return rows
 
 
-def _row(spec: MetaBenchSpec, e: str, o: str, ms: dict[str, float], losses: dict) -> dict:
+def _dense_params(model: DLRM) -> list[torch.nn.Parameter]:
+    return [p for n, p in model.named_parameters() if p.requires_grad and not n.startswith("sparse_arch.")]
+
+
+def _outer(model: DLRM, learner: MetaLearner, tb: TaskBatch) -> tuple[float, list[Tensor]]:
+    """The outer loss and its gradients w.r.t. the dense parameters, in eval mode: the packed
+    embedding's fused update (which would move the rows) is not on the path to them."""
+    params = _dense_params(model)
+    model.eval()
+    try:
+        loss = learner.step_loss(tb)[0]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        model.train()
+    return float(loss.detach()), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+
+
+def _relative(got: Tensor, want: Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def check_engines_agree(
+    model: DLRM, learners: dict[tuple[str, str], MetaLearner], tb: TaskBatch
+) -> dict[tuple[str, str], tuple[float, float]]:
+    """Every engine's outer loss and outer gradients against the loop's of the same order
+    (first and second order share the loss: only the gradients tell them apart).
+
+    Returns:
+        (engine, order) -> (|loss - loop's|, max |grad - loop's| / max |loop's| over the
+        dense parameters), where the loop of that order runs.
+
+    Raises:
+        RecaccelError: beyond :data:`LOSS_RTOL` (times max(1, |loss|)) or :data:`GRAD_RTOL`.
+    """
+    outer = {key: _outer(model, learner, tb) for key, learner in learners.items()}
+    diffs = {}
+    for (e, o), (loss, grads) in outer.items():
+        if ("loop", o) not in outer:
+            continue
+        ref_loss, ref_grads = outer["loop", o]
+        loss_diff = abs(loss - ref_loss)
+        grad_diff = max((_relative(g, r) for g, r in zip(grads, ref_grads, strict=True)), default=0.0)
+        if not (loss_diff <= LOSS_RTOL * max(1.0, abs(ref_loss)) and grad_diff <= GRAD_RTOL):
+            raise RecaccelError(
+                f"meta bench: engine {e!r} ({o} order) disagrees with the per-task loop: outer loss by "
+                f"{loss_diff:.3g} (bound {LOSS_RTOL:g} x max(1, |loss|)), outer gradients by {grad_diff:.3g} "
+                f"of their largest value (bound {GRAD_RTOL:g}); nothing is timed"
+            )
+        diffs[e, o] = (loss_diff, grad_diff)
+    return diffs
+
+
+def _row(spec: MetaBenchSpec, e: str, o: str, ms: dict[str, float], diffs: dict) -> dict:
     """One (engine, order)'s figures, against the loop of the same order and its own first order."""
     t = ms[f"{e}/{o}"]
     row = {
@@ -233,10 +290,10 @@ def _row(spec: MetaBenchSpec, e: str, o: str, ms: dict[str, float], losses: dict
         "ms": t,
         "tasks_per_s": spec.tasks / (t * 1e-3),
     }
-    if ("loop", o) in losses:
+    if (e, o) in diffs:
         row["speedup_vs_loop"] = ms[f"loop/{o}"] / t
-        row["loss_diff_vs_loop"] = abs(losses[(e, o)] - losses[("loop", o)])
-    if o == "second" and (e, "first") in losses:
+        row["loss_diff_vs_loop"], row["grad_diff_vs_loop"] = diffs[(e, o)]
+    if o == "second" and f"{e}/first" in ms:
         row["second_over_first"] = t / ms[f"{e}/first"]
     return row
 
@@ -328,7 +385,9 @@ def main(args, command_line: str) -> Path:
             "when the forward returns (the saved graph). CUDA: memory_allocated counters; CPU: "
             "torch.profiler allocation events (profile_memory=True) summed in time order."
         ),
-        "loss_diff_vs_loop: |outer loss - loop's outer loss| on the same batch (same math).",
+        "loss_diff_vs_loop: |outer loss - loop's outer loss| on the same batch (same math); "
+        "grad_diff_vs_loop: max |outer gradient - loop's| / max |loop's| over the dense parameters. "
+        f"Checked before timing (bounds {LOSS_RTOL:g} x max(1, |loss|) and {GRAD_RTOL:g}).",
         (
             f"Model: DLRM, {spec.num_fields} fields x {spec.cardinality} rows, D={spec.embedding_dim}, "
             f"{spec.num_dense} dense, bottom {spec.bottom_mlp}, top {spec.top_mlp}, {spec.embedding} "
