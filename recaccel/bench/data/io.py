@@ -54,7 +54,6 @@ from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, plot_file, write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved_samples
 from recaccel.config import SynthConfig
-from recaccel.errors import RecaccelError
 from recaccel.io.convert.group_by_task import group_by_task
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.readers.options import ReadOptions
@@ -246,20 +245,6 @@ def _rows_of(result) -> int:
     return result if isinstance(result, int) else int(result.counters["rows_read"])
 
 
-def check_whole_passes(counts: dict[str, set[int]], rows: int) -> None:
-    """Every pass of every candidate read all ``rows``: throughput is dataset rows / pass time.
-
-    Raises:
-        RecaccelError: one line naming the candidate and what its passes read.
-    """
-    for name, seen in counts.items():
-        if seen != {rows}:
-            raise RecaccelError(
-                f"io bench: candidate {name!r} read {', '.join(map(str, sorted(seen)))} rows per pass, "
-                f"the dataset has {rows}: its throughput would be wrong"
-            )
-
-
 def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
     """Times the candidates on ``path``; returns table rows and notes."""
     info = open_dataset(path)
@@ -277,7 +262,7 @@ def run_io_bench(path: Path, args) -> tuple[list[dict], list[str]]:
     load_before = os.getloadavg()[0]
     samples = time_interleaved_samples({n: timed(n) for n in cands}, args.repeats, 1, "cpu")
     load_after = os.getloadavg()[0]
-    check_whole_passes(counts, info.num_rows)
+    io_workers.check_whole_passes(counts, info.num_rows)
     memory = {} if args.no_memory else peak_memory_mib(path, args, list(cands))
     rows = info.num_rows
     med = {n: sorted(s)[len(s) // 2] / 1e3 for n, s in samples.items()}

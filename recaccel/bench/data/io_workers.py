@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from recaccel.config import TasksConfig
-from recaccel.errors import ConfigError
+from recaccel.errors import ConfigError, RecaccelError
 from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.schema import FeatureSchema, SparseField
 from recaccel.io.format.writer import DatasetWriter
@@ -116,15 +116,39 @@ def write_dataset(
     return out
 
 
-def timed_pass(batches: Callable[[], Iterable]) -> tuple[float, float]:
-    """One full pass over ``batches()``: (seconds to the first batch, seconds in all)."""
+def timed_pass(batches: Callable[[], Iterable]) -> tuple[float, float, int | None]:
+    """One full pass over ``batches()``: (seconds to the first batch, seconds in all, rows
+    read by a recaccel reader (its counters, after the clock stops); None for raw pyarrow)."""
     t0 = time.perf_counter()
     first = None
-    for _ in batches():
+    source = batches()
+    for _ in source:
         if first is None:
             first = time.perf_counter() - t0
     total = time.perf_counter() - t0
-    return (total if first is None else first), total
+    counters = getattr(source, "counters", None)
+    return (
+        (total if first is None else first),
+        total,
+        None if counters is None else int(counters["rows_read"]),
+    )
+
+
+def check_whole_passes(counts: dict, rows: int) -> None:
+    """Every pass of every candidate read all ``rows``: throughput is dataset rows / pass time.
+
+    Args:
+        counts: candidate -> the set of row counts its passes read.
+
+    Raises:
+        RecaccelError: one line naming the candidate and what its passes read.
+    """
+    for name, seen in counts.items():
+        if seen != {rows}:
+            raise RecaccelError(
+                f"io bench: candidate {name!r} read {', '.join(map(str, sorted(seen)))} rows per pass, "
+                f"the dataset has {rows}: its throughput would be wrong"
+            )
 
 
 def sweep_candidates(
@@ -291,6 +315,10 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
         samples = time_sweep(
             sweep_candidates(path, args, counts, buffer, cache), args.repeats, args.max_seconds
         )
+        read = {
+            f"{c} at {n} workers": {s[2] for s in v} for (c, n), v in samples.items() if v[0][2] is not None
+        }
+        check_whole_passes(read, info.num_rows)
         table += sweep_rows(name, info.num_rows, samples)
         notes.append(f"{_dataset_note(name, info, buffer, args.compression)}; 1-minute load average "
                      f"{load_before:.2f} before and {_load():.2f} after its passes")  # fmt: skip
