@@ -2,8 +2,8 @@
 
 The lent GPU machines have pytest but not pytest-xdist, and run serially the GPU suite
 took longer than its budget (155 s of 160 on the first H200, most of it Triton compiling
-kernels on one core). So the files that mark tests ``gpu`` are found by reading them (no
-collection of the whole suite), balanced over a few groups by their number of tests,
+kernels on one core). So the files holding GPU tests are found by reading them
+(:mod:`~recaccel.bench.gpu_check.gpu_tests`), balanced over a few groups by their number of tests,
 and each group runs as its own ``pytest -m gpu FILES`` process, all at once, under one
 deadline: the compiles spread over the cores, the tests share the GPU. A group still
 running at the deadline is killed with whatever it started, and its files are named as
@@ -13,7 +13,6 @@ lines summed into one pytest line.
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import shlex
@@ -24,79 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-GPU_MARK = re.compile(r"mark\.gpu\b")
 _COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?)\b")
 _ORDER = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "error", "warning")
-
-
-def gpu_test_files(tests: Path, root: Path) -> list[tuple[str, int]]:
-    """Every test file under ``tests`` that marks a test ``gpu`` (``pytest.mark.gpu`` in its
-    code, not in a string), with its number of GPU test functions (its weight), as paths
-    relative to ``root``, sorted. A file that does not parse weighs 1 (pytest reports it)."""
-    found = []
-    for path in sorted(tests.rglob("test_*.py")):
-        text = path.read_text(errors="replace")
-        if not GPU_MARK.search(text):
-            continue
-        weight = gpu_tests_in(text)
-        if weight:
-            found.append((path.relative_to(root).as_posix(), weight))
-    return found
-
-
-def gpu_tests_in(source: str) -> int:
-    """The test functions of a module that run under ``-m gpu``: all of them when the module
-    sets ``pytestmark`` to (a list holding) the mark, else those whose decorators hold it
-    (``@pytest.mark.gpu``, a module-level alias such as ``gpu = pytest.mark.gpu`` then
-    ``@gpu``, or ``pytest.param(..., marks=pytest.mark.gpu)`` in a parametrization), and those
-    taking a fixture of the module with a parameter so marked. Conftest fixtures are not
-    read (none marks a parameter ``gpu``; a test compares this with pytest's collection)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return 1
-    aliases: set[str] = set()
-    module_marked = False
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and _has_gpu_mark(node.value, aliases):
-            names = {t.id for t in node.targets if isinstance(t, ast.Name)}
-            module_marked |= "pytestmark" in names
-            aliases |= names - {"pytestmark"}
-    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    tests = [f for f in functions if f.name.startswith("test_")]
-    if module_marked:
-        return len(tests)
-    marked = _gpu_fixtures([f for f in functions if f not in tests], aliases)
-    return sum(
-        any(_has_gpu_mark(d, aliases) for d in t.decorator_list) or any(a.arg in marked for a in t.args.args)
-        for t in tests
-    )
-
-
-def _gpu_fixtures(functions: list[ast.FunctionDef | ast.AsyncFunctionDef], aliases: set[str]) -> set[str]:
-    """Names of the module's fixtures that give their tests the mark: a parameter marked
-    ``gpu`` (``pytest.param("cuda", marks=pytest.mark.gpu)``), or a fixture taking one."""
-    marked = {f.name for f in functions if any(_has_gpu_mark(d, aliases) for d in f.decorator_list)}
-    grew = True
-    while grew:
-        before = len(marked)
-        marked |= {f.name for f in functions if any(a.arg in marked for a in f.args.args)}
-        grew = len(marked) > before
-    return marked
-
-
-def _has_gpu_mark(node: ast.AST, aliases: set[str]) -> bool:
-    """Whether ``node`` holds a ``<...>.mark.gpu`` attribute or a name in ``aliases``."""
-    return any(
-        (
-            isinstance(n, ast.Attribute)
-            and n.attr == "gpu"
-            and isinstance(n.value, ast.Attribute)
-            and n.value.attr == "mark"
-        )
-        or (isinstance(n, ast.Name) and n.id in aliases)
-        for n in ast.walk(node)
-    )
 
 
 def balance(files: Sequence[tuple[str, int]], groups: int) -> list[list[str]]:

@@ -3,6 +3,7 @@ groups, run as pytest processes at once under one deadline, logs and counts join
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -11,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from recaccel.bench.gpu_check.gpu_tests import gpu_test_files
 from recaccel.bench.gpu_check.pytest_groups import (
     GroupResult,
     balance,
-    gpu_test_files,
     join_logs,
     run_groups,
     sum_summaries,
@@ -56,6 +57,13 @@ def test_gpu_files_are_the_ones_that_mark_a_test_gpu_weighted_by_their_tests(tmp
     )
     _write(
         tests,
+        "c/test_params.py",
+        "import pytest\nDTYPES = {'f32': 1, 'bf16': 2}\nMODES = ['a', 'b', 'c']\n@pytest.mark.gpu\n"
+        "@pytest.mark.parametrize('d', list(DTYPES))\n@pytest.mark.parametrize('m', MODES)\n"
+        "@pytest.mark.parametrize('u', unknown())\ndef test_o(d, m, u): pass\n",
+    )
+    _write(
+        tests,
         "c/test_fixture.py",
         "import pytest\n@pytest.fixture(params=['cpu', pytest.param('cuda', marks=pytest.mark.gpu)])\n"
         "def device(request): return request.param\n@pytest.fixture\ndef table(device): return device\n"
@@ -73,6 +81,7 @@ def test_gpu_files_are_the_ones_that_mark_a_test_gpu_weighted_by_their_tests(tmp
         ("tests/b/test_two.py", 2),
         ("tests/c/test_alias.py", 2),
         ("tests/c/test_fixture.py", 2),
+        ("tests/c/test_params.py", 6),  # 2 x 3 (an unknown list counts 1)
     ]
 
 
@@ -90,7 +99,8 @@ def test_balance_deals_every_file_once_into_groups_of_about_equal_weight():
 
 
 def test_the_files_read_are_the_files_pytest_collects_under_the_gpu_mark():
-    """The reading of the marks agrees with pytest's own collection of this repository."""
+    """The reading of the marks agrees with pytest's own collection of this repository:
+    the same files, and weights near the instances it collects."""
     done = subprocess.run(
         [
             sys.executable,
@@ -110,9 +120,13 @@ def test_the_files_read_are_the_files_pytest_collects_under_the_gpu_mark():
         timeout=600,
         check=False,
     )
-    collected = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
-    assert collected, done.stdout[-2000:] + done.stderr[-2000:]
-    assert {f for f, _ in gpu_test_files(REPO / "tests", REPO)} == collected
+    counts = collections.Counter(line.split("::")[0] for line in done.stdout.splitlines() if "::" in line)
+    assert counts, done.stdout[-2000:] + done.stderr[-2000:]
+    weights = dict(gpu_test_files(REPO / "tests", REPO))
+    assert set(weights) == set(counts)
+    # Weights count the instances a literal parametrization shows; a computed one counts 1.
+    assert all(1 <= weights[f] <= counts[f] for f in counts)
+    assert sum(weights.values()) >= 0.8 * sum(counts.values())
 
 
 def test_the_repositorys_gpu_suite_splits_into_four_balanced_groups():
