@@ -44,13 +44,8 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.gpu_check import report as report_files
-from recaccel.bench.gpu_check.pytest_groups import (
-    balance,
-    gpu_test_files,
-    join_logs,
-    run_groups,
-    sum_summaries,
-)
+from recaccel.bench.gpu_check.gpu_tests import gpu_test_files
+from recaccel.bench.gpu_check.pytest_groups import balance, join_logs, run_groups, sum_summaries
 from recaccel.bench.gpu_check.targets import evaluate
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.timing import measure_copy_bandwidth, time_interleaved
