@@ -14,6 +14,7 @@ import torch
 
 from recaccel.config import MetaConfig
 from recaccel.meta import MetaLearner
+from recaccel.ops.tf32 import tf32
 from tests.helpers.meta_batches import make_dlrm, make_task_batch
 
 pytestmark = pytest.mark.gpu
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def no_tf32():
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    # Through recaccel's switch: a legacy-flag read raises once the process has set torch's
+    # newer fp32_precision strings to a state the legacy flags cannot express.
+    with tf32(False):
+        yield
 
 
 def _learner(engine: str, first_order: bool, meta_sgd: bool) -> MetaLearner:

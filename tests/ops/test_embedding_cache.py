@@ -364,6 +364,9 @@ def test_gpu_prepared_on_a_side_stream_trains_like_device(optimizer):
     for step, sf in enumerate(batches):
         ready, event = ahead
         torch.cuda.current_stream().wait_event(event)
+        # Made on the side stream, used here: without this the allocator may hand its memory
+        # to a later preparation while this step's kernels still read it (the pipeline does it).
+        ready.record_stream(torch.cuda.current_stream())
         out_host = host(ready)
         if step + 1 < len(batches):
             ahead = prepare(batches[step + 1])
