@@ -3,8 +3,10 @@
 On CUDA ``torch.cuda.set_sync_debug_mode("error")`` catches a synchronization; on the CPU
 there is none to see, so :func:`host_reads` records each operation that would read a
 device value on the host (``item``, ``tolist``, ``bool``/``int``/``float``/``index`` of
-a tensor, ``nonzero``, ``unique``, ``unique_consecutive``, ``masked_select``). Host memory
-read on purpose goes through ``numpy()``, which refuses a CUDA tensor.
+a tensor, ``nonzero``, ``unique``, ``unique_consecutive``, ``masked_select``, ``bincount``,
+and ``repeat_interleave`` with tensor repeats but no ``output_size``: the last two size
+their output from device values). Host memory read on purpose goes through ``numpy()``,
+which refuses a CUDA tensor.
 """
 
 from __future__ import annotations
@@ -34,6 +36,21 @@ _READS = {
 }
 
 
+def _sizes_from_tensor_repeats(*args, **kwargs) -> bool:
+    """Whether a ``repeat_interleave`` call reads the device: tensor repeats (or the
+    one-argument form, whose input is the repeats) and no ``output_size`` to size the result."""
+    if kwargs.get("output_size") is not None:
+        return False
+    repeats = kwargs.get("repeats", args[1] if len(args) > 1 else args[0] if args else None)
+    return isinstance(repeats, torch.Tensor)
+
+
+# Reads only in some calls: (owner, name, whether a call's arguments make it read).
+_SOMETIMES = [(owner, "bincount", lambda *a, **k: True) for owner in (torch.Tensor, torch)] + [
+    (owner, "repeat_interleave", _sizes_from_tensor_repeats) for owner in (torch.Tensor, torch)
+]
+
+
 @contextlib.contextmanager
 def host_reads(
     *, main_thread_only: bool = False, depth: int = 1, ignore: tuple[str, ...] = ()
@@ -47,11 +64,14 @@ def host_reads(
             not recorded (reads of values that live on the host by design).
     """
     seen: list[str] = []
-    saved = [(owner, name, getattr(owner, name)) for owner, names in _READS.items() for name in names]
+    always = [(owner, name, lambda *a, **k: True) for owner, names in _READS.items() for name in names]
+    saved = [(owner, name, getattr(owner, name), reads) for owner, name, reads in always + _SOMETIMES]
     main = threading.main_thread()
 
-    def recorder(name, original):
+    def recorder(name, original, reads):
         def read(*args, **kwargs):
+            if not reads(*args, **kwargs):
+                return original(*args, **kwargs)
             callers = traceback.extract_stack(limit=depth + 1)[:-1][::-1]
             ignored = any(part in callers[0].filename for part in ignore)
             if not ignored and (not main_thread_only or threading.current_thread() is main):
@@ -61,10 +81,10 @@ def host_reads(
 
         return read
 
-    for owner, name, original in saved:
-        setattr(owner, name, recorder(name, original))
+    for owner, name, original, reads in saved:
+        setattr(owner, name, recorder(name, original, reads))
     try:
         yield seen
     finally:
-        for owner, name, original in saved:
+        for owner, name, original, _ in saved:
             setattr(owner, name, original)

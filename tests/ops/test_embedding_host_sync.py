@@ -90,6 +90,16 @@ def test_host_reads_records_each_kind_of_read():
     ]
 
 
+def test_host_reads_records_output_sizes_read_from_the_device():
+    """bincount and repeat_interleave by tensor repeats size their output from device values
+    on CUDA; repeats by an int or with output_size do not."""
+    t = torch.tensor([2, 0, 1])
+    with host_reads() as seen:
+        t.bincount(), torch.repeat_interleave(t), t.repeat_interleave(t)
+        t.repeat_interleave(2), torch.repeat_interleave(t, t, output_size=3)
+    assert [s.split(" at ")[0] for s in seen] == ["bincount", "repeat_interleave", "repeat_interleave"]
+
+
 @needs_triton
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 @pytest.mark.parametrize("index", [torch.int32, torch.int64])
