@@ -114,14 +114,22 @@ class SparseArch(nn.Module):
             module wrapped to that shape.
         features: the F field names in the model's order; by default the embedding's
             own (see :func:`embedding_features`).
+        autocast_output: under mixed precision, a packed embedding writes its pooled
+            output in the autocast dtype (the Triton kernels pool in float32 and round
+            once: half the bytes of the output and of its gradient). For consumers that
+            cast the pooled embeddings to that dtype anyway, as DLRM's interaction arches
+            do: the values they compute with are the same. Off: float32 output.
 
     Raises:
         ConfigError: ``features`` is not given and cannot be read off ``embedding``, or repeats.
     """
 
-    def __init__(self, embedding: nn.Module, features: list[str] | None = None) -> None:
+    def __init__(
+        self, embedding: nn.Module, features: list[str] | None = None, *, autocast_output: bool = False
+    ) -> None:
         super().__init__()
         self.embedding = embedding
+        self.autocast_output = autocast_output
         self.features = list(features) if features is not None else embedding_features(embedding)
         if len(set(self.features)) != len(self.features):
             raise ConfigError(f"SparseArch: field names repeat: {self.features}")
@@ -150,9 +158,23 @@ class SparseArch(nn.Module):
         device_type = sparse.values.device.type
         if not torch.is_autocast_enabled(device_type):
             return self.embedding(sparse.reorder(self.features))
-        # Under mixed precision the lookup and its pooled output stay float32.
+        dtype = self.pooled_dtype(device_type)
+        # Under mixed precision the lookup pools in float32 (autocast off), its output float32
+        # or, with autocast_output, the autocast dtype.
         with torch.autocast(device_type, enabled=False):
-            return self.embedding(sparse.reorder(self.features))
+            if dtype == torch.float32:
+                return self.embedding(sparse.reorder(self.features))
+            return self.embedding(sparse.reorder(self.features), out_dtype=dtype)
+
+    def pooled_dtype(self, device_type: str) -> torch.dtype:
+        """The dtype of :meth:`forward`'s output under the current autocast state: the
+        autocast dtype with ``autocast_output`` and a packed embedding, else float32."""
+        from recaccel.ops.embedding import PackedEmbeddingBag
+
+        if self.autocast_output and torch.is_autocast_enabled(device_type):
+            if isinstance(self.embedding, PackedEmbeddingBag):
+                return torch.get_autocast_dtype(device_type)
+        return torch.float32
 
 
 def embedding_features(embedding: nn.Module) -> list[str]:

@@ -122,7 +122,9 @@ def build_model(
         )
     interaction = build_interaction(model_cfg, schema.num_sparse, device)
     return DLRM(
-        sparse_arch=SparseArch(build_embedding(model_cfg, optim_cfg, schema, device)),
+        # The interaction arches cast the pooled embeddings to the autocast dtype: the lookup
+        # may write them in it.
+        sparse_arch=SparseArch(build_embedding(model_cfg, optim_cfg, schema, device), autocast_output=True),
         dense_arch=DenseArch(schema.num_dense, model_cfg.bottom_mlp),
         interaction_arch=interaction,
         over_arch=OverArch(

@@ -29,7 +29,8 @@ Layout:
 
 from recaccel.ops.embedding.backends import choose_backend, pack_backend_class
 from recaccel.ops.embedding.init_weights import init_table_weights
-from recaccel.ops.embedding.module import PackedEmbeddingBag, check_deferred_ids
+from recaccel.ops.embedding.model_checks import check_deferred_ids
+from recaccel.ops.embedding.module import PackedEmbeddingBag
 from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, PackLayout

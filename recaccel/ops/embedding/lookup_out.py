@@ -23,6 +23,8 @@ from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import Routing
 from recaccel.ops.embedding.prepared import PackBatch, PreparedSparse
 
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def check_out(out: Tensor, shape: tuple[int, int, int], device: torch.device) -> None:
     """Raises RecaccelError (one line) naming what is wrong with a lookup's ``out``.
@@ -35,8 +37,8 @@ def check_out(out: Tensor, shape: tuple[int, int, int], device: torch.device) ->
     where = "PackedEmbeddingBag.forward: out"
     if tuple(out.shape) != shape:
         raise RecaccelError(f"{where} has shape {tuple(out.shape)}, expected {shape}")
-    if out.dtype != torch.float32:
-        raise RecaccelError(f"{where} has dtype {out.dtype}, expected torch.float32")
+    if out.dtype not in OUT_DTYPES:
+        raise RecaccelError(f"{where} has dtype {out.dtype}, expected float32, bfloat16 or float16")
     if out.device != device:
         raise RecaccelError(f"{where} is on {out.device} but the batch is on {device}")
     if out.requires_grad and out.is_leaf:
@@ -54,23 +56,54 @@ def direct_pack(routing: Routing) -> int | None:
     return filled[0] if len(filled) == 1 else None
 
 
-def pack_outs(sf: PreparedSparse, out: Tensor | None, packs: Sequence[PackBackend]) -> list[Tensor | None]:
+def pack_outs(
+    sf: PreparedSparse, out: Tensor | None, packs: Sequence[PackBackend], out_dtype: torch.dtype | None = None
+) -> list[Tensor | None]:
     """Per pack, the tensor its kernel writes into: ``out`` for the pack that covers the
-    batch in order when its backend writes into a given tensor, None for the others
-    (whose results :func:`into_out` copies).
+    batch in order when its backend writes into a given tensor; with a 16-bit
+    ``out_dtype`` (and no ``out``), a new [B, F_p, D_p] tensor of that dtype for each pack
+    whose backend writes into one (the kernel pools in float32 and writes 16 bits: half
+    the output's traffic); None for the others (whose results :func:`into_out` copies, or
+    :func:`as_out_dtype` casts).
 
     Raises:
-        RecaccelError: a bad ``out`` (:func:`check_out`).
+        RecaccelError: a bad ``out`` (:func:`check_out`) or ``out_dtype``.
     """
-    direct = None
-    if out is not None:
-        routing = sf.routing
-        dim = routing.dims[0] if routing.dims else 0
-        check_out(out, (sf.batch_size, len(routing.keys), dim), sf.values.device)
-        direct = direct_pack(routing)
-        if direct is not None and not (getattr(packs[direct], "writes_out", False) and out.stride(2) == 1):
-            direct = None
+    if out_dtype is not None and out_dtype not in OUT_DTYPES:
+        raise RecaccelError(
+            f"PackedEmbeddingBag.forward: out_dtype {out_dtype} is not float32, bfloat16 or float16"
+        )
+    routing, batch_size = sf.routing, sf.batch_size
+    if out is None:
+        if out_dtype in (None, torch.float32):
+            return [None] * len(packs)
+        return [
+            torch.empty(
+                batch_size,
+                route.local.count,
+                routing.dims[route.features[0]],
+                dtype=out_dtype,
+                device=sf.values.device,
+            )
+            if getattr(pack, "writes_out", False) and route.local.count and batch_size
+            else None
+            for pack, route in zip(packs, routing.packs, strict=True)
+        ]
+    if out_dtype is not None and out_dtype != out.dtype:
+        raise RecaccelError(
+            f"PackedEmbeddingBag.forward: out_dtype {out_dtype} but out has dtype {out.dtype}"
+        )
+    dim = routing.dims[0] if routing.dims else 0
+    check_out(out, (batch_size, len(routing.keys), dim), sf.values.device)
+    direct = direct_pack(routing)
+    if direct is not None and not (getattr(packs[direct], "writes_out", False) and out.stride(2) == 1):
+        direct = None
     return [out if p == direct else None for p in range(len(packs))]
+
+
+def as_out_dtype(pooled: Tensor, out_dtype: torch.dtype | None) -> Tensor:
+    """``pooled`` in ``out_dtype`` (a cast, under autograd, where a backend pooled in float32)."""
+    return pooled if out_dtype is None or pooled.dtype == out_dtype else pooled.to(out_dtype)
 
 
 def pack_lookup(

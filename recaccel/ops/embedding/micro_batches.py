@@ -69,4 +69,7 @@ def apply_pack_gradients(sf: PreparedSparse, grad: Tensor, packs: list[PackBacke
         count = routing.packs[p].local.count
         if count == 0 or batch_size == 0:
             continue  # no lookup, hence no backward
-        packs[p].apply_gradient(held(p), sf.pack_batch(p, train=True), grad.narrow(1, starts[p], count))
+        part = grad.narrow(1, starts[p], count)
+        if part.dtype != torch.float32 and not getattr(packs[p], "writes_out", False):
+            part = part.float()  # a 16-bit pooled gradient: only the Triton update reads it as it is
+        packs[p].apply_gradient(held(p), sf.pack_batch(p, train=True), part)

@@ -28,7 +28,7 @@ from recaccel.ops.embedding.cache.options import check_host_placement
 from recaccel.ops.embedding.cache.pack import CachedPack
 from recaccel.ops.embedding.deferred_check import PendingChecks
 from recaccel.ops.embedding.init_weights import init_table_weights, rounding_seed
-from recaccel.ops.embedding.lookup_out import into_out, pack_lookup, pack_outs
+from recaccel.ops.embedding.lookup_out import as_out_dtype, into_out, pack_lookup, pack_outs
 from recaccel.ops.embedding.micro_batches import apply_pack_gradients, lookup_pack_rows
 from recaccel.ops.embedding.options import EmbeddingOptions
 from recaccel.ops.embedding.pack_backend import PackBackend, PackOptions
@@ -207,17 +207,23 @@ class PackedEmbeddingBag(nn.Module):
 
     # ----------------------------------------------------------------- lookups
 
-    def forward(self, sf: SparseFeatures, *, out: Tensor | None = None) -> Tensor:
+    def forward(
+        self, sf: SparseFeatures, *, out: Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> Tensor:
         """Pools every feature of a batch.
 
         Args:
             sf: F features of B rows (any subset of the tables' features, any order); a
                 :class:`PreparedSparse` this module prepared is looked up without being
                 prepared again (see :meth:`prepare`).
-            out: float32 [B, F, D] to write the result into (:mod:`~recaccel.ops.embedding.lookup_out`).
+            out: float32, bfloat16 or float16 [B, F, D] to write the result into
+                (:mod:`~recaccel.ops.embedding.lookup_out`).
+            out_dtype: The result's dtype: bfloat16 or float16 halve its traffic and its
+                gradient's (the Triton kernels pool in float32 and write 16 bits, rounding
+                to nearest; other backends cast); None for float32.
 
         Returns:
-            float32 [B, F, D] in ``sf.keys`` order; ``out`` itself when given.
+            [B, F, D] in ``sf.keys`` order, float32 or ``out_dtype``; ``out`` itself when given.
 
         Raises:
             ValueError: the batch's features have different dims (use
@@ -226,9 +232,9 @@ class PackedEmbeddingBag(nn.Module):
             DataError: an unknown or repeated feature.
             RecaccelError: ``out`` of the wrong shape, dtype or device, or a leaf requiring grad.
         """
-        routing, outs = self._lookup(sf, out)
+        routing, outs = self._lookup(sf, out, out_dtype)
         check_one_dim(routing, "forward")
-        return into_out(routing.to_batch_order(outs), out)
+        return into_out(as_out_dtype(routing.to_batch_order(outs), out_dtype), out)
 
     def forward_packs(self, sf: SparseFeatures) -> list[Tensor]:
         """Pools a batch pack by pack (mixed dims).
@@ -330,11 +336,14 @@ class PackedEmbeddingBag(nn.Module):
             raise ConfigError(f"{_OP}.apply_gradient: no deferred sparse update with {reason}")
         apply_pack_gradients(self._prepared(sf, training=True), grad, self._packs, self._held)
 
-    def _lookup(self, sf: SparseFeatures, out: Tensor | None = None) -> tuple[Routing, list[Tensor]]:
+    def _lookup(
+        self, sf: SparseFeatures, out: Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> tuple[Routing, list[Tensor]]:
         self._pending_checks.raise_bad(wait=False)
         train = self.training and torch.is_grad_enabled()
         sf = self._prepared(sf, training=train)
-        outs = [self._lookup_pack(p, sf, train, o) for p, o in enumerate(pack_outs(sf, out, self._packs))]
+        targets = pack_outs(sf, out, self._packs, out_dtype)
+        outs = [self._lookup_pack(p, sf, train, o) for p, o in enumerate(targets)]
         self._pending_checks.queue(sf)
         return sf.routing, outs
 
@@ -481,19 +490,3 @@ class PackedEmbeddingBag(nn.Module):
         )
         dtype = "" if self.dtype == "fp32" else f", dtype={self.dtype!r}"
         return f"backend={self.backend!r}, mode={self.mode!r}{dtype}, packs=[{packs}]"
-
-
-def check_deferred_ids(model: nn.Module) -> None:
-    """Raises the deferred bounds check's error of any batch the packed embeddings inside
-    ``model`` looked up so far (waiting for the counts: one host synchronization).
-
-    For a training loop's log steps; checkpoints (``state_dict``) and the switch to
-    evaluation (``eval()``) check by themselves. Without a :class:`PackedEmbeddingBag`
-    using the deferred check this does nothing.
-
-    Raises:
-        InvalidIdError: an id outside its table, or malformed offsets, in a looked-up batch.
-    """
-    for module in model.modules():
-        if isinstance(module, PackedEmbeddingBag):
-            module.check_ids()

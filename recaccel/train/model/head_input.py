@@ -41,7 +41,9 @@ def head_buffer(model: nn.Module, head: Callable, dense: Tensor, sparse: SparseF
     # The fused update uses the pooled gradient up inside backward() and keeps nothing (and
     # this lookup's result feeds only the head call that follows): the graph may lend it.
     lend = embedding.mode == "fused"
-    return pooled_buffer(dense, shape, torch.float32, sparse.values.device, lend_gradient=lend)
+    device = sparse.values.device
+    dtype = model.sparse_arch.pooled_dtype(device.type)  # what model.embed would return now
+    return pooled_buffer(dense, shape, dtype, device, lend_gradient=lend)
 
 
 def embed_for_head(model: nn.Module, head: Callable, dense: Tensor, sparse: SparseFeatures) -> Tensor:
@@ -52,6 +54,7 @@ def embed_for_head(model: nn.Module, head: Callable, dense: Tensor, sparse: Spar
     if buffer is None:
         return model.embed(sparse)
     arch = model.sparse_arch
-    # As SparseArch.forward: the model's field order; the lookup stays float32 under autocast.
+    # As SparseArch.forward: the model's field order, the lookup without autocast (the
+    # buffer's dtype is the output's: SparseArch.pooled_dtype).
     with torch.autocast(sparse.values.device.type, enabled=False):
         return arch.embedding(sparse.reorder(arch.features), out=buffer)

@@ -163,7 +163,8 @@ class DLRMObjective:
         return self.module.sparse_arch.embedding
 
     def embed(self, batch: Batch) -> Tensor:
-        """Pooled embeddings [B, F, D] of the batch (float32; the lookup opts out of autocast)."""
+        """Pooled embeddings [B, F, D] of the batch (pooled in float32 with autocast off; float32,
+        or the autocast dtype where the model's arches cast to it: ``SparseArch.autocast_output``)."""
         return self.module.embed(batch.sparse)
 
     def _forward(self, batch: Batch) -> Tensor:

@@ -40,9 +40,9 @@ BACKENDS = ["reference", pytest.param("triton", marks=triton_or_skip)]
 ROWS = 6
 
 
-def graphed_objective(backend: str, head=None) -> tuple[DLRMObjective, GraphedHead]:
+def graphed_objective(backend: str, head=None, **train) -> tuple[DLRMObjective, GraphedHead]:
     """A tiny DLRM objective whose head is graphed by the eager stand-in capture."""
-    objective = tiny_objective(backend)
+    objective = tiny_objective(backend, **train)
     graphed = GraphedHead(objective.module, head, capture=eager_capture)
     objective._head = graphed
     return objective, graphed
@@ -94,6 +94,21 @@ def test_buffer_path_trains_bitwise_like_the_copy_path(backend):
     # (the fused update uses it up inside backward) took its gradient without a copy.
     assert (graphed.graph.copy_ins, graphed_copy.graph.copy_ins) == (1, steps)
     assert (graphed.graph.clone_outs, graphed_copy.graph.clone_outs) == (1, steps)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_under_bf16_the_lookup_writes_the_graphs_bf16_input_bitwise_like_the_copy_path(backend):
+    """Mixed precision: the graph's pooled input is bf16 (the lookup's output dtype there),
+    the lookup writes it, and training matches the copy path bit for bit."""
+    steps = 3
+    buffered, graphed = graphed_objective(backend, precision="bf16")
+    copied, graphed_copy = graphed_objective(backend, precision="bf16")
+    copy_path(copied, graphed_copy)
+    for g, w in zip(train(buffered, steps), train(copied, steps), strict=True):
+        assert torch.equal(g, w)
+    assert_same_state(buffered.module, copied.module)
+    assert graphed.graph.static_pooled.dtype == torch.bfloat16
+    assert (graphed.graph.copy_ins, graphed_copy.graph.copy_ins) == (1, steps)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -266,7 +281,10 @@ def test_forward_into_out_without_grad(backend):
     ("out", "message"),
     [
         (torch.empty(3, 2, 5), r"out has shape \(3, 2, 5\), expected \(3, 2, 4\)"),
-        (torch.empty(3, 2, 4, dtype=torch.float64), r"out has dtype torch.float64, expected torch.float32"),
+        (
+            torch.empty(3, 2, 4, dtype=torch.float64),
+            r"out has dtype torch.float64, expected float32, bfloat16 or float16",
+        ),
         (torch.empty(3, 2, 4, device="meta"), r"out is on meta but the batch is on cpu"),
         (torch.empty(3, 2, 4, requires_grad=True), r"out is a leaf that requires grad"),
     ],

@@ -146,7 +146,7 @@ def _occurrence_tile_kernel(
     keys_ptr,  # int64 [N_p] non-decreasing: destination row of each sorted occurrence
     bags_ptr,  # int64 [N_p] bag of each sorted occurrence
     scale_ptr,  # float32 [N_p] (read only if HAS_SCALE)
-    grad_out_ptr,  # float32 [B, S, D], any strides
+    grad_out_ptr,  # float32, bfloat16 or float16 [B, S, D], any strides
     part_ptr,  # float32 [T, 2, BLOCK_D] head / tail partials
     num_occ,
     batch_size,
@@ -189,11 +189,12 @@ def _occurrence_tile_kernel(
     j = bag // batch_size
     b = bag % batch_size
     mask = valid[:, None] & col_mask[None, :]
+    # A 16-bit pooled output's gradient is read as it is (half the bytes), summed in float32.
     g = tl.load(
         grad_out_ptr + b[:, None] * stride_gb + j[:, None] * stride_gf + cols[None, :] * stride_gd,
         mask=mask,
         other=0.0,
-    )
+    ).to(tl.float32)
     if HAS_SCALE:
         g = g * tl.load(scale_ptr + occ, mask=valid, other=0.0)[:, None]
     starts = tl.broadcast_to((key != prev).to(tl.int32)[:, None], (BLOCK_OCC, BLOCK_D))
@@ -305,7 +306,8 @@ def _launch_tiles(
     num_warps = default_warps if num_warps is None else num_warps
     block_d = triton.next_power_of_2(dim)
     num_tiles = triton.cdiv(num_occ, block_occ)
-    grad_out = grad_out.to(torch.float32)
+    if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        grad_out = grad_out.to(torch.float32)
     part = torch.empty(num_tiles, 2, block_d, dtype=torch.float32, device=target.device)
     stochastic = target.dtype in (torch.bfloat16, torch.float16)
     _occurrence_tile_kernel[(num_tiles,)](
