@@ -276,8 +276,8 @@ _COMPILE = textwrap.dedent(
     INTS = ["batch_size", "row_lo", "num_rows", "long_threshold", "stride_w", "stride_ob", "stride_of"]
     ALIGNED = {"weight_ptr", "values_ptr", "offsets_ptr", "out_ptr", "stride_w", "stride_ob", "stride_of"}
 
-    def v4_loads(fn, wtype, consts, num_warps):
-        sig = {"weight_ptr": wtype, **dict(zip(PTRS, TYPES)), **{n: "i32" for n in INTS}}
+    def v4_loads(fn, wtype, consts, num_warps, otype="*fp32"):
+        sig = {"weight_ptr": wtype, **dict(zip(PTRS, TYPES)), **{n: "i32" for n in INTS}, "out_ptr": otype}
         params = list(fn.arg_names)
         signature = {p: "constexpr" if p in consts else sig[p] for p in params}
         # Strides are 16-divisible only when D is (D=100: the hints alone must vectorise).
@@ -300,10 +300,12 @@ _COMPILE = textwrap.dedent(
         (F._bag_tile_kernel, "*fp32", dict(tile, DIM=128, UNROLL=1, W_VEC=4, CHECK=True), 4, 32 * 128 * 4),
         (F._long_bag_kernel, "*fp32", dict(HAS_WEIGHTS=True, HAS_MEAN=True, DIM=128, SCAN_BAGS=128, CHUNK=32,
                                            BLOCK_D=128, W_VEC=4, CHECK=True), 4, 32 * 128 * 4),
+        # A bf16 pooled output (mixed precision): the rows still load in 16 bytes.
+        (F._bag_tile_kernel, "*fp32", dict(tile, DIM=128, UNROLL=1, W_VEC=4), 4, 32 * 128 * 4, "*bf16"),
     ]
-    for fn, wtype, consts, warps, row_bytes in cases:
+    for fn, wtype, consts, warps, row_bytes, *otype in cases:
         want = row_bytes // 16 // (32 * warps)  # every row byte in a 16-byte load
-        got = v4_loads(fn, wtype, consts, warps)
+        got = v4_loads(fn, wtype, consts, warps, *otype)
         print(fn.__name__, wtype, consts["DIM"], "v4 loads", got, "want >=", want)
         assert got >= want, (fn.__name__, wtype, consts, got, want)
     print("compiled", len(cases))
@@ -316,4 +318,4 @@ def test_kernels_compile_for_sm90_with_16_byte_row_loads(tmp_path):
     and each thread's share of the rows is loaded by ld.global.v4 (16 bytes)."""
     done = compile_in_subprocess(_COMPILE, tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    assert re.search(r"^compiled 7$", done.stdout, re.M)
+    assert re.search(r"^compiled 8$", done.stdout, re.M)
