@@ -176,3 +176,24 @@ def test_the_triton_kernel_rounds_its_16_bit_output_to_nearest_on_cuda(dtype):
     m = _module("triton", device="cuda").eval()
     sf = _batch(50, device="cuda", batch_size=512)
     assert torch.equal(m(sf, out_dtype=dtype), m(sf).to(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_lookup_rows_in_16_bits_are_the_rows_of_the_16_bit_forward(backend, dtype):
+    m = _module(backend).eval()
+    sf = m.prepare(_batch(60))
+    whole = m(sf, out_dtype=dtype)
+    parts = [m.lookup_rows(sf, lo, hi, out_dtype=dtype) for lo, hi in ((0, 2), (2, 6))]
+    assert all(p.dtype == dtype for p in parts)
+    assert torch.equal(torch.cat(parts), whole)
+
+
+@pytest.mark.parametrize(
+    ("precision", "want"), [("bf16", torch.bfloat16), ("fp32", torch.float32), ("tf32", torch.float32)]
+)
+def test_the_steps_without_a_graph_look_rows_up_in_the_dtype_embed_gives(precision, want):
+    objective = tiny_objective("reference", precision=precision)
+    assert objective.pooled_dtype(torch.device("cpu")) == want
+    objective.module.sparse_arch.autocast_output = False
+    assert objective.pooled_dtype(torch.device("cpu")) == torch.float32

@@ -20,12 +20,19 @@ Held = Callable[[int], dict[str, Tensor]]  # pack index -> the module's tensors 
 
 
 def lookup_pack_rows(
-    sf: PreparedSparse, lo: int, hi: int, packs: list[PackBackend], held: Held, plan: PackingPlan
+    sf: PreparedSparse,
+    lo: int,
+    hi: int,
+    packs: list[PackBackend],
+    held: Held,
+    plan: PackingPlan,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Pools rows ``lo .. hi-1`` of a prepared batch, pack by pack, without a graph.
 
     Returns:
-        float32 [hi-lo, F, D] in ``sf.keys`` order.
+        [hi-lo, F, D] in ``sf.keys`` order, float32 or ``out_dtype`` (16 bits written by
+        the packs whose kernels write them, cast for the others).
 
     Raises:
         ValueError: rows outside the batch, or features of different dims.
@@ -39,8 +46,14 @@ def lookup_pack_rows(
         if route.local.count == 0 or hi == lo:
             outs.append(torch.zeros(hi - lo, route.local.count, plan.packs[p].dim, device=sf.values.device))
             continue
-        outs.append(packs[p].lookup_rows(held(p), sf.pack_batch(p, train=False), lo, hi))
-    return routing.to_batch_order(outs)
+        kw = (
+            {"out_dtype": out_dtype}
+            if out_dtype is not None and getattr(packs[p], "writes_out", False)
+            else {}
+        )
+        outs.append(packs[p].lookup_rows(held(p), sf.pack_batch(p, train=False), lo, hi, **kw))
+    pooled = routing.to_batch_order(outs)
+    return pooled if out_dtype is None or pooled.dtype == out_dtype else pooled.to(out_dtype)
 
 
 def apply_pack_gradients(sf: PreparedSparse, grad: Tensor, packs: list[PackBackend], held: Held) -> None:

@@ -283,7 +283,9 @@ class PackedEmbeddingBag(nn.Module):
         """
         return self._prepare(sf, self.training)
 
-    def lookup_rows(self, sf: SparseFeatures, lo: int, hi: int) -> Tensor:
+    def lookup_rows(
+        self, sf: SparseFeatures, lo: int, hi: int, *, out_dtype: torch.dtype | None = None
+    ) -> Tensor:
         """Pools rows ``lo .. hi-1`` of a prepared batch, without a graph.
 
         For micro-batches: each micro-batch's lookup can run on a side stream while the
@@ -294,16 +296,17 @@ class PackedEmbeddingBag(nn.Module):
             sf: The batch, prepared by this module (any other batch is prepared here).
             lo: First row, ``0 <= lo <= hi <= B``.
             hi: One past the last row.
+            out_dtype: As :meth:`forward`'s.
 
         Returns:
-            float32 [hi-lo, F, D] in ``sf.keys`` order: rows ``lo:hi`` of ``forward(sf)``.
+            [hi-lo, F, D] in ``sf.keys`` order: rows ``lo:hi`` of ``forward(sf, out_dtype=out_dtype)``.
 
         Raises:
             ValueError: rows outside the batch, or features of different dims.
         """
         self._pending_checks.raise_bad(wait=False)
         sf = self._prepared(sf, training=False)
-        out = lookup_pack_rows(sf, lo, hi, self._packs, self._held, self.plan)
+        out = lookup_pack_rows(sf, lo, hi, self._packs, self._held, self.plan, out_dtype)
         self._pending_checks.queue(sf)
         return out
 

@@ -229,8 +229,11 @@ class HeldPack(ABC):
         return self.lookup_fused(anchor, self._state(held), batch, **kw)
 
     @torch.no_grad()
-    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
-        return self.pool_rows(held["weight"].detach(), batch, lo, hi)
+    def lookup_rows(
+        self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int, **out_dtype
+    ) -> Tensor:
+        """See :meth:`PackBackend.lookup_rows`; ``out_dtype=`` only where the class sets ``writes_out``."""
+        return self.pool_rows(held["weight"].detach(), batch, lo, hi, **out_dtype)
 
     def deferred_update_unsupported(self) -> str | None:
         if self.mode == "autograd":

@@ -169,10 +169,11 @@ class OverlapStep:
 
     def _rows(self, batch: Batch) -> list[Tensor]:
         """The pooled rows of the batch [B, F, D], or of each part of it, without a graph."""
+        dtype = self.objective.pooled_dtype(self.device)
         if self.parts == 1:
-            return [self.embedding.lookup_rows(batch.sparse, 0, batch.batch_size)]
+            return [self.embedding.lookup_rows(batch.sparse, 0, batch.batch_size, out_dtype=dtype)]
         return [
-            self.embedding.lookup_rows(batch.sparse, lo, hi)
+            self.embedding.lookup_rows(batch.sparse, lo, hi, out_dtype=dtype)
             for lo, hi in part_bounds(batch.batch_size, self.parts)
         ]
 

@@ -140,14 +140,15 @@ class MicroBatchStep:
     ) -> list[tuple[Tensor, torch.cuda.Event | None]]:
         """Every part's pooled rows [hi - lo, F, D] (no graph); on CUDA queued on the side
         stream, each with the event its part's dense work waits on."""
+        dtype = self.objective.pooled_dtype(self.device)
         if self._stream is None:
-            return [(embedding.lookup_rows(sparse, lo, hi), None) for lo, hi in bounds]
+            return [(embedding.lookup_rows(sparse, lo, hi, out_dtype=dtype), None) for lo, hi in bounds]
         main = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(main)  # the rows as the previous step's update left them
         out = []
         with torch.cuda.stream(self._stream):
             for lo, hi in bounds:
-                part = embedding.lookup_rows(sparse, lo, hi)
+                part = embedding.lookup_rows(sparse, lo, hi, out_dtype=dtype)
                 ready = torch.cuda.Event()
                 ready.record(self._stream)
                 out.append((part, ready))

@@ -162,6 +162,12 @@ class DLRMObjective:
         """The model's embedding module (what the micro-batch step updates once per step)."""
         return self.module.sparse_arch.embedding
 
+    def pooled_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype :meth:`embed` gives under the run's precision on ``device``: what the
+        steps that look rows up without a graph (micro-batches, overlap) ask for."""
+        with autocast(self.cfg.train.precision, device):
+            return self.module.sparse_arch.pooled_dtype(device.type)
+
     def embed(self, batch: Batch) -> Tensor:
         """Pooled embeddings [B, F, D] of the batch (pooled in float32 with autocast off; float32,
         or the autocast dtype where the model's arches cast to it: ``SparseArch.autocast_output``)."""

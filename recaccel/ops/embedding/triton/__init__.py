@@ -85,8 +85,12 @@ class TritonPack(HeldPack):
     ) -> Tensor:
         return TritonFusedEmbeddingBagFunction.apply(anchor, state, self.optim, batch, out)
 
-    def pool_rows(self, weight: Tensor, batch: PackBatch, lo: int, hi: int) -> Tensor:
-        return embedding_bag_forward_rows(weight, batch.sf, batch.local, batch.batch_size, lo, hi)
+    def pool_rows(
+        self, weight: Tensor, batch: PackBatch, lo: int, hi: int, out_dtype: torch.dtype = torch.float32
+    ) -> Tensor:
+        return embedding_bag_forward_rows(
+            weight, batch.sf, batch.local, batch.batch_size, lo, hi, out_dtype=out_dtype
+        )
 
     def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
         # What TritonFusedEmbeddingBagFunction.backward runs, on this gradient.
