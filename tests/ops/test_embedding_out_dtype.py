@@ -11,28 +11,18 @@ the float32 output does (its arches cast the pooled embeddings to bf16 anyway).
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # before the kernel module is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-
 from recaccel.errors import RecaccelError
-from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
 from recaccel.sparse import SparseFeatures
+from tests.helpers.marks import needs_triton
 from tests.helpers.ops_inputs import random_sparse_batch
 from tests.helpers.step_parts import random_batch, tiny_objective
 
 pytestmark = pytest.mark.numeric
 
-needs_triton = pytest.mark.skipif(
-    not (torch.cuda.is_available() or triton_interpret_enabled()),
-    reason="triton kernels need CUDA or TRITON_INTERPRET=1",
-)
 BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
 DTYPES = [torch.bfloat16, torch.float16]
 # Same dim, two optimizers: two packs, their outputs joined in batch order.

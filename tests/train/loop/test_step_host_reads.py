@@ -12,25 +12,15 @@ optimizers' step counters (host tensors unless capturable) are not device reads.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():  # before the kernel module is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 
 import recaccel.train.loop.trainer as trainer_module
 from recaccel.cli import train_main
-from recaccel.ops.backend import triton_interpret_enabled
 from tests.helpers.dlrm_run import overrides, set_args
 from tests.helpers.host_reads import host_reads
+from tests.helpers.marks import needs_triton
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or triton_interpret_enabled()),
-    reason="triton kernels need CUDA or TRITON_INTERPRET=1",
-)
+pytestmark = needs_triton
 
 STEPS = 6
 MARK = "step done"

@@ -9,17 +9,11 @@ TRITON_INTERPRET=1 at tiny shapes. The real graphs are checked in test_dense_hea
 from __future__ import annotations
 
 import copy
-import os
-
-import torch
-
-if not torch.cuda.is_available():  # before the kernel module is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 from recaccel.errors import RecaccelError
-from recaccel.ops.backend import triton_interpret_enabled
 from recaccel.ops.embedding import PackedEmbeddingBag, TableSpec
 from recaccel.sparse import SparseFeatures
 from recaccel.train.loop.pipeline import StepInput
@@ -28,15 +22,12 @@ from recaccel.train.model.dense_head import GraphedHead, aliases
 from recaccel.train.model.head_input import embed_for_head, head_buffer
 from recaccel.train.model.objectives import DLRMObjective
 from tests.helpers.graph_capture import eager_capture
+from tests.helpers.marks import needs_triton
 from tests.helpers.step_parts import random_batch, tiny_objective
 
 pytestmark = pytest.mark.numeric
 
-triton_or_skip = pytest.mark.skipif(
-    not (torch.cuda.is_available() or triton_interpret_enabled()),
-    reason="triton kernels need CUDA or TRITON_INTERPRET=1",
-)
-BACKENDS = ["reference", pytest.param("triton", marks=triton_or_skip)]
+BACKENDS = ["reference", pytest.param("triton", marks=needs_triton)]
 ROWS = 6
 
 
