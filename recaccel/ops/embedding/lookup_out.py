@@ -1,4 +1,4 @@
-"""A packed lookup that writes its pooled result into a caller's buffer.
+"""A packed lookup that writes its pooled result into a caller's buffer, or in 16 bits.
 
 A CUDA-graphed dense head reads its input from one static buffer; a lookup that writes
 there saves the head a copy of the whole [B, F, D] tensor per step. Where one pack's
@@ -7,6 +7,10 @@ common case) and its backend writes into a given tensor, the kernel writes into 
 directly; otherwise the result is copied into ``out`` once. Either way the returned
 tensor is ``out`` itself, carrying the lookup's autograd node, so the backward (the fused
 sparse update, or the rows' gradient) is the lookup's own.
+
+A 16-bit ``out_dtype`` (a DLRM under mixed precision) has the Triton kernels pool in
+float32 and store 16 bits, and their backward read the 16-bit gradient as it is: half
+the pooled tensor's traffic both ways. Other backends pool in float32 and are cast.
 
 Shapes: B batch, F features, D dim.
 """

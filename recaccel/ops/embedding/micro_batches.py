@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from recaccel.ops.embedding.lookup_out import as_out_dtype
 from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, check_one_dim
 from recaccel.ops.embedding.prepared import PreparedSparse
@@ -52,8 +53,7 @@ def lookup_pack_rows(
             else {}
         )
         outs.append(packs[p].lookup_rows(held(p), sf.pack_batch(p, train=False), lo, hi, **kw))
-    pooled = routing.to_batch_order(outs)
-    return pooled if out_dtype is None or pooled.dtype == out_dtype else pooled.to(out_dtype)
+    return as_out_dtype(routing.to_batch_order(outs), out_dtype)
 
 
 def apply_pack_gradients(sf: PreparedSparse, grad: Tensor, packs: list[PackBackend], held: Held) -> None:
