@@ -41,7 +41,7 @@ class Layout:
     keys: tuple[tuple[str, ...], ...]
     slots: tuple[tuple[int, torch.dtype, tuple[int, ...]] | None, ...]
     nbytes: int
-    field_counts: tuple[tuple[int, ...] | None, ...] = ()
+    field_counts: tuple[tuple[int, ...] | None, ...]
 
 
 def batch_tensors(batch: Batch | TaskBatch) -> tuple[str, list[tuple[str, ...]], list[Tensor | None]]:
@@ -113,10 +113,9 @@ def unpack(buf: Tensor, layout: Layout) -> Batch | TaskBatch:
     """Rebuilds the batch from views of ``buf`` (a uint8 buffer with the packed bytes)."""
     views = [None if slot is None else _view(buf, slot) for slot in layout.slots]
     parts = []
-    counts = layout.field_counts or (None,) * len(layout.keys)
-    for i, keys in enumerate(layout.keys):
+    for i, (keys, counts) in enumerate(zip(layout.keys, layout.field_counts, strict=True)):
         dense, labels, weights, values, offsets, sw = views[i * _BATCH_SLOTS : (i + 1) * _BATCH_SLOTS]
-        sparse = SparseFeatures(list(keys), values, offsets, sw).remember_field_counts(counts[i])
+        sparse = SparseFeatures(list(keys), values, offsets, sw).remember_field_counts(counts)
         parts.append(Batch(dense, sparse, labels, weights))
     if layout.kind == "batch":
         return parts[0]

@@ -149,22 +149,29 @@ class SparseArch(nn.Module):
             return self.embedding.prepare(ordered)
         return ordered
 
-    def forward(self, sparse: SparseFeatures) -> Tensor:
-        """Returns [B, F, D], fields in :attr:`features` order.
+    def forward(self, sparse: SparseFeatures, *, out: Tensor | None = None) -> Tensor:
+        """Returns [B, F, D], fields in :attr:`features` order (in :meth:`pooled_dtype`).
+
+        Args:
+            sparse: The batch.
+            out: A packed embedding's buffer of that shape and dtype to write into (a
+                CUDA-graphed head's input), returned.
 
         Raises:
             DataError: the batch lacks a field of the model or has one the model does not know.
         """
         device_type = sparse.values.device.type
-        if not torch.is_autocast_enabled(device_type):
-            return self.embedding(sparse.reorder(self.features))
         dtype = self.pooled_dtype(device_type)
+        options = {} if out is None else {"out": out}
+        if out is None and dtype != torch.float32:
+            options["out_dtype"] = dtype
+        ordered = sparse.reorder(self.features)
+        if not torch.is_autocast_enabled(device_type):
+            return self.embedding(ordered, **options)
         # Under mixed precision the lookup pools in float32 (autocast off), its output float32
         # or, with autocast_output, the autocast dtype.
         with torch.autocast(device_type, enabled=False):
-            if dtype == torch.float32:
-                return self.embedding(sparse.reorder(self.features))
-            return self.embedding(sparse.reorder(self.features), out_dtype=dtype)
+            return self.embedding(ordered, **options)
 
     def pooled_dtype(self, device_type: str) -> torch.dtype:
         """The dtype of :meth:`forward`'s output under the current autocast state: the

@@ -143,13 +143,20 @@ class SparseFeatures:
         self.__dict__["_field_counts"] = counts
         return self
 
-    def count_fields_on_host(self) -> tuple[int, ...] | None:
-        """Each field's number of ids, counted from offsets in host memory (CPU), or None
-        when the offsets are elsewhere or malformed (not a valid CSR: a lookup's bounds
-        check then reports them, and the counts of the CSR it reads may differ).
+    def with_tensors(self, values: Tensor, offsets: Tensor | None, weights: Tensor | None) -> SparseFeatures:
+        """The same fields and bags held in other tensors (another dtype, made offsets, a
+        clamp that leaves valid offsets as they are): a new batch that keeps
+        :attr:`known_field_counts`."""
+        made = SparseFeatures(self.keys, values, offsets, weights)
+        known = self.known_field_counts
+        if known is not None and offsets is not None:
+            made.__dict__["_field_counts"] = known  # same bags, same counts: checked once
+        return made
 
-        One pass over the offsets: for the loader's thread, before the batch is copied.
-        """
+    def count_fields_on_host(self) -> tuple[int, ...] | None:
+        """Each field's number of ids, counted from offsets in host memory (CPU; one pass,
+        on the loader's thread), or None when the offsets are elsewhere or malformed (not
+        a valid CSR: a lookup's bounds check then reports them)."""
         known = self.known_field_counts
         if known is not None:
             return known
@@ -284,7 +291,10 @@ class SparseFeatures:
         # All fields reordered, or their counts known: no host sync for the id count.
         known = self.known_field_counts
         moved = None if known is None else tuple(known[i] for i in src)
-        n = self.values.numel() if len(src) == f else sum(moved) if moved is not None else int(counts.sum())
+        if moved is not None:
+            n = sum(moved)
+        else:
+            n = self.values.numel() if len(src) == f else int(counts.sum())
         index = runs_index(first, counts, n)
         lengths = self.lengths().long().view(f, b).index_select(0, pick).reshape(-1)
         weights = None if self.weights is None else self.weights[index]

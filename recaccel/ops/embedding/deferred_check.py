@@ -72,9 +72,7 @@ def defer_batch_check(sf: SparseFeatures) -> tuple[SparseFeatures, Tensor]:
     safe[0] = 0
     safe[-1] = n
     # Known field counts were counted from a valid CSR (which the clamp leaves as it is).
-    return SparseFeatures(sf.keys, values, safe, sf.weights).remember_field_counts(
-        sf.known_field_counts
-    ), counter
+    return sf.with_tensors(values, safe, sf.weights), counter
 
 
 class PendingChecks:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch import Tensor
 
+from recaccel.ops.embedding.lookup_out import as_out_dtype
 from recaccel.ops.embedding.packing import PackLayout, gather_pack_ids
 from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.specs import OPTIMIZER_STATES, OPTIMIZERS, SparseOptimConfig, TableSpec
@@ -203,11 +204,18 @@ class FbgemmPack:
             return out
         return out.index_select(1, route.slot_of_local)
 
-    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
+    def lookup_rows(
+        self,
+        held: Mapping[str, Tensor],
+        batch: PackBatch,
+        lo: int,
+        hi: int,
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
         """Rows ``lo:hi`` of :meth:`lookup`, without a graph: the TBE looks up those rows of
-        the batch (one host synchronization to cut them out)."""
+        the batch (one host synchronization to cut them out), cast to ``out_dtype``."""
         rows = PackBatch(batch.sf.slice_rows(lo, hi), batch.route, hi - lo, train=False)
-        return self.lookup(held, rows)
+        return as_out_dtype(self.lookup(held, rows), out_dtype)
 
     def deferred_update_unsupported(self) -> str | None:
         return (

@@ -10,7 +10,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from recaccel.ops.embedding.lookup_out import as_out_dtype
 from recaccel.ops.embedding.pack_backend import PackBackend
 from recaccel.ops.embedding.packing import PackingPlan, check_one_dim
 from recaccel.ops.embedding.prepared import PreparedSparse
@@ -32,8 +31,8 @@ def lookup_pack_rows(
     """Pools rows ``lo .. hi-1`` of a prepared batch, pack by pack, without a graph.
 
     Returns:
-        [hi-lo, F, D] in ``sf.keys`` order, float32 or ``out_dtype`` (16 bits written by
-        the packs whose kernels write them, cast for the others).
+        [hi-lo, F, D] in ``sf.keys`` order, float32 or ``out_dtype`` (each pack's kernel
+        writes it, or its backend casts).
 
     Raises:
         ValueError: rows outside the batch, or features of different dims.
@@ -45,15 +44,11 @@ def lookup_pack_rows(
     outs = []
     for p, route in enumerate(routing.packs):
         if route.local.count == 0 or hi == lo:
-            outs.append(torch.zeros(hi - lo, route.local.count, plan.packs[p].dim, device=sf.values.device))
+            shape, dtype = (hi - lo, route.local.count, plan.packs[p].dim), out_dtype or torch.float32
+            outs.append(torch.zeros(shape, dtype=dtype, device=sf.values.device))
             continue
-        kw = (
-            {"out_dtype": out_dtype}
-            if out_dtype is not None and getattr(packs[p], "writes_out", False)
-            else {}
-        )
-        outs.append(packs[p].lookup_rows(held(p), sf.pack_batch(p, train=False), lo, hi, **kw))
-    return as_out_dtype(routing.to_batch_order(outs), out_dtype)
+        outs.append(packs[p].lookup_rows(held(p), sf.pack_batch(p, train=False), lo, hi, out_dtype))
+    return routing.to_batch_order(outs)
 
 
 def apply_pack_gradients(sf: PreparedSparse, grad: Tensor, packs: list[PackBackend], held: Held) -> None:
@@ -82,7 +77,4 @@ def apply_pack_gradients(sf: PreparedSparse, grad: Tensor, packs: list[PackBacke
         count = routing.packs[p].local.count
         if count == 0 or batch_size == 0:
             continue  # no lookup, hence no backward
-        part = grad.narrow(1, starts[p], count)
-        if part.dtype != torch.float32 and not getattr(packs[p], "writes_out", False):
-            part = part.float()  # a 16-bit pooled gradient: only the Triton update reads it as it is
-        packs[p].apply_gradient(held(p), sf.pack_batch(p, train=True), part)
+        packs[p].apply_gradient(held(p), sf.pack_batch(p, train=True), grad.narrow(1, starts[p], count))

@@ -127,9 +127,9 @@ class PackBackend(Protocol):
     def lookup(self, held: Mapping[str, Tensor], batch: PackBatch) -> Tensor:
         """Pools the pack's features of a batch.
 
-        A pack whose class sets ``writes_out = True`` also takes ``out=``: float32
-        [B, F_p, D] (checked by the caller) that the kernel writes into and returns,
-        carrying the lookup's autograd node.
+        A pack whose class sets ``writes_out = True`` also takes ``out=``: [B, F_p, D] of
+        float32 or a 16-bit dtype (checked by the caller) that the kernel writes into and
+        returns, carrying the lookup's autograd node.
 
         Args:
             held: The module's tensors of this pack, by name.
@@ -141,11 +141,19 @@ class PackBackend(Protocol):
             float32 [B, F_p, D] in the batch's feature order.
         """
 
-    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
+    def lookup_rows(
+        self,
+        held: Mapping[str, Tensor],
+        batch: PackBatch,
+        lo: int,
+        hi: int,
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
         """Pools rows ``lo .. hi-1`` of a prepared batch, without a graph (``0 <= lo < hi <= B``).
 
         Returns:
-            float32 [hi-lo, F_p, D]: rows ``lo:hi`` of :meth:`lookup`'s result.
+            [hi-lo, F_p, D]: rows ``lo:hi`` of :meth:`lookup`'s result, in ``out_dtype``
+            when given (a 16-bit dtype: written in 16 bits, or cast).
         """
 
     def deferred_update_unsupported(self) -> str | None:
@@ -157,7 +165,8 @@ class PackBackend(Protocol):
         Args:
             held: The module's tensors of this pack, by name.
             batch: The batch, its preparation made for training.
-            grad: [B, F_p, D] gradient of the pack's pooled output.
+            grad: [B, F_p, D] gradient of the pack's pooled output, in the dtype
+                :meth:`lookup_rows` gave it (float32 or 16 bits).
         """
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
@@ -230,10 +239,14 @@ class HeldPack(ABC):
 
     @torch.no_grad()
     def lookup_rows(
-        self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int, **out_dtype
+        self,
+        held: Mapping[str, Tensor],
+        batch: PackBatch,
+        lo: int,
+        hi: int,
+        out_dtype: torch.dtype | None = None,
     ) -> Tensor:
-        """See :meth:`PackBackend.lookup_rows`; ``out_dtype=`` only where the class sets ``writes_out``."""
-        return self.pool_rows(held["weight"].detach(), batch, lo, hi, **out_dtype)
+        return self.pool_rows(held["weight"].detach(), batch, lo, hi, out_dtype)
 
     def deferred_update_unsupported(self) -> str | None:
         if self.mode == "autograd":
@@ -260,15 +273,17 @@ class HeldPack(ABC):
         (``anchor``: an empty tensor that requires grad)."""
 
     @abstractmethod
-    def pool_rows(self, weight: Tensor, batch: PackBatch, lo: int, hi: int) -> Tensor:
-        """Rows ``lo:hi`` of the pooled batch: float32 [hi-lo, S, D], ``weight`` [R, D]
-        detached, no graph."""
+    def pool_rows(
+        self, weight: Tensor, batch: PackBatch, lo: int, hi: int, out_dtype: torch.dtype | None
+    ) -> Tensor:
+        """Rows ``lo:hi`` of the pooled batch: [hi-lo, S, D] (float32, or ``out_dtype``),
+        ``weight`` [R, D] detached, no graph."""
 
     @abstractmethod
     def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
         """Fused mode: the sparse update of one batch's output gradient ``grad`` [B, S, D]
-        (the body of the fused backward, which :meth:`apply_gradient` runs too);
-        ``batch.prepared`` was made for training."""
+        (the body of the fused backward, which :meth:`apply_gradient` runs too; float32, or
+        16 bits after a 16-bit :meth:`pool_rows`); ``batch.prepared`` was made for training."""
 
     def _optimizer_states(self, held: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return {name: held[name] for name, _ in OPTIMIZER_STATES[self.layout.optimizer]}

@@ -47,12 +47,11 @@ def as_kernel_input(sf: SparseFeatures) -> SparseFeatures:
     if sf.one_hot:
         # Never read sf.offsets (an int64 arange made on first read): the kernels' CSR is
         # made here in the ids' dtype, so int32 ids keep int32 offsets all the way.
-        made = SparseFeatures(sf.keys, values, one_hot_offsets(values), weights)
-        return made.remember_field_counts(sf.known_field_counts)
+        return sf.with_tensors(values, one_hot_offsets(values), weights)
     offsets = _index_tensor(sf.offsets)
     if values is sf.values and offsets is sf.offsets and weights is sf.weights:
         return sf
-    return SparseFeatures(sf.keys, values, offsets, weights).remember_field_counts(sf.known_field_counts)
+    return sf.with_tensors(values, offsets, weights)
 
 
 def one_hot_offsets(values: Tensor) -> Tensor:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recaccel.ops.embedding.lookup_out import as_out_dtype
 from recaccel.ops.embedding.optimizers import PackState, rows_per_piece, update_rows
 from recaccel.ops.embedding.pack_backend import HeldPack
 from recaccel.ops.embedding.packing import PackIds, slice_pack_ids
@@ -185,10 +186,14 @@ class ReferencePack(HeldPack):
     def lookup_fused(self, anchor: Tensor, state: PackState, batch: PackBatch) -> Tensor:
         return ReferenceFusedLookup.apply(anchor, state, self.optim, batch)
 
-    def pool_rows(self, weight: Tensor, batch: PackBatch, lo: int, hi: int) -> Tensor:
+    def pool_rows(
+        self, weight: Tensor, batch: PackBatch, lo: int, hi: int, out_dtype: torch.dtype | None
+    ) -> Tensor:
         count = batch.local.count
         ids = slice_pack_ids(batch.prepared.ids, batch.batch_size, count, lo, hi)
-        return reference_lookup(weight, ids, hi - lo, count)
+        return as_out_dtype(reference_lookup(weight, ids, hi - lo, count), out_dtype)
 
     def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
+        if grad.dtype in (torch.bfloat16, torch.float16):
+            grad = grad.float()  # a 16-bit output's gradient, read as autograd's cast back would
         fused_backward(state, self.optim, grad, batch.prepared)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import Tensor, nn
 
 from recaccel.models.dlrm import DLRM
@@ -53,8 +52,4 @@ def embed_for_head(model: nn.Module, head: Callable, dense: Tensor, sparse: Spar
     buffer = head_buffer(model, head, dense, sparse)
     if buffer is None:
         return model.embed(sparse)
-    arch = model.sparse_arch
-    # As SparseArch.forward: the model's field order, the lookup without autocast (the
-    # buffer's dtype is the output's: SparseArch.pooled_dtype).
-    with torch.autocast(sparse.values.device.type, enabled=False):
-        return arch.embedding(sparse.reorder(arch.features), out=buffer)
+    return model.sparse_arch(sparse, out=buffer)  # DLRM.embed, into the buffer

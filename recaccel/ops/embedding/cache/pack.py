@@ -210,11 +210,18 @@ class CachedPack:
         self._used()
         return out
 
-    def lookup_rows(self, held: Mapping[str, Tensor], batch: PackBatch, lo: int, hi: int) -> Tensor:
+    def lookup_rows(
+        self,
+        held: Mapping[str, Tensor],
+        batch: PackBatch,
+        lo: int,
+        hi: int,
+        out_dtype: torch.dtype | None = None,
+    ) -> Tensor:
         prepared = batch.prepared
         train = isinstance(prepared, CachedPrepared) and prepared.train
         ready = self._usable(dataclasses.replace(batch, train=train))
-        out = self.inner.lookup_rows(self.cache, ready.inner_batch(False), lo, hi)
+        out = self.inner.lookup_rows(self.cache, ready.inner_batch(False), lo, hi, out_dtype)
         self._used()
         return out
 

@@ -52,6 +52,8 @@ class TritonPack(HeldPack):
     is prepared: the ids with their bags and their grouping by row, for the backward.
     """
 
+    writes_out = True
+
     @classmethod
     def create(
         cls, layout: PackLayout, weights: list[Tensor], options: PackOptions, device: torch.device
@@ -72,8 +74,6 @@ class TritonPack(HeldPack):
         groups = batch.group(ids.rows, self.layout.num_rows, unique=self.mode == "autograd")
         return PreparedPack(ids, groups)
 
-    writes_out = True
-
     def lookup_autograd(self, weight: Tensor, batch: PackBatch, out: Tensor | None = None) -> Tensor:
         return TritonEmbeddingBagFunction.apply(weight, batch, self.sparse_grad, out)
 
@@ -86,10 +86,11 @@ class TritonPack(HeldPack):
         return TritonFusedEmbeddingBagFunction.apply(anchor, state, self.optim, batch, out)
 
     def pool_rows(
-        self, weight: Tensor, batch: PackBatch, lo: int, hi: int, out_dtype: torch.dtype = torch.float32
+        self, weight: Tensor, batch: PackBatch, lo: int, hi: int, out_dtype: torch.dtype | None
     ) -> Tensor:
+        dtype = torch.float32 if out_dtype is None else out_dtype  # the kernel stores it
         return embedding_bag_forward_rows(
-            weight, batch.sf, batch.local, batch.batch_size, lo, hi, out_dtype=out_dtype
+            weight, batch.sf, batch.local, batch.batch_size, lo, hi, out_dtype=dtype
         )
 
     def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
