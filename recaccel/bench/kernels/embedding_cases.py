@@ -289,7 +289,8 @@ def check_candidates(
     1. Forward on batch 0 equals the reference's (``torch.testing.assert_close``).
     2. One train step on batch 0, then forward on batch 0 (which reads every updated row)
        and on the last batch: equal for candidates whose update rule is the reference's
-       (the per-table baseline with element-wise Adagrad is not). The step's output gradient is positive (``|G| + 0.5``) so that
+       (the per-table baseline with element-wise Adagrad is not). The step's output
+       gradient is positive (``|G| + 0.5``) so that
        the gradients of a row's duplicates cannot cancel: Adam's first step moves each
        element by about ``lr * g / |g|``, which turns the rounding of a near-zero sum
        (summation order differs between implementations) into a visible difference.

@@ -15,6 +15,7 @@ from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import BatchReader, ReadOptions
+from tests.helpers.reader_resume import position_after, rest_from
 from tests.helpers.row_data import make_columns, make_schema, skipping_dataset
 from tests.helpers.same_batches import assert_same_batches
 
@@ -80,13 +81,7 @@ def test_a_column_subset_of_a_cache_that_dropped_rows_is_refused_in_one_line(cac
 
 def test_a_parquet_read_position_resumes_on_the_cache_mid_epoch(source, cache):
     full = list(reader(source))
-    it = reader(source).iter_with_state()
-    for _ in range(5):
-        _, state = next(it)
-    it.close()
-    resumed = reader(cache, 2)
-    resumed.load_state_dict(state)
-    rest = list(resumed.iter_with_state())
+    rest = rest_from(reader(cache, 2), position_after(reader(source), 5))
     assert_same_batches(full[5:], [b for b, _ in rest])
     assert rest[-1][1]["counters"] == list(reader(source).iter_with_state())[-1][1]["counters"]
 

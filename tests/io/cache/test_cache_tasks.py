@@ -19,6 +19,7 @@ from recaccel.io.format.cache.build import build_cache
 from recaccel.io.format.decode import Policies
 from recaccel.io.format.writer import write_parquet
 from recaccel.io.readers import ReadOptions, TaskReader
+from tests.helpers.reader_resume import position_after, rest_from
 from tests.helpers.same_batches import assert_same_batches
 from tests.helpers.task_data import task_columns, task_schema, tasks_config
 
@@ -76,13 +77,7 @@ def test_batches_per_epoch_from_the_cache_equal_the_parquet_count(source, cache,
 
 def test_a_parquet_read_task_position_resumes_on_the_cache_mid_epoch(source, cache):
     full = list(reader(source).iter_with_state())
-    it = reader(source).iter_with_state()
-    for _ in range(4):
-        _, state = next(it)
-    it.close()
-    resumed = reader(cache, 2)
-    resumed.load_state_dict(state)
-    rest = list(resumed.iter_with_state())
+    rest = rest_from(reader(cache, 2), position_after(reader(source), 4))
     assert_same_batches([b for b, _ in full[4:]], [b for b, _ in rest])
     # Decode counters count the row groups the resumed window decodes again; the rest agree.
     work = ("rows_read", "row_groups_read", "max_buffered_rows")
