@@ -12,8 +12,8 @@ Zipf hot rows), most important first, it builds the seeded batch, runs the kerne
 default config (its heuristic, :func:`~recaccel.ops.embedding.triton.forward.forward_config`
 / :func:`~recaccel.ops.embedding.triton.backward.tile_config` without a device), compiles
 every candidate config at once on a thread pool (:func:`precompile`, CUDA only), then for
-each candidate config: its output checked against the default's (a config whose output differs, or that fails to compile, is dropped, not
-timed), and the launch alone timed with ``triton.testing.do_bench``. Figures are GB/s
+each candidate config: its output checked against the default's (a config whose output
+differs, or that fails to compile, is dropped, not timed), and the launch alone timed with ``triton.testing.do_bench``. Figures are GB/s
 in the embedding benchmark's byte accounting and % of the device-to-device copy bandwidth
 measured in the same run. The JSON is rewritten after every case, so a run cut short keeps
 what it measured; when the budget runs out, the case in progress stops timing and the
