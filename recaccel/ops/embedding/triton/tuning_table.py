@@ -3,4 +3,22 @@
 Read by :mod:`recaccel.ops.embedding.triton.tuning`; regenerate rather than edit.
 """
 
-TABLE = {}
+TABLE = {
+    "NVIDIA H200": {
+        "bwd_D128_bfloat16": {"block_occ": 8, "num_warps": 4},
+        "bwd_D128_float32": {"block_occ": 8, "num_warps": 2},
+        "bwd_D16_float32": {"block_occ": 128, "num_warps": 4},
+        "bwd_D256_float32": {"block_occ": 8, "num_warps": 8},
+        "bwd_D32_float32": {"block_occ": 64, "num_warps": 2},
+        "bwd_D64_float32": {"block_occ": 16, "num_warps": 2},
+        "fwd_D128_L1_bfloat16": {"block_bags": 16, "long_threshold": 64, "num_warps": 4, "unroll": 1},
+        "fwd_D128_L1_float32": {"block_bags": 16, "long_threshold": 64, "num_warps": 8, "unroll": 1},
+        "fwd_D128_L32_bfloat16": {"block_bags": 16, "long_threshold": 256, "num_warps": 4, "unroll": 2},
+        "fwd_D128_L32_float32": {"block_bags": 16, "long_threshold": 256, "num_warps": 8, "unroll": 2},
+        "fwd_D16_L32_float32": {"block_bags": 32, "long_threshold": 256, "num_warps": 4, "unroll": 4},
+        "fwd_D256_L32_float32": {"block_bags": 16, "long_threshold": 256, "num_warps": 8, "unroll": 1},
+        "fwd_D32_L1_float32": {"block_bags": 64, "long_threshold": 64, "num_warps": 2, "unroll": 1},
+        "fwd_D32_L32_float32": {"block_bags": 16, "long_threshold": 256, "num_warps": 4, "unroll": 4},
+        "fwd_D64_L32_float32": {"block_bags": 16, "long_threshold": 256, "num_warps": 4, "unroll": 2},
+    }
+}
