@@ -342,18 +342,21 @@ def test_cache_options_are_checked():
 # --------------------------------------------------------------------------------- GPU
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
-def test_gpu_prepared_on_a_side_stream_trains_like_device(optimizer):
-    """Batches prepared on a side stream (as the pipeline does), one ahead; the copy stream's
-    fetches and write-backs must be ordered against the step on the main stream."""
-    cuda = torch.device("cuda")
-    device = _module(_tables(optimizer, "device", (400, 300)), backend="auto", device=cuda)
-    host = _module(_tables(optimizer, "host", (400, 300)), backend="auto", device=cuda, rows=120, window=2)
-    side = torch.cuda.Stream()
-    batches = [_batch(device.tables, seed=500 + s, batch_size=16, max_len=4, device=cuda) for s in range(8)]
+def _train_prepared_one_ahead(optimizer: str, device: torch.device) -> None:
+    """Trains a host-table module on batches prepared one ahead (as the pipeline does; on
+    CUDA on a side stream) and a device-table module on the same batches: equal outputs
+    each step, close state at the end, and rows evicted on the way."""
+    on_cuda = device.type == "cuda"
+    dev = _module(_tables(optimizer, "device", (400, 300)), backend="auto", device=device)
+    # 200 rows: a batch's unique rows (up to ~80) and the prepared batch ahead's stay locked
+    # together; 8 batches touch ~400 of the 700 rows, so rows are still evicted.
+    host = _module(_tables(optimizer, "host", (400, 300)), backend="auto", device=device, rows=200, window=2)
+    side = torch.cuda.Stream() if on_cuda else None
+    batches = [_batch(dev.tables, seed=500 + s, batch_size=16, max_len=4, device=device) for s in range(8)]
 
     def prepare(sf):
+        if not on_cuda:
+            return host.prepare(sf), None
         with torch.cuda.stream(side):
             ready = host.prepare(sf)
             event = torch.cuda.Event()
@@ -363,17 +366,31 @@ def test_gpu_prepared_on_a_side_stream_trains_like_device(optimizer):
     ahead = prepare(batches[0])
     for step, sf in enumerate(batches):
         ready, event = ahead
-        torch.cuda.current_stream().wait_event(event)
-        # Made on the side stream, used here: without this the allocator may hand its memory
-        # to a later preparation while this step's kernels still read it (the pipeline does it).
-        ready.record_stream(torch.cuda.current_stream())
+        if on_cuda:
+            torch.cuda.current_stream().wait_event(event)
+            # Made on the side stream, used here: without this the allocator may hand its
+            # memory to a later preparation while this step's kernels still read it.
+            ready.record_stream(torch.cuda.current_stream())
         out_host = host(ready)
         if step + 1 < len(batches):
             ahead = prepare(batches[step + 1])
-        out_dev = device(sf)
+        out_dev = dev(sf)
         torch.testing.assert_close(out_host, out_dev)
-        g = _grad(out_dev.shape, step, cuda)
+        g = _grad(out_dev.shape, step, device)
         out_host.backward(g)
         out_dev.backward(g)
     assert host.cache_stats()["cache_rows_evicted"] > 0
-    _assert_same_state(host, device, exact=False)
+    _assert_same_state(host, dev, exact=False)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_prepared_one_ahead_trains_like_device(optimizer):
+    _train_prepared_one_ahead(optimizer, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
+def test_gpu_prepared_on_a_side_stream_trains_like_device(optimizer):
+    """The copy stream's fetches and write-backs must be ordered against the step on the
+    main stream."""
+    _train_prepared_one_ahead(optimizer, torch.device("cuda"))
