@@ -136,6 +136,8 @@ def test_a_cuda_run_resumes_a_cpu_state_in_the_fused_implementation():
     cpu_opt = build_dense_optimizer(model, cfg)
     cpu_opt.load_state_dict(saved)
     for m, o, xi in ((model, cpu_opt, x), (cuda_model, opt, x.cuda())):
+        # deepcopy left the copy without the last training step's gradients: start both at none.
+        o.zero_grad()
         m(xi).sum().backward()
         o.step()
     for a, b in zip(model.parameters(), cuda_model.parameters(), strict=True):
