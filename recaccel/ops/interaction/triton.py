@@ -41,14 +41,19 @@ Whether kernels are interpreted is fixed when this module is imported: set
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
 from recaccel.ops.backend import check_triton_launchable
+from recaccel.ops.interaction.launch_plan import (
+    KernelConfig,
+    check_config,
+    dot_precision,
+    launch_plan,
+    row_tile,
+)
 from recaccel.ops.interaction.reference import (
     TRITON_DTYPES,
     check_interaction_input,
@@ -60,57 +65,6 @@ from recaccel.ops.interaction.reference import (
 from recaccel.ops.tf32 import tf32_enabled
 
 _OP = "dot_interaction"
-ONE_TILE_MAX_ROWS = 64  # up to here one row tile holds all R rows; beyond, the tile-pair grid
-
-
-def dot_precision(dtype: torch.dtype, *, on_cuda: bool, allow_tf32: bool) -> str:
-    """How the interaction's ``tl.dot`` multiplies operands of ``dtype``.
-
-    Args:
-        dtype: Input dtype (float32, bfloat16 or float16).
-        on_cuda: True when the kernels run compiled on a GPU, False under the interpreter.
-        allow_tf32: torch's TF32 switch (:func:`recaccel.ops.tf32.tf32_enabled`).
-
-    Returns:
-        ``"native"`` (16-bit tensor-core products, exact in the float32 accumulator),
-        ``"tf32"``, ``"tf32x3"`` (three TF32 products: float32 accuracy on tensor cores) or,
-        off CUDA only, ``"ieee"`` (what the interpreter runs). Never ``"ieee"`` on CUDA.
-    """
-    if not on_cuda:
-        return "ieee"
-    if dtype != torch.float32:
-        return "native"
-    return "tf32" if allow_tf32 else "tf32x3"
-
-
-class _Plan(NamedTuple):
-    """Compile-time shape of one launch (see :func:`_plan`)."""
-
-    bt: int  # row tile
-    nt: int  # row tiles
-    block_b: int  # batch rows per program
-    bd_fwd: int  # column chunk of the forward
-    bd_bwd: int  # column chunk of the backward (its grid covers the chunks)
-    warps_fwd: int
-    warps_bwd: int
-
-
-def _plan(num_rows: int, dim: int) -> _Plan:
-    """Tile sizes for R rows of dim D: register tiles of at most 4096 elements per operand.
-
-    Checked with ``../shared/tools/sm90_report.py`` for R=27, D=128 (sm_90, 4 warps): the
-    forward issues ``mma`` with no spills in every mode; the backward at BLOCK_B=2, BD=64
-    has no spills even in tf32x3 (BD=128 spilled 112 bytes there). R=501, D=32 (64-row
-    tiles): 8 warps, no spills in the backward; the tf32x3 forward spills 84 bytes (4 warps:
-    120). Not yet timed on a GPU.
-    """
-    one_tile = num_rows <= ONE_TILE_MAX_ROWS
-    bt = max(16, triton.next_power_of_2(num_rows)) if one_tile else 64
-    bd = min(max(16, triton.next_power_of_2(dim)), 64)
-    block_b = max(1, min(8, 4096 // (bt * bd))) if one_tile else 1
-    warps_fwd = 4 if one_tile and block_b * bt * max(bt, bd) <= 4096 else 8
-    warps_bwd = 4 if one_tile and block_b * bt * bd <= 4096 else 8
-    return _Plan(bt, triton.cdiv(num_rows, bt), block_b, bd, bd, warps_fwd, warps_bwd)
 
 
 @triton.jit
@@ -274,41 +228,70 @@ def _check_dtype(dense: Tensor) -> None:
 
 
 def _forward(dense: Tensor, pooled: Tensor, pad: bool) -> Tensor:
+    plan = launch_plan(pooled.shape[1] + 1, dense.shape[1], dense.dtype, dense.device)
+    return forward_with(dense, pooled, pad, plan.fwd)
+
+
+def forward_with(dense: Tensor, pooled: Tensor, pad: bool, config: KernelConfig) -> Tensor:
+    """The forward kernel launched with ``config`` (the tuning run's entry point).
+
+    Args:
+        dense: [B, D].
+        pooled: [B, F, D], the same dtype.
+        pad: Pad the output row to a multiple of 8 elements.
+        config: The forward's launch config (:func:`check_config`).
+
+    Returns:
+        [B, D + R(R-1)/2] (padded when asked), R = F + 1.
+    """
     check_triton_launchable(_dot_interaction_fwd_kernel, dense.device, _OP)
     b, d = dense.shape
     r = pooled.shape[1] + 1
+    check_config(config, r)
     width = interaction_output_dim(r - 1, d)
     out = torch.empty(b, interaction_output_dim(r - 1, d, pad=pad), dtype=dense.dtype, device=dense.device)
     if b == 0:
         return out
-    plan = _plan(r, d)
+    bt = row_tile(r)
+    nt = triton.cdiv(r, bt)
     precision, upcast = _kernel_precision(dense.dtype, dense.device)
-    grid = (triton.cdiv(b, plan.block_b) * plan.nt * (plan.nt + 1) // 2,)
+    grid = (triton.cdiv(b, config.block_b) * nt * (nt + 1) // 2,)
     _dot_interaction_fwd_kernel[grid](
         dense, pooled, out, b, *dense.stride(), *pooled.stride(), out.stride(0),
-        R=r, D=d, W=width, WP=out.shape[1], NT=plan.nt, BT=plan.bt, BLOCK_B=plan.block_b,
-        BD=plan.bd_fwd, PRECISION=precision, UPCAST=upcast, num_warps=plan.warps_fwd,
+        R=r, D=d, W=width, WP=out.shape[1], NT=nt, BT=bt, BLOCK_B=config.block_b,
+        BD=config.bd, PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps,
     )  # fmt: skip
     return out
 
 
 def _backward(grad_out: Tensor, dense: Tensor, pooled: Tensor) -> tuple[Tensor, Tensor]:
+    plan = launch_plan(pooled.shape[1] + 1, dense.shape[1], dense.dtype, dense.device)
+    return backward_with(grad_out, dense, pooled, plan.bwd)
+
+
+def backward_with(
+    grad_out: Tensor, dense: Tensor, pooled: Tensor, config: KernelConfig
+) -> tuple[Tensor, Tensor]:
+    """The backward kernel launched with ``config``: (grad_dense [B, D], grad_pooled [B, F, D])
+    for ``grad_out`` [B, W or padded W]."""
     check_triton_launchable(_dot_interaction_bwd_kernel, dense.device, _OP)
     b, d = dense.shape
     r = pooled.shape[1] + 1
+    check_config(config, r)
     grad_dense = torch.empty(b, d, dtype=dense.dtype, device=dense.device)
     grad_pooled = torch.empty(b, r - 1, d, dtype=dense.dtype, device=dense.device)
     if b == 0:
         return grad_dense, grad_pooled
-    plan = _plan(r, d)
+    bt = row_tile(r)
+    nt = triton.cdiv(r, bt)
     precision, upcast = _kernel_precision(dense.dtype, dense.device)
-    nd = triton.cdiv(d, plan.bd_bwd)
-    grid = (triton.cdiv(b, plan.block_b) * plan.nt * nd,)
+    nd = triton.cdiv(d, config.bd)
+    grid = (triton.cdiv(b, config.block_b) * nt * nd,)
     _dot_interaction_bwd_kernel[grid](
         grad_out, dense, pooled, grad_dense, grad_pooled, b, *grad_out.stride(),
         *dense.stride(), *pooled.stride(), grad_dense.stride(0), *grad_pooled.stride()[:2],
-        R=r, D=d, NT=plan.nt, ND=nd, BT=plan.bt, BLOCK_B=plan.block_b, BD=plan.bd_bwd,
-        PRECISION=precision, UPCAST=upcast, num_warps=plan.warps_bwd,
+        R=r, D=d, NT=nt, ND=nd, BT=bt, BLOCK_B=config.block_b, BD=config.bd,
+        PRECISION=precision, UPCAST=upcast, num_warps=config.num_warps,
     )  # fmt: skip
     return grad_dense, grad_pooled
 
