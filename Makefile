@@ -4,8 +4,10 @@
 # make bench : the embedding benchmark, into the published bench/results/ (recaccel-bench
 #              writes under runs/bench/ unless --out names another place)
 # make gpu-check : on a GPU machine (no venv there: PYTHONPATH=. make gpu-check OUT=dir) the GPU
-#              tests, every benchmark at GPU sizes and the targets' summary, within 9 minutes;
-#              make gpu-check DEVICE=cpu runs the same steps at tiny sizes in the venv
+#              tests, every benchmark at GPU sizes and the targets' summary, in two parts of
+#              under 7 minutes each: PART=checks (default: tests and kernel benchmarks) and
+#              PART=steps (training and io benchmarks); make gpu-check DEVICE=cpu runs the
+#              same steps at tiny sizes in the venv
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -48,9 +50,10 @@ bench: setup
 
 DEVICE ?= cuda
 OUT    ?= runs/gpu-check
+PART   ?= checks
 # On CPU the venv's python (after setup); on a GPU machine the system's, which holds torch.
 gpu-check: $(if $(filter cpu,$(DEVICE)),setup)
-	$(if $(filter cpu,$(DEVICE)),$(PY),$(PYTHON)) -m recaccel.bench.gpu_check --device $(DEVICE) --out $(OUT)
+	$(if $(filter cpu,$(DEVICE)),$(PY),$(PYTHON)) -m recaccel.bench.gpu_check --device $(DEVICE) --part $(PART) --out $(OUT)
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -1,9 +1,13 @@
 """The files ``make gpu-check`` leaves in ``--out``, and its closing summary.
 
-A lent GPU machine hands back at most 8 files from its output folder, so the run
-leaves few: ``gpu_check.md`` (everything, the benchmarks' reports included),
-``gpu_check.json`` (machine-readable), ``pytest.txt`` (the GPU test log), a tarball of
-every benchmark file and log, and at most :data:`MAX_PLOTS` plots beside them.
+A lent GPU machine hands back at most 8 files from its output folder, so a part
+leaves at most 7 (one to spare): ``gpu_check.md`` (everything, the benchmarks' reports
+included), ``gpu_check.json`` (machine-readable), ``pytest.txt`` (the GPU test log,
+part ``checks`` only), a tarball of every benchmark file and log (every plot and the
+measured ``test_seconds.json`` included), and at most :data:`MAX_PLOTS` plots beside
+them. The part ``steps`` names its files ``gpu_check_steps.*`` (``all``:
+``gpu_check_all.*``), so the two parts' files can share one results folder; it leaves at
+most 5, so the kernel tuning run's three files fit beside them in one command's 8.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from pathlib import Path
 from recaccel.bench.harness.report import markdown_table
 
 MARKDOWN, JSON, PYTEST_LOG, TARBALL = "gpu_check.md", "gpu_check.json", "pytest.txt", "gpu_check_parts.tar.gz"
-MAX_PLOTS = 4
+MAX_PLOTS = 2
+MAX_FILES = 7
 _PYTEST_SUMMARY = re.compile(
     r"\b\d+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed)\b|no tests ran"
 )
@@ -71,12 +76,21 @@ def targets_table(targets: Sequence[Mapping]) -> str:
     )
 
 
+def _pytest_line(report: Mapping) -> str:
+    """pytest's summed closing line, or why there is none (the step ran in the other part)."""
+    step = next((s for s in report["steps"] if s["name"] == "pytest"), {})
+    if step.get("status") == "skipped":
+        return f"not run ({step.get('note', '')})"
+    return report["pytest"].get("summary") or "(no summary line)"
+
+
 def summary_text(report: Mapping) -> str:
     """The closing summary printed last: ceilings, steps, pytest's line, the targets."""
-    lines = [f"== gpu-check summary ({report['device']}: {report['env'].get('device', '')}) =="]
+    part = report.get("part", "all")
+    lines = [f"== gpu-check summary (part {part}, {report['device']}: {report['env'].get('device', '')}) =="]
     lines += _fmt_ceilings(report["ceilings"])
     lines += ["", steps_table(report["steps"])]
-    lines.append(f"pytest: {report['pytest'].get('summary') or '(no summary line)'}")
+    lines.append(f"pytest: {_pytest_line(report)}")
     lines += [f"  {f}" for f in report["pytest"].get("failures", [])[:10]]
     lines += ["", f"GPU targets (judged on {report['device']}):", targets_table(report["targets"])]
     lines.append(f"files in {report['out']}: {', '.join(report['files'])}")
@@ -86,7 +100,7 @@ def summary_text(report: Mapping) -> str:
 def write_markdown(report: Mapping, parts: Path, path: Path) -> Path:
     """``gpu_check.md``: environment, ceilings, steps, pytest, targets, then every benchmark's report."""
     env = report["env"]
-    text = [f"# make gpu-check ({report['device']})", ""]
+    text = [f"# make gpu-check ({report['device']}, part {report.get('part', 'all')})", ""]
     text += [f"- {k}: {v}" for k, v in env.items()]
     text += [f"- nvidia-smi: {report.get('nvidia_smi') or '-'}", "", "## Ceilings measured in this run", ""]
     text += [f"- {line}" for line in _fmt_ceilings(report["ceilings"])]
@@ -110,21 +124,38 @@ def write_markdown(report: Mapping, parts: Path, path: Path) -> Path:
     return path
 
 
-def finish(report: dict, parts: Path, out: Path) -> list[str]:
+def stem_of(part: str | None) -> str:
+    """The name the files of a part start with: ``gpu_check`` for ``checks`` (and ``--only``), else ``gpu_check_<part>``."""
+    return "gpu_check" if part in (None, "checks") else f"gpu_check_{part}"
+
+
+def chosen_plots(parts: Path, steps: Sequence[Mapping], limit: int = MAX_PLOTS) -> list[Path]:
+    """The plots to leave beside the tarball: the steps' own plots (``<step>.png``) first, in
+    step order, then the others by name; at most ``limit``."""
+    plots = sorted(parts.glob("*.png"))
+    own = [parts / f"{s['name']}.png" for s in steps if (parts / f"{s['name']}.png") in plots]
+    return (own + [p for p in plots if p not in own])[:limit]
+
+
+def finish(report: dict, parts: Path, out: Path, stem: str = "gpu_check") -> list[str]:
     """Writes the markdown and JSON, tars ``parts`` and removes it, keeps a few plots beside.
 
     Returns:
-        The names of the files left in ``out`` by this run.
+        The names of the files left in ``out`` by this run (at most :data:`MAX_FILES`).
     """
-    plots = sorted(parts.glob("*.png"))[:MAX_PLOTS]
-    files = [MARKDOWN, JSON, TARBALL] + ([PYTEST_LOG] if (out / PYTEST_LOG).is_file() else [])
+    markdown, json_name, tarball = f"{stem}.md", f"{stem}.json", f"{stem}_parts.tar.gz"
+    plots = chosen_plots(parts, report["steps"])
+    ran_pytest = any(s["name"] == "pytest" and s["status"] != "skipped" for s in report["steps"])
+    files = [markdown, json_name, tarball] + (
+        [PYTEST_LOG] if ran_pytest and (out / PYTEST_LOG).is_file() else []
+    )
     files += [p.name for p in plots]
     report["files"] = files
-    write_markdown(report, parts, out / MARKDOWN)
-    (out / JSON).write_text(json.dumps(report, indent=2, default=str))
-    with tarfile.open(out / TARBALL, "w:gz") as tar:
+    write_markdown(report, parts, out / markdown)
+    (out / json_name).write_text(json.dumps(report, indent=2, default=str))
+    with tarfile.open(out / tarball, "w:gz") as tar:
         for path in sorted(parts.iterdir()):
-            tar.add(path, arcname=f"gpu_check_parts/{path.name}")
+            tar.add(path, arcname=f"{stem}_parts/{path.name}")
     for plot in plots:
         shutil.copyfile(plot, out / plot.name)
     shutil.rmtree(parts)

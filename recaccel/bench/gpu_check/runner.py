@@ -44,140 +44,33 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.gpu_check import report as report_files
+from recaccel.bench.gpu_check import timings
 from recaccel.bench.gpu_check.gpu_tests import gpu_test_files
+from recaccel.bench.gpu_check.plan import (
+    BENCH_ARGS,
+    BENCH_OF,
+    BUDGETS,
+    CPU_PYTEST,
+    DEFAULT_PART,
+    PARTS,
+    STEPS,
+    TINY_TRAIN_CONFIG,
+    TOTAL_BUDGET_S,
+    TRAIN_PRECISIONS,
+    plan_text,
+    run_limit,
+    select_steps,
+    skip_reason,
+    unknown_steps,
+)
 from recaccel.bench.gpu_check.pytest_groups import balance, join_logs, run_groups, sum_summaries
-from recaccel.bench.gpu_check.targets import evaluate
+from recaccel.bench.gpu_check.targets import evaluate, mark_not_run
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.timing import measure_copy_bandwidth, time_interleaved
 
 REPO = Path(__file__).resolve().parents[3]
 BENCH_ENTRY = "import sys; from recaccel.cli import bench_main; sys.exit(bench_main())"
-# Under 7 minutes on CUDA with the ceilings (~15 s) and process starts: the steps' budgets
-# sum to 409 s.
-TOTAL_BUDGET_S = {"cuda": 419, "cpu": 300}
-
-# Per step: (budget seconds on cuda, on cpu).
-BUDGETS = {
-    # train is the headline figure (two presets x two precisions; recaccel in two pipeline
-    # combinations and eager; two data modes): the largest share after the test suite.
-    "pytest": (90, 90),
-    "embedding": (45, 60),
-    "interaction": (15, 60),
-    "dcnv2": (15, 60),
-    "train": (120, 90),
-    "train_dcnv2": (35, 60),
-    "cache_train": (40, 60),
-    # io: the reader worker sweep on two schemas (issue 26's rows/s targets); each schema
-    # stops repeating after --max-seconds.
-    "io": (29, 60),
-    "meta": (20, 60),
-}
-STEPS = tuple(BUDGETS)
-# Steps that run another step's benchmark at other sizes (their files are named after the step).
-BENCH_OF = {"dcnv2": "interaction", "train_dcnv2": "train"}
-# The train step's precision modes (issue 24 item 7's targets); the option is skipped with
-# a note on a tree whose train benchmark does not offer it yet.
-TRAIN_PRECISIONS = "tf32,bf16"
-
-# recaccel's step combinations (pipeline/micro_batches/cuda_graphs) the train benchmark times:
-# the overlap target's pair (sync with CUDA graphs against off) and the exact overlapped step
-# (train.pipeline=overlap). The other combinations run outside gpu-check (README:
-# recaccel-bench train --combinations ...).
-TRAIN_COMBINATIONS = "off/1/off,sync/1/on,overlap/1/off"
-
-# The benchmarks' sizes (besides --device and the output flags), by device type.
-BENCH_ARGS = {
-    "cuda": {
-        # No T=1000 case and 20k rows per table: the benchmark draws rows and output
-        # gradients on the host (T=1000 B=16384 D=128: 2 x 2.1 G randn for the gradients
-        # and 3 x 1.07 G uniform for the rows, minutes on one core), which alone would
-        # overrun the step's budget and leave no embedding.json. 20k rows x 26-100 tables
-        # (266-512 MB) still stream from DRAM, far beyond L2.
-        "embedding": [
-            "--tables", "26", "--shapes", "16384:128:1",
-            "--cases", "26:16384:128:20", "26:65536:128:1", "100:16384:64:20",
-            "--rows", "20000", "--repeats", "30", "--batches", "2",
-        ],
-        "interaction": ["--batch", "16384", "65536", "--fields", "26", "--dim", "128", "--repeats", "30"],
-        # Issue 24 item 3's shape: B=16384, F=26, D=128, 3 layers, rank 512, bf16.
-        "dcnv2": [
-            "--kind", "dcnv2", "--batch", "16384", "--fields", "26", "--dim", "128",
-            "--layers", "3", "--rank", "512", "--dtype", "bfloat16", "--repeats", "20",
-        ],
-        "train": [
-            "--preset", "bench_criteo_1hot", "--preset", "bench_wide",
-            "--steps", "10", "--warmup", "3", "--phase-steps", "2",
-            # The targets read recaccel and eager; `compiled` (minutes of Inductor per
-            # precision) and `reference` run outside gpu-check.
-            "--candidates", "recaccel", "eager",
-            "--combinations", TRAIN_COMBINATIONS, "--timeline-steps", "2",
-        ],
-        "train_dcnv2": [
-            "--preset", "bench_dcnv2_mlperf", "--mode", "device", "--steps", "10", "--warmup", "3",
-            "--phase-steps", "2", "--candidates", "recaccel", "--combinations", "off/1/off",
-        ],
-        # 8 tables x 1M rows x 64, B=16384, Zipf 1.05, host at 10% cached vs all on the device.
-        "cache_train": ["--repeats", "6", "--warmup", "1", "--batches", "8", "--no-progress"],
-        # 2M criteo_1hot rows: 30 shuffle buffers, so 16 workers all decode; the wide schema
-        # (500 one-hot fields) at 100k rows. No data-wait run: the data cost is train's.
-        "io": [
-            "--workers", "0,8,16", "--schema", "criteo_1hot,wide", "--rows", "2000000",
-            "--wide-rows", "100000", "--repeats", "3", "--max-seconds", "6", "--train-steps", "0",
-            "--cache",
-        ],
-        "meta": [
-            "--tasks", "128", "--support", "64", "--query", "64", "--dim", "64",
-            "--cardinality", "100000", "--repeats", "10", "--warmup", "2",
-        ],
-    },
-    "cpu": {
-        "embedding": [
-            "--tables", "2", "--shapes", "64:8:1", "--cases", "--repeats", "2", "--batches", "1",
-            "--warmup", "0",
-        ],
-        "interaction": ["--batch", "32", "--fields", "3", "--dim", "8", "--repeats", "2"],
-        "dcnv2": [
-            "--kind", "dcnv2", "--batch", "32", "--fields", "3", "--dim", "8", "--layers", "2",
-            "--rank", "4", "--repeats", "2",
-        ],
-        "train_dcnv2": [
-            "--preset", "bench_dcnv2_mlperf", "--mode", "device", "--steps", "2", "--warmup", "1",
-            "--phase-steps", "1", "--batch", "64", "--cardinality-cap", "2000", "--candidates", "recaccel",
-            "--combinations", "off/1/off",
-        ],
-        "cache_train": [
-            "--rows", "2000", "--batch", "32", "--tables", "2", "--batches", "4", "--repeats", "1",
-            "--warmup", "1", "--block", "1", "--no-progress",
-        ],
-        "train": [
-            "--preset", "bench_criteo_1hot", "--steps", "2", "--warmup", "1", "--phase-steps", "1",
-            "--batch", "64", "--cardinality-cap", "2000", "--candidates", "recaccel", "eager",
-            "--combinations", TRAIN_COMBINATIONS,  # the CUDA-graph ones are reported skipped on CPU
-        ],
-        "io": [
-            "--workers", "0,1", "--schema", "criteo_1hot,wide", "--rows", "4000", "--wide-rows", "500",
-            "--rows-per-row-group", "1000", "--batch-size", "256",
-            "--tasks-per-batch", "4", "--support-size", "8", "--query-size", "4", "--repeats", "1",
-            "--train-steps", "5", "--cache",
-        ],
-        "meta": [
-            "--tasks", "2", "--support", "4", "--query", "4", "--repeats", "1", "--warmup", "0",
-            "--no-memory", "--engines", "batched,loop", "--orders", "first",
-        ],
-    },
-}  # fmt: skip
-
-# The data-wait run of the io benchmark in the small mode: a tiny DLRM on tiny data.
-TINY_TRAIN_CONFIG = (
-    "[synth]\ntrain_rows = 2000\ntest_rows = 500\nnum_sparse = 3\ncardinality = 20\n"
-    "[data]\nbatch_size = 128\n[model]\nembedding_dim = 4\nbottom_mlp = [8, 4]\ntop_mlp = [8, 1]\n"
-)
-# The pytest selection of the small mode (the GPU suite skips without CUDA).
-CPU_PYTEST = [
-    "tests/ops/test_interaction.py",
-    "-k",
-    "test_reference_matches_definition or test_module_and_output_dim or test_auto_is_reference_on_cpu",
-]
+__all__ = ["BENCH_ARGS", "BUDGETS", "PARTS", "STEPS", "TOTAL_BUDGET_S", "main", "plan_text", "run_step"]
 
 
 @dataclass
@@ -314,19 +207,36 @@ def bench_argv(name: str, device: str, parts: Path, options: set[str], plots: bo
     return argv
 
 
-def pytest_groups(device: str) -> list[list[str]]:
+def pytest_groups(device: str, parts: Path) -> list[list[str]]:
     """The pytest processes of the step, run at once (:mod:`~recaccel.bench.gpu_check.pytest_groups`):
-    the GPU suite's files in up to four groups on CUDA; a fast selection in the small mode."""
+    the GPU suite's files in up to four groups balanced by their seconds
+    (:mod:`~recaccel.bench.gpu_check.timings`) on CUDA; a fast selection in the small mode.
+    Each group writes its per-test times as junit XML into ``parts``."""
     base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "--tb=short"]
+    # xunit1 names each test case's file (xunit2, the default, only its class path).
+    junit = lambda i: [f"--junit-xml={parts / f'pytest_group{i}.xml'}", "-o", "junit_family=xunit1"]  # noqa: E731
     if device != "cuda":
-        return [[*base, "-q", *CPU_PYTEST]]
+        return [[*base, "-q", *junit(0), *CPU_PYTEST]]
     # The GPU tests are independent: four processes share the GPU (Triton's compiles, the
     # larger part of the serial suite's time, run on four cores). -v names each test as it
     # ends: a group killed at the budget shows where it was.
     groups = max(1, min(4, (os.cpu_count() or 1) // 4))
-    files = balance(gpu_test_files(REPO / "tests", REPO), groups)
+    known = timings.file_seconds(timings.load_seconds())
+    files = balance(timings.weights(gpu_test_files(REPO / "tests", REPO), known), groups)
     options = ["-v", "-m", "gpu", "--continue-on-collection-errors", "--durations=5"]
-    return [[*base, *options, *group] for group in files]
+    return [[*base, *options, *junit(i), *group] for i, group in enumerate(files)]
+
+
+def _record_seconds(argvs: Sequence[Sequence[str]], parts: Path, device_name: str) -> dict[str, float]:
+    """Sums the groups' junit XML per file into ``parts/test_seconds.json`` (the committed
+    figures, those measured now replaced); returns the measured ones."""
+    xml = [Path(a.split("=", 1)[1]) for argv in argvs for a in argv if a.startswith("--junit-xml=")]
+    files = [a for argv in argvs for a in argv if a.endswith(".py")]
+    run = f"gpu-check {time.strftime('%Y-%m-%d')}"
+    measured = timings.write_measured(parts / timings.COMMITTED.name, xml, files, device_name, run)
+    for path in xml:
+        path.unlink(missing_ok=True)  # summed into test_seconds.json
+    return measured
 
 
 class Clock:
@@ -341,10 +251,12 @@ class Clock:
         return min(budget_s, self.deadline - time.monotonic() - self.reserve_s)
 
 
-def _run_pytest(device: str, out: Path, clock: Clock, budget_s: float) -> tuple[StepResult, dict]:
+def _run_pytest(
+    device: str, out: Path, parts: Path, clock: Clock, budget_s: float, device_name: str
+) -> tuple[StepResult, dict]:
     if not (REPO / "tests").is_dir():
         return StepResult("pytest", "skipped", budget_s, note=f"no tests/ in {REPO}"), {"command": ""}
-    argvs = pytest_groups(device)
+    argvs = pytest_groups(device, parts)
     command = " & ".join(shlex.join(["python", *argv[1:]]) for argv in argvs)
     allowed = clock.allowance(budget_s)
     if allowed < 5:
@@ -359,6 +271,7 @@ def _run_pytest(device: str, out: Path, clock: Clock, budget_s: float) -> tuple[
     )
     for log in logs:
         log.unlink(missing_ok=True)  # joined into pytest.txt
+    measured = _record_seconds(argvs, parts, device_name)
     killed = [argv for argv, e in zip(argvs, ended) if e.status == "timeout"]
     status = "timeout" if killed else "failed" if any(e.status == "failed" for e in ended) else "ok"
     if killed:
@@ -366,7 +279,8 @@ def _run_pytest(device: str, out: Path, clock: Clock, budget_s: float) -> tuple[
         rest = shlex.join(["python", "-m", "pytest", "-m", "gpu", *files])
         summary = f"killed after {seconds:.0f} s (budget {allowed:.0f} s); so far: {summary or '-'}; the rest: {rest}"
     rc = max((e.rc for e in ended if e.rc not in (None, 0, 5)), default=None if killed else 0)
-    info = {"command": command, "summary": summary, "failures": report_files.pytest_failures(text), "rc": rc}
+    info = {"command": command, "summary": summary, "failures": report_files.pytest_failures(text), "rc": rc,
+            "file_seconds": measured}  # fmt: skip
     step = StepResult(
         "pytest", status, round(allowed), seconds, rc, command, summary, "\n".join(text.splitlines()[-15:])
     )
@@ -401,24 +315,6 @@ def _run_bench(name: str, device: str, parts: Path, clock: Clock, budget_s: floa
     return StepResult(name, status, round(allowed), seconds, rc, command, note, tail, files)
 
 
-def plan_text(only: Sequence[str], device: str, total_s: float) -> str:
-    """The run's plan: each step to run, its budget and its command, and the overall limit."""
-    col = 0 if device == "cuda" else 1
-    lines = [f"gpu-check plan ({device}): ceilings, then"]
-    for name in STEPS:
-        if name in only:
-            bench = BENCH_OF.get(name, name)
-            what = (
-                "pytest -m gpu"
-                if name == "pytest"
-                else f"recaccel-bench {bench} {shlex.join(BENCH_ARGS[device][name]) if name in BENCH_ARGS[device] else ''}"
-            )
-            lines.append(f"  {name:<12} {BUDGETS[name][col]:>4.0f} s  {what.strip()}")
-    steps_s = sum(BUDGETS[n][col] for n in STEPS if n in only)
-    lines.append(f"  steps {steps_s:.0f} s; the whole run is stopped at {total_s:.0f} s")
-    return "\n".join(lines)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="gpu-check", description="Verify and measure recaccel on a GPU (small mode on CPU)."
@@ -426,63 +322,99 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", default="runs/gpu-check", help="output folder (default %(default)s)")
     parser.add_argument(
-        "--only", help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all; ceilings always)"
+        "--part",
+        choices=(*PARTS, "all"),
+        default=DEFAULT_PART,
+        help="which part to run: "
+        + "; ".join(f"{k}: {','.join(v)}" for k, v in PARTS.items())
+        + "; all: both (over 7 minutes on CUDA) (default %(default)s)",
     )
-    parser.add_argument("--budget-s", type=float, help="overall time limit (default 415 cuda, 300 cpu)")
+    parser.add_argument(
+        "--only",
+        help=f"comma-separated steps to run, of any part (overrides --part), of {','.join(STEPS)}"
+        " (ceilings always)",
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        help="overall time limit (default on cuda: the steps' budgets plus 25 s; 300 on cpu)",
+    )
     return parser.parse_args(argv)
+
+
+def _usage_error(args: argparse.Namespace) -> str:
+    """Why the command line cannot run here (one line), or ``""``."""
+    unknown = unknown_steps(args.only)
+    if unknown:
+        return f"unknown step(s) {unknown}; steps are {', '.join(STEPS)}"
+    if args.only is not None and not select_steps(args.part, args.only):
+        return "--only names no step"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda, but torch sees no CUDA device (DEVICE=cpu runs the small mode)"
+    return ""
+
+
+def _run_steps(
+    args: argparse.Namespace, selected: Sequence[str], out: Path, clock: Clock, env: dict
+) -> tuple[list[StepResult], dict]:
+    """Every step in order: those selected under their budgets, the others reported skipped with why."""
+    parts = out / "gpu_check_parts"
+    col = 0 if args.device == "cuda" else 1
+    plots = find_spec("matplotlib") is not None
+    steps: list[StepResult] = []
+    pytest_info: dict = {}
+    for name in STEPS:
+        budget = BUDGETS[name][col]
+        if name not in selected:
+            steps.append(StepResult(name, "skipped", budget, note=skip_reason(name, args.only)))
+            continue
+        if name == "pytest":
+            step, pytest_info = _run_pytest(
+                args.device, out, parts, clock, budget, str(env.get("device", ""))
+            )
+        else:
+            step = _run_bench(name, args.device, parts, clock, budget, plots)
+        steps.append(step)
+        print(f"gpu-check: {name}: {step.status} in {step.seconds:.1f} s {step.note}".rstrip(), flush=True)
+    if not plots:
+        steps.append(StepResult("plots", "skipped", note="matplotlib is not installed"))
+    return steps, pytest_info
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the check; returns 0 when every step that ran ended well, 1 otherwise, 2 on bad usage."""
     args = parse_args(argv)
-    only = STEPS if args.only is None else tuple(s.strip() for s in args.only.split(",") if s.strip())
-    unknown = [s for s in only if s not in STEPS]
-    if unknown:
-        print(f"gpu-check: error: unknown step(s) {unknown}; steps are {', '.join(STEPS)}", file=sys.stderr)
+    error = _usage_error(args)
+    if error:
+        print(f"gpu-check: error: {error}", file=sys.stderr)
         return 2
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu-check: error: --device cuda, but torch sees no CUDA device (DEVICE=cpu runs the small mode)",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    clock = Clock(args.budget_s or TOTAL_BUDGET_S[args.device])
+    selected = select_steps(args.part, args.only)
+    clock = Clock(args.budget_s or run_limit(selected, args.device))
     out = Path(args.out).resolve()
     parts = out / "gpu_check_parts"
     parts.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    budget_col = 0 if args.device == "cuda" else 1
-    plots = find_spec("matplotlib") is not None
+    part = "only" if args.only is not None else args.part
     print(f"gpu-check: device {args.device}, out {out}", flush=True)
-    print(plan_text(only, args.device, clock.total_s), flush=True)
+    print(plan_text(selected, args.device, clock.total_s, part), flush=True)
     smi = nvidia_smi_line() if args.device == "cuda" else ""
     env = environment_info(device)
     ceilings = measure_ceilings(device)
     print(f"gpu-check: ceilings {ceilings}", flush=True)
-    steps: list[StepResult] = []
-    pytest_info: dict = {}
-    for name in STEPS:
-        budget = BUDGETS[name][budget_col]
-        if name not in only:
-            steps.append(StepResult(name, "skipped", budget, note="not in --only"))
-            continue
-        if name == "pytest":
-            step, pytest_info = _run_pytest(args.device, out, clock, budget)
-        else:
-            step = _run_bench(name, args.device, parts, clock, budget, plots)
-        steps.append(step)
-        print(f"gpu-check: {name}: {step.status} in {step.seconds:.1f} s {step.note}".rstrip(), flush=True)
+    steps, pytest_info = _run_steps(args, selected, out, clock, env)
+    not_run = {s.name: s.note for s in steps if s.name in STEPS and s.name not in selected}
     report = {
         "device": args.device,
+        "part": part,
         "out": str(out),
         "env": env,
         "nvidia_smi": smi,
         "ceilings": ceilings,
-        "plots": plots,
+        "plots": find_spec("matplotlib") is not None,
         "steps": [vars(s) for s in steps],
         "pytest": pytest_info,
-        "targets": evaluate(parts, ceilings),
+        "targets": mark_not_run(evaluate(parts, ceilings), not_run),
     }
-    if not plots:
-        report["steps"].append({"name": "plots", "status": "skipped", "note": "matplotlib is not installed"})
-    report_files.finish(report, parts, out)
+    report_files.finish(report, parts, out, report_files.stem_of(args.part if args.only is None else None))
     print(report_files.summary_text(report), flush=True)
     return 0 if all(s.status in ("ok", "skipped") for s in steps) else 1

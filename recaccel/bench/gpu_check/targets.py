@@ -321,6 +321,19 @@ def evaluate(parts: Path, ceilings: Mapping) -> list[dict]:
     return rows
 
 
+def mark_not_run(rows: Sequence[Mapping], not_run: Mapping[str, str]) -> list[dict]:
+    """``rows`` with each target whose result file's step did not run in this run (``not_run``:
+    step -> why, e.g. ``"part steps"``) read ``"not measured (why)"``, whatever files lie in
+    the folder: a part never judges the other part's targets."""
+    out = []
+    for row in rows:
+        step = Path(str(row.get("source", ""))).stem
+        if step in not_run:
+            row = {**row, "value": None, "figure": "-", "status": f"{NOT_MEASURED} ({not_run[step]})"}
+        out.append(dict(row))
+    return out
+
+
 # (target, threshold, higher is better, result file): the order of the summary's table.
 TARGETS: tuple[tuple[str, float, bool, str], ...] = (
     ("embedding forward >= 80% of copy bandwidth (triton)", 0.80, True, "embedding.json"),
