@@ -22,6 +22,10 @@ _MODULES = {
         "recaccel.bench.kernels.sweep",
     ),
     "interaction": ("fused DLRM dot interaction vs PyTorch eager", "recaccel.bench.kernels.interaction"),
+    "interaction_tune": (
+        "Triton dot interaction: launch-config sweep within a time budget, share of copy bandwidth, tuning table",
+        "recaccel.bench.kernels.interaction_tune",
+    ),
     "meta": ("vmapped MAML step vs per-task loop", "recaccel.bench.data.meta"),
     "io": ("Parquet plain and task batches vs raw pyarrow", "recaccel.bench.data.io"),
     "comm": ("hybrid step bytes: measured vs analytic", "recaccel.bench.distributed.comm"),

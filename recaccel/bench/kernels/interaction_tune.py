@@ -1,0 +1,295 @@
+"""``recaccel-bench interaction_tune``: the Triton dot interaction's launch-config sweep.
+
+One command on a lent H100/H200, about 2 minutes (``--budget-s``, 150 by default)::
+
+    T=recaccel/ops/interaction/tuning_table.py
+    recaccel-bench interaction_tune --json $OUT/interaction_tune.json --out $OUT/interaction_tune.md --write-table $T
+    cp $T $OUT/   # commit it with the JSON
+
+Per case (forward and backward of the DLRM shapes: R=27 rows of D=128 at B=65,536 in
+bf16 and TF32, R=501 of D=32 at B=4,096, R=27 in strict float32 at B=16,384), most
+important first: the heuristic's config (``default``, what runs untuned), then every
+candidate (batch rows per program, column chunk, warps; register tiles of at most 8192
+elements) compiled at once on a thread pool, each checked against the default's output
+(a config that differs, or fails to compile, is dropped, not timed) and timed alone with
+``triton.testing.do_bench``. Figures: ms, GB/s of the minimum bytes (inputs read once,
+outputs written once), % of the copy bandwidth measured in the same run. The JSON is
+rewritten after every case; cases left when the budget is spent are listed as skipped.
+``--write-table`` merges each shape key's fastest config into the tuning table the
+kernels read on that device (:mod:`recaccel.ops.interaction.tuning`). ``--device cpu``
+runs one tiny case per kernel, 2 configs each, under the Triton interpreter (a check that
+everything runs; its times mean nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from recaccel.bench.harness.environment import environment_info
+from recaccel.bench.harness.report import add_output_args, write_results_markdown
+from recaccel.bench.harness.timing import measure_copy_bandwidth
+from recaccel.bench.kernels.sweep import compile_workers, precompile
+from recaccel.bench.kernels.sweep_cases import Candidate
+from recaccel.errors import RecaccelError
+
+CASE_RESERVE_S = 10.0  # no case is started with less than this left
+MAX_TILE_ELEMENTS = 8192  # block_b x BT x max(BT, BD): the register tile a candidate may hold
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneCase:
+    """One kernel at one shape and precision.
+
+    Attributes:
+        kernel: ``fwd`` or ``bwd``.
+        batch: B.
+        fields: F pooled rows (R = F + 1 with the dense row).
+        dim: D.
+        dtype: ``float32``, ``bfloat16`` or ``float16``.
+        tf32: float32 products on TF32 tensor cores (torch's switch), else three-pass TF32.
+    """
+
+    kernel: Literal["fwd", "bwd"]
+    batch: int
+    fields: int
+    dim: int
+    dtype: str
+    tf32: bool = False
+
+    @property
+    def name(self) -> str:
+        mode = "_tf32" if self.dtype == "float32" and self.tf32 else ""
+        return f"{self.kernel}_B{self.batch}_R{self.fields + 1}_D{self.dim}_{self.dtype}{mode}"
+
+
+def gpu_cases() -> list[TuneCase]:
+    """The CUDA cases, most important first (each kernel of each shape)."""
+    shapes = [
+        (65536, 26, 128, "bfloat16", False),  # bench_criteo_1hot under bf16
+        (65536, 26, 128, "float32", True),  # and under tf32
+        (4096, 500, 32, "bfloat16", False),  # bench_wide
+        (4096, 500, 32, "float32", True),
+        (16384, 26, 128, "float32", False),  # strict float32 (tf32x3)
+    ]
+    return [TuneCase(k, b, f, d, dt, t) for b, f, d, dt, t in shapes for k in ("fwd", "bwd")]
+
+
+CPU_CASES = [TuneCase("fwd", 4, 3, 8, "float32"), TuneCase("bwd", 4, 3, 8, "float32")]
+
+
+def configs(case: TuneCase) -> dict[str, object]:
+    """The default (heuristic) config, then the candidates, by name."""
+    from recaccel.ops.interaction.launch_plan import ONE_TILE_MAX_ROWS, KernelConfig, heuristic_plan
+
+    rows = case.fields + 1
+    plan = heuristic_plan(rows, case.dim)
+    found = {"default": plan.fwd if case.kernel == "fwd" else plan.bwd}
+    top_bd = max(16, 1 << (case.dim - 1).bit_length())
+    for block_b in (1, 2, 4, 8, 16) if rows <= ONE_TILE_MAX_ROWS else (1,):
+        for bd in (16, 32, 64, 128):
+            elements = block_b * plan.bt * max(plan.bt, bd)
+            # 16-column chunks only where D needs no more: 8 chunks of a 128-wide row are slow.
+            if bd > top_bd or (bd == 16 and top_bd > 16) or elements > MAX_TILE_ELEMENTS:
+                continue
+            for warps in (2, 4, 8):
+                if elements // (32 * warps) < 8:  # under 8 elements a thread: warps idle
+                    continue
+                config = KernelConfig(block_b, bd, warps)
+                if config not in found.values():
+                    found[f"b{block_b}_bd{bd}_w{warps}"] = config
+    return found
+
+
+def case_bytes(case: TuneCase) -> int:
+    """Minimum bytes: the forward reads x [B, R, D] and writes [B, W]; the backward reads
+    grad_out and x, and writes grad_x."""
+    from recaccel.ops.interaction.reference import interaction_output_dim
+
+    size = torch.empty(0, dtype=getattr(torch, case.dtype)).element_size()
+    x = case.batch * (case.fields + 1) * case.dim
+    out = case.batch * interaction_output_dim(case.fields, case.dim)
+    return size * (x + out if case.kernel == "fwd" else out + 2 * x)
+
+
+def candidates(case: TuneCase, device: torch.device) -> dict[str, Candidate]:
+    """Each config of :func:`configs` as a call on the case's seeded inputs."""
+    from recaccel.ops.interaction import triton as kernels
+    from recaccel.ops.interaction.reference import interaction_output_dim
+
+    gen = torch.Generator().manual_seed(0)
+    dtype = getattr(torch, case.dtype)
+    dense = torch.randn(case.batch, case.dim, generator=gen).to(device, dtype)
+    pooled = torch.randn(case.batch, case.fields, case.dim, generator=gen).to(device, dtype)
+    width = interaction_output_dim(case.fields, case.dim)
+    grad = torch.randn(case.batch, width, generator=gen).to(device, dtype)
+
+    def call(config) -> Callable[[], torch.Tensor]:
+        if case.kernel == "fwd":
+            return lambda: kernels.forward_with(dense, pooled, False, config)
+        return lambda: torch.cat([g.flatten() for g in kernels.backward_with(grad, dense, pooled, config)])
+
+    return {name: Candidate(config._asdict(), call(config)) for name, config in configs(case).items()}
+
+
+def tolerance(case: TuneCase) -> dict[str, float]:
+    """Configs sum the column chunks in other orders: float32 rounding, one 16-bit rounding of the output."""
+    return {"rtol": 1e-4, "atol": 1e-4} if case.dtype == "float32" else {"rtol": 2.0**-7, "atol": 1e-3}
+
+
+def time_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Median ms of ``fn`` (``triton.testing.do_bench`` on CUDA; one call elsewhere)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def sweep_case(
+    case: TuneCase, device: torch.device, copy_gbs: float, deadline: float, max_configs: int | None
+) -> dict:
+    """Checks and times one case's configs until ``deadline``; returns its record."""
+    from recaccel.ops.tf32 import tf32
+
+    with tf32(case.tf32):
+        cands = candidates(case, device)
+        names = list(cands)[:max_configs]
+        if device.type == "cuda":
+            precompile([cands[n] for n in names], compile_workers(), device)
+        want = cands["default"].run().clone()
+        nbytes = case_bytes(case)
+        timed, dropped, truncated = {}, {}, False
+        for name in names:
+            if time.monotonic() > deadline:
+                truncated = True
+                break
+            try:
+                torch.testing.assert_close(cands[name].run(), want, **tolerance(case))
+            except Exception as exc:  # a config that fails to compile, run or agree is dropped
+                dropped[name] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+                continue
+            ms = time_ms(cands[name].run, device)
+            gb_s = nbytes / (ms * 1e-3) / 1e9
+            timed[name] = {"ms": ms, "gb_s": gb_s, "pct_copy": 100 * gb_s / copy_gbs, **cands[name].fields}
+    best = min(timed, key=lambda n: timed[n]["ms"]) if timed else None
+    return {"case": dataclasses.asdict(case), "name": case.name, "key": table_key(case), "bytes": nbytes,
+            "configs": timed, "dropped": dropped, "best": best, "truncated": truncated}  # fmt: skip
+
+
+def table_key(case: TuneCase) -> str:
+    """The tuning table's key of a case (the dot mode its dtype and TF32 switch give on CUDA)."""
+    from recaccel.ops.interaction import tuning
+    from recaccel.ops.interaction.launch_plan import dot_precision
+
+    mode = dot_precision(getattr(torch, case.dtype), on_cuda=True, allow_tf32=case.tf32)
+    return tuning.shape_key(case.kernel, case.fields + 1, case.dim, case.dtype, mode)
+
+
+def winners(records: list[dict]) -> dict[str, dict[str, int]]:
+    """Per table key, the config with the least total time relative to each case's best,
+    among the configs timed in every case of that key."""
+    by_key: dict[str, list[dict]] = {}
+    for rec in records:
+        if rec["best"]:
+            by_key.setdefault(rec["key"], []).append(rec)
+    table = {}
+    for key, recs in by_key.items():
+        common = sorted(set.intersection(*(set(r["configs"]) for r in recs)))
+        if common:
+            name = min(
+                common,
+                key=lambda n, recs=recs: sum(
+                    r["configs"][n]["ms"] / r["configs"][r["best"]]["ms"] for r in recs
+                ),
+            )
+            table[key] = {f: int(recs[0]["configs"][name][f]) for f in ("block_b", "bd", "num_warps")}
+    return table
+
+
+def run(
+    cases: list[TuneCase], device: torch.device, json_path: Path, budget_s: float, max_configs: int | None
+) -> dict:
+    """Sweeps ``cases`` in order within ``budget_s``, rewriting ``json_path`` after each."""
+    from recaccel.ops.tuning_tables import device_name
+
+    start = time.monotonic()
+    deadline = start + budget_s
+    report = {"env": environment_info(device), "device_name": device_name(device),
+              "copy_gb_s": measure_copy_bandwidth(device), "budget_s": budget_s, "cases": [], "skipped": []}  # fmt: skip
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    for case in cases:
+        if time.monotonic() > deadline - min(CASE_RESERVE_S, budget_s / 4):
+            report["skipped"].append(case.name)
+        else:
+            report["cases"].append(sweep_case(case, device, report["copy_gb_s"], deadline, max_configs))
+        report["elapsed_s"] = time.monotonic() - start
+        json_path.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def add_args(parser) -> None:
+    """The benchmark's options."""
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=150.0, help="whole run's time budget (default %(default)s)"
+    )
+    parser.add_argument(
+        "--json", default="runs/bench/interaction_tune.json", help="results, rewritten after every case"
+    )
+    parser.add_argument(
+        "--write-table", help="merge the winners into this tuning-table module, keyed by device"
+    )
+    add_output_args(parser, "interaction_tune")
+
+
+def main(args, command_line: str) -> Path:
+    """Runs the sweep; writes the JSON, the markdown and (``--write-table``) the table; returns the markdown."""
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
+    elif device.type != "cuda" or not torch.cuda.is_available():
+        raise RecaccelError(
+            f"recaccel-bench interaction_tune: --device {args.device}: expected cuda (present) or cpu"
+        )
+    if args.budget_s <= 0:
+        raise RecaccelError(f"recaccel-bench interaction_tune: --budget-s {args.budget_s}: must be > 0")
+    cuda = device.type == "cuda"
+    report = run(
+        gpu_cases() if cuda else CPU_CASES, device, Path(args.json), args.budget_s, None if cuda else 2
+    )
+    notes = [f"copy bandwidth {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run",
+             f"skipped for the budget: {', '.join(report['skipped']) or 'none'}"]  # fmt: skip
+    if not cuda:
+        notes.append(
+            "CPU run under the Triton interpreter: checks the sweep runs; the times say nothing about a GPU"
+        )
+    if args.write_table:
+        from recaccel.ops.interaction import tuning
+
+        path = tuning.write(args.write_table, report["device_name"], winners(report["cases"]))
+        notes.append(f"winners written to {path} for {report['device_name']}")
+    rows = [summary_row(rec) for rec in report["cases"]]
+    return write_results_markdown(
+        args.out, "Dot interaction launch-config sweep", report["env"], command_line, rows, notes
+    )
+
+
+def summary_row(rec: dict) -> dict:
+    """One markdown row: the case, the default's and the best config's figures."""
+    default = rec["configs"].get("default", {})
+    best = rec["configs"].get(rec["best"], {}) if rec["best"] else {}
+    return {"case": rec["name"], "configs timed": len(rec["configs"]), "dropped": len(rec["dropped"]),
+            "default ms": default.get("ms"), "default % copy": default.get("pct_copy"), "best": rec["best"],
+            "best ms": best.get("ms"), "best % copy": best.get("pct_copy")}  # fmt: skip

@@ -1,0 +1,104 @@
+"""Dot interaction launch plans: every config the tuning sweep may pick computes the
+reference's result, forward and backward; tuned table entries replace the heuristic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recaccel.bench.kernels import interaction_tune
+from recaccel.ops.interaction import dot_interaction_backward_reference, dot_interaction_reference, tuning
+from recaccel.ops.interaction.launch_plan import (
+    KernelConfig,
+    check_config,
+    heuristic_plan,
+    launch_plan,
+    with_tuned,
+)
+from recaccel.ops.tuning_tables import read_table, write_table
+from tests.helpers.marks import needs_triton
+
+
+def _inputs(batch: int, fields: int, dim: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(batch, dim, generator=gen, dtype=torch.float64)
+    pooled = torch.randn(batch, fields, dim, generator=gen, dtype=torch.float64)
+    return dense, pooled
+
+
+@needs_triton
+@pytest.mark.parametrize(("batch", "fields", "dim"), [(5, 3, 40), (1, 26, 16), (3, 70, 8)])
+def test_every_sweep_config_matches_the_reference_forward_and_backward(batch, fields, dim):
+    """Odd batch sizes (a partial block of rows), a D that is no power of two, and R > 64
+    (the tile-pair grid); every third candidate of the sweep, the default always."""
+    from recaccel.ops.interaction.triton import backward_with, forward_with
+
+    dense, pooled = _inputs(batch, fields, dim)
+    x = torch.cat([dense[:, None], pooled], 1)
+    want = dot_interaction_reference(x)
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want_grad = dot_interaction_backward_reference(grad, x)
+    case = interaction_tune.TuneCase("fwd", batch, fields, dim, "float32")
+    configs = interaction_tune.configs(case)
+    assert next(iter(configs)) == "default"
+    f32 = [t.float() for t in (dense, pooled, grad)]
+    for name in list(configs)[::3]:
+        config = configs[name]
+        got = forward_with(f32[0], f32[1], False, config)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=name)
+        g_dense, g_pooled = backward_with(f32[2], f32[0], f32[1], config)
+        got_grad = torch.cat([g_dense[:, None], g_pooled], 1)
+        torch.testing.assert_close(got_grad.double(), want_grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_sweep_configs_fit_the_register_budget_and_launch():
+    for fields, dim in ((26, 128), (500, 32), (3, 8)):
+        plan = heuristic_plan(fields + 1, dim)
+        for kernel in ("fwd", "bwd"):
+            configs = interaction_tune.configs(interaction_tune.TuneCase(kernel, 64, fields, dim, "bfloat16"))
+            assert len(configs) == len(set(configs.values())) > 1
+            for config in configs.values():
+                check_config(config, fields + 1)
+                assert (
+                    config.block_b * plan.bt * max(plan.bt, config.bd) <= interaction_tune.MAX_TILE_ELEMENTS
+                )
+                assert fields + 1 <= 64 or config.block_b == 1
+
+
+def test_a_config_that_cannot_launch_is_refused_in_one_line():
+    for bad, rows in (
+        (KernelConfig(3, 32, 4), 27),
+        (KernelConfig(2, 8, 4), 27),
+        (KernelConfig(2, 32, 4), 501),
+    ):
+        with pytest.raises(ValueError, match=r"launch config .* cannot run at R="):
+            check_config(bad, rows)
+
+
+def test_table_entries_replace_the_heuristic_per_kernel():
+    plan = heuristic_plan(27, 128)
+    tuned = with_tuned(plan, {"block_b": 4, "bd": 32, "num_warps": 8}, None)
+    assert tuned.fwd == KernelConfig(4, 32, 8) and tuned.bwd == plan.bwd and tuned.bt == plan.bt
+    assert with_tuned(plan, None, None) == plan
+    # Off CUDA nothing is tuned: the interpreter runs the heuristic.
+    assert launch_plan(27, 128, torch.float32, torch.device("cpu")) == plan
+
+
+def test_table_round_trip_keeps_other_devices_and_reads_its_formatted_module(tmp_path):
+    path = tmp_path / "table.py"
+    key = tuning.shape_key("fwd", 27, 128, torch.bfloat16, "native")
+    assert key == "fwd_R27_D128_bfloat16_native"
+    write_table(path, "GPU A", {key: {"block_b": 2, "bd": 64, "num_warps": 4}}, tuning.HEADER)
+    tuning.write(path, "GPU B", {key: {"block_b": 1, "bd": 128, "num_warps": 8}})
+    table = read_table(path)
+    assert table["GPU A"][key]["bd"] == 64 and table["GPU B"][key]["num_warps"] == 8
+    assert tuning.lookup("cpu", key, table) is None
+    assert tuning.lookup("cpu", key, {"cpu": {key: {"block_b": 1, "bd": 32, "num_warps": 2}}}) == {
+        "block_b": 1,
+        "bd": 32,
+        "num_warps": 2,
+    }
+    # The module is Python with trailing commas (what ruff format leaves), not JSON.
+    namespace: dict = {}
+    exec(path.read_text(), namespace)
+    assert namespace["TABLE"] == table
