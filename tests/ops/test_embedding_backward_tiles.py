@@ -309,10 +309,10 @@ def test_two_runs_are_bitwise_identical(optimizer, dtype):
 
 def test_default_tile_sizes_are_powers_of_two_within_the_register_budget():
     for dim in (1, 16, 48, 100, 128, 256, 1024):
-        block_occ, num_warps = tiles.tile_config(dim)
+        block_occ, num_warps, subtiles = tiles.tile_config(dim)
         assert block_occ & (block_occ - 1) == 0 and 8 <= block_occ <= 128, dim
         assert dim > 256 or block_occ * max(dim, 16) <= 4096, dim
-        assert num_warps == 4
+        assert num_warps == 4 and subtiles == 1
 
 
 _COMPILE = textwrap.dedent(
@@ -330,7 +330,7 @@ _COMPILE = textwrap.dedent(
         "num_occ": "i32", "batch_size": "i32", "dim": "i32", "stride_w": "i32",
         "stride_gb": "i32", "stride_gf": "i32", "stride_gd": "i32", **HYPER,
         "MODE": "constexpr", "STOCHASTIC": "constexpr", "HAS_SCALE": "constexpr",
-        "BLOCK_OCC": "constexpr", "BLOCK_D": "constexpr",
+        "BLOCK_OCC": "constexpr", "BLOCK_D": "constexpr", "SUBTILES": "constexpr",
     }
     SPAN = {
         "weight_ptr": "*fp32", "m1_ptr": "*fp32", "m2_ptr": "*fp32", "keys_ptr": "*i64",
@@ -340,15 +340,17 @@ _COMPILE = textwrap.dedent(
     }
     variants = []
     for mode, weight, stochastic in ((0, "*fp32", 0), (1, "*fp32", 0), (2, "*bf16", 1), (3, "*fp32", 0)):
-        variants.append((K._occurrence_tile_kernel, {**TILE, "weight_ptr": weight},
-                         {"MODE": mode, "STOCHASTIC": stochastic, "HAS_SCALE": 1, "BLOCK_OCC": 16,
-                          "BLOCK_D": 128}))
+        for subtiles in (1, 4):
+            variants.append((K._occurrence_tile_kernel, {**TILE, "weight_ptr": weight},
+                             {"MODE": mode, "STOCHASTIC": stochastic, "HAS_SCALE": 1, "BLOCK_OCC": 16,
+                              "BLOCK_D": 128, "SUBTILES": subtiles}))
         variants.append((K._spanning_rows_kernel, {**SPAN, "weight_ptr": weight},
                          {"MODE": mode, "STOCHASTIC": stochastic, "BLOCK_OCC": 16, "BLOCK_D": 128,
                           "CHUNK": 16}))
     # The gradient of a bf16 pooled output (mixed precision), read as it is, without scales.
     variants.append((K._occurrence_tile_kernel, {**TILE, "grad_out_ptr": "*bf16"},
-                     {"MODE": 1, "STOCHASTIC": 0, "HAS_SCALE": 0, "BLOCK_OCC": 16, "BLOCK_D": 128}))
+                     {"MODE": 1, "STOCHASTIC": 0, "HAS_SCALE": 0, "BLOCK_OCC": 16, "BLOCK_D": 128,
+                      "SUBTILES": 16}))
     for fn, signature, constexprs in variants:
         compiled = triton.compile(
             ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)
@@ -364,7 +366,7 @@ def test_tile_kernels_compile_for_sm90_without_atomics(tmp_path):
     """The interpreter never runs Triton's compiler: compile every mode for an H100/H200."""
     done = compile_in_subprocess(_COMPILE, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert "compiled 9" in done.stdout
+    assert "compiled 13" in done.stdout
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -8,7 +8,8 @@ One command on a lent H100/H200, under 6 minutes (``--budget-s`` 330 by default)
 
 Per case (forward: D 16..256, L 1 / 20 / variable / Zipf, fp32 and bf16, T=26 B=16384 and
 65536, T=500 B=4096 D=32; backward + fused row-wise Adagrad update: the same shapes with
-Zipf hot rows), most important first, it builds the seeded batch, runs the kernel's
+Zipf hot rows; one-chunk tiles, then programs walking 4 and 16 chunks around the device's
+tuned entry), most important first, it builds the seeded batch, runs the kernel's
 default config (its heuristic, :func:`~recaccel.ops.embedding.triton.forward.forward_config`
 / :func:`~recaccel.ops.embedding.triton.backward.tile_config` without a device), compiles
 every candidate config at once on a thread pool (:func:`precompile`, CUDA only), then for
@@ -215,12 +216,13 @@ def winners(records: list[dict]) -> dict[str, dict[str, int]]:
 
 
 def _fields(figures: dict, kernel: str) -> dict[str, int]:
-    names = (
-        ("block_bags", "num_warps", "unroll", "long_threshold")
-        if kernel == "forward"
-        else ("block_occ", "num_warps")
-    )
-    return {k: int(figures[k]) for k in names}
+    """A winner's table entry; a backward one has ``subtiles`` only when above 1 (absent: 1)."""
+    if kernel == "forward":
+        return {k: int(figures[k]) for k in ("block_bags", "num_warps", "unroll", "long_threshold")}
+    entry = {k: int(figures[k]) for k in ("block_occ", "num_warps")}
+    if int(figures.get("subtiles", 1)) != 1:
+        entry["subtiles"] = int(figures["subtiles"])
+    return entry
 
 
 # --------------------------------------------------------------------------- CLI

@@ -13,6 +13,7 @@ from recaccel.bench.kernels.embedding_cases import state_floats_per_row
 from recaccel.sparse import SparseFeatures
 
 OPTIMIZER = "rowwise_adagrad"  # the fused update the sweep times (the presets' sparse optimizer)
+SUBTILES = (4, 16)  # chunks per backward program tried around the best one-chunk config
 _ROUNDING_SEED = 12345
 
 
@@ -134,7 +135,7 @@ def make_batch(case: KernelCase, device: torch.device, seed: int = 0):
 
 def config_name(fields: dict[str, int]) -> str:
     """A config's short name in the tables: ``bb8_w4_u2``."""
-    short = {"block_bags": "bb", "num_warps": "w", "unroll": "u", "block_occ": "occ"}
+    short = {"block_bags": "bb", "num_warps": "w", "unroll": "u", "block_occ": "occ", "subtiles": "st"}
     return "_".join(f"{short[k]}{v}" for k, v in fields.items() if k in short)
 
 
@@ -159,17 +160,26 @@ def forward_sweep(case: KernelCase) -> list[dict[str, int]]:
     ]
 
 
-def backward_sweep(case: KernelCase) -> list[dict[str, int]]:
+def backward_sweep(case: KernelCase, base: dict[str, int] | None = None) -> list[dict[str, int]]:
     """BLOCK_OCC x warps with a 512..4096-value tile and at most 32 values per thread (a
-    value, its scan flag and the scan's temporaries: 4096 at 4 warps takes 191-255 registers)."""
+    value, its scan flag and the scan's temporaries: 4096 at 4 warps takes 191-255 registers),
+    then programs of ``SUBTILES`` chunks at ``base``'s BLOCK_OCC (the device's tuned entry;
+    None: the heuristic default) with its warps and 4 (at most 4 more configs: the budget)."""
+    from recaccel.ops.embedding.triton.backward import tile_config
+
     block_d = 1 << (case.dim - 1).bit_length()
-    return [
+    one_chunk = [
         {"block_occ": occ, "num_warps": w}
         for occ in (8, 16, 32, 64, 128, 256)
         for w in (2, 4, 8)
         if (512 <= occ * block_d <= 4096 and occ * block_d <= 32 * 32 * w)
         or (occ == 8 and occ * block_d > 4096)
     ]
+    occ, warps, _ = tile_config(case.dim) if base is None else (base["block_occ"], base["num_warps"], 1)
+    longer = [
+        {"block_occ": occ, "num_warps": w, "subtiles": st} for w in sorted({warps, 4}) for st in SUBTILES
+    ]
+    return one_chunk + longer
 
 
 def forward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[str, Candidate], int]:
@@ -203,6 +213,7 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     from recaccel.ops.embedding.packing import gather_pack_ids
     from recaccel.ops.embedding.row_groups import group_by_row
     from recaccel.ops.embedding.specs import SparseOptimConfig
+    from recaccel.ops.embedding.triton import tuning
     from recaccel.ops.embedding.triton.backward import _launch_tiles, tile_config
 
     weight, sf, local = make_batch(case, device)
@@ -220,7 +231,7 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     def update(w: torch.Tensor, m: torch.Tensor, fields: dict[str, int]) -> None:
         _launch_tiles(
             w, m, m, keys, bags, None, grad_out, case.batch, 1, hyper, stochastic_seed,
-            fields["block_occ"], fields["num_warps"],
+            fields["block_occ"], fields["num_warps"], fields.get("subtiles", 1),
         )  # fmt: skip
 
     def candidate(fields: dict[str, int]) -> Candidate:
@@ -231,10 +242,11 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
 
         return Candidate(fields, run)
 
-    occ, warps = tile_config(case.dim)
+    occ, warps, _ = tile_config(case.dim)
     default = {"block_occ": occ, "num_warps": warps}
     configs = {"default": candidate(default)}
-    configs.update({config_name(f): candidate(f) for f in backward_sweep(case) if f != default})
+    tuned = tuning.lookup(device, tuning.backward_key(case.dim, case.dtype))
+    configs.update({config_name(f): candidate(f) for f in backward_sweep(case, tuned) if f != default})
     timed_w, timed_m = weight.clone(), momentum.clone()
     for c in configs.values():  # timing updates one copy in place: no clone inside the timed call
         c.timed = lambda f=c.fields: update(timed_w, timed_m, f)

@@ -130,7 +130,7 @@ def test_write_table_merges_devices_and_lookup_returns_the_winner_or_none(tmp_pa
     assert forward.forward_config(128, 20.0, torch.float32, DEVICE) == forward.forward_config(
         128, 20.0, torch.float32
     )
-    assert backward.tile_config(48, torch.float32, DEVICE) == (16, 8)
+    assert backward.tile_config(48, torch.float32, DEVICE) == (16, 8, 1)  # no "subtiles": 1
     assert backward.tile_config(48, torch.bfloat16, DEVICE) == backward.tile_config(48)
 
     monkeypatch.setattr(tuning, "device_name", lambda device: "an untuned GPU")

@@ -38,6 +38,8 @@ the pack, U unique rows, T tiles.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -48,7 +50,7 @@ from recaccel.ops.embedding.packing import PackIds
 from recaccel.ops.embedding.row_groups import RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton import tuning
-from recaccel.ops.embedding.triton.rounding import _stochastic_round, _uniform_noise
+from recaccel.ops.embedding.triton.row_update import _apply_rows, _spanning_rows_kernel
 
 # MODE of the kernels: the sparse optimizers, or "store the row's gradient" (autograd mode).
 _MODE_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
@@ -56,12 +58,27 @@ _MODE_GRAD = 3
 CHUNK_TILES = 16  # partials the fix-up kernel loads per step
 
 
+class TileConfig(NamedTuple):
+    """Launch configuration of the occurrence-tile kernel.
+
+    Attributes:
+        block_occ: Occurrences per chunk (the scan's length).
+        num_warps: Warps per program.
+        subtiles: Chunks one program walks in order (its span is ``block_occ * subtiles``).
+    """
+
+    block_occ: int
+    num_warps: int
+    subtiles: int = 1
+
+
 def tile_config(
     dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-) -> tuple[int, int]:
-    """``(BLOCK_OCC, num_warps)`` for rows of ``dim`` columns in ``dtype``: the per-device
-    tuning table's entry for ``device`` (:mod:`~recaccel.ops.embedding.triton.tuning`),
-    else the default below.
+) -> TileConfig:
+    """``(BLOCK_OCC, num_warps, SUBTILES)`` for rows of ``dim`` columns in ``dtype``: the
+    per-device tuning table's entry for ``device``
+    (:mod:`~recaccel.ops.embedding.triton.tuning`; an entry without ``subtiles`` has 1),
+    else the default below (one chunk per program).
 
     A tile holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
     registers: 2048 of each compiles (sm_90, 4 warps) to ~76-142 registers per thread,
@@ -72,9 +89,9 @@ def tile_config(
     if device is not None:
         entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
         if entry is not None:
-            return entry["block_occ"], entry["num_warps"]
+            return TileConfig(entry["block_occ"], entry["num_warps"], entry.get("subtiles", 1))
     block_d = triton.next_power_of_2(dim)
-    return max(8, min(128, 2048 // block_d)), 4
+    return TileConfig(max(8, min(128, 2048 // block_d)), 4)
 
 
 @triton.jit
@@ -84,22 +101,70 @@ def _segmented_add(flag_a, sum_a, flag_b, sum_b):
 
 
 @triton.jit
-def _apply_rows(
+def _chunk_gradients(
+    keys_ptr,
+    bags_ptr,
+    scale_ptr,
+    grad_out_ptr,
+    occ,  # int64 [BLOCK_OCC] sorted occurrence indices of the chunk
+    valid,  # bool [BLOCK_OCC] occ < num_occ
+    num_occ,
+    batch_size,
+    cols,
+    col_mask,
+    stride_gb,
+    stride_gf,
+    stride_gd,
+    HAS_SCALE: tl.constexpr,
+):
+    """Keys of a chunk's occurrences and of their neighbours (-1: none), and the
+    occurrences' scaled output-gradient rows, float32 [BLOCK_OCC, BLOCK_D]."""
+    # Keys are >= 0, so -1 marks "no occurrence" on either side.
+    key = tl.load(keys_ptr + occ, mask=valid, other=-1)
+    prev = tl.load(keys_ptr + occ - 1, mask=valid & (occ > 0), other=-1)
+    nxt = tl.load(keys_ptr + occ + 1, mask=occ + 1 < num_occ, other=-1)
+    bag = tl.load(bags_ptr + occ, mask=valid, other=0)
+    j = bag // batch_size
+    b = bag % batch_size
+    mask = valid[:, None] & col_mask[None, :]
+    # A 16-bit pooled output's gradient is read as it is (half the bytes), summed in float32.
+    g = tl.load(
+        grad_out_ptr + b[:, None] * stride_gb + j[:, None] * stride_gf + cols[None, :] * stride_gd,
+        mask=mask,
+        other=0.0,
+    ).to(tl.float32)
+    if HAS_SCALE:
+        g = g * tl.load(scale_ptr + occ, mask=valid, other=0.0)[:, None]
+    return key, prev, nxt, g
+
+
+@triton.jit
+def _tile_chunk(
     weight_ptr,
     m1_ptr,
     m2_ptr,
-    key,  # int32 or int64 [M] destination row of each gradient row
-    g,  # float32 [M, BLOCK_D] summed gradient (0 in padded columns)
-    live,  # bool [M] rows to update
-    cols,
-    col_mask,
+    keys_ptr,
+    bags_ptr,
+    scale_ptr,
+    grad_out_ptr,
+    part,  # float32 [2, BLOCK_D] pointers: the program's head / tail partials
+    first,  # the chunk's first occurrence
+    span_last,  # the program's last occurrence
+    before,  # the key before the program's span (-1: none)
+    carry,  # float32 [BLOCK_D] sum of the segment open at the previous chunk's end
+    joined,  # whether carry is live (not the span's first chunk)
+    num_occ,
+    batch_size,
     dim,
     stride_w,
+    stride_gb,
+    stride_gf,
+    stride_gd,
     lr,
     eps,
     beta1,
     beta2,
-    one_minus_beta1,  # 1 - beta, rounded once from float64 on the host (as the reference)
+    one_minus_beta1,
     one_minus_beta2,
     weight_decay,
     bias_c1,
@@ -107,35 +172,38 @@ def _apply_rows(
     seed,
     MODE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_OCC: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CARRY: tl.constexpr,  # the span has more chunks: join carry in, return the new one
 ):
-    """Applies the sparse optimizer (or stores the gradient) to ``M`` rows at once: the
-    rules of the reference optimizer, :func:`~recaccel.ops.embedding.optimizers.update_rows`'s semantics."""
-    key = key.to(tl.int64)  # int32 keys (int32 ids): row * D and the rounding hash need int64
-    mask = live[:, None] & col_mask[None, :]
-    w_ptrs = weight_ptr + key[:, None] * stride_w + cols[None, :]
-    if MODE == 3:
-        tl.store(w_ptrs, g, mask=mask)
-    else:
-        w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if MODE == 0:
-            w = w - lr * (g + weight_decay * w)
-        elif MODE == 1:
-            g = g + weight_decay * w
-            m = tl.load(m1_ptr + key, mask=live, other=0.0) + tl.sum(g * g, axis=1) / dim
-            tl.store(m1_ptr + key, m, mask=live)
-            w = w - (lr / (tl.sqrt_rn(m) + eps))[:, None] * g
-        else:
-            state = key[:, None] * dim + cols[None, :]
-            m1 = beta1 * tl.load(m1_ptr + state, mask=mask, other=0.0) + one_minus_beta1 * g
-            m2 = beta2 * tl.load(m2_ptr + state, mask=mask, other=0.0) + one_minus_beta2 * g * g
-            tl.store(m1_ptr + state, m1, mask=mask)
-            tl.store(m2_ptr + state, m2, mask=mask)
-            w = w - lr * ((m1 / bias_c1) / (tl.sqrt_rn(m2 / bias_c2) + eps) + weight_decay * w)
-        if STOCHASTIC:
-            noise = _uniform_noise(seed, key[:, None] * dim + cols[None, :])
-            tl.store(w_ptrs, _stochastic_round(w, noise, weight_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(w_ptrs, w, mask=mask)
+    """Steps 1-4 of the module's docstring for the ``BLOCK_OCC`` occurrences from ``first``;
+    returns the scan's value at the chunk's last occurrence (the next chunk's carry)."""
+    occ = first + tl.arange(0, BLOCK_OCC)
+    valid = occ < num_occ
+    cols = tl.arange(0, BLOCK_D)
+    col_mask = cols < dim
+    key, prev, nxt, g = _chunk_gradients(
+        keys_ptr, bags_ptr, scale_ptr, grad_out_ptr, occ, valid, num_occ, batch_size, cols, col_mask,
+        stride_gb, stride_gf, stride_gd, HAS_SCALE,
+    )  # fmt: skip
+    if CARRY:  # the segment open at the previous chunk's end goes on: its sum joins this row
+        g = tl.where(((occ == first) & (key == prev) & joined)[:, None], g + carry[None, :], g)
+    ends = valid & (key != nxt)
+    began_here = key != before
+    starts = tl.broadcast_to((key != prev).to(tl.int32)[:, None], (BLOCK_OCC, BLOCK_D))
+    _, sums = tl.associative_scan((starts, g), 0, _segmented_add)
+    _apply_rows(
+        weight_ptr, m1_ptr, m2_ptr, key, sums, ends & began_here, cols, col_mask, dim, stride_w,
+        lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
+    )  # fmt: skip
+    # Partials of the segments crossing the span's edges (at most one row each is unmasked).
+    part = part + occ[:, None] * 0 + cols[None, :]
+    tl.store(part, sums, mask=(ends & ~began_here)[:, None])
+    tl.store(part + BLOCK_D, sums, mask=((occ == span_last) & (key == nxt))[:, None])
+    if CARRY:
+        carry = tl.sum(tl.where((occ == first + BLOCK_OCC - 1)[:, None], sums, 0.0), axis=0)
+    return carry
 
 
 @triton.jit(do_not_specialize=["seed"])  # a new seed every update: no recompiles
@@ -147,7 +215,7 @@ def _occurrence_tile_kernel(
     bags_ptr,  # int64 [N_p] bag of each sorted occurrence
     scale_ptr,  # float32 [N_p] (read only if HAS_SCALE)
     grad_out_ptr,  # float32, bfloat16 or float16 [B, S, D], any strides
-    part_ptr,  # float32 [T, 2, BLOCK_D] head / tail partials
+    part_ptr,  # float32 [T, 2, BLOCK_D] head / tail partials of each span
     num_occ,
     batch_size,
     dim,
@@ -170,110 +238,29 @@ def _occurrence_tile_kernel(
     HAS_SCALE: tl.constexpr,
     BLOCK_OCC: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SUBTILES: tl.constexpr,  # chunks of BLOCK_OCC occurrences per program (its span)
 ):
     t = tl.program_id(0).to(tl.int64)
-    start = t * BLOCK_OCC
-    occ = start + tl.arange(0, BLOCK_OCC)
-    valid = occ < num_occ
-    cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < dim
-    # Keys are >= 0, so -1 marks "no occurrence" on either side.
-    key = tl.load(keys_ptr + occ, mask=valid, other=-1)
-    prev = tl.load(keys_ptr + occ - 1, mask=valid & (occ > 0), other=-1)
-    nxt = tl.load(keys_ptr + occ + 1, mask=occ + 1 < num_occ, other=-1)
-    before = tl.load(keys_ptr + start - 1, mask=start > 0, other=-1)  # last key of tile t-1
-    ends = valid & (key != nxt)
-    began_here = key != before
-
-    bag = tl.load(bags_ptr + occ, mask=valid, other=0)
-    j = bag // batch_size
-    b = bag % batch_size
-    mask = valid[:, None] & col_mask[None, :]
-    # A 16-bit pooled output's gradient is read as it is (half the bytes), summed in float32.
-    g = tl.load(
-        grad_out_ptr + b[:, None] * stride_gb + j[:, None] * stride_gf + cols[None, :] * stride_gd,
-        mask=mask,
-        other=0.0,
-    ).to(tl.float32)
-    if HAS_SCALE:
-        g = g * tl.load(scale_ptr + occ, mask=valid, other=0.0)[:, None]
-    starts = tl.broadcast_to((key != prev).to(tl.int32)[:, None], (BLOCK_OCC, BLOCK_D))
-    _, sums = tl.associative_scan((starts, g), 0, _segmented_add)
-
-    _apply_rows(
-        weight_ptr, m1_ptr, m2_ptr, key, sums, ends & began_here, cols, col_mask, dim, stride_w,
-        lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
-    )  # fmt: skip
-
-    # Partials of the segments crossing the tile's edges (at most one row each is unmasked).
-    part = part_ptr + t * (2 * BLOCK_D) + occ[:, None] * 0 + cols[None, :]
-    tl.store(part, sums, mask=(ends & ~began_here)[:, None])
-    is_last = occ == tl.minimum(start + BLOCK_OCC, num_occ) - 1
-    tl.store(part + BLOCK_D, sums, mask=(is_last & (key == nxt))[:, None])
-
-
-@triton.jit(do_not_specialize=["seed"])
-def _spanning_rows_kernel(
-    weight_ptr,
-    m1_ptr,
-    m2_ptr,
-    keys_ptr,
-    part_ptr,
-    num_occ,
-    num_tiles,
-    dim,
-    stride_w,
-    lr,
-    eps,
-    beta1,
-    beta2,
-    one_minus_beta1,  # 1 - beta, rounded once from float64 on the host (as the reference)
-    one_minus_beta2,
-    weight_decay,
-    bias_c1,
-    bias_c2,
-    seed,
-    MODE: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-    BLOCK_OCC: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    start = t * BLOCK_OCC
-    last = tl.minimum(start + BLOCK_OCC, num_occ) - 1
-    key = tl.load(keys_ptr + last)
-    before = tl.load(keys_ptr + start - 1, mask=start > 0, other=-1)
-    nxt = tl.load(keys_ptr + last + 1, mask=last + 1 < num_occ, other=-1)
-    # Tile t owns the segment of its last occurrence iff it began here and goes on.
-    owns = (nxt == key) & (key != before)
-    cols = tl.arange(0, BLOCK_D)
-    col_mask = cols < dim
-    acc = tl.load(part_ptr + t * (2 * BLOCK_D) + BLOCK_D + cols, mask=owns, other=0.0)
-    # Tiles after t that the segment covers whole (its "middle") are a prefix of the
-    # following tiles; the first tile that is not a middle one is where it ends.
-    k = t + 1
-    middles = tl.where(owns, CHUNK, 0)
-    while middles == CHUNK:
-        ks = k + tl.arange(0, CHUNK)
-        in_range = ks < num_tiles
-        ks_last = tl.minimum((ks + 1) * BLOCK_OCC, num_occ) - 1
-        last_key = tl.load(keys_ptr + ks_last, mask=in_range, other=-1)
-        next_key = tl.load(keys_ptr + ks_last + 1, mask=in_range & (ks_last + 1 < num_occ), other=-1)
-        middle = in_range & (last_key == key) & (next_key == key)
-        tails = tl.load(
-            part_ptr + ks[:, None] * (2 * BLOCK_D) + BLOCK_D + cols[None, :], mask=middle[:, None], other=0.0
-        )
-        acc += tl.sum(tails, axis=0)
-        middles = tl.sum(middle.to(tl.int32), axis=0)
-        k += CHUNK
-    closing = k - CHUNK + middles
-    acc += tl.load(part_ptr + closing * (2 * BLOCK_D) + cols, mask=owns, other=0.0)
-    one = tl.zeros([1], dtype=tl.int64)
-    _apply_rows(
-        weight_ptr, m1_ptr, m2_ptr, key + one, acc[None, :], owns & (one == 0), cols, col_mask, dim,
-        stride_w, lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
-    )  # fmt: skip
+    start = t * (BLOCK_OCC * SUBTILES)
+    span_last = tl.minimum(start + BLOCK_OCC * SUBTILES, num_occ) - 1
+    before = tl.load(keys_ptr + start - 1, mask=start > 0, other=-1)  # last key of span t-1
+    part = part_ptr + t * (2 * BLOCK_D)
+    carry = tl.zeros([BLOCK_D], dtype=tl.float32)
+    if SUBTILES == 1:  # no loop: the one-chunk kernel compiles as before (96 registers, not 124)
+        _tile_chunk(
+            weight_ptr, m1_ptr, m2_ptr, keys_ptr, bags_ptr, scale_ptr, grad_out_ptr, part, start, span_last,
+            before, carry, False, num_occ, batch_size, dim, stride_w, stride_gb, stride_gf, stride_gd,
+            lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed,
+            MODE, STOCHASTIC, HAS_SCALE, BLOCK_OCC, BLOCK_D, False,
+        )  # fmt: skip
+    else:
+        for c in tl.range(0, SUBTILES):  # chunks past num_occ (last program) are all masked
+            carry = _tile_chunk(
+                weight_ptr, m1_ptr, m2_ptr, keys_ptr, bags_ptr, scale_ptr, grad_out_ptr, part,
+                start + c * BLOCK_OCC, span_last, before, carry, c > 0, num_occ, batch_size, dim, stride_w,
+                stride_gb, stride_gf, stride_gd, lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
+                weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC, HAS_SCALE, BLOCK_OCC, BLOCK_D, True,
+            )  # fmt: skip
 
 
 def _sorted_occurrences(ids: PackIds, order: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -296,16 +283,20 @@ def _launch_tiles(
     seed: int,
     block_occ: int | None,
     num_warps: int | None = None,
+    subtiles: int | None = None,
 ) -> None:
     """Runs the tile kernel and then the spanning-row kernel over ``keys.numel() > 0``
-    sorted occurrences; ``hyper`` is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2)."""
+    sorted occurrences; ``hyper`` is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2).
+    A config left None is :func:`tile_config`'s."""
     num_occ = keys.numel()
     dim = target.shape[1]
-    default_occ, default_warps = tile_config(dim, target.dtype, target.device)
-    block_occ = default_occ if block_occ is None else block_occ
-    num_warps = default_warps if num_warps is None else num_warps
+    default = tile_config(dim, target.dtype, target.device)
+    block_occ = default.block_occ if block_occ is None else block_occ
+    num_warps = default.num_warps if num_warps is None else num_warps
+    subtiles = default.subtiles if subtiles is None else subtiles
     block_d = triton.next_power_of_2(dim)
-    num_tiles = triton.cdiv(num_occ, block_occ)
+    span = block_occ * subtiles  # the spanning-row kernel's "tile" is a program's span
+    num_tiles = triton.cdiv(num_occ, span)
     if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         grad_out = grad_out.to(torch.float32)
     part = torch.empty(num_tiles, 2, block_d, dtype=torch.float32, device=target.device)
@@ -315,12 +306,12 @@ def _launch_tiles(
         num_occ, batch_size, dim, target.stride(0),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *hyper, seed,
         MODE=mode, STOCHASTIC=stochastic, HAS_SCALE=scale is not None,
-        BLOCK_OCC=block_occ, BLOCK_D=block_d, num_warps=num_warps,
+        BLOCK_OCC=block_occ, BLOCK_D=block_d, SUBTILES=subtiles, num_warps=num_warps,
     )  # fmt: skip
     if num_tiles > 1:
         _spanning_rows_kernel[(num_tiles,)](
             target, m1, m2, keys, part, num_occ, num_tiles, dim, target.stride(0), *hyper, seed,
-            MODE=mode, STOCHASTIC=stochastic, BLOCK_OCC=block_occ, BLOCK_D=block_d,
+            MODE=mode, STOCHASTIC=stochastic, BLOCK_OCC=span, BLOCK_D=block_d,
             CHUNK=CHUNK_TILES, num_warps=1,
         )  # fmt: skip
 
@@ -333,6 +324,7 @@ def embedding_bag_backward(
     *,
     block_occ: int | None = None,
     num_warps: int | None = None,
+    subtiles: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-unique-row weight gradient of one pack (autograd mode), by occurrence tiles.
 
@@ -341,8 +333,9 @@ def embedding_bag_backward(
         ids: The pack's ids, with ``bags``.
         batch_size: B.
         groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
-        block_occ: Occurrences per tile (default :func:`tile_config`).
+        block_occ: Occurrences per chunk (default :func:`tile_config`).
         num_warps: Warps per tile program (default :func:`tile_config`).
+        subtiles: Chunks per tile program (default :func:`tile_config`).
 
     Returns:
         (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
@@ -358,8 +351,9 @@ def embedding_bag_backward(
     bags, scale = _sorted_occurrences(ids, order)
     hyper = (0.0,) * 7 + (1.0, 1.0)
     _launch_tiles(
-        grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, block_occ, num_warps
-    )
+        grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0,
+        block_occ, num_warps, subtiles,
+    )  # fmt: skip
     return rows, grad
 
 
@@ -373,6 +367,7 @@ def fused_update(
     *,
     block_occ: int | None = None,
     num_warps: int | None = None,
+    subtiles: int | None = None,
 ) -> None:
     """Applies the sparse optimizer to the rows a batch touched, by occurrence tiles.
 
@@ -388,8 +383,9 @@ def fused_update(
         ids: The pack's ids, with ``bags``.
         batch_size: B.
         groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
-        block_occ: Occurrences per tile (default :func:`tile_config`).
+        block_occ: Occurrences per chunk (default :func:`tile_config`).
         num_warps: Warps per tile program (default :func:`tile_config`).
+        subtiles: Chunks per tile program (default :func:`tile_config`).
     """
     state.step.add_(1)
     seed = 0 if state.rounding_seed is None else state.rounding_seed()
@@ -414,5 +410,6 @@ def fused_update(
     m2 = state.states.get("momentum2", state.weight)
     mode = _MODE_CODES[state.optimizer]
     _launch_tiles(
-        state.weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, block_occ, num_warps
-    )
+        state.weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed,
+        block_occ, num_warps, subtiles,
+    )  # fmt: skip

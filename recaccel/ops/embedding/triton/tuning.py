@@ -9,7 +9,9 @@ a device or shape the table does not hold gets ``None``, and the kernel falls ba
 own heuristic default (the sound choice for a device nobody has tuned on).
 
 Shape keys: ``forward_key(D, length bucket, dtype)`` and ``backward_key(D, dtype)``;
-entries are plain dicts of the config's integer fields.
+entries are plain dicts of the config's integer fields. A backward entry's ``subtiles``
+(chunks per tile program) is optional: absent means 1, so tables written before the
+field existed keep their meaning.
 """
 
 from __future__ import annotations
