@@ -1,30 +1,34 @@
-"""``make gpu-check``: verify and measure everything on a lent GPU, in one command.
+"""``make gpu-check``: verify and measure everything on a lent GPU, in two commands.
 
-``python -m recaccel.bench.gpu_check --device cuda --out DIR`` (the tree run as
-``PYTHONPATH=.``), within 7 minutes on one H100 / H200 (the plan, each step with its
-budget, is printed first; the kernel tuning run ``recaccel-bench kernels`` fits beside it
-in a 15-minute loan):
+``python -m recaccel.bench.gpu_check --device cuda --part checks|steps --out DIR`` (the
+tree run as ``PYTHONPATH=.``), each part within 7 minutes on one H100 / H200
+(:mod:`recaccel.bench.gpu_check.plan`: the parts, budgets and sizes; the plan, each step
+with its budget, is printed first; the kernel tuning run fits beside part ``steps`` in
+one 10-minute command):
 
 1. environment (``nvidia-smi``, torch, Triton, device) and the two ceilings of this run:
    device-to-device copy bandwidth (bytes read + written, median) and the bf16 matmul
    rate (8192^3, random data);
-2. ``pytest -m gpu``: the files marking GPU tests in four groups run as pytest processes
-   at once (:mod:`~recaccel.bench.gpu_check.pytest_groups`; the lent machines have no
-   pytest-xdist), their logs joined in ``DIR/pytest.txt``;
-3. every ``recaccel-bench`` benchmark at GPU sizes, each a subprocess writing markdown,
-   JSON and plots (a benchmark not registered yet is skipped with a line): embedding,
-   dot interaction, DCN-v2 cross network (bf16), training under tf32 and bf16 on
-   ``bench_criteo_1hot`` and ``bench_wide``, the DCN-v2 preset, host tables behind the
-   cache (``cache_train``), io (rows/s per reader worker count on the criteo_1hot and
-   wide schemas), meta;
+2. (part checks) ``pytest -m gpu``: the files marking GPU tests in up to four groups,
+   balanced by their seconds (:mod:`~recaccel.bench.gpu_check.timings`), run as pytest
+   processes at once (:mod:`~recaccel.bench.gpu_check.pytest_groups`; the lent machines
+   have no pytest-xdist), their logs joined in ``DIR/pytest.txt``, their per-test times
+   summed per file into the tarball's ``test_seconds.json``;
+3. the ``recaccel-bench`` benchmarks of the part at GPU sizes, each a subprocess writing
+   markdown, JSON and plots (a benchmark not registered yet is skipped with a line):
+   checks: embedding, dot interaction, DCN-v2 cross network (bf16), host tables behind
+   the cache (``cache_train``), meta; steps: training under tf32 and bf16 on
+   ``bench_criteo_1hot`` and ``bench_wide``, the DCN-v2 preset, io (rows/s per reader
+   worker count on the criteo_1hot and wide schemas);
 4. a closing summary printed last: steps, pytest's line, each GPU target with its
-   figure and met / not met / not measured (:mod:`recaccel.bench.gpu_check.targets`).
+   figure and met / not met / not measured (:mod:`recaccel.bench.gpu_check.targets`);
+   a target of the other part reads "not measured (part ...)".
 
 Every subprocess step has a time budget; one that overruns is killed (its whole
 process group) and reported, and the rest still run. ``--device cpu`` is the small
-mode: the same steps at tiny sizes in well under a minute, with a fast pytest selection
-instead of the GPU suite (which skips without CUDA), CPU copies and an fp32 matmul for
-the ceilings. Files left in ``DIR``: :mod:`recaccel.bench.gpu_check.report`.
+mode: the same steps at tiny sizes in well under a minute per part, with a fast pytest
+selection instead of the GPU suite (which skips without CUDA), CPU copies and an fp32
+matmul for the ceilings. Files left in ``DIR``: :mod:`recaccel.bench.gpu_check.report`.
 """
 
 from __future__ import annotations

@@ -9,47 +9,84 @@ import tarfile
 import time
 
 from recaccel.bench.gpu_check import runner as gpu_check
+from recaccel.bench.gpu_check.plan import run_limit, select_steps
 from recaccel.bench.gpu_check.report import pytest_failures, pytest_summary
-from recaccel.bench.gpu_check.targets import MET, NOT_MEASURED, NOT_MET, evaluate
+from recaccel.bench.gpu_check.targets import MET, NOT_MEASURED, NOT_MET, evaluate, mark_not_run
 from recaccel.bench.gpu_check.targets import TARGETS as TARGET_SPECS
 
 TARGETS = tuple(t[0] for t in TARGET_SPECS)
 
 
-def test_small_mode_runs_every_step_and_ends_with_the_targets(tmp_path, capsys):
-    out = tmp_path / "check"
-    assert gpu_check.main(["--device", "cpu", "--out", str(out)]) == 0
+def _small_mode_part(out, part, capsys) -> tuple[str, dict]:
+    assert gpu_check.main(["--device", "cpu", "--part", part, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    summary = printed[printed.index("== gpu-check summary") :]
+    stem = "gpu_check" if part == "checks" else f"gpu_check_{part}"
+    return printed, json.loads((out / f"{stem}.json").read_text())
+
+
+def _tar_names(path) -> set[str]:
+    with tarfile.open(path) as tar:
+        return {m.rsplit("/", 1)[-1] for m in tar.getnames()}
+
+
+def test_small_mode_runs_both_parts_and_each_ends_with_the_targets(tmp_path, capsys):
+    out = tmp_path / "check"
+    printed, report = _small_mode_part(out, "checks", capsys)
+    summary = printed[printed.index("== gpu-check summary (part checks") :]
     for target in TARGETS:  # the table comes last, one line per target
         assert f"| {target} |" in summary
-    report = json.loads((out / "gpu_check.json").read_text())
     status = {s["name"]: s["status"] for s in report["steps"]}
-    every = ("pytest", "embedding", "interaction", "dcnv2", "train_dcnv2", "cache_train", "io", "meta")
-    assert {k: status[k] for k in every} == dict.fromkeys(every, "ok")
+    checks = ("pytest", "embedding", "interaction", "dcnv2", "cache_train", "meta")
+    assert {k: status[k] for k in checks} == dict.fromkeys(checks, "ok")
+    assert {k: status[k] for k in ("train", "train_dcnv2", "io")} == dict.fromkeys(
+        ("train", "train_dcnv2", "io"), "skipped"
+    )
     plan = printed[: printed.index("gpu-check: ceilings")]
-    for step in gpu_check.STEPS:  # the plan names every step with its budget, before any runs
+    for step in checks:  # the plan names every step of the part with its budget, before any runs
         assert f"  {step} " in plan
     assert "recaccel-bench interaction --kind dcnv2" in plan and "recaccel-bench cache_train" in plan
-    assert status["train"] in ("ok", "skipped")  # skipped only while the benchmark is not registered
+    assert "not in this run: train (part steps), train_dcnv2 (part steps), io (part steps)" in plan
     assert report["ceilings"]["copy_GBps"] > 0 and report["ceilings"]["matmul_TFLOPs"] > 0
     assert " passed" in report["pytest"]["summary"] and "passed" in (out / "pytest.txt").read_text()
     assert [t["target"] for t in report["targets"]] == list(TARGETS)
     got = {t["target"]: t for t in report["targets"]}
     # Measured on CPU too (judged against a GPU threshold): the cache figure.
     assert got["host tables at 10% cached >= 60% of all-device samples/s"]["value"] > 0
-    assert "workers=" in got["criteo_1hot schema reader >= 12 M rows/s"]["figure"]  # the io worker sweep
-    # What comes back from a lent machine: at most 8 files, flat; the rest in the tarball.
-    left = sorted(p.name for p in out.iterdir())
-    assert len(left) <= 8 and all(p.is_file() for p in out.iterdir())
-    assert {"gpu_check.md", "gpu_check.json", "pytest.txt", "gpu_check_parts.tar.gz"} <= set(left)
-    with tarfile.open(out / "gpu_check_parts.tar.gz") as tar:
-        names = {m.rsplit("/", 1)[-1] for m in tar.getnames()}
-    for bench in ("embedding", "interaction", "dcnv2", "cache_train", "io", "meta"):
+    assert got["criteo_1hot schema reader >= 12 M rows/s"]["status"] == "not measured (part steps)"
+    names = _tar_names(out / "gpu_check_parts.tar.gz")
+    for bench in ("embedding", "interaction", "dcnv2", "cache_train", "meta"):
         assert f"{bench}.md" in names and f"{bench}.log" in names
-    assert {"embedding.json", "interaction.json", "meta.json"} <= names
+    assert {"embedding.json", "interaction.json", "meta.json", "test_seconds.json"} <= names
+    # What comes back from a lent machine: at most 7 files, flat, two plots; the rest in the tarball.
+    checks_files = sorted(p.name for p in out.iterdir())
+    assert len(checks_files) <= 7 and all(p.is_file() for p in out.iterdir())
+    assert {"gpu_check.md", "gpu_check.json", "pytest.txt", "gpu_check_parts.tar.gz"} <= set(checks_files)
+    pngs = {n for n in names if n.endswith(".png")}
+    assert len(pngs) > 2 and sorted(n for n in checks_files if n.endswith(".png")) == [
+        "embedding.png",
+        "interaction.png",
+    ]
     md = (out / "gpu_check.md").read_text()
-    assert "## Benchmark: embedding" in md and "## GPU targets" in md and "recaccel-bench io" in md
+    assert "## Benchmark: embedding" in md and "## GPU targets" in md
+
+    printed, report = _small_mode_part(out, "steps", capsys)
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert status["io"] == "ok" and status["train_dcnv2"] == "ok" and status["pytest"] == "skipped"
+    assert status["train"] in ("ok", "skipped")  # skipped only while the benchmark is not registered
+    got = {t["target"]: t for t in report["targets"]}
+    assert "workers=" in got["criteo_1hot schema reader >= 12 M rows/s"]["figure"]  # the io worker sweep
+    # The checks part's result files are not read again: its targets are the other part's.
+    assert (
+        got["embedding forward >= 80% of copy bandwidth (triton)"]["status"] == "not measured (part checks)"
+    )
+    assert "pytest: not run (part checks)" in printed
+    steps_files = sorted(set(p.name for p in out.iterdir()) - set(checks_files))
+    assert len(steps_files) <= 5  # beside the kernel tuning run's three in one command's 8
+    assert {"gpu_check_steps.md", "gpu_check_steps.json", "gpu_check_steps_parts.tar.gz"} <= set(steps_files)
+    assert {"io.md", "io.log", "io.json", "train_dcnv2.json"} <= _tar_names(
+        out / "gpu_check_steps_parts.tar.gz"
+    )
+    assert "recaccel-bench io" in (out / "gpu_check_steps.md").read_text()
 
 
 def test_a_step_past_its_budget_is_killed_with_what_it_started(tmp_path):
@@ -178,9 +215,47 @@ def test_git_commit_is_the_projects_own_or_unknown_never_a_parent_repositorys(tm
     assert got.stdout.strip() == "unknown"
 
 
-def test_gpu_mode_plan_fits_seven_minutes_and_names_each_step():
-    steps_s = sum(cuda for cuda, _ in gpu_check.BUDGETS.values())
-    assert steps_s <= gpu_check.TOTAL_BUDGET_S["cuda"] - 10 and gpu_check.TOTAL_BUDGET_S["cuda"] < 420
-    plan = gpu_check.plan_text(gpu_check.STEPS, "cuda", gpu_check.TOTAL_BUDGET_S["cuda"])
-    assert "--kind dcnv2" in plan and "bench_dcnv2_mlperf" in plan and "cache_train" in plan
-    assert f"steps {steps_s} s" in plan
+def test_each_gpu_part_fits_seven_minutes_and_its_plan_names_what_runs_elsewhere():
+    assert set(gpu_check.STEPS) == {s for steps in gpu_check.PARTS.values() for s in steps}
+    for part, steps in gpu_check.PARTS.items():
+        limit = run_limit(steps, "cuda")
+        steps_s = sum(gpu_check.BUDGETS[s][0] for s in steps)
+        # The ceilings (~15 s on the H200) and the clock's reserve beside the steps' budgets.
+        assert steps_s + 20 <= limit <= gpu_check.TOTAL_BUDGET_S["cuda"] < 400
+        plan = gpu_check.plan_text(steps, "cuda", limit, part)
+        assert f"part {part}, cuda" in plan and f"steps {steps_s} s" in plan
+        assert all(f"  {s} " in plan for s in steps)
+        others = [s for s in gpu_check.STEPS if s not in steps]
+        assert all(f"{s} (part " in plan for s in others)
+    steps_plan = gpu_check.plan_text(gpu_check.PARTS["steps"], "cuda", 375, "steps")
+    assert "bench_dcnv2_mlperf" in steps_plan and "overlap/1/off" in steps_plan.split("outside gpu-check:")[1]
+    # The targets read off/1/off and sync/1/on; the exact overlapped step runs outside.
+    assert "off/1/off,sync/1/on" in steps_plan and "overlap" not in steps_plan.split("outside")[0]
+
+
+def test_only_picks_steps_of_either_part_and_the_part_selects_its_own():
+    assert select_steps("checks", None) == gpu_check.PARTS["checks"]
+    assert select_steps("steps", None) == ("train", "train_dcnv2", "io")
+    assert select_steps("all", None) == gpu_check.STEPS
+    assert select_steps("steps", "meta, io") == ("io", "meta")  # over parts, in step order
+    assert run_limit(("io", "meta"), "cuda") == gpu_check.BUDGETS["io"][0] + gpu_check.BUDGETS["meta"][0] + 25
+
+
+def test_a_bad_step_name_is_one_line_and_exit_status_2(tmp_path, capsys):
+    assert gpu_check.main(["--device", "cpu", "--only", "pytest,trian", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gpu-check: error: unknown step(s) ['trian']") and "\n" not in err
+    assert not any(tmp_path.iterdir())
+
+
+def test_targets_of_a_step_that_did_not_run_read_not_measured_whatever_files_lie_there(tmp_path):
+    row = {"candidate": "recaccel", "preset": "bench_criteo_1hot", "mode": "device", "precision": "bf16",
+           "samples_per_s": 13e6, "step_ms": 5.0, "pipeline": "off", "micro_batches": 1, "cuda_graphs": False}  # fmt: skip
+    (tmp_path / "train.json").write_text(json.dumps({"results": [row]}))
+    target = "bench_criteo_1hot bf16 >= 12 M samples/s"
+    assert {t["target"]: t for t in evaluate(tmp_path, {})}[target]["status"] == MET
+    rows = mark_not_run(evaluate(tmp_path, {}), {"train": "part steps", "train_dcnv2": "part steps"})
+    got = {t["target"]: t for t in rows}
+    assert got[target]["status"] == "not measured (part steps)" and got[target]["value"] is None
+    assert got["bench_dcnv2_mlperf >= 3 M samples/s"]["status"] == "not measured (part steps)"
+    assert got["interaction forward faster than eager at every shape"]["status"] == NOT_MEASURED
