@@ -211,16 +211,20 @@ def bench_argv(name: str, device: str, parts: Path, options: set[str], plots: bo
     return argv
 
 
+def junit_options(parts: Path, group: int) -> list[str]:
+    """pytest options writing group ``group``'s per-test times as junit XML into ``parts``;
+    xunit1 names each test case's file (xunit2, the default, only its class path)."""
+    return [f"--junit-xml={parts / f'pytest_group{group}.xml'}", "-o", "junit_family=xunit1"]
+
+
 def pytest_groups(device: str, parts: Path) -> list[list[str]]:
     """The pytest processes of the step, run at once (:mod:`~recaccel.bench.gpu_check.pytest_groups`):
     the GPU suite's files in up to four groups balanced by their seconds
     (:mod:`~recaccel.bench.gpu_check.timings`) on CUDA; a fast selection in the small mode.
     Each group writes its per-test times as junit XML into ``parts``."""
     base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rfE", "--tb=short"]
-    # xunit1 names each test case's file (xunit2, the default, only its class path).
-    junit = lambda i: [f"--junit-xml={parts / f'pytest_group{i}.xml'}", "-o", "junit_family=xunit1"]  # noqa: E731
     if device != "cuda":
-        return [[*base, "-q", *junit(0), *CPU_PYTEST]]
+        return [[*base, "-q", *junit_options(parts, 0), *CPU_PYTEST]]
     # The GPU tests are independent: four processes share the GPU (Triton's compiles, the
     # larger part of the serial suite's time, run on four cores). -v names each test as it
     # ends: a group killed at the budget shows where it was.
@@ -228,7 +232,7 @@ def pytest_groups(device: str, parts: Path) -> list[list[str]]:
     known = timings.file_seconds(timings.load_seconds())
     files = balance(timings.weights(gpu_test_files(REPO / "tests", REPO), known), groups)
     options = ["-v", "-m", "gpu", "--continue-on-collection-errors", "--durations=5"]
-    return [[*base, *options, *junit(i), *group] for i, group in enumerate(files)]
+    return [[*base, *options, *junit_options(parts, i), *group] for i, group in enumerate(files)]
 
 
 def _record_seconds(argvs: Sequence[Sequence[str]], parts: Path, device_name: str) -> dict[str, float]:
