@@ -144,6 +144,42 @@ def spans_from_trace(trace: dict) -> Timeline:
     return Timeline(spans, [ms(s) for s in steps])
 
 
+def kernel_table(timeline: Timeline, top: int = 30) -> list[dict]:
+    """The CUDA work of the profiled steps by kernel name, largest total first: per step,
+    its launches and device ms, its phase (the kind most of its time ran under) and its
+    share of all device time. Overlapping streams make the shares sum past the step time.
+
+    Args:
+        timeline: From :func:`spans_from_trace`.
+        top: Rows kept.
+
+    Returns:
+        ``[{"kernel", "phase", "launches_per_step", "ms_per_step", "share"}]``.
+    """
+    steps = max(1, len(timeline.step_starts))
+    totals: dict[str, dict] = {}
+    for s in timeline.spans:
+        if not s.row.startswith("CUDA"):
+            continue
+        entry = totals.setdefault(s.name, {"ms": 0.0, "launches": 0, "by_kind": {}})
+        ms = max(0.0, s.end_ms - s.start_ms)
+        entry["ms"] += ms
+        entry["launches"] += 1
+        entry["by_kind"][s.kind] = entry["by_kind"].get(s.kind, 0.0) + ms
+    device_ms = sum(e["ms"] for e in totals.values()) or 1.0
+    ranked = sorted(totals.items(), key=lambda item: (-item[1]["ms"], item[0]))[:top]
+    return [
+        {
+            "kernel": name if len(name) <= 90 else name[:87] + "...",
+            "phase": max(e["by_kind"], key=e["by_kind"].get),
+            "launches_per_step": round(e["launches"] / steps, 2),
+            "ms_per_step": round(e["ms"] / steps, 4),
+            "share": round(e["ms"] / device_ms, 4),
+        }
+        for name, e in ranked
+    ]
+
+
 def plot_timeline(timeline: Timeline, path: str | Path, title: str) -> Path:
     """A Gantt chart of ``timeline``: one row per CPU thread, then per CUDA stream; bars
     coloured by kind; dashed lines where each profiled step began."""

@@ -34,6 +34,7 @@ from recaccel.plotting.timeline import (
     SPARSE,
     STEP,
     Timeline,
+    kernel_table,
     plot_timeline,
     spans_from_trace,
 )
@@ -140,8 +141,31 @@ def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps
             spans = record_timeline(candidate.trainer, source, dev, steps)
         finally:
             source.close()
+        kernels = write_kernel_table(
+            spans, kernel_table_path(path), f"{preset.name}: recaccel {label}, {where}, {dev}"
+        )
         plot_timeline(spans, path, f"{preset.name}: recaccel {label}, {where}, {dev}")
     except Exception as e:  # the profiler (CUPTI) or matplotlib: the timed results stand without it
         first = (str(e).strip().splitlines() or [""])[0]
         return f"{preset.name}: no timeline ({type(e).__name__}: {first})"[:300]
-    return f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}"
+    return f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}, its kernels: {kernels.name}"
+
+
+def kernel_table_path(timeline_png: Path) -> Path:
+    """Where the kernel table of a timeline picture goes: beside it, ``<stem>_kernels.md``."""
+    return timeline_png.with_name(f"{timeline_png.stem}_kernels.md")
+
+
+def write_kernel_table(spans: Timeline, path: Path, title: str) -> Path:
+    """The profiled steps' device time by kernel (:func:`~recaccel.plotting.timeline.kernel_table`)
+    as a markdown table at ``path``."""
+    rows = kernel_table(spans)
+    lines = [f"# Kernels per step: {title}", "", "| kernel | phase | launches / step | ms / step | share |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        f"| `{r['kernel']}` | {r['phase']} | {r['launches_per_step']} | {r['ms_per_step']} | {r['share']:.1%} |"
+        for r in rows
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -26,6 +26,7 @@ from recaccel.plotting.timeline import (
     OTHER,
     PREPARE,
     SPARSE,
+    kernel_table,
     spans_from_trace,
 )
 
@@ -159,6 +160,8 @@ def test_every_combination_is_a_row_with_its_fields_skips_with_the_trainers_reas
     picture = tmp_path / "train_timeline_tiny.png"
     assert picture.is_file() and picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"]({picture.name})" in text
+    kernels = (tmp_path / "train_timeline_tiny_kernels.md").read_text()  # no CUDA work on CPU: no rows
+    assert kernels.startswith("# Kernels per step: tiny") and "| kernel | phase |" in kernels
 
 
 def test_no_timeline_without_a_sync_combination(tmp_path, tiny):
@@ -271,6 +274,26 @@ def test_trace_spans_put_kernels_on_their_streams_coloured_by_the_phase_that_lau
     }
     lookup = next(s for s in timeline.spans if s.name == "lookup_kernel")
     assert (lookup.start_ms, lookup.end_ms) == (0.25, 0.29)
+
+
+def test_kernel_table_sums_each_kernels_device_time_per_step_largest_first():
+    trace = _trace()
+    # A second step: gemm launched twice more (40 + 60 us), in the dense forward again.
+    trace["traceEvents"] += [
+        {"ph": "X", "name": "recaccel-bench/step", "tid": 1, "ts": 2000.0, "dur": 900.0, "cat": "user_annotation", "args": {}},
+        {"ph": "X", "name": "gemm", "tid": 0, "ts": 2320.0, "dur": 40.0, "cat": "kernel", "args": {"stream": 7, "correlation": 9}},
+        {"ph": "X", "name": "gemm", "tid": 0, "ts": 2400.0, "dur": 60.0, "cat": "kernel", "args": {"stream": 7, "correlation": 9}},
+    ]  # fmt: skip
+    rows = kernel_table(spans_from_trace(trace), top=3)
+    # 330 us of device time in all, gemm 140 of it; the 40 us kernels tie, ranked by name.
+    assert rows[0] == {
+        "kernel": "gemm",
+        "phase": FORWARD,
+        "launches_per_step": 1.5,
+        "ms_per_step": 0.07,
+        "share": round(140 / 330, 4),
+    }
+    assert [(r["kernel"], r["ms_per_step"]) for r in rows[1:]] == [("fused_update", 0.02), ("gemm_bwd", 0.02)]
 
 
 def test_a_cpu_timeline_labels_the_trainers_loop_and_leaves_it_as_it_was(tmp_path, tiny):
