@@ -3,8 +3,9 @@
 The lent GPU machines have pytest but not pytest-xdist, and run serially the GPU suite
 took longer than its budget (155 s of 160 on the first H200, most of it Triton compiling
 kernels on one core). So the files holding GPU tests are found by reading them
-(:mod:`~recaccel.bench.gpu_check.gpu_tests`), balanced over a few groups by their number of tests,
-and each group runs as its own ``pytest -m gpu FILES`` process, all at once, under one
+(:mod:`~recaccel.bench.gpu_check.gpu_tests`), balanced over a few groups by their seconds
+(:mod:`~recaccel.bench.gpu_check.timings`; by test count, the H200 put the slow files
+together), and each group runs as its own ``pytest -m gpu FILES`` process, all at once, under one
 deadline: the compiles spread over the cores, the tests share the GPU. A group still
 running at the deadline is killed with whatever it started, and its files are named as
 the command to run the rest. The groups' logs are joined into one, and their closing
@@ -27,7 +28,7 @@ _COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xp
 _ORDER = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "error", "warning")
 
 
-def balance(files: Sequence[tuple[str, int]], groups: int) -> list[list[str]]:
+def balance(files: Sequence[tuple[str, float]], groups: int) -> list[list[str]]:
     """Files dealt into at most ``groups`` groups of about equal weight: heaviest first,
     each to the lightest group so far (ties by name, so the split is the same every run).
     Empty groups are dropped; each group's files keep their sorted order."""
