@@ -14,6 +14,7 @@ lines summed into one pytest line.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -49,11 +50,29 @@ class GroupResult:
     seconds: float
 
 
+def _interrupt(procs: Sequence[subprocess.Popen], pending: Sequence[int], grace_s: float) -> set[int]:
+    """Sends SIGINT to each pending process (pytest then ends its session: it writes its junit
+    XML and closing line) and waits up to ``grace_s`` for them; returns the ones interrupted."""
+    for i in pending:
+        if procs[i].poll() is None:
+            procs[i].send_signal(signal.SIGINT)
+    end = time.monotonic() + grace_s
+    while time.monotonic() < end and any(procs[i].poll() is None for i in pending):
+        time.sleep(0.05)
+    return set(pending)
+
+
 def run_groups(
-    argvs: Sequence[Sequence[str]], logs: Sequence[Path], timeout_s: float, env: dict[str, str], cwd: Path
+    argvs: Sequence[Sequence[str]],
+    logs: Sequence[Path],
+    timeout_s: float,
+    env: dict[str, str],
+    cwd: Path,
+    grace_s: float = 0.0,
 ) -> list[GroupResult]:
     """Runs every ``argvs[i]`` at once, its output into ``logs[i]``, until each has ended or
-    ``timeout_s`` has passed; then kills each one still running with its process group.
+    ``timeout_s`` has passed; then interrupts each one still running (SIGINT, up to
+    ``grace_s`` to end; none when 0) and kills what is left of its process group.
 
     pytest's exit status 5 (no test collected: every GPU test skipped) counts as ok.
     """
@@ -61,6 +80,7 @@ def run_groups(
     deadline = t0 + max(timeout_s, 0.1)
     sinks = [open(log, "wb") for log in logs]  # noqa: SIM115 (closed below, after the children)
     procs = []
+    interrupted: set[int] = set()
     try:
         for argv, sink in zip(argvs, sinks):
             procs.append(
@@ -82,11 +102,14 @@ def run_groups(
             if time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
+        pending = [i for i, r in enumerate(results) if r is None and procs[i].poll() is None]
+        interrupted = _interrupt(procs, pending, grace_s) if grace_s > 0 else set()
     finally:
         killed = set()
         for i, proc in enumerate(procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            if proc.poll() is None or i in interrupted:
+                with contextlib.suppress(ProcessLookupError):  # an interrupted group may be gone
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 killed.add(i)
         for sink in sinks:

@@ -74,6 +74,8 @@ from recaccel.bench.harness.timing import measure_copy_bandwidth, time_interleav
 
 REPO = Path(__file__).resolve().parents[3]
 BENCH_ENTRY = "import sys; from recaccel.cli import bench_main; sys.exit(bench_main())"
+# Seconds a pytest group has, after its SIGINT at the budget, to write its junit XML and summary.
+PYTEST_GRACE_S = 5.0
 __all__ = ["BENCH_ARGS", "BUDGETS", "PARTS", "STEPS", "TOTAL_BUDGET_S", "main", "plan_text", "run_step"]
 
 
@@ -235,13 +237,20 @@ def pytest_groups(device: str, parts: Path) -> list[list[str]]:
     return [[*base, *options, *junit_options(parts, i), *group] for i, group in enumerate(files)]
 
 
-def _record_seconds(argvs: Sequence[Sequence[str]], parts: Path, device_name: str) -> dict[str, float]:
+def _junit_path(argv: Sequence[str]) -> Path:
+    return Path(next(a for a in argv if a.startswith("--junit-xml=")).split("=", 1)[1])
+
+
+def _record_seconds(
+    argvs: Sequence[Sequence[str]], ended: Sequence, parts: Path, device_name: str
+) -> dict[str, float]:
     """Sums the groups' junit XML per file into ``parts/test_seconds.json`` (the committed
     figures, those measured now replaced); returns the measured ones."""
-    xml = [Path(a.split("=", 1)[1]) for argv in argvs for a in argv if a.startswith("--junit-xml=")]
+    xml = [_junit_path(argv) for argv in argvs]
+    cut = [path for path, e in zip(xml, ended) if e.status == "timeout"]
     files = [a for argv in argvs for a in argv if a.endswith(".py")]
     run = f"gpu-check {time.strftime('%Y-%m-%d')}"
-    measured = timings.write_measured(parts / timings.COMMITTED.name, xml, files, device_name, run)
+    measured = timings.write_measured(parts / timings.COMMITTED.name, xml, files, device_name, run, cut)
     for path in xml:
         path.unlink(missing_ok=True)  # summed into test_seconds.json
     return measured
@@ -271,7 +280,8 @@ def _run_pytest(
         return StepResult("pytest", "skipped", budget_s, note="no time left"), {"command": command}
     logs = [out / f"pytest_group{i}.txt" for i in range(len(argvs))]
     t0 = time.monotonic()
-    ended = run_groups(argvs, logs, allowed, _child_env(keep_triton_interpret=True), REPO)
+    grace = min(PYTEST_GRACE_S, allowed / 4)  # within the budget: interrupted, then killed
+    ended = run_groups(argvs, logs, allowed - grace, _child_env(keep_triton_interpret=True), REPO, grace)
     seconds = time.monotonic() - t0
     text = join_logs(argvs, logs, ended, out / report_files.PYTEST_LOG)
     summary = sum_summaries(
@@ -279,7 +289,7 @@ def _run_pytest(
     )
     for log in logs:
         log.unlink(missing_ok=True)  # joined into pytest.txt
-    measured = _record_seconds(argvs, parts, device_name)
+    measured = _record_seconds(argvs, ended, parts, device_name)
     killed = [argv for argv, e in zip(argvs, ended) if e.status == "timeout"]
     status = "timeout" if killed else "failed" if any(e.status == "failed" for e in ended) else "ok"
     if killed:

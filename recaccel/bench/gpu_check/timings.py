@@ -7,8 +7,9 @@ file not in it weighs its GPU-test count times the median seconds per test of th
 that are. Each pytest group writes a junit XML; after the step, the per-test times are
 summed per file and written, in the same format, as ``test_seconds.json`` into the parts
 tarball: the committed figures with every file that finished in this run replaced by its
-measured seconds (a group killed at the budget writes no XML, so its files keep the
-committed figures). Committing that file makes the next session's balance measured.
+measured seconds. A group still running at the budget is interrupted first (pytest then
+writes its XML); the file it was in keeps its committed figure, as do the files it never
+reached. Committing that file makes the next session's balance measured.
 
 Format::
 
@@ -74,20 +75,35 @@ def _file_of(case: ET.Element, files: Iterable[str]) -> str | None:
     return max(matches, key=len) if matches else None
 
 
-def junit_seconds(xml_paths: Iterable[Path], files: Iterable[str]) -> dict[str, float]:
+def _xml_seconds(path: Path, files: Sequence[str]) -> dict[str, float]:
+    """Per test file, in the order the file first appears, its test cases' summed ``time`` in one
+    junit XML; empty when the file is absent or does not parse (a killed pytest leaves none)."""
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    totals: dict[str, float] = {}
+    for case in root.iter("testcase"):
+        name = _file_of(case, files)
+        if name is not None:
+            totals[name] = totals.get(name, 0.0) + float(case.get("time") or 0.0)
+    return totals
+
+
+def junit_seconds(
+    xml_paths: Iterable[Path], files: Iterable[str], interrupted: Iterable[Path] = ()
+) -> dict[str, float]:
     """Per test file, the sum of its test cases' ``time`` over the junit XML files that exist
-    and parse (a killed pytest process leaves none)."""
-    files = list(files)
+    and parse. Of an ``interrupted`` group's XML (pytest stopped at the budget) the last file
+    it reached is left out: only part of its tests ran."""
+    files, cut = list(files), {Path(p) for p in interrupted}
     totals: dict[str, float] = {}
     for path in xml_paths:
-        try:
-            root = ET.parse(path).getroot()
-        except (OSError, ET.ParseError):
-            continue
-        for case in root.iter("testcase"):
-            name = _file_of(case, files)
-            if name is not None:
-                totals[name] = totals.get(name, 0.0) + float(case.get("time") or 0.0)
+        found = _xml_seconds(Path(path), files)
+        if Path(path) in cut and found:
+            found.pop(list(found)[-1])
+        for name, seconds in found.items():
+            totals[name] = totals.get(name, 0.0) + seconds
     return {name: round(seconds, 2) for name, seconds in sorted(totals.items())}
 
 
@@ -100,8 +116,15 @@ def measured_file(committed: Mapping, measured: Mapping[str, float], device: str
     return {"device": device or committed.get("device", ""), "files": dict(sorted(files.items()))}
 
 
-def write_measured(out: Path, xml_paths: Sequence[Path], files: Iterable[str], device: str, run: str) -> dict:
+def write_measured(
+    out: Path,
+    xml_paths: Sequence[Path],
+    files: Iterable[str],
+    device: str,
+    run: str,
+    interrupted: Iterable[Path] = (),
+) -> dict:
     """Writes :func:`measured_file` of this run's junit XML to ``out``; returns the per-file seconds measured."""
-    measured = junit_seconds(xml_paths, files)
+    measured = junit_seconds(xml_paths, files, interrupted)
     out.write_text(json.dumps(measured_file(load_seconds(), measured, device, run), indent=2) + "\n")
     return measured

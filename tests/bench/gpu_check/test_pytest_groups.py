@@ -179,6 +179,16 @@ def test_groups_run_at_once_and_one_past_the_deadline_is_killed_with_its_childre
         pytest.fail(f"the killed group's child {pid} still runs")
 
 
+def test_a_group_deaf_to_the_interrupt_is_killed_when_the_grace_ends(tmp_path):
+    deaf = "import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    polite = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('interrupted')\n"
+    logs = [tmp_path / "deaf.txt", tmp_path / "polite.txt"]
+    t0 = time.monotonic()
+    ended = run_groups([_python(deaf), _python(polite)], logs, 2.0, dict(os.environ), tmp_path, grace_s=1.5)
+    assert [e.status for e in ended] == ["timeout", "timeout"] and 3.5 <= time.monotonic() - t0 < 7.0
+    assert logs[0].read_text().strip() == "up" and logs[1].read_text().strip() == "interrupted"
+
+
 def test_logs_are_joined_under_a_line_naming_each_group(tmp_path):
     logs = [tmp_path / "a.txt", tmp_path / "b.txt"]
     logs[0].write_text("FAILED tests/x.py::test_a - boom\n= 1 failed, 2 passed in 1.0s =\n")

@@ -4,13 +4,15 @@ fallback by test count), the groups they balance, and per-file seconds summed fr
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 from recaccel.bench.gpu_check import runner, timings
 from recaccel.bench.gpu_check.gpu_tests import gpu_test_files
-from recaccel.bench.gpu_check.pytest_groups import balance
+from recaccel.bench.gpu_check.pytest_groups import balance, run_groups
+from recaccel.bench.gpu_check.report import pytest_summary
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -134,3 +136,32 @@ def test_a_real_pytest_group_writes_junit_that_becomes_per_file_seconds(tmp_path
         written["device"] == "CPU"
         and written["files"]["tests/test_slow.py"]["seconds"] == measured["tests/test_slow.py"]
     )
+
+
+def test_a_group_stopped_at_the_budget_still_measures_the_files_it_finished(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_first.py").write_text("import time\ndef test_a():\n    time.sleep(0.2)\n")
+    (tests / "test_second.py").write_text(
+        "def test_b():\n    pass\ndef test_c():\n    import time; time.sleep(60)\n"
+    )
+    (tests / "test_never.py").write_text("def test_d():\n    pass\n")
+    names = ["tests/test_first.py", "tests/test_second.py", "tests/test_never.py"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        *runner.junit_options(tmp_path, 0),
+        *names,
+    ]
+    log = tmp_path / "group.txt"
+    ended = run_groups([argv], [log], 4.0, dict(os.environ), tmp_path, grace_s=10.0)
+    assert ended[0].status == "timeout" and ended[0].seconds < 10
+    # Interrupted, pytest ended its session: its closing line and its junit XML.
+    assert "KeyboardInterrupt" in log.read_text() and "2 passed" in pytest_summary(log.read_text())
+    xml = tmp_path / "pytest_group0.xml"
+    assert set(timings.junit_seconds([xml], names)) == {"tests/test_first.py", "tests/test_second.py"}
+    # The file it was in when stopped is left out (only part of it ran); the one never reached too.
+    assert set(timings.junit_seconds([xml], names, interrupted=[xml])) == {"tests/test_first.py"}
