@@ -22,18 +22,18 @@ if not torch.cuda.is_available():  # before the kernel module is first imported
 import pytest
 
 from recaccel.ops.backend import triton_interpret_enabled
-from tests.ops.test_embedding_backward_tiles import (
+from tests.helpers.backward_tiles import (
     CFG,
     DTYPES,
     OPTIMIZERS,
-    _assert_states_close,
-    _batch,
-    _copy,
-    _float64_row_grads,
-    _reference_update,
-    _sorted_rows_batch,
-    _state,
-    _two_steps,
+    assert_states_close,
+    copy_state,
+    float64_row_grads,
+    make_batch,
+    make_state,
+    reference_update,
+    sorted_rows_batch,
+    two_steps,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -64,22 +64,22 @@ def _grad(batch, grad_out, block_occ: int, subtiles: int) -> torch.Tensor:
 
 
 def _check_update(batch, optimizer: str, dim: int, dtype: torch.dtype, block_occ: int, subtiles: int) -> None:
-    got = _state(optimizer, batch, dim, dtype)
-    want = _copy(got)
-    _two_steps(_update(block_occ, subtiles), got, batch, dim)
-    _two_steps(_reference_update, want, batch, dim)
-    _assert_states_close(got, want, dtype)
+    got = make_state(optimizer, batch, dim, dtype)
+    want = copy_state(got)
+    two_steps(_update(block_occ, subtiles), got, batch, dim)
+    two_steps(reference_update, want, batch, dim)
+    assert_states_close(got, want, dtype)
 
 
 @pytest.mark.parametrize("subtiles", [1, 2, 4])
 @pytest.mark.parametrize("block_occ", [4, 8])
 def test_gradient_store_equals_float64_row_sums_for_any_chunks_per_program(block_occ, subtiles):
     """MODE 3; Zipf ids of a 2-row table put hot rows across chunk and span edges."""
-    batch = _batch([2, 30, 7], batch_size=8, max_len=5, mean=True, weighted=True, zipf=True, seed=13)
+    batch = make_batch([2, 30, 7], batch_size=8, max_len=5, mean=True, weighted=True, zipf=True, seed=13)
     dim = 12
     grad_out = batch.grad_out(dim, seed=1)
     rows = torch.unique(batch.ids.rows)
-    want = _float64_row_grads(batch, grad_out)[rows].float()
+    want = float64_row_grads(batch, grad_out)[rows].float()
     torch.testing.assert_close(_grad(batch, grad_out, block_occ, subtiles), want, rtol=1e-5, atol=1e-6)
 
 
@@ -87,23 +87,23 @@ def test_gradient_store_equals_float64_row_sums_for_any_chunks_per_program(block
 @pytest.mark.parametrize("subtiles", [1, 2, 4])
 @pytest.mark.parametrize("block_occ", [4, 8])
 def test_fused_update_with_several_chunks_per_program_matches_reference(optimizer, block_occ, subtiles):
-    batch = _batch([2, 30, 7], batch_size=8, max_len=4, mean=True, weighted=True, zipf=True, seed=5)
+    batch = make_batch([2, 30, 7], batch_size=8, max_len=4, mean=True, weighted=True, zipf=True, seed=5)
     _check_update(batch, optimizer, 10, torch.float32, block_occ, subtiles)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_sixteen_bit_rows_with_four_chunks_per_program_match_reference(optimizer, dtype):
-    batch = _batch([2, 20], batch_size=8, max_len=4, weighted=True, zipf=True, seed=17)
+    batch = make_batch([2, 20], batch_size=8, max_len=4, weighted=True, zipf=True, seed=17)
     _check_update(batch, optimizer, 16, {**DTYPES, "fp16": torch.float16}[dtype], 4, 4)
 
 
 @pytest.mark.parametrize("subtiles", [2, 4])
 def test_segments_ending_exactly_on_chunk_and_program_edges(subtiles):
-    batch = _sorted_rows_batch(EDGE_COUNTS)
+    batch = sorted_rows_batch(EDGE_COUNTS)
     dim = 6
     grad_out = batch.grad_out(dim, seed=6)
-    want = _float64_row_grads(batch, grad_out).float()
+    want = float64_row_grads(batch, grad_out).float()
     torch.testing.assert_close(_grad(batch, grad_out, 4, subtiles), want, rtol=1e-5, atol=1e-6)
     for optimizer in OPTIMIZERS:
         _check_update(batch, optimizer, dim, torch.float32, 4, subtiles)
@@ -116,17 +116,17 @@ def test_hot_row_across_more_programs_than_one_fixup_step(optimizer):
     chunks without any."""
     counts = [300, 15] + [1] * 38
     assert sum(counts) % 16 == 1 and 300 // 16 > tiles.CHUNK_TILES
-    batch = _sorted_rows_batch(counts)
+    batch = sorted_rows_batch(counts)
     dim = 8
     grad_out = batch.grad_out(dim, seed=4)
-    want = _float64_row_grads(batch, grad_out).float()
+    want = float64_row_grads(batch, grad_out).float()
     torch.testing.assert_close(_grad(batch, grad_out, 4, 4), want, rtol=1e-5, atol=1e-5)
     _check_update(batch, optimizer, dim, torch.float32, 4, 4)
 
 
 @pytest.mark.parametrize("subtiles", [1, 4])
 def test_a_single_occurrence(subtiles):
-    batch = _sorted_rows_batch([0, 1, 0])
+    batch = sorted_rows_batch([0, 1, 0])
     dim = 5
     grad_out = batch.grad_out(dim, seed=2)
     assert torch.equal(_grad(batch, grad_out, 4, subtiles), grad_out[0, 0][None, :].float())
@@ -137,12 +137,12 @@ def test_a_single_occurrence(subtiles):
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_two_runs_with_several_chunks_per_program_are_bitwise_identical(optimizer, dtype):
-    batch = _batch([2, 40], batch_size=16, max_len=4, mean=True, weighted=True, zipf=True, seed=11)
+    batch = make_batch([2, 40], batch_size=16, max_len=4, mean=True, weighted=True, zipf=True, seed=11)
     dim = 20
-    first = _state(optimizer, batch, dim, DTYPES[dtype])
-    second = _copy(first)
-    _two_steps(_update(4, 4), first, batch, dim)
-    _two_steps(_update(4, 4), second, batch, dim)
+    first = make_state(optimizer, batch, dim, DTYPES[dtype])
+    second = copy_state(first)
+    two_steps(_update(4, 4), first, batch, dim)
+    two_steps(_update(4, 4), second, batch, dim)
     assert torch.equal(first.weight, second.weight)
     for key, value in first.states.items():
         assert torch.equal(second.states[key], value), key
@@ -154,15 +154,15 @@ def test_two_runs_with_several_chunks_per_program_are_bitwise_identical(optimize
 def test_chunks_per_program_change_no_bit_when_no_row_crosses_a_chunk_edge(optimizer):
     """Rows of 4, 2+2 and 1s within chunks of 4: each chunk's scan is the same whatever
     the span, and no carry or partial joins in, so every SUBTILES gives the same bits."""
-    batch = _sorted_rows_batch([4, 2, 2, 4, 1, 1, 1, 1, 3])
+    batch = sorted_rows_batch([4, 2, 2, 4, 1, 1, 1, 1, 3])
     dim = 7
     grad_out = batch.grad_out(dim, seed=8)
     one = _grad(batch, grad_out, 4, 1)
     states = []
     for subtiles in (1, 2, 4):
         assert torch.equal(_grad(batch, grad_out, 4, subtiles), one), subtiles
-        state = _state(optimizer, batch, dim, torch.bfloat16)
-        _two_steps(_update(4, subtiles), state, batch, dim)
+        state = make_state(optimizer, batch, dim, torch.bfloat16)
+        two_steps(_update(4, subtiles), state, batch, dim)
         states.append(state)
     for state in states[1:]:
         assert torch.equal(state.weight, states[0].weight)
@@ -173,7 +173,7 @@ def test_chunks_per_program_change_no_bit_when_no_row_crosses_a_chunk_edge(optim
 def test_one_chunk_per_program_is_the_default_launch():
     """The heuristic default (no tuned device) keeps one chunk per program, bit for bit."""
     assert tiles.tile_config(24).subtiles == 1
-    batch = _batch([2, 30, 7], batch_size=8, max_len=4, mean=True, weighted=True, zipf=True, seed=5)
+    batch = make_batch([2, 30, 7], batch_size=8, max_len=4, mean=True, weighted=True, zipf=True, seed=5)
     grad_out = batch.grad_out(24, seed=1)
     block_occ = tiles.tile_config(24).block_occ
     _, default = tiles.embedding_bag_backward(grad_out, batch.ids, batch.batch_size)

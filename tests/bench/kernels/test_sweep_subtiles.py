@@ -86,9 +86,9 @@ def test_multi_chunk_winner_is_written_with_subtiles_and_read_back_by_the_launch
     monkeypatch.setattr(tuning, "device_name", lambda device: FAKE_GPU)
     assert backward.tile_config(48, torch.float32, DEVICE) == (4, 2, 16)
     # The launch takes it: 7 rows of 20 in chunks of 4, 16 per program (bits differ from one).
-    from tests.ops.test_embedding_backward_tiles import _sorted_rows_batch
+    from tests.helpers.backward_tiles import sorted_rows_batch
 
-    batch = _sorted_rows_batch([20] * 7)
+    batch = sorted_rows_batch([20] * 7)
     grad_out = batch.grad_out(48, seed=3)
     _, got = backward.embedding_bag_backward(grad_out, batch.ids, batch.batch_size)
     _, tuned = backward.embedding_bag_backward(

@@ -1,39 +1,70 @@
 """Triton packed embedding backward and fused sparse update as occurrence tiles.
 
 The work is the pack's occurrences sorted by packed row (``RowGroups.order``), not its
-unique rows: program ``t`` of :func:`_occurrence_tile_kernel` takes occurrences
-``t*BLOCK_OCC .. (t+1)*BLOCK_OCC - 1`` of that order whatever the segment lengths, so a
-row with 36k occurrences spreads over hundreds of programs instead of running alone.
+unique rows: program ``t`` of :func:`_occurrence_tile_kernel` takes the span of
+occurrences ``t*P .. (t+1)*P - 1`` of that order, ``P = BLOCK_OCC * SUBTILES``, whatever
+the segment lengths, so a row with 36k occurrences spreads over many programs instead of
+running alone. The program walks its span in ``SUBTILES`` chunks of ``BLOCK_OCC``, in order.
 
-Per tile (grid ``(cdiv(N_p, BLOCK_OCC),)``):
+Per chunk (grid ``(cdiv(N_p, P),)``):
 
 1. Load the ``BLOCK_OCC`` output-gradient rows of its occurrences (bag ``j*B + b`` is
-   ``grad_out[b, j]``), times the occurrence's scale (id weight, ``1/L`` for mean).
-2. Reduce the segments inside the tile with a segmented inclusive scan
+   ``grad_out[b, j]``), times the occurrence's scale (id weight, ``1/L`` for mean); when
+   the chunk's first occurrence continues the segment open at the previous chunk's end,
+   add that segment's running sum (the carry, [BLOCK_D]) to its row.
+2. Reduce the segments inside the chunk with a segmented inclusive scan
    (``tl.associative_scan`` over ``(flag, value)``, flag = a segment starts here): at the
-   last occurrence of each segment the scan holds the segment's sum within the tile.
+   last occurrence of each segment the scan holds the segment's sum within the span; the
+   value at the chunk's last occurrence is the next chunk's carry.
 3. Apply the update (SGD, row-wise Adagrad, Adam; stochastic rounding for 16-bit rows,
    the rules of :func:`~recaccel.ops.embedding.optimizers.update_rows`), or store the
-   gradient (autograd mode), for every segment that begins and ends in the tile.
-4. Write the tile's partials for segments that cross its edges: ``head`` (the sum of its
-   first segment when that began in an earlier tile and ends here) and ``tail`` (the sum
-   of its last segment when that continues into the next tile).
+   gradient (autograd mode), for every segment that begins and ends in the span.
+4. Write the span's partials for segments that cross its edges: ``head`` (the sum of its
+   first segment when that began in an earlier span and ends here) and ``tail`` (the sum
+   of its last segment when that continues into the next span).
 
-Then :func:`_spanning_rows_kernel` (grid ``(num_tiles,)``): the tile where a spanning
-segment begins sums its ``tail``, the ``tail`` of every tile the segment covers whole,
-and the ``head`` of the tile where it ends, in tile order (``CHUNK`` tiles per step, a
-fixed reduction tree within a step), and applies the update to that row.
+Then :func:`_spanning_rows_kernel` (grid ``(T,)``, T spans; module ``row_update``): the
+span where a spanning segment begins sums its ``tail``, the ``tail`` of every span the
+segment covers whole, and the ``head`` of the span where it ends, in span order (``CHUNK``
+spans per step, a fixed reduction tree within a step), and applies the update to that row.
+
+``SUBTILES`` 1 is the one-chunk kernel, without a loop (the code and bits it had before
+programs walked chunks). With small chunks (BLOCK_OCC 8 at D=128: 16 occurrences per row
+at L=20 cross most chunk edges) one chunk per program leaves most rows to the
+spanning-row kernel, through partials in memory; a span of several chunks finishes them
+itself and hands ``SUBTILES`` times fewer spans to the second kernel.
+
+Machine code on sm_90 (D=128 float32 rows, row-wise Adagrad, BLOCK_OCC 8, contiguous
+gradient), ``python ../shared/tools/sm90_report.py
+recaccel.ops.embedding.triton.backward:_occurrence_tile_kernel --sig <every runtime
+parameter; stride_gd specialised to 1 as at run time> --const stride_gd=1 MODE=1
+STOCHASTIC=0 HAS_SCALE=0 BLOCK_OCC=8 BLOCK_D=128 SUBTILES=<s> --aligned <pointers, dim,
+stride_w, stride_gb, stride_gf> --num-warps <w>``:
+
+============  =========  ======  ==================  ================  ==============
+SUBTILES      num_warps  regs    spills (st / ld B)  programs per SM   ld.global.v4
+============  =========  ======  ==================  ================  ==============
+1             2          96      0 / 0               10                8
+1             4          56      0 / 0               9                 4
+4 or 16       2          128     0 / 0               8                 8
+4 or 16       4          72      0 / 0               7                 4
+============  =========  ======  ==================  ================  ==============
+
+16-byte loads of the gradient rows and of the weight rows in every case (half each), no
+atomics. A ``tl.range(..., num_stages=2)`` loop would turn every load into ``cp.async``
+(100 at 2 warps) at 155 / 105 registers and 16.8 KB of shared memory (3 stages: 252 /
+128 registers, 25 KB); not taken without a GPU timing.
 
 Every row is written by exactly one program and no atomics are used, so the result is
-bitwise the same from run to run for a given ``(BLOCK_OCC, num_warps, CHUNK)``; the
-summation order differs from the reference's (sequential per row), hence results agree
-with it to float32 rounding, not bit for bit.
+bitwise the same from run to run for a given ``(BLOCK_OCC, SUBTILES, num_warps, CHUNK)``;
+the summation order differs from the reference's (sequential per row), hence results
+agree with it to float32 rounding, not bit for bit.
 
 They run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
 this module is imported).
 
 Shapes: B batch, S features of the pack, D dim, R packed rows, N_p occurrences (ids) of
-the pack, U unique rows, T tiles.
+the pack, U unique rows, T spans (tile programs).
 """
 
 from __future__ import annotations
@@ -80,11 +111,12 @@ def tile_config(
     (:mod:`~recaccel.ops.embedding.triton.tuning`; an entry without ``subtiles`` has 1),
     else the default below (one chunk per program).
 
-    A tile holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
+    A chunk holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
     registers: 2048 of each compiles (sm_90, 4 warps) to ~76-142 registers per thread,
     no spills, 3-6 programs per SM, 16-byte gradient loads when D is a multiple of 4;
-    4096 takes 191-255 registers. The configuration fixes the summation order, hence the
-    bits of the result; the tuning run may replace this default per device.
+    4096 takes 191-255 registers (more chunks per program: see the module's table). The
+    configuration fixes the summation order, hence the bits of the result; the tuning
+    run may replace this default per device.
     """
     if device is not None:
         entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
@@ -246,7 +278,7 @@ def _occurrence_tile_kernel(
     before = tl.load(keys_ptr + start - 1, mask=start > 0, other=-1)  # last key of span t-1
     part = part_ptr + t * (2 * BLOCK_D)
     carry = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if SUBTILES == 1:  # no loop: the one-chunk kernel compiles as before (96 registers, not 124)
+    if SUBTILES == 1:  # no loop: the one-chunk kernel compiles as before (a loop of one costs registers)
         _tile_chunk(
             weight_ptr, m1_ptr, m2_ptr, keys_ptr, bags_ptr, scale_ptr, grad_out_ptr, part, start, span_last,
             before, carry, False, num_occ, batch_size, dim, stride_w, stride_gb, stride_gf, stride_gd,
