@@ -62,11 +62,13 @@ def weights(files: Sequence[tuple[str, int]], known: Mapping[str, float]) -> lis
     return [(name, known.get(name, count * per_test)) for name, count in files]
 
 
-def _file_of(case: ET.Element, files: Iterable[str]) -> str | None:
-    """The test file of a junit ``testcase``: its ``file`` attribute (xunit1), else the longest
-    of ``files`` whose module path starts its ``classname`` (``tests.ops.test_x.TestY``)."""
+def _file_of(case: ET.Element, files: Sequence[str]) -> str | None:
+    """The test file of a junit ``testcase``: the one of ``files`` its ``file`` attribute (xunit1,
+    relative to pytest's rootdir) ends, else the longest of ``files`` whose module path starts
+    its ``classname`` (``tests.ops.test_x.TestY``)."""
     if case.get("file"):
-        return case.get("file", "").replace("\\", "/")
+        file = case.get("file", "").replace("\\", "/")
+        return next((f for f in files if f == file or f.endswith("/" + file)), file)
     classname = case.get("classname", "")
     matches = [
         f for f in files if classname == f.removesuffix(".py").replace("/", ".") or
@@ -95,7 +97,9 @@ def junit_seconds(
 ) -> dict[str, float]:
     """Per test file, the sum of its test cases' ``time`` over the junit XML files that exist
     and parse. Of an ``interrupted`` group's XML (pytest stopped at the budget) the last file
-    it reached is left out: only part of its tests ran."""
+    with a test case is left out: the XML has no record of the test stopped, so that file may
+    be part run (when the stop came at the next file's first test, a whole file's figure is
+    left out: the committed one stays, never a partial sum)."""
     files, cut = list(files), {Path(p) for p in interrupted}
     totals: dict[str, float] = {}
     for path in xml_paths:

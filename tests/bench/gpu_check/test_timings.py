@@ -165,3 +165,26 @@ def test_a_group_stopped_at_the_budget_still_measures_the_files_it_finished(tmp_
     assert set(timings.junit_seconds([xml], names)) == {"tests/test_first.py", "tests/test_second.py"}
     # The file it was in when stopped is left out (only part of it ran); the one never reached too.
     assert set(timings.junit_seconds([xml], names, interrupted=[xml])) == {"tests/test_first.py"}
+
+
+def test_the_pytest_step_stopped_at_its_budget_names_only_the_unfinished_files_to_rerun(
+    tmp_path, monkeypatch
+):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_done.py").write_text("def test_a():\n    pass\n")
+    # Stopped in its second test: the file is part run, its first test in the XML.
+    (tests / "test_hang.py").write_text(
+        "import time\ndef test_g():\n    pass\ndef test_h():\n    time.sleep(60)\n"
+    )
+    done, hang = str(tests / "test_done.py"), str(tests / "test_hang.py")
+    monkeypatch.setattr(runner, "CPU_PYTEST", [done, hang])  # the small mode's selection: these two files
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    step, info = runner._run_pytest("cpu", tmp_path, parts, runner.Clock(60, reserve_s=0), 6, "CPU")
+    assert step.status == "timeout" and step.seconds < 10
+    assert step.note.endswith(f"the rest: python -m pytest -m gpu {hang}") and "2 passed" in step.note
+    assert list(info["file_seconds"]) == [done]
+    written = json.loads((parts / "test_seconds.json").read_text())
+    assert written["device"] == "CPU" and done in written["files"] and hang not in written["files"]
+    assert not list(parts.glob("*.xml")) and (tmp_path / "pytest.txt").is_file()
