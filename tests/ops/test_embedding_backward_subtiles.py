@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # before the kernel module is first imported
 
 import pytest
 
+from recaccel.errors import ConfigError
 from recaccel.ops.backend import triton_interpret_enabled
 from tests.helpers.backward_tiles import (
     CFG,
@@ -201,3 +202,12 @@ def test_gpu_multi_chunk_programs_at_criteo_size_match_reference_and_rerun_bitwi
     assert torch.equal(first.states["momentum1"], second.states["momentum1"])
     assert _rel(first.weight, want.weight) < 1e-5
     assert _rel(first.states["momentum1"], want.states["momentum1"]) < 1e-5
+
+
+@pytest.mark.parametrize(("block_occ", "subtiles"), [(4, 0), (6, 2), (0, 1)])
+def test_a_tile_config_the_kernel_cannot_take_is_a_one_line_config_error(block_occ, subtiles):
+    batch = sorted_rows_batch([3, 2])
+    grad_out = batch.grad_out(4, seed=0)
+    with pytest.raises(ConfigError, match=rf"block_occ={block_occ}, subtiles={subtiles}: ") as err:
+        _grad(batch, grad_out, block_occ, subtiles)
+    assert "\n" not in str(err.value)

@@ -76,6 +76,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from recaccel.errors import ConfigError
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
 from recaccel.ops.embedding.packing import PackIds
 from recaccel.ops.embedding.row_groups import RowGroups, group_by_row
@@ -301,6 +302,15 @@ def _sorted_occurrences(ids: PackIds, order: Tensor) -> tuple[Tensor, Tensor | N
     return ids.bags.index_select(0, order), scale
 
 
+def _check_tile_config(block_occ: int, subtiles: int) -> None:
+    """One line naming the values when the kernel cannot take them (a hand-edited table)."""
+    if block_occ < 1 or block_occ & (block_occ - 1) or subtiles < 1:
+        raise ConfigError(
+            f"occurrence-tile backward: block_occ={block_occ}, subtiles={subtiles}: "
+            "block_occ must be a power of two and subtiles at least 1"
+        )
+
+
 def _launch_tiles(
     target: Tensor,
     m1: Tensor,
@@ -326,6 +336,7 @@ def _launch_tiles(
     block_occ = default.block_occ if block_occ is None else block_occ
     num_warps = default.num_warps if num_warps is None else num_warps
     subtiles = default.subtiles if subtiles is None else subtiles
+    _check_tile_config(block_occ, subtiles)
     block_d = triton.next_power_of_2(dim)
     span = block_occ * subtiles  # the spanning-row kernel's "tile" is a program's span
     num_tiles = triton.cdiv(num_occ, span)
