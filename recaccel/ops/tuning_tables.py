@@ -40,9 +40,9 @@ def device_name(device: torch.device | str) -> str:
     return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def lookup_in(table: Table, device: torch.device | str, key: str) -> dict[str, int] | None:
-    """``key``'s tuned fields for ``device`` in ``table``, or None."""
-    return table.get(device_name(device), {}).get(key)
+def lookup_in(table: Table, device: str, key: str) -> dict[str, int] | None:
+    """``key``'s tuned fields for the device named ``device`` (:func:`device_name`) in ``table``, or None."""
+    return table.get(device, {}).get(key)
 
 
 def read_table(path: str | Path) -> Table:
