@@ -12,17 +12,11 @@ span whose trailing chunks hold no occurrence, and a single occurrence.
 
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # before the kernel module is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest
-
 from recaccel.errors import ConfigError
-from recaccel.ops.backend import triton_interpret_enabled
+from recaccel.ops.embedding.triton import backward as tiles
 from tests.helpers.backward_tiles import (
     CFG,
     DTYPES,
@@ -36,13 +30,9 @@ from tests.helpers.backward_tiles import (
     sorted_rows_batch,
     two_steps,
 )
+from tests.helpers.marks import needs_triton
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or triton_interpret_enabled()),
-    reason="triton kernels need CUDA or TRITON_INTERPRET=1",
-)
-
-from recaccel.ops.embedding.triton import backward as tiles  # noqa: E402
+pytestmark = needs_triton
 
 # With BLOCK_OCC 4 and SUBTILES 2 a span is 8 occurrences. Cumulative ends: 4 (chunk edge),
 # 8 (span edge), 10, 16 (span edge after crossing a chunk edge), 19, 24 (span edge after

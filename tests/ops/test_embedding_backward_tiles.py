@@ -12,18 +12,12 @@ one stochastic-rounding step.
 
 from __future__ import annotations
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():  # before the kernel module is first imported
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import textwrap
 
 import pytest
+import torch
 
-from recaccel.ops.backend import triton_interpret_enabled
+from recaccel.ops.embedding.triton import backward as tiles
 from tests.helpers.backward_tiles import (
     CFG,
     DTYPES,
@@ -38,14 +32,10 @@ from tests.helpers.backward_tiles import (
     sorted_rows_batch,
     two_steps,
 )
+from tests.helpers.marks import needs_triton
 from tests.helpers.ops_inputs import compile_in_subprocess
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() or triton_interpret_enabled()),
-    reason="triton kernels need CUDA or TRITON_INTERPRET=1",
-)
-
-from recaccel.ops.embedding.triton import backward as tiles  # noqa: E402
+pytestmark = needs_triton
 
 
 def _tiles_update(block_occ: int | None):
