@@ -24,23 +24,23 @@ everything runs; its times mean nothing).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
 import torch
 
-from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, write_results_markdown
-from recaccel.bench.harness.timing import measure_copy_bandwidth
-from recaccel.bench.kernels.sweep import compile_workers, precompile
+from recaccel.bench.kernels.config_sweep import (
+    pick_winners,
+    report_notes,
+    resolve_device,
+    run_cases,
+    summary_row,
+    time_candidates,
+)
 from recaccel.bench.kernels.sweep_cases import Candidate
-from recaccel.errors import RecaccelError
 
-CASE_RESERVE_S = 10.0  # no case is started with less than this left
 MAX_TILE_ELEMENTS = 8192  # block_b x BT x max(BT, BD): the register tile a candidate may hold
 
 
@@ -144,17 +144,6 @@ def tolerance(case: TuneCase) -> dict[str, float]:
     return {"rtol": 1e-4, "atol": 1e-4} if case.dtype == "float32" else {"rtol": 2.0**-7, "atol": 1e-3}
 
 
-def time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median ms of ``fn`` (``triton.testing.do_bench`` on CUDA; one call elsewhere)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
 def sweep_case(
     case: TuneCase, device: torch.device, copy_gbs: float, deadline: float, max_configs: int | None
 ) -> dict:
@@ -164,26 +153,9 @@ def sweep_case(
     with tf32(case.tf32):
         cands = candidates(case, device)
         names = list(cands)[:max_configs]
-        if device.type == "cuda":
-            precompile([cands[n] for n in names], compile_workers(), device)
-        want = cands["default"].run().clone()
-        nbytes = case_bytes(case)
-        timed, dropped, truncated = {}, {}, False
-        for name in names:
-            if time.monotonic() > deadline:
-                truncated = True
-                break
-            try:
-                torch.testing.assert_close(cands[name].run(), want, **tolerance(case))
-            except Exception as exc:  # a config that fails to compile, run or agree is dropped
-                dropped[name] = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-                continue
-            ms = time_ms(cands[name].run, device)
-            gb_s = nbytes / (ms * 1e-3) / 1e9
-            timed[name] = {"ms": ms, "gb_s": gb_s, "pct_copy": 100 * gb_s / copy_gbs, **cands[name].fields}
-    best = min(timed, key=lambda n: timed[n]["ms"]) if timed else None
-    return {"case": dataclasses.asdict(case), "name": case.name, "key": table_key(case), "bytes": nbytes,
-            "configs": timed, "dropped": dropped, "best": best, "truncated": truncated}  # fmt: skip
+        timed = time_candidates(case.name, cands, names, tolerance=tolerance(case), nbytes=case_bytes(case),
+                                copy_gbs=copy_gbs, deadline=deadline, device=device)  # fmt: skip
+    return {"case": dataclasses.asdict(case), "name": case.name, "key": table_key(case), **timed}
 
 
 def table_key(case: TuneCase) -> str:
@@ -198,22 +170,9 @@ def table_key(case: TuneCase) -> str:
 def winners(records: list[dict]) -> dict[str, dict[str, int]]:
     """Per table key, the config with the least total time relative to each case's best,
     among the configs timed in every case of that key."""
-    by_key: dict[str, list[dict]] = {}
-    for rec in records:
-        if rec["best"]:
-            by_key.setdefault(rec["key"], []).append(rec)
-    table = {}
-    for key, recs in by_key.items():
-        common = sorted(set.intersection(*(set(r["configs"]) for r in recs)))
-        if common:
-            name = min(
-                common,
-                key=lambda n, recs=recs: sum(
-                    r["configs"][n]["ms"] / r["configs"][r["best"]]["ms"] for r in recs
-                ),
-            )
-            table[key] = {f: int(recs[0]["configs"][name][f]) for f in ("block_b", "bd", "num_warps")}
-    return table
+    return pick_winners(
+        records, lambda figures, _: {f: int(figures[f]) for f in ("block_b", "bd", "num_warps")}
+    )
 
 
 def run(
@@ -222,19 +181,10 @@ def run(
     """Sweeps ``cases`` in order within ``budget_s``, rewriting ``json_path`` after each."""
     from recaccel.ops.tuning_tables import device_name
 
-    start = time.monotonic()
-    deadline = start + budget_s
-    report = {"env": environment_info(device), "device_name": device_name(device),
-              "copy_gb_s": measure_copy_bandwidth(device), "budget_s": budget_s, "cases": [], "skipped": []}  # fmt: skip
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    for case in cases:
-        if time.monotonic() > deadline - min(CASE_RESERVE_S, budget_s / 4):
-            report["skipped"].append(case.name)
-        else:
-            report["cases"].append(sweep_case(case, device, report["copy_gb_s"], deadline, max_configs))
-        report["elapsed_s"] = time.monotonic() - start
-        json_path.write_text(json.dumps(report, indent=1))
-    return report
+    def sweep_one(case: TuneCase, copy_gbs: float, deadline: float) -> dict:
+        return sweep_case(case, device, copy_gbs, deadline, max_configs)
+
+    return run_cases(cases, sweep_one, device, device_name(device), json_path, budget_s)
 
 
 def add_args(parser) -> None:
@@ -256,25 +206,12 @@ def add_args(parser) -> None:
 
 def main(args, command_line: str) -> Path:
     """Runs the sweep; writes the JSON, the markdown and (``--write-table``) the table; returns the markdown."""
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
-    elif device.type != "cuda" or not torch.cuda.is_available():
-        raise RecaccelError(
-            f"recaccel-bench interaction_tune: --device {args.device}: expected cuda (present) or cpu"
-        )
-    if args.budget_s <= 0:
-        raise RecaccelError(f"recaccel-bench interaction_tune: --budget-s {args.budget_s}: must be > 0")
+    device = resolve_device("interaction_tune", args.device, args.budget_s)
     cuda = device.type == "cuda"
     report = run(
         gpu_cases() if cuda else CPU_CASES, device, Path(args.json), args.budget_s, None if cuda else 2
     )
-    notes = [f"copy bandwidth {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run",
-             f"skipped for the budget: {', '.join(report['skipped']) or 'none'}"]  # fmt: skip
-    if not cuda:
-        notes.append(
-            "CPU run under the Triton interpreter: checks the sweep runs; the times say nothing about a GPU"
-        )
+    notes = report_notes(report, cuda)
     if args.write_table:
         from recaccel.ops.interaction import tuning
 
@@ -284,12 +221,3 @@ def main(args, command_line: str) -> Path:
     return write_results_markdown(
         args.out, "Dot interaction launch-config sweep", report["env"], command_line, rows, notes
     )
-
-
-def summary_row(rec: dict) -> dict:
-    """One markdown row: the case, the default's and the best config's figures."""
-    default = rec["configs"].get("default", {})
-    best = rec["configs"].get(rec["best"], {}) if rec["best"] else {}
-    return {"case": rec["name"], "configs timed": len(rec["configs"]), "dropped": len(rec["dropped"]),
-            "default ms": default.get("ms"), "default % copy": default.get("pct_copy"), "best": rec["best"],
-            "best ms": best.get("ms"), "best % copy": best.get("pct_copy")}  # fmt: skip

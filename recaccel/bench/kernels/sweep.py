@@ -28,19 +28,22 @@ Triton interpreter (a check that everything runs; its times mean nothing).
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
-import os
-import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
-from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, write_results_markdown
-from recaccel.bench.harness.timing import measure_copy_bandwidth
+from recaccel.bench.kernels.config_sweep import (
+    check_candidate,
+    compile_workers,
+    pick_winners,
+    precompile,
+    report_notes,
+    resolve_device,
+    run_cases,
+    summary_row,
+    time_candidates,
+)
 from recaccel.bench.kernels.sweep_cases import (
     CPU_CASES,
     Candidate,
@@ -49,13 +52,8 @@ from recaccel.bench.kernels.sweep_cases import (
     forward_candidates,
     gpu_cases,
 )
-from recaccel.errors import RecaccelError
 
-log = logging.getLogger(__name__)
-
-# A case is not started with less than this left: building its batch and compiling its
-# first configs can take that long, and the run must end within the budget plus startup.
-CASE_RESERVE_S = 15.0
+__all__ = ["compile_workers", "precompile", "run_sweep", "sweep_case", "winners"]
 
 
 # --------------------------------------------------------------------------- data
@@ -69,20 +67,6 @@ def _tolerance(case: KernelCase) -> dict[str, float]:
     if case.dtype == "float32":
         return {"rtol": 1e-4, "atol": 1e-4}
     return {"rtol": 2.0**-7, "atol": 1e-4}
-
-
-# --------------------------------------------------------------------------- timing
-
-
-def _time_ms(fn: Callable[[], object], device: torch.device) -> float:
-    """Median ms of ``fn``: ``triton.testing.do_bench`` on CUDA (L2 flushed between calls), one call elsewhere."""
-    if device.type == "cuda":
-        import triton.testing
-
-        return float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median"))
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
 
 
 def sweep_case(
@@ -115,70 +99,14 @@ def sweep_case(
         names = names[:1] + list(extra) + names[1:]
     if max_configs is not None:
         names = names[:max_configs]
-    if device.type == "cuda":
-        precompile([candidates[n] for n in names], compile_workers(), device)
-    # A copy: the forward's candidates share one output buffer, which the next run overwrites.
-    want = candidates["default"].run().clone()
-    timed: dict[str, dict] = {}
-    dropped: dict[str, str] = {}
-    truncated = False
-    for name in names:
-        if time.monotonic() > deadline:
-            truncated = True
-            break
-        reason = _check(candidates[name], want, case)
-        if reason is not None:
-            dropped[name] = reason
-            log.info("%s: dropped %s: %s", case.name, name, reason)
-            continue
-        c = candidates[name]
-        ms = _time_ms(c.timed or c.run, device)
-        gb_s = nbytes / (ms * 1e-3) / 1e9
-        timed[name] = {"ms": ms, "gb_s": gb_s, "pct_copy": 100 * gb_s / copy_gbs, **c.fields}
-    best = min(timed, key=lambda n: timed[n]["ms"]) if timed else None
-    if best is not None:
-        log.info("%s: default %.1f%% of copy, best %s %.1f%%", case.name,
-                 timed.get("default", {}).get("pct_copy", float("nan")), best, timed[best]["pct_copy"])  # fmt: skip
-    return {"case": dataclasses.asdict(case), "name": case.name, "bytes": nbytes, "configs": timed,
-            "dropped": dropped, "best": best, "truncated": truncated}  # fmt: skip
-
-
-def compile_workers() -> int:
-    """Threads compiling a case's configs at once: half the cores, at most 8."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
-
-
-def precompile(candidates: list[Candidate], workers: int, device: torch.device) -> None:
-    """Runs each candidate once on ``workers`` threads, so that Triton compiles their
-    configs at once (its compiler releases the GIL: the parallel compiles of Triton's own
-    autotuner proposals and of Inductor), then waits for the device. The timing loop then
-    finds every config compiled. Outputs are discarded; errors too (a config that fails
-    is run again by the check, which drops it). Never under the Triton interpreter, which
-    patches global state while a kernel runs.
-    """
-    if workers <= 1 or len(candidates) <= 1:
-        return
-
-    def run(candidate: Candidate) -> None:
-        try:
-            candidate.run()
-        except Exception as exc:  # reported by the check's own run
-            log.debug("precompile: %s: %s", candidate.fields, exc)
-
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="recaccel-compile") as pool:
-        list(pool.map(run, candidates))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    timed = time_candidates(case.name, candidates, names, tolerance=_tolerance(case), nbytes=nbytes,
+                            copy_gbs=copy_gbs, deadline=deadline, device=device)  # fmt: skip
+    return {"case": dataclasses.asdict(case), "name": case.name, **timed}
 
 
 def _check(candidate: Candidate, want: torch.Tensor, case: KernelCase) -> str | None:
     """None when the config compiles, runs and matches the default's output; else why not."""
-    try:
-        got = candidate.run()
-        torch.testing.assert_close(got, want, **_tolerance(case))
-    except Exception as exc:  # a config that fails to compile or run is dropped, not fatal
-        return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-    return None
+    return check_candidate(candidate, want, _tolerance(case))
 
 
 # --------------------------------------------------------------------------- table
@@ -197,22 +125,7 @@ def shape_key(case: KernelCase) -> str:
 def winners(records: list[dict]) -> dict[str, dict[str, int]]:
     """Per shape key, the config with the least total time relative to each case's best,
     among configs timed in every case of that key."""
-    by_key: dict[str, list[dict]] = {}
-    for rec in records:
-        if rec.get("best"):
-            by_key.setdefault(rec["key"], []).append(rec)
-    table = {}
-    for key, recs in by_key.items():
-        common = set.intersection(*(set(r["configs"]) for r in recs))
-        if not common:
-            continue
-
-        def cost(name: str, recs=recs) -> float:
-            return sum(r["configs"][name]["ms"] / r["configs"][r["best"]]["ms"] for r in recs)
-
-        name = min(sorted(common), key=cost)
-        table[key] = _fields(recs[0]["configs"][name], recs[0]["case"]["kernel"])
-    return table
+    return pick_winners(records, lambda figures, rec: _fields(figures, rec["case"]["kernel"]))
 
 
 def _fields(figures: dict, kernel: str) -> dict[str, int]:
@@ -268,22 +181,13 @@ def run_sweep(
     Returns:
         The report (what ``json_path`` holds).
     """
-    start = time.monotonic()
-    deadline = start + budget_s
-    copy_gbs = measure_copy_bandwidth(device)
-    report = {"env": environment_info(device), "device_name": _device_key(device), "copy_gb_s": copy_gbs,
-              "budget_s": budget_s, "cases": [], "skipped": []}  # fmt: skip
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    for case in cases:
-        if time.monotonic() > deadline - min(CASE_RESERVE_S, budget_s / 4):
-            report["skipped"].append(case.name)
-        else:
-            record = sweep_case(case, device, copy_gbs, deadline, max_configs, (extra or {}).get(case.name))
-            record["key"] = shape_key(case)
-            report["cases"].append(record)
-        report["elapsed_s"] = time.monotonic() - start
-        json_path.write_text(json.dumps(report, indent=1))
-    return report
+    extra = extra or {}
+
+    def sweep_one(case: KernelCase, copy_gbs: float, deadline: float) -> dict:
+        record = sweep_case(case, device, copy_gbs, deadline, max_configs, extra.get(case.name))
+        return {**record, "key": shape_key(case)}
+
+    return run_cases(cases, sweep_one, device, _device_key(device), json_path, budget_s)
 
 
 def _device_key(device: torch.device) -> str:
@@ -294,46 +198,18 @@ def _device_key(device: torch.device) -> str:
 
 def main(args, command_line: str) -> Path:
     """Runs the sweep; writes the JSON, the markdown and (``--write-table``) the table; returns the markdown."""
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel modules are imported
-    elif device.type == "cuda" and not torch.cuda.is_available():
-        raise RecaccelError("recaccel-bench kernels: --device cuda, but torch sees no CUDA device")
-    elif device.type != "cuda":
-        raise RecaccelError(f"recaccel-bench kernels: --device {args.device}: expected cuda or cpu")
-    if args.budget_s <= 0:
-        raise RecaccelError(f"recaccel-bench kernels: --budget-s {args.budget_s}: must be > 0")
+    device = resolve_device("kernels", args.device, args.budget_s)
     cuda = device.type == "cuda"
     report = run_sweep(
         gpu_cases() if cuda else CPU_CASES, device, Path(args.json), args.budget_s, None if cuda else 2
     )
-    notes = [f"copy bandwidth {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run",
-             f"skipped for the budget: {', '.join(report['skipped']) or 'none'}"]  # fmt: skip
-    if not cuda:
-        notes.append(
-            "CPU run under the Triton interpreter: checks the sweep runs; the times say nothing about a GPU"
-        )
+    notes = report_notes(report, cuda)
     if args.write_table:
         from recaccel.ops.embedding.triton import tuning
 
         path = tuning.write_table(args.write_table, report["device_name"], winners(report["cases"]))
         notes.append(f"winners written to {path} for {report['device_name']}")
-    rows = [_summary_row(rec) for rec in report["cases"]]
+    rows = [summary_row(rec) for rec in report["cases"]]
     return write_results_markdown(
         args.out, "Embedding kernel config sweep", report["env"], command_line, rows, notes
     )
-
-
-def _summary_row(rec: dict) -> dict:
-    default = rec["configs"].get("default", {})
-    best = rec["configs"].get(rec["best"], {}) if rec["best"] else {}
-    return {
-        "case": rec["name"],
-        "configs timed": len(rec["configs"]),
-        "dropped": len(rec["dropped"]),
-        "default % copy": default.get("pct_copy"),
-        "best": rec["best"],
-        "best ms": best.get("ms"),
-        "best GB/s": best.get("gb_s"),
-        "best % copy": best.get("pct_copy"),
-    }
