@@ -213,6 +213,26 @@ def pick_winners(
     return table
 
 
+def finish(
+    report: dict,
+    cuda: bool,
+    args,
+    title: str,
+    command_line: str,
+    write_winners: Callable[[str, str], Path],
+) -> Path:
+    """Writes a sweep's markdown (and, with ``args.write_table``, its winners through
+    ``write_winners(path, device name)``); returns the markdown's path."""
+    from recaccel.bench.harness.report import write_results_markdown
+
+    notes = report_notes(report, cuda)
+    if args.write_table:
+        path = write_winners(args.write_table, report["device_name"])
+        notes.append(f"winners written to {path} for {report['device_name']}")
+    rows = [summary_row(rec) for rec in report["cases"]]
+    return write_results_markdown(args.out, title, report["env"], command_line, rows, notes)
+
+
 def report_notes(report: dict, cuda: bool) -> list[str]:
     """The markdown's notes: the copy bandwidth, the skipped cases, what a CPU run means."""
     notes = [f"copy bandwidth {report['copy_gb_s']:.0f} GB/s (read + write), measured in this run",

@@ -30,13 +30,12 @@ from typing import Literal
 
 import torch
 
-from recaccel.bench.harness.report import add_output_args, write_results_markdown
+from recaccel.bench.harness.report import add_output_args
 from recaccel.bench.kernels.config_sweep import (
+    finish,
     pick_winners,
-    report_notes,
     resolve_device,
     run_cases,
-    summary_row,
     time_candidates,
 )
 from recaccel.bench.kernels.sweep_cases import Candidate
@@ -211,13 +210,9 @@ def main(args, command_line: str) -> Path:
     report = run(
         gpu_cases() if cuda else CPU_CASES, device, Path(args.json), args.budget_s, None if cuda else 2
     )
-    notes = report_notes(report, cuda)
-    if args.write_table:
-        from recaccel.ops.interaction import tuning
+    from recaccel.ops.interaction import tuning
 
-        path = tuning.write(args.write_table, report["device_name"], winners(report["cases"]))
-        notes.append(f"winners written to {path} for {report['device_name']}")
-    rows = [summary_row(rec) for rec in report["cases"]]
-    return write_results_markdown(
-        args.out, "Dot interaction launch-config sweep", report["env"], command_line, rows, notes
-    )
+    def write_winners(path: str, device: str) -> Path:
+        return tuning.write(path, device, winners(report["cases"]))
+
+    return finish(report, cuda, args, "Dot interaction launch-config sweep", command_line, write_winners)

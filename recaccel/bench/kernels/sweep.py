@@ -32,16 +32,15 @@ from pathlib import Path
 
 import torch
 
-from recaccel.bench.harness.report import add_output_args, write_results_markdown
+from recaccel.bench.harness.report import add_output_args
 from recaccel.bench.kernels.config_sweep import (
     check_candidate,
     compile_workers,
+    finish,
     pick_winners,
     precompile,
-    report_notes,
     resolve_device,
     run_cases,
-    summary_row,
     time_candidates,
 )
 from recaccel.bench.kernels.sweep_cases import (
@@ -203,13 +202,9 @@ def main(args, command_line: str) -> Path:
     report = run_sweep(
         gpu_cases() if cuda else CPU_CASES, device, Path(args.json), args.budget_s, None if cuda else 2
     )
-    notes = report_notes(report, cuda)
-    if args.write_table:
-        from recaccel.ops.embedding.triton import tuning
+    from recaccel.ops.embedding.triton import tuning
 
-        path = tuning.write_table(args.write_table, report["device_name"], winners(report["cases"]))
-        notes.append(f"winners written to {path} for {report['device_name']}")
-    rows = [summary_row(rec) for rec in report["cases"]]
-    return write_results_markdown(
-        args.out, "Embedding kernel config sweep", report["env"], command_line, rows, notes
-    )
+    def write_winners(path: str, device: str) -> Path:
+        return tuning.write_table(path, device, winners(report["cases"]))
+
+    return finish(report, cuda, args, "Embedding kernel config sweep", command_line, write_winners)
