@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import get_args
 
@@ -30,6 +27,12 @@ from torch import Tensor, nn
 
 from recaccel.bench.step.eager import EagerDLRM, cross_shape, sparse_optimizer
 from recaccel.bench.step.parts import TrainerParts, trainer_parts
+from recaccel.bench.step.phased import (
+    PhaseTimer,
+    eager_phased_step,
+    head_flops_per_sample,
+    recaccel_phased_step,
+)
 from recaccel.config import Config, InteractionBackend, PipelineMode, Precision, TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.io.format.schema import FeatureSchema
@@ -176,35 +179,6 @@ def parse_combinations(
     return list(dict.fromkeys([BASELINE, *found]))
 
 
-class PhaseTimer:
-    """Wall time per phase of one step, the device synchronised around every phase.
-
-    The synchronisations serialise host and device (no overlap between phases), so the
-    instrumented step is slower than a plain one: its phases show where time goes, the
-    throughput pass says how fast a step is.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.steps: list[dict[str, float]] = []
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def start_step(self) -> None:
-        self.steps.append(defaultdict(float))
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        """Adds the time of the ``with`` body to ``phase`` of the current step (ms)."""
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.steps[-1][phase] += (time.perf_counter() - start) * 1e3
-
-
 @dataclass
 class Candidate:
     """One way of training the preset's model.
@@ -215,6 +189,8 @@ class Candidate:
         phased_step: the same step, each phase under the timer.
         merged: phase -> what it is part of, for phases not measured on their own.
         notes: what this candidate is, for the report.
+        head_flops: FLOP per sample of the dense head (MLPs and interaction, forward and
+            backward) when its phases time the head alone (recaccel's ``off/1/off``).
     """
 
     name: str
@@ -225,6 +201,7 @@ class Candidate:
     steps: Callable[[Iterable[tuple[Batch, dict]]], Iterator[StepDone]] | None = None
     combination: Combination | None = None
     trainer: TrainerParts | None = None
+    head_flops: float | None = None
 
     @property
     def key(self) -> str:
@@ -317,10 +294,12 @@ def _trainer_candidate(name: str, parts: TrainerParts, combination: Combination,
     return Candidate(
         name,
         step,
-        _phased_step(parts.model, parts.optimizer, parts.train.precision, parts.layout.device)
+        recaccel_phased_step(parts.model, parts.optimizer, parts.train.precision, parts.layout.device)
         if combination == BASELINE
         else None,
-        merged={"sparse_update": FUSED_SPARSE_UPDATE},
+        # off/1/off times the fused update on its own (phased.py); pipelined ones are not phased.
+        merged={} if combination == BASELINE else {"sparse_update": FUSED_SPARSE_UPDATE},
+        head_flops=head_flops_per_sample(parts.model) if combination == BASELINE else None,
         notes=[
             f"{name}: the trainer's loop, SingleProcess.steps (BatchPipeline + build_step + build_head; "
             f"{backends}; sparse {parts.objective.cfg.optim.sparse} fused into backward)"
@@ -329,33 +308,6 @@ def _trainer_candidate(name: str, parts: TrainerParts, combination: Combination,
         combination=combination,
         trainer=parts,
     )
-
-
-def _phased_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, precision: Precision, device: torch.device
-) -> Callable[[Batch, PhaseTimer], None]:
-    """The ``off/1/off`` step on ``model`` with each phase under the timer, the dense
-    forward under ``precision``'s autocast as the trainer's objective runs it."""
-
-    def phased_step(batch: Batch, timer: PhaseTimer) -> None:
-        with timer("dense_optimizer"):
-            optimizer.zero_grad(set_to_none=True)
-        with timer("embedding_forward"):
-            pooled = model.embed(batch.sparse)
-        with timer("mlps"), autocast(precision, device):
-            dense = model.dense_arch(batch.dense)
-        with timer("interaction"), autocast(precision, device):
-            features = model.interaction_arch(dense, pooled)
-        with timer("mlps"):
-            with autocast(precision, device):
-                logits = model.over_arch(features)
-            loss = _bce(logits.float(), batch)
-        with timer("backward"):
-            loss.backward()
-        with timer("dense_optimizer"):
-            optimizer.step()
-
-    return phased_step
 
 
 def eager_candidate(
@@ -409,53 +361,11 @@ def eager_candidate(
         return loss.detach()
 
     name = "eager" if compile_backend is None else "compiled"
-    phased_step = _eager_phased_step(
+    phased_step = eager_phased_step(
         model, (tables, dense_opt), head_loss, (precision, device), compile_backend
     )
     merged, what = _eager_description(tables, dense_opt, compile_backend)
     return Candidate(name, step, phased_step, merged=merged, notes=[f"{name}: {what}"])
-
-
-def _eager_phased_step(
-    model: EagerDLRM,
-    optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer],
-    head_loss: Callable[..., Tensor],
-    autocast_on: tuple[Precision, torch.device],
-    compile_backend: str | None,
-) -> Callable[[Batch, PhaseTimer], None]:
-    """The eager step with each phase under the timer; a compiled head is one ``mlps`` phase."""
-    tables, dense_opt = optimizers
-    precision, device = autocast_on
-
-    def zero_grad() -> None:
-        tables.zero_grad(set_to_none=True)
-        dense_opt.zero_grad(set_to_none=True)
-
-    def phased_step(batch: Batch, timer: PhaseTimer) -> None:
-        with timer("dense_optimizer"):
-            zero_grad()
-        with timer("embedding_forward"):
-            pooled = model.embed(batch.sparse)
-        if compile_backend is not None:
-            with timer("mlps"):
-                loss = head_loss(batch.dense, pooled, batch.labels, batch.weights)
-        else:
-            with timer("mlps"), autocast(precision, device):
-                dense = model.head.bottom(batch.dense)
-            with timer("interaction"), autocast(precision, device):
-                features = model.head.interact(dense, pooled)
-            with timer("mlps"):
-                with autocast(precision, device):
-                    logits = model.head.top(features).squeeze(-1)
-                loss = _bce(logits.float(), batch)
-        with timer("backward"):
-            loss.backward()
-        with timer("sparse_update"):
-            tables.step()
-        with timer("dense_optimizer"):
-            dense_opt.step()
-
-    return phased_step
 
 
 def _eager_description(

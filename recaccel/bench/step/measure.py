@@ -12,8 +12,9 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.harness.timing import time_interleaved_samples
-from recaccel.bench.step.candidates import PHASES, Candidate, PhaseTimer
+from recaccel.bench.step.candidates import PHASES, Candidate
 from recaccel.bench.step.data import Preset, ReaderBatches, RotatingBatches
+from recaccel.bench.step.phased import PhaseTimer
 
 NO_DATA_WAIT = "none (batches already on the device)"
 

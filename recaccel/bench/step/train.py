@@ -66,6 +66,7 @@ from recaccel.bench.step.data import (
     rows_needed,
 )
 from recaccel.bench.step.measure import Timing, measure_on_device, measure_through_reader
+from recaccel.bench.step.phased import dense_head_tflops
 from recaccel.bench.step.report import (
     combinations_section,
     cpu_target_note,
@@ -383,6 +384,9 @@ def bench_precision(
             else:
                 row.update(results[mode][entry.key])
                 row["samples_per_s"] = preset.batch_size / (row["step_ms"] * 1e-3)
+                tflops = dense_head_tflops(row["phases_ms"], entry.candidate.head_flops, preset.batch_size)
+                if tflops is not None:
+                    row["dense_head_TFLOPs"] = tflops
             rows.append(row)
         bar.update(1)
     chosen = _timeline_candidate(entries)

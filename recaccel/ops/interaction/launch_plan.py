@@ -71,11 +71,11 @@ def heuristic_plan(num_rows: int, dim: int) -> LaunchPlan:
     has no spills even in tf32x3 (BD=128 spilled 112 bytes there). R=501, D=32 (64-row
     tiles): 8 warps, no spills in the backward; the tf32x3 forward spills 84 bytes (4 warps:
     120). On the H200 (2026-11-26) the R=27 D=128 float32 forward ran at 29-30% of the
-    copy bandwidth: ``recaccel-bench interaction_tune`` times the alternatives. Its R=27 D=128
-bf16 forward candidates (block_b, bd, warps) = (2, 64, 4) [this default], (4, 64, 4),
-(1, 128, 4), (8, 32, 8), (4, 32, 4) compile with 84-126 registers, no spills, 16-32 ``mma``
-and the tile loads as ``cp.async``; the triangle's stores are scalar (its columns are
-not 16-byte aligned).
+    copy bandwidth: ``recaccel-bench interaction_tune`` times the alternatives. Its R=27
+    D=128 bf16 forward candidates (block_b, bd, warps) = (2, 64, 4) [this default],
+    (4, 64, 4), (1, 128, 4), (8, 32, 8), (4, 32, 4) compile with 84-126 registers, no
+    spills, 16-32 ``mma`` and the tile loads as ``cp.async``; the triangle's stores are
+    scalar (its columns are not 16-byte aligned).
     """
     one_tile = num_rows <= ONE_TILE_MAX_ROWS
     bt = row_tile(num_rows)
