@@ -92,7 +92,12 @@ def _labelled_pairs(pairs: Iterator) -> Iterator:
 
 
 def record_timeline(
-    parts: TrainerParts, source, device: torch.device, steps: int, warmup: int = 2
+    parts: TrainerParts,
+    source,
+    device: torch.device,
+    steps: int,
+    warmup: int = 2,
+    host_table: Path | None = None,
 ) -> Timeline:
     """Profiles ``steps`` steps of the trainer's loop on ``source``'s batches (after
     ``warmup`` unprofiled ones) and returns their spans.
@@ -103,6 +108,8 @@ def record_timeline(
         device: where the loop runs (CUDA adds the streams' kernels).
         steps: profiled steps.
         warmup: steps run first, unprofiled.
+        host_table: where to write the profiler's table of host ops by self CPU time (the
+            30 largest): what the host spends a step on, launches included.
     """
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -120,6 +127,10 @@ def record_timeline(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         del loop
+        if host_table is not None:
+            host_table.write_text(
+                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
+            )
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
@@ -138,7 +149,7 @@ def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps
         dev = next(candidate.trainer.model.parameters()).device
         source = ReaderBatches(data, preset, dev) if reader else RotatingBatches(data)
         try:
-            spans = record_timeline(candidate.trainer, source, dev, steps)
+            spans = record_timeline(candidate.trainer, source, dev, steps, host_table=host_table_path(path))
         finally:
             source.close()
         kernels = write_kernel_table(
@@ -148,12 +159,20 @@ def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps
     except Exception as e:  # the profiler (CUPTI) or matplotlib: the timed results stand without it
         first = (str(e).strip().splitlines() or [""])[0]
         return f"{preset.name}: no timeline ({type(e).__name__}: {first})"[:300]
-    return f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}, its kernels: {kernels.name}"
+    return (
+        f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}, its kernels: {kernels.name}, "
+        f"host ops: {host_table_path(path).name}"
+    )
 
 
 def kernel_table_path(timeline_png: Path) -> Path:
     """Where the kernel table of a timeline picture goes: beside it, ``<stem>_kernels.md``."""
     return timeline_png.with_name(f"{timeline_png.stem}_kernels.md")
+
+
+def host_table_path(timeline_png: Path) -> Path:
+    """Where the host-op table of a timeline picture goes: beside it, ``<stem>_host.txt``."""
+    return timeline_png.with_name(f"{timeline_png.stem}_host.txt")
 
 
 def write_kernel_table(spans: Timeline, path: Path, title: str) -> Path:

@@ -162,6 +162,7 @@ def test_every_combination_is_a_row_with_its_fields_skips_with_the_trainers_reas
     assert f"]({picture.name})" in text
     kernels = (tmp_path / "train_timeline_tiny_kernels.md").read_text()  # no CUDA work on CPU: no rows
     assert kernels.startswith("# Kernels per step: tiny") and "| kernel | phase |" in kernels
+    assert "Self CPU" in (tmp_path / "train_timeline_tiny_host.txt").read_text()
 
 
 def test_no_timeline_without_a_sync_combination(tmp_path, tiny):
