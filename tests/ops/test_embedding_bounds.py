@@ -125,10 +125,35 @@ def test_malformed_offsets_are_reported_by_the_deferred_check(sparse_batch):
     offsets[2] = offsets[-1] + 5  # past the ids, then decreasing
     bad = SparseFeatures(sf.keys, sf.values, offsets, sf.weights)
     m = _modules("deferred")
-    m(bad)  # the kernels read the offsets clamped into a valid CSR
+    m(bad)  # the kernels read a valid CSR in the offsets' place
     with pytest.raises(InvalidIdError, match="malformed sparse offsets") as deferred:
         m.check_ids()
     assert str(deferred.value) == _eager_message(bad)
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 2, 5, 3, 6], [1, 2, 3, 4, 6], [0, 2, 3, 4, 9], [0, -4, 3, 4, 6], [0, 2, 3, 4, 5]],
+    ids=["decreasing", "first-not-zero", "past-the-ids", "negative", "short-of-the-ids"],
+)
+def test_the_deferred_check_counts_malformed_offsets_and_hands_the_kernels_a_valid_csr(offsets):
+    from recaccel.ops.embedding.deferred_check import defer_batch_check
+
+    values = torch.arange(6)
+    sf = SparseFeatures(["x", "y"], values, torch.tensor(offsets))
+    safe, counter = defer_batch_check(sf)
+    assert counter.tolist() == [1] and safe.values is values
+    assert safe.offsets.tolist() == [0, 0, 0, 0, 6]  # every id in the last bag: in bounds
+
+
+def test_the_deferred_check_leaves_valid_offsets_as_they_are():
+    from recaccel.ops.embedding.deferred_check import defer_batch_check
+
+    offsets = torch.tensor([0, 0, 3, 3, 6], dtype=torch.int32)
+    safe, counter = defer_batch_check(SparseFeatures(["x", "y"], torch.arange(6), offsets))
+    assert (
+        counter.tolist() == [0] and torch.equal(safe.offsets, offsets) and safe.offsets.dtype == torch.int32
+    )
 
 
 @pytest.mark.parametrize("optimizer_seed", [10, 20])
