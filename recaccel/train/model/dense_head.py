@@ -302,6 +302,11 @@ def capture_head(
         static_grad_out = torch.empty_like(static_out)
         with torch.cuda.graph(bwd, pool=fwd.pool(), capture_error_mode="thread_local"):
             static_grads = torch.autograd.grad(static_out, inputs, static_grad_out, allow_unused=True)
+    # Only the output's memory is replayed into: dropping its autograd graph lets go of the
+    # parameters' AccumulateGrad nodes made on the capture stream, which the replayed
+    # backward's gradients (main stream) would otherwise meet every step (torch warns of a
+    # stream mismatch and synchronises the two streams).
+    static_out = static_out.detach()
     return HeadGraph(
         key,
         params,
