@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -282,6 +283,20 @@ def test_cuda_graphed_head_matches_eager_across_optimizer_steps(interaction, opt
         assert_same_step(g, w)
     assert (graphed.graphed_calls, graphed.eager_calls) == (5, 0)
     assert not torch.equal(got[0][0], got[-1][0]), "parameters did not change between replays"
+
+
+@gpu
+def test_graphed_steps_meet_no_accumulate_grad_node_of_the_capture_stream():
+    """The capture's autograd graph is dropped, so the head parameters' AccumulateGrad nodes
+    are made where the replayed backward runs: torch never warns of a stream mismatch (the
+    H200's train log did, with a stream sync each step)."""
+    model = small_model(CUDA)
+    graphed = build_head(model, TrainConfig(cuda_graphs=True), CUDA)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_steps(graphed, model, 4)
+    assert graphed.graphed_calls == 4
+    assert not [str(w.message) for w in caught if "AccumulateGrad" in str(w.message)]
 
 
 @gpu
