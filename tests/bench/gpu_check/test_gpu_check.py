@@ -163,6 +163,28 @@ def test_targets_judge_triton_precision_rows_and_the_data_cost_from_result_files
     assert all(t["status"] == NOT_MEASURED for t in evaluate(tmp_path / "missing", {}))
 
 
+def test_the_interaction_targets_read_the_roofline_rows_and_the_phased_step(tmp_path):
+    def dot(b, f, d, precision, frac, speedup):
+        return {"batch": b, "fields": f, "dim": d, "precision": precision,
+                "triton_fwd_bwd_bw_frac": frac, "fwd_speedup": speedup}  # fmt: skip
+
+    rows = [dot(65536, 26, 128, "bfloat16", 0.7, 1.8), dot(4096, 500, 32, "tf32", 0.4, 1.2)]
+    (tmp_path / "interaction.json").write_text(json.dumps({"results": rows}))
+    train = [{"candidate": "recaccel", "preset": "bench_criteo_1hot", "mode": "device", "batch": 65536,
+              "pipeline": "off", "micro_batches": 1, "cuda_graphs": False, "precision": "bf16",
+              "step_ms": 6.0, "samples_per_s": 1e7, "dense_head_TFLOPs": 300.0,
+              "phases_ms": {"embedding_forward": 0.4, "sparse_update": 0.5}}]  # fmt: skip
+    (tmp_path / "train.json").write_text(json.dumps({"results": train}))
+    got = {t["target"]: t for t in evaluate(tmp_path, {"copy_GBps": 1000.0, "matmul_TFLOPs": 800.0})}
+    roofline = got["interaction fwd+bwd >= 60% of its byte roofline (bf16, tf32)"]
+    assert roofline["status"] == NOT_MET and roofline["value"] == 0.4 and "F=500" in roofline["figure"]
+    assert got["interaction forward faster than eager at every shape"]["status"] == MET
+    lookup = got["bench_criteo_1hot lookup + sparse update <= 1.0 ms"]
+    assert lookup["status"] == MET and abs(lookup["value"] - 0.9) < 1e-12
+    head = got["dense head >= 50% of the bf16 matmul rate"]
+    assert head["status"] == NOT_MET and head["value"] == 300.0 / 800.0
+
+
 def _pipeline_row(preset, mode, pipeline, micro, graphs, speedup, sps):
     return {"candidate": "recaccel", "preset": preset, "mode": mode, "batch": 4096, "pipeline": pipeline,
             "micro_batches": micro, "cuda_graphs": graphs, "speedup_vs_off": speedup,
