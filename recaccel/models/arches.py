@@ -5,6 +5,7 @@ Shapes: B batch, Dd dense features, F sparse fields, D embedding dim.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -165,22 +166,20 @@ class SparseArch(nn.Module):
         options = {} if out is None else {"out": out}
         if out is None and dtype != torch.float32:
             options["out_dtype"] = dtype
-        ordered = sparse.reorder(self.features)
-        if not torch.is_autocast_enabled(device_type):
-            return self.embedding(ordered, **options)
         # Under mixed precision the lookup pools in float32 (autocast off), its output float32
         # or, with autocast_output, the autocast dtype.
-        with torch.autocast(device_type, enabled=False):
-            return self.embedding(ordered, **options)
+        mixed = torch.is_autocast_enabled(device_type)
+        with torch.autocast(device_type, enabled=False) if mixed else contextlib.nullcontext():
+            return self.embedding(sparse.reorder(self.features), **options)
 
     def pooled_dtype(self, device_type: str) -> torch.dtype:
         """The dtype of :meth:`forward`'s output under the current autocast state: the
         autocast dtype with ``autocast_output`` and a packed embedding, else float32."""
         from recaccel.ops.embedding import PackedEmbeddingBag
 
-        if self.autocast_output and torch.is_autocast_enabled(device_type):
-            if isinstance(self.embedding, PackedEmbeddingBag):
-                return torch.get_autocast_dtype(device_type)
+        packed = isinstance(self.embedding, PackedEmbeddingBag)
+        if self.autocast_output and packed and torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
         return torch.float32
 
 

@@ -144,8 +144,8 @@ class SparseFeatures:
         return self
 
     def with_tensors(self, values: Tensor, offsets: Tensor | None, weights: Tensor | None) -> SparseFeatures:
-        """The same fields and bags held in other tensors (another dtype, made offsets, a
-        clamp that leaves valid offsets as they are): a new batch that keeps
+        """The same fields and bags held in other tensors (another dtype, made offsets, the
+        deferred check's copy, which leaves valid offsets as they are): a new batch that keeps
         :attr:`known_field_counts`."""
         made = SparseFeatures(self.keys, values, offsets, weights)
         known = self.known_field_counts

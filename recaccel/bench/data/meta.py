@@ -33,6 +33,7 @@ from torch import Tensor
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import add_output_args, write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved
+from recaccel.bench.kernels.agreement import max_relative_error
 from recaccel.config import MetaConfig
 from recaccel.errors import RecaccelError
 from recaccel.meta import MetaLearner
@@ -243,10 +244,6 @@ def _outer(model: DLRM, learner: MetaLearner, tb: TaskBatch) -> tuple[float, lis
     return float(loss.detach()), [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
 
 
-def _relative(got: Tensor, want: Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-
-
 def check_engines_agree(
     model: DLRM, learners: dict[tuple[str, str], MetaLearner], tb: TaskBatch
 ) -> dict[tuple[str, str], tuple[float, float]]:
@@ -267,7 +264,9 @@ def check_engines_agree(
             continue
         ref_loss, ref_grads = outer["loop", o]
         loss_diff = abs(loss - ref_loss)
-        grad_diff = max((_relative(g, r) for g, r in zip(grads, ref_grads, strict=True)), default=0.0)
+        grad_diff = max(
+            (max_relative_error(g, r) for g, r in zip(grads, ref_grads, strict=True)), default=0.0
+        )
         if not (loss_diff <= LOSS_RTOL * max(1.0, abs(ref_loss)) and grad_diff <= GRAD_RTOL):
             raise RecaccelError(
                 f"meta bench: engine {e!r} ({o} order) disagrees with the per-task loop: outer loss by "

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from recaccel.bench.harness.report import markdown_table
 
-MARKDOWN, JSON, PYTEST_LOG, TARBALL = "gpu_check.md", "gpu_check.json", "pytest.txt", "gpu_check_parts.tar.gz"
+PYTEST_LOG = "pytest.txt"
 MAX_PLOTS = 2
 MAX_FILES = 7
 _PYTEST_SUMMARY = re.compile(

@@ -213,10 +213,15 @@ def bench_argv(name: str, device: str, parts: Path, options: set[str], plots: bo
     return argv
 
 
+def junit_path(parts: Path, group: int) -> Path:
+    """Where pytest group ``group`` writes its per-test times (junit XML)."""
+    return parts / f"pytest_group{group}.xml"
+
+
 def junit_options(parts: Path, group: int) -> list[str]:
     """pytest options writing group ``group``'s per-test times as junit XML into ``parts``;
     xunit1 names each test case's file (xunit2, the default, only its class path)."""
-    return [f"--junit-xml={parts / f'pytest_group{group}.xml'}", "-o", "junit_family=xunit1"]
+    return [f"--junit-xml={junit_path(parts, group)}", "-o", "junit_family=xunit1"]
 
 
 def pytest_groups(device: str, parts: Path) -> list[list[str]]:
@@ -237,16 +242,12 @@ def pytest_groups(device: str, parts: Path) -> list[list[str]]:
     return [[*base, *options, *junit_options(parts, i), *group] for i, group in enumerate(files)]
 
 
-def _junit_path(argv: Sequence[str]) -> Path:
-    return Path(next(a for a in argv if a.startswith("--junit-xml=")).split("=", 1)[1])
-
-
 def _record_seconds(
     argvs: Sequence[Sequence[str]], ended: Sequence, parts: Path, device_name: str
 ) -> dict[str, float]:
     """Sums the groups' junit XML per file into ``parts/test_seconds.json`` (the committed
     figures, those measured now replaced); returns the measured ones."""
-    xml = [_junit_path(argv) for argv in argvs]
+    xml = [junit_path(parts, i) for i in range(len(argvs))]
     cut = [path for path, e in zip(xml, ended) if e.status == "timeout"]
     files = [a for argv in argvs for a in argv if a.endswith(".py")]
     run = f"gpu-check {time.strftime('%Y-%m-%d')}"

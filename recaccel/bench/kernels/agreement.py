@@ -33,6 +33,13 @@ def relative_error(got: Tensor, exact: Tensor) -> float:
     return float((got - exact).norm() / exact.norm().clamp_min(1e-30))
 
 
+def max_relative_error(got: Tensor, want: Tensor) -> float:
+    """``max |got - want| / max |want|`` in float64 (NaN where ``got`` has one): the bound of
+    benches whose outputs are judged element-wise (a single far-off value counts)."""
+    want = want.detach().double()
+    return float((got.detach().double() - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
 def forward_and_grads(fn: Callable[..., Tensor], inputs: Sequence[Tensor], grad: Tensor) -> list[Tensor]:
     """``[forward under no_grad, forward with autograd, d<out, grad>/d input for each input]``:
     both forwards, since a candidate may dispatch differently without autograd."""

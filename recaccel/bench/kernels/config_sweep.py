@@ -219,15 +219,16 @@ def finish(
     args,
     title: str,
     command_line: str,
-    write_winners: Callable[[str, str], Path],
+    winners: Callable[[list[dict]], dict[str, dict[str, int]]],
+    write_table: Callable[[str, str, dict[str, dict[str, int]]], Path],
 ) -> Path:
-    """Writes a sweep's markdown (and, with ``args.write_table``, its winners through
-    ``write_winners(path, device name)``); returns the markdown's path."""
+    """Writes a sweep's markdown and, with ``args.write_table``, its ``winners`` of the
+    cases through ``write_table(path, device name, entries)``; returns the markdown's path."""
     from recaccel.bench.harness.report import write_results_markdown
 
     notes = report_notes(report, cuda)
     if args.write_table:
-        path = write_winners(args.write_table, report["device_name"])
+        path = write_table(args.write_table, report["device_name"], winners(report["cases"]))
         notes.append(f"winners written to {path} for {report['device_name']}")
     rows = [summary_row(rec) for rec in report["cases"]]
     return write_results_markdown(args.out, title, report["env"], command_line, rows, notes)

@@ -44,13 +44,13 @@ from torch import Tensor
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved
+from recaccel.bench.kernels.agreement import max_relative_error
 from recaccel.errors import RecaccelError
 from recaccel.models.arches import MLP, mlp
 from recaccel.ops.tf32 import tf32
 from recaccel.train.model.optim import implementation
 
 PRECISIONS = ("fp32", "tf32", "bf16")
-# Bound on max |fast - plain| / max |plain| per output and gradient (both run the same precision).
 # The fast path's relative error against float64 may be this many times the plain layers'
 # own, plus the floor (which covers a plain error that happens to be near zero).
 ERROR_FACTOR = 4.0
@@ -117,12 +117,8 @@ def step_fn(
 
 
 def relative_errors(reference: list[Tensor], got: list[Tensor]) -> list[float]:
-    """Per tensor, max |got - reference| / max |reference| (NaN where ``got`` has one)."""
-    errors = []
-    for want, have in zip(reference, got, strict=True):
-        want = want.double()
-        errors.append(float((have.double() - want).abs().max() / want.abs().max().clamp_min(1e-300)))
-    return errors
+    """Per tensor, :func:`~recaccel.bench.kernels.agreement.max_relative_error` against ``reference``."""
+    return [max_relative_error(have, want) for want, have in zip(reference, got, strict=True)]
 
 
 def check_fast_path(

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -39,6 +39,9 @@ from recaccel.bench.kernels.config_sweep import (
     time_candidates,
 )
 from recaccel.bench.kernels.sweep_cases import Candidate
+
+if TYPE_CHECKING:
+    from recaccel.ops.interaction.launch_plan import KernelConfig
 
 MAX_TILE_ELEMENTS = 8192  # block_b x BT x max(BT, BD): the register tile a candidate may hold
 
@@ -84,7 +87,7 @@ def gpu_cases() -> list[TuneCase]:
 CPU_CASES = [TuneCase("fwd", 4, 3, 8, "float32"), TuneCase("bwd", 4, 3, 8, "float32")]
 
 
-def configs(case: TuneCase) -> dict[str, object]:
+def configs(case: TuneCase) -> dict[str, KernelConfig]:
     """The default (heuristic) config, then the candidates, by name."""
     from recaccel.ops.interaction.launch_plan import ONE_TILE_MAX_ROWS, KernelConfig, heuristic_plan
 
@@ -212,7 +215,6 @@ def main(args, command_line: str) -> Path:
     )
     from recaccel.ops.interaction import tuning
 
-    def write_winners(path: str, device: str) -> Path:
-        return tuning.write(path, device, winners(report["cases"]))
-
-    return finish(report, cuda, args, "Dot interaction launch-config sweep", command_line, write_winners)
+    return finish(
+        report, cuda, args, "Dot interaction launch-config sweep", command_line, winners, tuning.write
+    )

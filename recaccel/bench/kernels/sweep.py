@@ -204,7 +204,6 @@ def main(args, command_line: str) -> Path:
     )
     from recaccel.ops.embedding.triton import tuning
 
-    def write_winners(path: str, device: str) -> Path:
-        return tuning.write_table(path, device, winners(report["cases"]))
-
-    return finish(report, cuda, args, "Embedding kernel config sweep", command_line, write_winners)
+    return finish(
+        report, cuda, args, "Embedding kernel config sweep", command_line, winners, tuning.write_table
+    )

@@ -145,23 +145,23 @@ def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps
     reader = isinstance(data, Path)
     where = "through the reader" if reader else "device data"
     label = candidate.combination.label
+    title = f"{preset.name}: recaccel {label}, {where}"
+    host_table = host_table_path(path)
     try:
         dev = next(candidate.trainer.model.parameters()).device
         source = ReaderBatches(data, preset, dev) if reader else RotatingBatches(data)
         try:
-            spans = record_timeline(candidate.trainer, source, dev, steps, host_table=host_table_path(path))
+            spans = record_timeline(candidate.trainer, source, dev, steps, host_table=host_table)
         finally:
             source.close()
-        kernels = write_kernel_table(
-            spans, kernel_table_path(path), f"{preset.name}: recaccel {label}, {where}, {dev}"
-        )
-        plot_timeline(spans, path, f"{preset.name}: recaccel {label}, {where}, {dev}")
+        kernels = write_kernel_table(spans, kernel_table_path(path), f"{title}, {dev}")
+        plot_timeline(spans, path, f"{title}, {dev}")
     except Exception as e:  # the profiler (CUPTI) or matplotlib: the timed results stand without it
         first = (str(e).strip().splitlines() or [""])[0]
         return f"{preset.name}: no timeline ({type(e).__name__}: {first})"[:300]
     return (
         f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}, its kernels: {kernels.name}, "
-        f"host ops: {host_table_path(path).name}"
+        f"host ops: {host_table.name}"
     )
 
 
