@@ -16,6 +16,11 @@ gradient; one off by more than its bound stops the run before timing), and on CU
 the GEMM path meets its target: forward + backward >= :data:`TARGET_FWD_BWD` x eager.
 On CPU the Triton candidates run only under ``TRITON_INTERPRET=1``: correct, not speed.
 
+On CUDA, after timing, a few forward + backward iterations of each candidate run under
+``torch.profiler`` and their device time per kernel (class GEMM / elementwise / reduction /
+..., launches and ms per iteration, share) goes beside the markdown as ``<stem>_kernels.md``
+(:mod:`recaccel.bench.kernels.kernel_breakdown`); elsewhere the markdown says it was skipped.
+
 GPU, one command (MLPerf DLRM-DCNv2's cross network)::
 
     recaccel-bench interaction --kind dcnv2 --batch 16384 --fields 26 --dim 128 --layers 3 \\
@@ -37,6 +42,12 @@ from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.report import write_results_markdown
 from recaccel.bench.harness.timing import time_interleaved
 from recaccel.bench.kernels.agreement import check_against_float64
+from recaccel.bench.kernels.kernel_breakdown import (
+    breakdown_path,
+    breakdown_rows,
+    profile_fwd_bwd,
+    write_breakdown,
+)
 from recaccel.ops.backend import resolve_backend
 from recaccel.ops.interaction import dcnv2_cross_reference, init_cross_weights
 from recaccel.plotting import pyplot, save_figure
@@ -47,6 +58,7 @@ IMPLS = ("eager", "gemm", "fused")
 TARGET_FWD_BWD = 1.5
 """The GEMM path's forward + backward must take at most 1/1.5 of eager's time (issue 24, bf16,
 B=16384, F=26, D=128, 3 layers, rank 512, on an H100/H200)."""
+PROFILE_ITERATIONS = 2  # profiled forward + backward iterations per candidate and shape (CUDA)
 
 
 def _kernels(device: torch.device) -> dict[str, Callable[..., Tensor]]:
@@ -71,6 +83,11 @@ def _inputs(b: int, k: int, layers: int, rank: int, dtype: torch.dtype, device: 
     u, v, bias = init_cross_weights(k, layers, rank, gen)
     bias = torch.randn(bias.shape, generator=gen) * 0.1
     return [t.to(device=device, dtype=dtype) for t in (x0, u, v, bias)]
+
+
+def _output_grad(b: int, k: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The output gradient of a shape, seeded by it."""
+    return torch.randn(b, k, generator=torch.Generator().manual_seed(b + k)).to(device=device, dtype=dtype)
 
 
 def target_verdict(row: dict) -> str:
@@ -110,7 +127,7 @@ def bench_shape(
     impls = dict(impls) if impls is not None else _kernels(device)
     inputs = _inputs(b, k, layers, rank, dtype, device)
     leaves = [t.detach().requires_grad_() for t in inputs]
-    grad = torch.randn(b, k, generator=torch.Generator().manual_seed(b + k)).to(device=device, dtype=dtype)
+    grad = _output_grad(b, k, dtype, device)
 
     def fwd(fn):
         with torch.no_grad():
@@ -208,8 +225,52 @@ def plot_speedups(rows: Sequence[dict], path: str | Path) -> Path:
     return save_figure(fig, path, dpi=120)
 
 
-def write_markdown(rows: Sequence[dict], path: str | Path, command: str) -> Path:
-    """The rows as markdown under the environment and ``command``, each target verdict in the notes."""
+def profile_shapes(
+    shapes: Sequence[tuple[int, int, int]],
+    layers: int,
+    rank: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    iterations: int = PROFILE_ITERATIONS,
+) -> dict[str, list[dict]]:
+    """Each candidate's kernels per forward + backward iteration at each (B, F, D) shape
+    (:func:`~recaccel.bench.kernels.kernel_breakdown.breakdown_rows`), keyed ``"<name> B=.. K=.."``."""
+    impls = _kernels(device)
+    tables = {}
+    for b, f, d in shapes:
+        k = d * (f + 1)
+        inputs, grad = _inputs(b, k, layers, rank, dtype, device), _output_grad(b, k, dtype, device)
+        for name, fn in impls.items():
+            tables[f"{name} B={b} K={k}"] = breakdown_rows(
+                profile_fwd_bwd(fn, inputs, grad, device, iterations)
+            )
+    return tables
+
+
+def kernel_breakdown_note(args, out: str | Path) -> str:
+    """Profiles the candidates on CUDA and writes their kernel tables beside ``out``; returns
+    the markdown's note naming the file, or saying why there is none (a profiler failure
+    does not end the benchmark: the timed rows stand without it)."""
+    device = torch.device(args.device)
+    if device.type != "cuda":
+        return f"Per-kernel device time: skipped on {device} (the profiler's kernel times need CUDA)."
+    dtype = getattr(torch, args.dtype)
+    shapes = list(product(args.batch, args.fields, args.dim))
+    try:
+        tables = profile_shapes(shapes, args.layers, args.rank, dtype, device)
+        title = f"DCN-v2 cross network, {args.layers} layers, rank {args.rank}, {args.dtype}, {device}"
+        path = write_breakdown(tables, breakdown_path(out), title, PROFILE_ITERATIONS)
+    except Exception as e:  # the profiler (CUPTI) can fail where timing did not
+        first = (str(e).strip().splitlines() or [""])[0]
+        return f"Per-kernel device time: none ({type(e).__name__}: {first})"[:300]
+    return f"Per-kernel device time (GEMM vs elementwise vs reductions, per candidate): {path.name}"
+
+
+def write_markdown(
+    rows: Sequence[dict], path: str | Path, command: str, extra_notes: Sequence[str] = ()
+) -> Path:
+    """The rows as markdown under the environment and ``command``, each target verdict and
+    ``extra_notes`` in the notes."""
     device = rows[0]["device"] if rows else "cpu"
     notes = [
         "eager = per layer matmul, addmm, multiply, add (dcnv2_cross_reference); gemm = library GEMMs "
@@ -219,6 +280,7 @@ def write_markdown(rows: Sequence[dict], path: str | Path, command: str) -> Path
         "fwd_bwd = forward then autograd backward w.r.t. x0 and every weight. TFLOP/s: forward "
         "4*B*K*r*L FLOP, forward+backward three times that.",
         *[f"target B={r['batch']} K={r['K']}: {r['target']}" for r in rows],
+        *extra_notes,
     ]
     if not device.startswith("cuda"):
         notes.insert(0, "Not CUDA: Triton runs only interpreted here (or not at all); no figure is a speed.")
@@ -245,4 +307,4 @@ def main(args, command_line: str, plot_path: Path | None) -> Path:
         plot_speedups(rows, plot_path)
     for row in rows:
         log.info("dcnv2 B=%d K=%d %s: %s", row["batch"], row["K"], row["dtype"], row["target"])
-    return write_markdown(rows, args.out, command_line)
+    return write_markdown(rows, args.out, command_line, [kernel_breakdown_note(args, args.out)])
