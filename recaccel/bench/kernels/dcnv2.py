@@ -262,6 +262,7 @@ def kernel_breakdown_note(args, out: str | Path) -> str:
         path = write_breakdown(tables, breakdown_path(out), title, PROFILE_ITERATIONS)
     except Exception as e:  # the profiler (CUPTI) can fail where timing did not
         first = (str(e).strip().splitlines() or [""])[0]
+        log.warning("dcnv2 kernel table: %s: %s", type(e).__name__, first)
         return f"Per-kernel device time: none ({type(e).__name__}: {first})"[:300]
     return f"Per-kernel device time (GEMM vs elementwise vs reductions, per candidate): {path.name}"
 
