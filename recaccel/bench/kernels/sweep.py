@@ -131,6 +131,8 @@ def _fields(figures: dict, kernel: str) -> dict[str, int]:
     """A winner's table entry; a backward one has ``subtiles`` only when above 1 (absent: 1)."""
     if kernel == "forward":
         return {k: int(figures[k]) for k in ("block_bags", "num_warps", "unroll", "long_threshold")}
+    if "piece_len" in figures:
+        return {k: int(figures[k]) for k in ("piece_len", "block_pieces", "unroll", "num_warps")}
     entry = {k: int(figures[k]) for k in ("block_occ", "num_warps")}
     if int(figures.get("subtiles", 1)) != 1:
         entry["subtiles"] = int(figures["subtiles"])

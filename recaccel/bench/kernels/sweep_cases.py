@@ -14,6 +14,8 @@ from recaccel.sparse import SparseFeatures
 
 OPTIMIZER = "rowwise_adagrad"  # the fused update the sweep times (the presets' sparse optimizer)
 SUBTILES = (4, 16)  # chunks per backward program tried around the best one-chunk config
+PIECE_LENS = (32, 128)  # most occurrences per piece tried for the piece-lane backward
+LANE_VALUES_PER_THREAD = 16  # a lane block's float32 sums per thread (sm_90: 78-126 registers, no spills)
 _ROUNDING_SEED = 12345
 
 
@@ -135,7 +137,8 @@ def make_batch(case: KernelCase, device: torch.device, seed: int = 0):
 
 def config_name(fields: dict[str, int]) -> str:
     """A config's short name in the tables: ``bb8_w4_u2``."""
-    short = {"block_bags": "bb", "num_warps": "w", "unroll": "u", "block_occ": "occ", "subtiles": "st"}
+    short = {"block_bags": "bb", "num_warps": "w", "unroll": "u", "block_occ": "occ", "subtiles": "st",
+             "piece_len": "pl", "block_pieces": "bp"}  # fmt: skip
     return "_".join(f"{short[k]}{v}" for k, v in fields.items() if k in short)
 
 
@@ -161,10 +164,17 @@ def forward_sweep(case: KernelCase) -> list[dict[str, int]]:
 
 
 def backward_sweep(case: KernelCase, base: dict[str, int] | None = None) -> list[dict[str, int]]:
+    """The occurrence tiles' configs (:func:`tile_sweep`), then the piece lanes'
+    (:func:`lane_sweep`)."""
+    return tile_sweep(case, base) + lane_sweep(case)
+
+
+def tile_sweep(case: KernelCase, base: dict[str, int] | None = None) -> list[dict[str, int]]:
     """BLOCK_OCC x warps with a 512..4096-value tile and at most 32 values per thread (a
     value, its scan flag and the scan's temporaries: 4096 at 4 warps takes 191-255 registers),
-    then programs of ``SUBTILES`` chunks at ``base``'s BLOCK_OCC (the device's tuned entry;
-    None: the heuristic default) with its warps and 4 (at most 4 more configs: the budget)."""
+    then programs of ``SUBTILES`` chunks at ``base``'s BLOCK_OCC (the device's tuned tile
+    entry; None or a lane entry: the heuristic default) with its warps and 4 (at most 4
+    more configs: the budget)."""
     from recaccel.ops.embedding.triton.backward import tile_config
 
     block_d = 1 << (case.dim - 1).bit_length()
@@ -175,11 +185,42 @@ def backward_sweep(case: KernelCase, base: dict[str, int] | None = None) -> list
         if (512 <= occ * block_d <= 4096 and occ * block_d <= 32 * 32 * w)
         or (occ == 8 and occ * block_d > 4096)
     ]
-    occ, warps, _ = tile_config(case.dim) if base is None else (base["block_occ"], base["num_warps"], 1)
+    if base is None or "block_occ" not in base:
+        occ, warps, _ = tile_config(case.dim)
+    else:
+        occ, warps = base["block_occ"], base["num_warps"]
     longer = [
         {"block_occ": occ, "num_warps": w, "subtiles": st} for w in sorted({warps, 4}) for st in SUBTILES
     ]
     return one_chunk + longer
+
+
+def lane_sweep(case: KernelCase) -> list[dict[str, int]]:
+    """``PIECE_LENS`` x (lanes, warps) x UNROLL 1, 2: lanes sized so that a block's sums are
+    ``LANE_VALUES_PER_THREAD`` float32 per thread at 4 and 8 warps (sm_90, D=128: 16 lanes
+    at 4 warps and 32 at 8 compile to 78-126 registers, no spills, 16-byte row loads)."""
+    block_d = 1 << (case.dim - 1).bit_length()
+    shapes = []
+    for w in (4, 8):
+        lanes = LANE_VALUES_PER_THREAD * 32 * w // block_d
+        if 4 <= lanes <= 128:
+            shapes.append((lanes, w))
+    return [
+        {"piece_len": pl, "block_pieces": lanes, "unroll": u, "num_warps": w}
+        for pl in PIECE_LENS
+        for lanes, w in shapes
+        for u in (1, 2)
+    ]
+
+
+def backward_config(fields: dict[str, int]):
+    """The launch configuration a sweep entry names: piece lanes where it has ``piece_len``."""
+    from recaccel.ops.embedding.triton.backward import TileConfig
+    from recaccel.ops.embedding.triton.piece_lanes import LaneConfig
+
+    if "piece_len" in fields:
+        return LaneConfig(fields["piece_len"], fields["block_pieces"], fields["unroll"], fields["num_warps"])
+    return TileConfig(fields["block_occ"], fields["num_warps"], fields.get("subtiles", 1))
 
 
 def forward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[str, Candidate], int]:
@@ -204,7 +245,8 @@ def forward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[str
 
 
 def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[str, Candidate], int]:
-    """The occurrence-tile update's default (first) and swept configs, and the bytes moved.
+    """The backward update's default (first) and swept configs (occurrence tiles and piece
+    lanes), and the bytes moved.
 
     Each candidate's check run updates a fresh copy of the same initial state and returns
     the updated rows and Adagrad state; timing repeats the kernels alone on another copy.
@@ -214,12 +256,12 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     from recaccel.ops.embedding.row_groups import group_by_row
     from recaccel.ops.embedding.specs import SparseOptimConfig
     from recaccel.ops.embedding.triton import tuning
-    from recaccel.ops.embedding.triton.backward import _launch_tiles, tile_config
+    from recaccel.ops.embedding.triton.backward import launch_backward, tile_config
 
     weight, sf, local = make_batch(case, device)
     ids = gather_pack_ids(sf, local, case.batch, with_bags=True)
-    order = group_by_row(ids.rows).order
-    keys, bags = ids.rows.index_select(0, order), ids.bags.index_select(0, order)
+    groups = group_by_row(ids.rows, weight.shape[0])
+    keys, bags = groups.sorted_rows, ids.bags.index_select(0, groups.order)  # as fused_update reads them
     grad_out = torch.randn(case.batch, case.tables, case.dim, generator=torch.Generator().manual_seed(1)).to(
         device
     )
@@ -229,10 +271,20 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     stochastic_seed = _ROUNDING_SEED if weight.dtype != torch.float32 else 0
 
     def update(w: torch.Tensor, m: torch.Tensor, fields: dict[str, int]) -> None:
-        _launch_tiles(
-            w, m, m, keys, bags, None, grad_out, case.batch, 1, hyper, stochastic_seed,
-            fields["block_occ"], fields["num_warps"], fields.get("subtiles", 1),
-        )  # fmt: skip
+        launch_backward(
+            w,
+            m,
+            m,
+            keys,
+            bags,
+            None,
+            grad_out,
+            case.batch,
+            1,
+            hyper,
+            stochastic_seed,
+            backward_config(fields),
+        )
 
     def candidate(fields: dict[str, int]) -> Candidate:
         def run() -> torch.Tensor:

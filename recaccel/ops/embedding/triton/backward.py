@@ -83,6 +83,7 @@ from recaccel.ops.embedding.packing import PackIds
 from recaccel.ops.embedding.row_groups import RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton import tuning
+from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, launch_lanes
 from recaccel.ops.embedding.triton.row_update import _apply_rows, _spanning_rows_kernel
 
 # MODE of the kernels: the sparse optimizers, or "store the row's gradient" (autograd mode).
@@ -105,13 +106,18 @@ class TileConfig(NamedTuple):
     subtiles: int = 1
 
 
+BackwardConfig = TileConfig | LaneConfig
+
+
 def tile_config(
     dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-) -> TileConfig:
-    """``(BLOCK_OCC, num_warps, SUBTILES)`` for rows of ``dim`` columns in ``dtype``: the
+) -> BackwardConfig:
+    """The backward's launch configuration for rows of ``dim`` columns in ``dtype``: the
     per-device tuning table's entry for ``device``
-    (:mod:`~recaccel.ops.embedding.triton.tuning`; an entry without ``subtiles`` has 1),
-    else the default below (one chunk per program).
+    (:mod:`~recaccel.ops.embedding.triton.tuning`): piece lanes
+    (:mod:`~recaccel.ops.embedding.triton.piece_lanes`) where the entry has
+    ``piece_len``, else occurrence tiles (an entry without ``subtiles`` has 1); without
+    an entry, the occurrence tiles' default below (one chunk per program).
 
     A chunk holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
     registers: 2048 of each compiles (sm_90, 4 warps) to ~76-142 registers per thread,
@@ -122,10 +128,36 @@ def tile_config(
     """
     if device is not None:
         entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
+        if entry is not None and "piece_len" in entry:
+            return LaneConfig(entry["piece_len"], entry["block_pieces"], entry["unroll"], entry["num_warps"])
         if entry is not None:
             return TileConfig(entry["block_occ"], entry["num_warps"], entry.get("subtiles", 1))
     block_d = triton.next_power_of_2(dim)
     return TileConfig(max(8, min(128, 2048 // block_d)), 4)
+
+
+def resolve_config(
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: BackwardConfig | None,
+    block_occ: int | None,
+    num_warps: int | None,
+    subtiles: int | None,
+) -> BackwardConfig:
+    """``config`` when given; else occurrence tiles when any of their fields is given (the
+    others from :func:`tile_config`'s tile default); else :func:`tile_config`."""
+    if config is not None:
+        return config
+    if block_occ is None and num_warps is None and subtiles is None:
+        return tile_config(dim, dtype, device)
+    tuned = tile_config(dim, dtype, device)
+    base = tuned if isinstance(tuned, TileConfig) else tile_config(dim)
+    return TileConfig(
+        base.block_occ if block_occ is None else block_occ,
+        base.num_warps if num_warps is None else num_warps,
+        base.subtiles if subtiles is None else subtiles,
+    )
 
 
 @triton.jit
@@ -312,7 +344,7 @@ def _check_tile_config(block_occ: int, subtiles: int) -> None:
         )
 
 
-def _launch_tiles(
+def launch_backward(
     target: Tensor,
     m1: Tensor,
     m2: Tensor,
@@ -324,25 +356,23 @@ def _launch_tiles(
     mode: int,
     hyper: tuple[float, ...],
     seed: int,
-    block_occ: int | None,
-    num_warps: int | None = None,
-    subtiles: int | None = None,
+    config: BackwardConfig,
 ) -> None:
-    """Runs the tile kernel and then the spanning-row kernel over ``keys.numel() > 0``
-    sorted occurrences; ``hyper`` is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2).
-    A config left None is :func:`tile_config`'s."""
+    """Runs the backward over ``keys.numel() > 0`` sorted occurrences: the piece lanes for
+    a :class:`LaneConfig`, else the tile kernel and then the spanning-row kernel; ``hyper``
+    is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2)."""
+    if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        grad_out = grad_out.to(torch.float32)
+    if isinstance(config, LaneConfig):
+        launch_lanes(target, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, config)
+        return
+    block_occ, num_warps, subtiles = config
+    _check_tile_config(block_occ, subtiles)
     num_occ = keys.numel()
     dim = target.shape[1]
-    default = tile_config(dim, target.dtype, target.device)
-    block_occ = default.block_occ if block_occ is None else block_occ
-    num_warps = default.num_warps if num_warps is None else num_warps
-    subtiles = default.subtiles if subtiles is None else subtiles
-    _check_tile_config(block_occ, subtiles)
     block_d = triton.next_power_of_2(dim)
     span = block_occ * subtiles  # the spanning-row kernel's "tile" is a program's span
     num_tiles = triton.cdiv(num_occ, span)
-    if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        grad_out = grad_out.to(torch.float32)
     part = torch.empty(num_tiles, 2, block_d, dtype=torch.float32, device=target.device)
     stochastic = target.dtype in (torch.bfloat16, torch.float16)
     _occurrence_tile_kernel[(num_tiles,)](
@@ -366,20 +396,21 @@ def embedding_bag_backward(
     batch_size: int,
     groups: RowGroups | None = None,
     *,
+    config: BackwardConfig | None = None,
     block_occ: int | None = None,
     num_warps: int | None = None,
     subtiles: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-unique-row weight gradient of one pack (autograd mode), by occurrence tiles.
+    """Per-unique-row weight gradient of one pack (autograd mode).
 
     Args:
         grad_out: [B, S, D] gradient of the pooled output.
         ids: The pack's ids, with ``bags``.
         batch_size: B.
         groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
-        block_occ: Occurrences per chunk (default :func:`tile_config`).
-        num_warps: Warps per tile program (default :func:`tile_config`).
-        subtiles: Chunks per tile program (default :func:`tile_config`).
+        config: The kernels' launch configuration (default :func:`tile_config`).
+        block_occ, num_warps, subtiles: Occurrence tiles with these fields
+            (:func:`resolve_config`), when ``config`` is None.
 
     Returns:
         (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
@@ -389,15 +420,13 @@ def embedding_bag_backward(
     grad = torch.empty(rows.numel(), grad_out.shape[2], dtype=torch.float32, device=grad_out.device)
     if num_occ == 0:
         return rows, grad
-    # The tiles' destination is the unique row's slot u in grad: key = u per occurrence.
+    config = resolve_config(grad.shape[1], grad.dtype, grad.device, config, block_occ, num_warps, subtiles)
+    # The kernels' destination is the unique row's slot u in grad: key = u per occurrence.
     slot = torch.arange(rows.numel(), device=rows.device)
     keys = torch.repeat_interleave(slot, segments[1:] - segments[:-1], output_size=num_occ)
     bags, scale = _sorted_occurrences(ids, order)
     hyper = (0.0,) * 7 + (1.0, 1.0)
-    _launch_tiles(
-        grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0,
-        block_occ, num_warps, subtiles,
-    )  # fmt: skip
+    launch_backward(grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, config)
     return rows, grad
 
 
@@ -409,11 +438,12 @@ def fused_update(
     batch_size: int,
     groups: RowGroups | None = None,
     *,
+    config: BackwardConfig | None = None,
     block_occ: int | None = None,
     num_warps: int | None = None,
     subtiles: int | None = None,
 ) -> None:
-    """Applies the sparse optimizer to the rows a batch touched, by occurrence tiles.
+    """Applies the sparse optimizer to the rows a batch touched.
 
     Counts the step and draws the stochastic-rounding seed of 16-bit rows
     (``state.rounding_seed``) even for an empty batch, as the per-row path and the
@@ -427,16 +457,21 @@ def fused_update(
         ids: The pack's ids, with ``bags``.
         batch_size: B.
         groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
-        block_occ: Occurrences per chunk (default :func:`tile_config`).
-        num_warps: Warps per tile program (default :func:`tile_config`).
-        subtiles: Chunks per tile program (default :func:`tile_config`).
+        config: The kernels' launch configuration (default :func:`tile_config`).
+        block_occ, num_warps, subtiles: Occurrence tiles with these fields
+            (:func:`resolve_config`), when ``config`` is None.
     """
     state.step.add_(1)
     seed = 0 if state.rounding_seed is None else state.rounding_seed()
-    order = (group_by_row(ids.rows) if groups is None else groups).order
+    groups = group_by_row(ids.rows) if groups is None else groups
+    order = groups.order
     if order.numel() == 0:
         return
-    keys = ids.rows.index_select(0, order)
+    weight = state.weight
+    config = resolve_config(
+        weight.shape[1], weight.dtype, weight.device, config, block_occ, num_warps, subtiles
+    )
+    keys = groups.sorted_rows  # the sort's keys: the rows in sorted order, no gather
     bags, scale = _sorted_occurrences(ids, order)
     bc1, bc2 = adam_bias_corrections(optim, state.step)
     hyper = (
@@ -450,10 +485,7 @@ def fused_update(
         bc1,
         bc2,
     )
-    m1 = state.states.get("momentum1", state.weight)
-    m2 = state.states.get("momentum2", state.weight)
+    m1 = state.states.get("momentum1", weight)
+    m2 = state.states.get("momentum2", weight)
     mode = _MODE_CODES[state.optimizer]
-    _launch_tiles(
-        state.weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed,
-        block_occ, num_warps, subtiles,
-    )  # fmt: skip
+    launch_backward(weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, config)

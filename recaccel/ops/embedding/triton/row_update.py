@@ -13,12 +13,22 @@ from recaccel.ops.embedding.triton.rounding import _stochastic_round, _uniform_n
 
 
 @triton.jit
-def _apply_rows(
+def _load_rows(weight_ptr, key, live, cols, col_mask, stride_w):
+    """Rows ``key`` of the weight as float32 [M, BLOCK_D] (0 where not ``live``): what
+    :func:`_update_rows` updates, loadable ahead of the gradient's sum."""
+    key = key.to(tl.int64)
+    mask = live[:, None] & col_mask[None, :]
+    return tl.load(weight_ptr + key[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _update_rows(
     weight_ptr,
     m1_ptr,
     m2_ptr,
     key,  # int32 or int64 [M] destination row of each gradient row
     g,  # float32 [M, BLOCK_D] summed gradient (0 in padded columns)
+    w,  # float32 [M, BLOCK_D] the rows as loaded (_load_rows); unused in MODE 3
     live,  # bool [M] rows to update
     cols,
     col_mask,
@@ -37,15 +47,14 @@ def _apply_rows(
     MODE: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
-    """Applies the sparse optimizer (or stores the gradient) to ``M`` rows at once: the
-    rules of the reference optimizer, :func:`~recaccel.ops.embedding.optimizers.update_rows`'s semantics."""
+    """Applies the sparse optimizer (or stores the gradient) to ``M`` loaded rows at once:
+    the rules of the reference optimizer, :func:`~recaccel.ops.embedding.optimizers.update_rows`'s semantics."""
     key = key.to(tl.int64)  # int32 keys (int32 ids): row * D and the rounding hash need int64
     mask = live[:, None] & col_mask[None, :]
     w_ptrs = weight_ptr + key[:, None] * stride_w + cols[None, :]
     if MODE == 3:
         tl.store(w_ptrs, g, mask=mask)
     else:
-        w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
         if MODE == 0:
             w = w - lr * (g + weight_decay * w)
         elif MODE == 1:
@@ -65,6 +74,42 @@ def _apply_rows(
             tl.store(w_ptrs, _stochastic_round(w, noise, weight_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(w_ptrs, w, mask=mask)
+
+
+@triton.jit
+def _apply_rows(
+    weight_ptr,
+    m1_ptr,
+    m2_ptr,
+    key,  # int32 or int64 [M] destination row of each gradient row
+    g,  # float32 [M, BLOCK_D] summed gradient (0 in padded columns)
+    live,  # bool [M] rows to update
+    cols,
+    col_mask,
+    dim,
+    stride_w,
+    lr,
+    eps,
+    beta1,
+    beta2,
+    one_minus_beta1,
+    one_minus_beta2,
+    weight_decay,
+    bias_c1,
+    bias_c2,
+    seed,
+    MODE: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
+):
+    """:func:`_load_rows` then :func:`_update_rows` (no load in MODE 3, the gradient store)."""
+    if MODE == 3:
+        w = g
+    else:
+        w = _load_rows(weight_ptr, key, live, cols, col_mask, stride_w)
+    _update_rows(
+        weight_ptr, m1_ptr, m2_ptr, key, g, w, live, cols, col_mask, dim, stride_w, lr, eps, beta1, beta2,
+        one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
+    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])
