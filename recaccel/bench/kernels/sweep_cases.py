@@ -170,25 +170,30 @@ def backward_sweep(case: KernelCase, base: dict[str, int] | None = None) -> list
 
 
 def tile_sweep(case: KernelCase, base: dict[str, int] | None = None) -> list[dict[str, int]]:
-    """BLOCK_OCC x warps with a 512..4096-value tile and at most 32 values per thread (a
-    value, its scan flag and the scan's temporaries: 4096 at 4 warps takes 191-255 registers),
-    then programs of ``SUBTILES`` chunks at ``base``'s BLOCK_OCC (the device's tuned tile
-    entry; None or a lane entry: the heuristic default) with its warps and 4 (at most 4
-    more configs: the budget)."""
+    """One-chunk configs, then programs of ``SUBTILES`` chunks at the one-chunk BLOCK_OCC of
+    ``base`` (the device's tuned entry) with its warps and 4 (4 configs).
+
+    Without a tuned tile entry (None, or a lane entry), the one-chunk configs are BLOCK_OCC
+    x warps with a 512..4096-value tile and at most 32 values per thread (a value, its scan
+    flag and the scan's temporaries: 4096 at 4 warps takes 191-255 registers), and the
+    multi-chunk ones sit at the heuristic default; with one, only its one-chunk config: the
+    sweep refines around what an earlier run found, and its budget goes to the lanes.
+    """
     from recaccel.ops.embedding.triton.backward import tile_config
 
-    block_d = 1 << (case.dim - 1).bit_length()
-    one_chunk = [
-        {"block_occ": occ, "num_warps": w}
-        for occ in (8, 16, 32, 64, 128, 256)
-        for w in (2, 4, 8)
-        if (512 <= occ * block_d <= 4096 and occ * block_d <= 32 * 32 * w)
-        or (occ == 8 and occ * block_d > 4096)
-    ]
     if base is None or "block_occ" not in base:
+        block_d = 1 << (case.dim - 1).bit_length()
+        one_chunk = [
+            {"block_occ": occ, "num_warps": w}
+            for occ in (8, 16, 32, 64, 128, 256)
+            for w in (2, 4, 8)
+            if (512 <= occ * block_d <= 4096 and occ * block_d <= 32 * 32 * w)
+            or (occ == 8 and occ * block_d > 4096)
+        ]
         occ, warps, _ = tile_config(case.dim)
     else:
         occ, warps = base["block_occ"], base["num_warps"]
+        one_chunk = [{"block_occ": occ, "num_warps": warps}]
     longer = [
         {"block_occ": occ, "num_warps": w, "subtiles": st} for w in sorted({warps, 4}) for st in SUBTILES
     ]

@@ -31,13 +31,21 @@ def _multi_chunk(configs: list[dict[str, int]]) -> list[dict[str, int]]:
 
 
 def test_multi_chunk_candidates_surround_the_tuned_config_and_stay_few():
-    one_chunk = [f for f in sweep_cases.backward_sweep(D128) if "subtiles" not in f]
-    tuned = _multi_chunk(sweep_cases.backward_sweep(D128, {"block_occ": 8, "num_warps": 2}))
-    assert tuned == [
+    tiles = sweep_cases.tile_sweep(D128, {"block_occ": 8, "num_warps": 2})
+    assert _multi_chunk(tiles) == [
         {"block_occ": 8, "num_warps": w, "subtiles": s} for w in (2, 4) for s in sweep_cases.SUBTILES
     ]
     assert sweep_cases.SUBTILES == (4, 16)
-    assert len(sweep_cases.backward_sweep(D128, {"block_occ": 8, "num_warps": 2})) == len(one_chunk) + 4
+    # A tuned device refines around its one-chunk winner: that one config, then the 4.
+    assert tiles[0] == {"block_occ": 8, "num_warps": 2} and len(tiles) == 5
+    untuned = sweep_cases.tile_sweep(D128)
+    # Untuned: every one-chunk config, then the default (4 warps) in 4 and 16 chunks.
+    assert len([f for f in untuned if "subtiles" not in f]) > 4 and len(_multi_chunk(untuned)) == 2
+    # A lane entry as the tuned one leaves the tiles' full sweep.
+    assert (
+        sweep_cases.tile_sweep(D128, {"piece_len": 32, "block_pieces": 16, "unroll": 1, "num_warps": 4})
+        == untuned
+    )
     default = backward.tile_config(128)
     assert {(f["block_occ"], f["num_warps"]) for f in _multi_chunk(sweep_cases.backward_sweep(D128))} == {
         (default.block_occ, 4)
