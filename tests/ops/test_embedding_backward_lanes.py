@@ -18,7 +18,7 @@ import torch
 
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding.triton import backward as tiles
-from recaccel.ops.embedding.triton import piece_lanes
+from recaccel.ops.embedding.triton import piece_lanes, tuning
 from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, build_pieces
 from tests.helpers.backward_tiles import (
     CFG,
@@ -194,7 +194,7 @@ def test_two_runs_are_bitwise_equal_and_lanes_unroll_and_warps_change_no_bit(opt
 
 def test_a_tuned_entry_with_piece_len_launches_the_lanes(monkeypatch):
     entry = {"piece_len": 32, "block_pieces": 16, "unroll": 2, "num_warps": 8}
-    monkeypatch.setattr(tiles.tuning, "lookup", lambda device, key: dict(entry))
+    monkeypatch.setattr(tuning, "lookup", lambda device, key: dict(entry))
     assert tiles.tile_config(128, torch.float32, "cpu") == LaneConfig(32, 16, 2, 8)
     # Tile fields asked for by name still get the occurrence tiles.
     config = tiles.resolve_config(128, torch.float32, torch.device("cpu"), None, 8, None, None)

@@ -22,7 +22,9 @@ offsets alias the batch's own tensors when a pack takes the batch as is) plus
 backward (or ``apply_gradient``) has run and the batch is dropped: at most about 44
 bytes per id for training, 12 (rows and scale) for the reference backend's evaluation,
 nothing for the Triton backend's evaluation (its forward reads the batch's CSR) and for
-FBGEMM. The Triton backward used to recompute the ids from the CSR instead, to spare
+FBGEMM. A fused Triton pack adds its occurrences in sorted order (:class:`SortedOccurrences`:
+bags 8, scale 4 and, for the piece-lane backward, piece starts 8 bytes per id; the keys
+are the sort's own), made right after the sort: up to about 64 bytes per id in all. The Triton backward used to recompute the ids from the CSR instead, to spare
 that memory between the passes; a pipeline trades it for a backward with no id work.
 With int32 ids and offsets (kept as given: see :class:`PackBatch`), rows and offsets
 take 4 bytes instead of 8.
@@ -41,8 +43,36 @@ import torch
 from torch import Tensor
 
 from recaccel.ops.embedding.packing import LocalFeatures, PackIds, PackRoute, Routing, gather_pack_ids
-from recaccel.ops.embedding.row_groups import PackSort, RowGroups, group_by_row
+from recaccel.ops.embedding.row_groups import AfterSort, PackSort, RowGroups, group_by_row
 from recaccel.sparse import SparseFeatures
+
+
+@dataclasses.dataclass(frozen=True)
+class SortedOccurrences:
+    """A pack's occurrences in row-sorted order, as a backward that walks them reads them
+    (the Triton fused update), made right after the sort on the preparing stream.
+
+    Attributes:
+        keys: int32 or int64 [N_p] the rows in sorted order (the sort's keys).
+        bags: int64 [N_p] the bag of each sorted occurrence.
+        scale: float32 [N_p] its scale (id weight, ``1/L`` for mean), or None.
+        piece_len: The pieces' length (the piece-lane backward's), or None without pieces.
+        piece_start: int64 [N_p+1] where each piece starts (``N_p`` past the last), or None.
+        num_pieces: int64 [1] the number of pieces, on the device, or None.
+    """
+
+    keys: Tensor
+    bags: Tensor
+    scale: Tensor | None = None
+    piece_len: int | None = None
+    piece_start: Tensor | None = None
+    num_pieces: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """Its tensors."""
+        return [
+            t for t in (self.keys, self.bags, self.scale, self.piece_start, self.num_pieces) if t is not None
+        ]
 
 
 @dataclasses.dataclass
@@ -55,10 +85,24 @@ class PreparedPack:
         groups: The ids grouped by packed row
             (:func:`~recaccel.ops.embedding.row_groups.group_by_row`) for the backward;
             None outside training.
+        sorted: The occurrences in sorted order for a backward that reads them so, made
+            once the sort has run; None where the backend needs none.
     """
 
     ids: PackIds
     groups: RowGroups | None = None
+    sorted: SortedOccurrences | None = None
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the preparation made so far (what a consumer stream must mark used)."""
+        ids = self.ids
+        out = [t for t in (ids.rows, ids.offsets, ids.scale, ids.bags) if t is not None]
+        out += [] if self.groups is None else self.groups.tensors()
+        return out + ([] if self.sorted is None else self.sorted.tensors())
+
+    def take(self, fresh: PreparedPack) -> None:
+        """Replaces its contents by ``fresh``'s (a preparation made again, read in place)."""
+        self.ids, self.groups, self.sorted = fresh.ids, fresh.groups, fresh.sorted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +141,16 @@ class PackBatch:
         num_ids = None if self.count_ids is None else self.count_ids()
         return gather_pack_ids(self.sf, self.local, self.batch_size, with_bags=with_bags, num_ids=num_ids)
 
-    def group(self, rows: Tensor, num_rows: int, *, unique: bool) -> RowGroups:
+    def group(self, rows: Tensor, num_rows: int, *, unique: bool, then: AfterSort | None = None) -> RowGroups:
         """The pack's ids grouped by row (:func:`~recaccel.ops.embedding.row_groups.group_by_row`),
-        queued on the module's sort of all packs when there is one."""
-        if self.sort is None:
-            return group_by_row(rows, num_rows, unique=unique)
-        return self.sort.group(rows, num_rows, unique)
+        queued on the module's sort of all packs when there is one; ``then`` is called with
+        the grouping once it is sorted (now, or when the module's sort runs)."""
+        if self.sort is not None:
+            return self.sort.group(rows, num_rows, unique, then)
+        groups = group_by_row(rows, num_rows, unique=unique)
+        if then is not None:
+            then(groups)
+        return groups
 
     @property
     def local(self) -> LocalFeatures:
@@ -163,9 +211,7 @@ class PreparedSparse(SparseFeatures):
             out += [route.slots.src, route.slots.row_offset, route.slots.is_mean, route.slot_of_local]
         for pack in self.packs:
             if pack is not None:
-                ids = pack.ids
-                out += [t for t in (ids.rows, ids.offsets, ids.scale, ids.bags) if t is not None]
-                out += [] if pack.groups is None else pack.groups.tensors()
+                out += pack.tensors()
         return out
 
     def record_stream(self, stream: torch.cuda.Stream) -> None:

@@ -8,12 +8,13 @@ Shapes: N_p ids of a pack, U unique rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 INT32_ROWS = 2**31  # packed rows below this fit int32 sort keys
+AfterSort = Callable[["RowGroups"], None]  # work on a grouping once it is sorted
 
 
 class RowGroups:
@@ -119,12 +120,13 @@ class PackSort:
     """
 
     def __init__(self) -> None:
-        self._queued: list[tuple[Tensor, int, bool, RowGroups]] = []
+        self._queued: list[tuple[Tensor, int, bool, RowGroups, AfterSort | None]] = []
 
-    def group(self, rows: Tensor, num_rows: int, unique: bool) -> RowGroups:
-        """Queues :func:`group_by_row` of ``rows`` (a pack of ``num_rows`` rows)."""
+    def group(self, rows: Tensor, num_rows: int, unique: bool, then: AfterSort | None = None) -> RowGroups:
+        """Queues :func:`group_by_row` of ``rows`` (a pack of ``num_rows`` rows); ``then`` is
+        called with the grouping right after the sort (on the stream that runs it)."""
         groups = RowGroups(None, None, self)
-        self._queued.append((rows, num_rows, unique, groups))
+        self._queued.append((rows, num_rows, unique, groups, then))
         return groups
 
     @staticmethod
@@ -142,10 +144,12 @@ class PackSort:
             made = group_packs(rows, num_rows, [False] * len(queued))
         else:
             made = [group_by_row(r, n, unique=False) for r, n in zip(rows, num_rows)]
-        for (_, _, unique, groups), done in zip(queued, made):
+        for (_, _, unique, groups, then), done in zip(queued, made):
             groups._order, groups._sorted_rows = done.order, done.sorted_rows
             if unique:
                 groups.unique_rows  # noqa: B018 (made now, on the preparing stream)
+            if then is not None:
+                then(groups)
 
 
 def group_packs(rows: list[Tensor], num_rows: list[int], unique: list[bool]) -> list[RowGroups]:

@@ -346,7 +346,7 @@ class CachedPack:
         if prepared.ticket.released:
             fresh = self.prepare(dataclasses.replace(prepared.source, train=True))
             # The backward reads the inner preparation it was given: update it in place.
-            prepared.inner.ids, prepared.inner.groups = fresh.inner.ids, fresh.inner.groups
+            prepared.inner.take(fresh.inner)
             prepared.ticket, prepared.ready, prepared.batch = fresh.ticket, fresh.ready, fresh.batch
             prepared.ids, prepared.groups = fresh.ids, fresh.groups
         self._wait(prepared)

@@ -54,10 +54,7 @@ class CachedPrepared(PreparedPack):
         yield from (t for t in (self.batch.values, self.batch.offsets, self.batch.weights) if t is not None)
         yield self.ticket.slots
         if self.inner is not None:
-            ids = self.inner.ids
-            yield from (t for t in (ids.rows, ids.offsets, ids.scale, ids.bags) if t is not None)
-            if self.inner.groups is not None:
-                yield from self.inner.groups
+            yield from self.inner.tensors()
 
 
 def same_device(a: torch.device | str, b: torch.device | str) -> bool:

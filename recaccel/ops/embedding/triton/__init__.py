@@ -18,6 +18,8 @@ Shapes: B batch, S features of the pack, D dim, R packed rows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -25,16 +27,18 @@ from recaccel.ops.embedding.optimizers import PackState
 from recaccel.ops.embedding.pack_backend import HeldPack, PackOptions
 from recaccel.ops.embedding.packing import PackLayout
 from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
+from recaccel.ops.embedding.row_groups import RowGroups
 from recaccel.ops.embedding.triton.autograd import (
     TritonEmbeddingBagFunction,
     TritonFusedEmbeddingBagFunction,
 )
-from recaccel.ops.embedding.triton.backward import fused_update
+from recaccel.ops.embedding.triton.backward import fused_update, tile_config
 from recaccel.ops.embedding.triton.forward import (
     check_forward_launchable,
     embedding_bag_forward,
     embedding_bag_forward_rows,
 )
+from recaccel.ops.embedding.triton.occurrences import piece_len_of, sort_occurrences
 
 __all__ = [
     "TritonEmbeddingBagFunction",
@@ -49,10 +53,16 @@ class TritonPack(HeldPack):
 
     Ids are checked only when the module's ``bounds_check`` is on. The forward reads the
     batch's CSR directly (int32 or int64 ids and offsets alike), so only a training step
-    is prepared: the ids with their bags and their grouping by row, for the backward.
+    is prepared: the ids with their bags and their grouping by row, for the backward, and
+    in fused mode the occurrences in sorted order as the update's kernels walk them
+    (made right after the sort, on the preparing stream).
     """
 
     writes_out = True
+
+    def __init__(self, layout: PackLayout, options: PackOptions) -> None:
+        super().__init__(layout, options)
+        self.dtype = options.dtype
 
     @classmethod
     def create(
@@ -70,9 +80,19 @@ class TritonPack(HeldPack):
         if not batch.train:
             return None
         ids = batch.pack_ids(with_bags=True)
-        # The fused update reads only the sort order: no unique rows, no host sync.
-        groups = batch.group(ids.rows, self.layout.num_rows, unique=self.mode == "autograd")
-        return PreparedPack(ids, groups)
+        prepared = PreparedPack(ids)
+        if self.mode == "autograd":
+            prepared.groups = batch.group(ids.rows, self.layout.num_rows, unique=True)
+        else:  # the fused update reads only the sort: no unique rows, no host sync
+            then = functools.partial(self._sort_occurrences, prepared)
+            prepared.groups = batch.group(ids.rows, self.layout.num_rows, unique=False, then=then)
+        return prepared
+
+    def _sort_occurrences(self, prepared: PreparedPack, groups: RowGroups) -> None:
+        """The fused update's sorted occurrences (and pieces, for the piece lanes), made once
+        the batch's sort has run."""
+        config = tile_config(self.layout.dim, self.dtype, prepared.ids.rows.device)
+        prepared.sorted = sort_occurrences(prepared.ids, groups, piece_len_of(config))
 
     def lookup_autograd(self, weight: Tensor, batch: PackBatch, out: Tensor | None = None) -> Tensor:
         return TritonEmbeddingBagFunction.apply(weight, batch, self.sparse_grad, out)
@@ -96,4 +116,12 @@ class TritonPack(HeldPack):
     def update(self, state: PackState, grad: Tensor, batch: PackBatch) -> None:
         # What TritonFusedEmbeddingBagFunction.backward runs, on this gradient.
         prepared = batch.prepared
-        fused_update(state, self.optim, grad, prepared.ids, batch.batch_size, prepared.groups)
+        fused_update(
+            state,
+            self.optim,
+            grad,
+            prepared.ids,
+            batch.batch_size,
+            prepared.groups,
+            occurrences=prepared.sorted,
+        )

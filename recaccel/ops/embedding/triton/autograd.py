@@ -99,5 +99,8 @@ class TritonFusedEmbeddingBagFunction(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         batch = ctx.batch
         prepared = backward_ids(batch)
-        fused_update(ctx.state, ctx.optim, grad_out, prepared.ids, batch.batch_size, prepared.groups)
+        fused_update(
+            ctx.state, ctx.optim, grad_out, prepared.ids, batch.batch_size, prepared.groups,
+            occurrences=prepared.sorted,
+        )  # fmt: skip
         return None, None, None, None, None

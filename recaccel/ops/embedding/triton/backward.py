@@ -1,5 +1,12 @@
 """Triton packed embedding backward and fused sparse update as occurrence tiles.
 
+One of two backward designs: :mod:`~recaccel.ops.embedding.triton.piece_lanes` is the
+other, and :func:`launch_backward` runs whichever the launch configuration names
+(:mod:`~recaccel.ops.embedding.triton.backward_config`: the device's tuning table picks
+per shape). :func:`fused_update` takes the occurrences in sorted order from the batch's
+preparation (:mod:`~recaccel.ops.embedding.triton.occurrences`) when they fit that
+configuration, else gathers them.
+
 The work is the pack's occurrences sorted by packed row (``RowGroups.order``), not its
 unique rows: program ``t`` of :func:`_occurrence_tile_kernel` takes the span of
 occurrences ``t*P .. (t+1)*P - 1`` of that order, ``P = BLOCK_OCC * SUBTILES``, whatever
@@ -70,94 +77,41 @@ the pack, U unique rows, T spans (tile programs).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from recaccel.errors import ConfigError
 from recaccel.ops.embedding.optimizers import PackState, adam_bias_corrections
 from recaccel.ops.embedding.packing import PackIds
+from recaccel.ops.embedding.prepared import SortedOccurrences
 from recaccel.ops.embedding.row_groups import RowGroups, group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
-from recaccel.ops.embedding.triton import tuning
-from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, launch_lanes
+from recaccel.ops.embedding.triton.backward_config import (
+    BackwardConfig,
+    TileConfig,
+    check_tile_config,
+    resolve_config,
+    tile_config,
+)
+from recaccel.ops.embedding.triton.occurrences import piece_len_of, pieces_of, sort_occurrences, usable
+from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, Pieces, launch_lanes
 from recaccel.ops.embedding.triton.row_update import _apply_rows, _spanning_rows_kernel
+
+__all__ = [
+    "BackwardConfig",
+    "TileConfig",
+    "embedding_bag_backward",
+    "fused_update",
+    "launch_backward",
+    "resolve_config",
+    "tile_config",
+]
 
 # MODE of the kernels: the sparse optimizers, or "store the row's gradient" (autograd mode).
 _MODE_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
 _MODE_GRAD = 3
 CHUNK_TILES = 16  # partials the fix-up kernel loads per step
-
-
-class TileConfig(NamedTuple):
-    """Launch configuration of the occurrence-tile kernel.
-
-    Attributes:
-        block_occ: Occurrences per chunk (the scan's length).
-        num_warps: Warps per program.
-        subtiles: Chunks one program walks in order (its span is ``block_occ * subtiles``).
-    """
-
-    block_occ: int
-    num_warps: int
-    subtiles: int = 1
-
-
-BackwardConfig = TileConfig | LaneConfig
-
-
-def tile_config(
-    dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
-) -> BackwardConfig:
-    """The backward's launch configuration for rows of ``dim`` columns in ``dtype``: the
-    per-device tuning table's entry for ``device``
-    (:mod:`~recaccel.ops.embedding.triton.tuning`): piece lanes
-    (:mod:`~recaccel.ops.embedding.triton.piece_lanes`) where the entry has
-    ``piece_len``, else occurrence tiles (an entry without ``subtiles`` has 1); without
-    an entry, the occurrence tiles' default below (one chunk per program).
-
-    A chunk holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
-    registers: 2048 of each compiles (sm_90, 4 warps) to ~76-142 registers per thread,
-    no spills, 3-6 programs per SM, 16-byte gradient loads when D is a multiple of 4;
-    4096 takes 191-255 registers (more chunks per program: see the module's table). The
-    configuration fixes the summation order, hence the bits of the result; the tuning
-    run may replace this default per device.
-    """
-    if device is not None:
-        entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
-        if entry is not None and "piece_len" in entry:
-            return LaneConfig(entry["piece_len"], entry["block_pieces"], entry["unroll"], entry["num_warps"])
-        if entry is not None:
-            return TileConfig(entry["block_occ"], entry["num_warps"], entry.get("subtiles", 1))
-    block_d = triton.next_power_of_2(dim)
-    return TileConfig(max(8, min(128, 2048 // block_d)), 4)
-
-
-def resolve_config(
-    dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    config: BackwardConfig | None,
-    block_occ: int | None,
-    num_warps: int | None,
-    subtiles: int | None,
-) -> BackwardConfig:
-    """``config`` when given; else occurrence tiles when any of their fields is given (the
-    others from :func:`tile_config`'s tile default); else :func:`tile_config`."""
-    if config is not None:
-        return config
-    if block_occ is None and num_warps is None and subtiles is None:
-        return tile_config(dim, dtype, device)
-    tuned = tile_config(dim, dtype, device)
-    base = tuned if isinstance(tuned, TileConfig) else tile_config(dim)
-    return TileConfig(
-        base.block_occ if block_occ is None else block_occ,
-        base.num_warps if num_warps is None else num_warps,
-        base.subtiles if subtiles is None else subtiles,
-    )
 
 
 @triton.jit
@@ -335,15 +289,6 @@ def _sorted_occurrences(ids: PackIds, order: Tensor) -> tuple[Tensor, Tensor | N
     return ids.bags.index_select(0, order), scale
 
 
-def _check_tile_config(block_occ: int, subtiles: int) -> None:
-    """One line naming the values when the kernel cannot take them (a hand-edited table)."""
-    if block_occ < 1 or block_occ & (block_occ - 1) or subtiles < 1:
-        raise ConfigError(
-            f"occurrence-tile backward: block_occ={block_occ}, subtiles={subtiles}: "
-            "block_occ must be a power of two and subtiles at least 1"
-        )
-
-
 def launch_backward(
     target: Tensor,
     m1: Tensor,
@@ -357,17 +302,21 @@ def launch_backward(
     hyper: tuple[float, ...],
     seed: int,
     config: BackwardConfig,
+    pieces: Pieces | None = None,
 ) -> None:
     """Runs the backward over ``keys.numel() > 0`` sorted occurrences: the piece lanes for
-    a :class:`LaneConfig`, else the tile kernel and then the spanning-row kernel; ``hyper``
-    is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2)."""
+    a :class:`LaneConfig` (``pieces`` when already made), else the tile kernel and then the
+    spanning-row kernel; ``hyper`` is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2,
+    weight_decay, bias_c1, bias_c2)."""
     if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         grad_out = grad_out.to(torch.float32)
     if isinstance(config, LaneConfig):
-        launch_lanes(target, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, config)
+        launch_lanes(
+            target, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, config, pieces
+        )
         return
     block_occ, num_warps, subtiles = config
-    _check_tile_config(block_occ, subtiles)
+    check_tile_config(block_occ, subtiles)
     num_occ = keys.numel()
     dim = target.shape[1]
     block_d = triton.next_power_of_2(dim)
@@ -438,6 +387,7 @@ def fused_update(
     batch_size: int,
     groups: RowGroups | None = None,
     *,
+    occurrences: SortedOccurrences | None = None,
     config: BackwardConfig | None = None,
     block_occ: int | None = None,
     num_warps: int | None = None,
@@ -457,6 +407,9 @@ def fused_update(
         ids: The pack's ids, with ``bags``.
         batch_size: B.
         groups: ``group_by_row(ids.rows)`` when already made (a prepared batch).
+        occurrences: The preparation's sorted occurrences
+            (:func:`~recaccel.ops.embedding.triton.occurrences.sort_occurrences`), used
+            when their pieces fit the resolved configuration, else made now.
         config: The kernels' launch configuration (default :func:`tile_config`).
         block_occ, num_warps, subtiles: Occurrence tiles with these fields
             (:func:`resolve_config`), when ``config`` is None.
@@ -471,8 +424,8 @@ def fused_update(
     config = resolve_config(
         weight.shape[1], weight.dtype, weight.device, config, block_occ, num_warps, subtiles
     )
-    keys = groups.sorted_rows  # the sort's keys: the rows in sorted order, no gather
-    bags, scale = _sorted_occurrences(ids, order)
+    if not usable(occurrences, config):
+        occurrences = sort_occurrences(ids, groups, piece_len_of(config))
     bc1, bc2 = adam_bias_corrections(optim, state.step)
     hyper = (
         optim.lr,
@@ -488,4 +441,7 @@ def fused_update(
     m1 = state.states.get("momentum1", weight)
     m2 = state.states.get("momentum2", weight)
     mode = _MODE_CODES[state.optimizer]
-    launch_backward(weight, m1, m2, keys, bags, scale, grad_out, batch_size, mode, hyper, seed, config)
+    launch_backward(
+        weight, m1, m2, occurrences.keys, occurrences.bags, occurrences.scale, grad_out, batch_size, mode,
+        hyper, seed, config, pieces_of(occurrences),
+    )  # fmt: skip

@@ -333,14 +333,16 @@ def launch_lanes(
     hyper: tuple[float, ...],
     seed: int,
     config: LaneConfig,
+    pieces: Pieces | None = None,
 ) -> None:
     """Runs the lane kernel and then the combine kernel over ``keys.numel() > 0`` sorted
     occurrences; the arguments are those of the occurrence tiles' launcher
-    (``hyper``: lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2)."""
+    (``hyper``: lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2),
+    and ``pieces``: :func:`build_pieces` of ``keys`` at ``config.piece_len`` when already made."""
     check_lane_config(config)
     num_occ, dim = keys.numel(), target.shape[1]
     block_d = triton.next_power_of_2(dim)
-    pieces = build_pieces(keys, config.piece_len)
+    pieces = build_pieces(keys, config.piece_len) if pieces is None else pieces
     num_windows = triton.cdiv(num_occ, config.piece_len)
     part = torch.empty(2 * num_windows, block_d, dtype=torch.float32, device=target.device)
     owner = torch.full((num_windows,), -1, dtype=torch.int64, device=target.device)

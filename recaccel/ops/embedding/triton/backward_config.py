@@ -1,0 +1,95 @@
+"""Which Triton backward runs, and how: the occurrence tiles' and the piece lanes' launch
+configurations, from the per-device tuning table or the default.
+
+:func:`tile_config` reads the table (:mod:`~recaccel.ops.embedding.triton.tuning`): an
+entry with ``piece_len`` is a :class:`~recaccel.ops.embedding.triton.piece_lanes.LaneConfig`,
+any other a :class:`TileConfig`; :func:`resolve_config` lets a caller name either.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from recaccel.errors import ConfigError
+from recaccel.ops.embedding.triton import tuning
+from recaccel.ops.embedding.triton.piece_lanes import LaneConfig
+
+
+class TileConfig(NamedTuple):
+    """Launch configuration of the occurrence-tile kernel.
+
+    Attributes:
+        block_occ: Occurrences per chunk (the scan's length).
+        num_warps: Warps per program.
+        subtiles: Chunks one program walks in order (its span is ``block_occ * subtiles``).
+    """
+
+    block_occ: int
+    num_warps: int
+    subtiles: int = 1
+
+
+BackwardConfig = TileConfig | LaneConfig
+
+
+def tile_config(
+    dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> BackwardConfig:
+    """The backward's launch configuration for rows of ``dim`` columns in ``dtype``: the
+    per-device tuning table's entry for ``device``
+    (:mod:`~recaccel.ops.embedding.triton.tuning`): piece lanes
+    (:mod:`~recaccel.ops.embedding.triton.piece_lanes`) where the entry has
+    ``piece_len``, else occurrence tiles (an entry without ``subtiles`` has 1); without
+    an entry, the occurrence tiles' default below (one chunk per program).
+
+    A chunk holds ``BLOCK_OCC x next_pow2(D)`` float32 values and as many scan flags in
+    registers: 2048 of each compiles (sm_90, 4 warps) to ~76-142 registers per thread,
+    no spills, 3-6 programs per SM, 16-byte gradient loads when D is a multiple of 4;
+    4096 takes 191-255 registers (more chunks per program: see the module's table). The
+    configuration fixes the summation order, hence the bits of the result; the tuning
+    run may replace this default per device.
+    """
+    if device is not None:
+        entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
+        if entry is not None and "piece_len" in entry:
+            return LaneConfig(entry["piece_len"], entry["block_pieces"], entry["unroll"], entry["num_warps"])
+        if entry is not None:
+            return TileConfig(entry["block_occ"], entry["num_warps"], entry.get("subtiles", 1))
+    block_d = triton.next_power_of_2(dim)
+    return TileConfig(max(8, min(128, 2048 // block_d)), 4)
+
+
+def resolve_config(
+    dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    config: BackwardConfig | None,
+    block_occ: int | None,
+    num_warps: int | None,
+    subtiles: int | None,
+) -> BackwardConfig:
+    """``config`` when given; else occurrence tiles when any of their fields is given (the
+    others from :func:`tile_config`'s tile default); else :func:`tile_config`."""
+    if config is not None:
+        return config
+    if block_occ is None and num_warps is None and subtiles is None:
+        return tile_config(dim, dtype, device)
+    tuned = tile_config(dim, dtype, device)
+    base = tuned if isinstance(tuned, TileConfig) else tile_config(dim)
+    return TileConfig(
+        base.block_occ if block_occ is None else block_occ,
+        base.num_warps if num_warps is None else num_warps,
+        base.subtiles if subtiles is None else subtiles,
+    )
+
+
+def check_tile_config(block_occ: int, subtiles: int) -> None:
+    """One line naming the values when the kernel cannot take them (a hand-edited table)."""
+    if block_occ < 1 or block_occ & (block_occ - 1) or subtiles < 1:
+        raise ConfigError(
+            f"occurrence-tile backward: block_occ={block_occ}, subtiles={subtiles}: "
+            "block_occ must be a power of two and subtiles at least 1"
+        )
