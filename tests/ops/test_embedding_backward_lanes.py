@@ -285,3 +285,33 @@ def test_gpu_lanes_at_criteo_size_match_reference_and_rerun_bitwise(config):
     assert _rel(first.weight, want.weight) < 1e-5
     assert _rel(first.states["momentum1"], want.states["momentum1"]) < 1e-5
     assert DEVICE == "cuda"
+
+
+@pytest.mark.parametrize("programs", [1, 3, 64])
+def test_any_number_of_programs_gives_the_same_bits(programs, monkeypatch):
+    """Programs loop over the blocks of pieces: how many there are changes no bit."""
+    batch = make_batch([2, 40], batch_size=16, max_len=4, mean=True, weighted=True, zipf=True, seed=12)
+    grad_out = batch.grad_out(10, seed=5)
+    want = _grad(batch, grad_out, SMALL)
+    monkeypatch.setattr(piece_lanes.LANE_GRID, "programs", lambda *args: programs)
+    assert torch.equal(_grad(batch, grad_out, SMALL), want)
+
+
+def test_the_grid_is_one_resident_wave_once_the_kernel_tells_its_registers():
+    class Compiled:  # what a launch returns on CUDA: the compiled kernel's register count
+        n_regs = 126
+
+    grid = piece_lanes.LaneGrid()
+    config = LaneConfig(32, 16, 1, 4)
+    # 126 registers x 128 threads: 4 programs per SM; 255 x 256: 1; the thread limit caps small ones.
+    assert piece_lanes._programs_per_sm(126, 4) == 4
+    assert piece_lanes._programs_per_sm(255, 8) == 1
+    assert piece_lanes._programs_per_sm(16, 1) == piece_lanes.SM_THREADS // 32
+    grid.learn("sig", Compiled(), config)
+    grid.learn("sig", type("Later", (), {"n_regs": 40})(), config)  # the first compile's count stays
+    assert grid._per_sm == {"sig": 4}
+    grid.learn("interpreted", None, config)
+    assert "interpreted" not in grid._per_sm
+    cpu = torch.device("cpu")
+    assert grid.programs("sig", 10_000, config, cpu) == 4  # the interpreter: at most 4 programs
+    assert grid.programs("sig", 20, config, cpu) == 2  # never more than the blocks of pieces

@@ -20,7 +20,7 @@ Kernels (launcher :func:`launch_lanes`):
   Adagrad, Adam, stochastic rounding of 16-bit rows, or the gradient store). A piece of a
   longer segment writes its sum to a partial slot instead, and the segment's first piece
   records its start in ``owner[start // PIECE_LEN]``. Programs loop over blocks of
-  pieces (grid: a few programs per SM, the pieces' count read on the device).
+  pieces (grid: one resident wave of programs; the pieces' count read on the device).
 - ``_piece_combine_kernel``: for each recorded segment, sums its pieces' partials in
   piece order (``CHUNK`` per step, a fixed reduction tree within a step) and updates the row.
 
@@ -57,7 +57,13 @@ from recaccel.ops.embedding.triton.row_update import _apply_rows, _load_rows, _u
 
 COMBINE_CHUNK = 16  # partials the combine kernel loads per step
 COMBINE_WINDOWS = 128  # windows one combine program scans
-PROGRAMS_PER_SM = 8  # lane programs per SM: they loop over the blocks of pieces
+# Lane programs loop over the blocks of pieces, so the grid is one resident wave: more
+# would idle the first wave's SMs at the end, fewer leave rows out of flight. Until a
+# configuration's compiled kernel tells its registers, 8 warps per SM (any kernel of at
+# most 255 registers fits); then the SM's register file and thread limit decide.
+SAFE_WARPS_PER_SM = 8
+SM_REGISTERS = 65536
+SM_THREADS = 2048
 
 
 class LaneConfig(NamedTuple):
@@ -311,13 +317,41 @@ def _piece_combine_kernel(
             )  # fmt: skip
 
 
-def _lane_programs(num_occ: int, block_pieces: int, device: torch.device) -> int:
-    """Programs of the lane kernel: enough to fill the GPU, at most one per block of pieces."""
-    blocks = triton.cdiv(num_occ, block_pieces)  # P <= N
-    if device.type != "cuda":
-        return min(blocks, 4)  # the interpreter runs programs one after another
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return min(blocks, sms * PROGRAMS_PER_SM)
+def _programs_per_sm(registers: int, num_warps: int) -> int:
+    """Programs of ``num_warps`` warps at ``registers`` per thread that one SM holds at once."""
+    threads = 32 * num_warps
+    return max(1, min(SM_REGISTERS // (max(registers, 1) * threads), SM_THREADS // threads))
+
+
+class LaneGrid:
+    """The lane kernel's grid: one resident wave per SM, learned per compiled kernel.
+
+    A launch's signature (device, dtypes, mode, configuration) maps to its compiled
+    kernel's programs per SM once that kernel has run (its register count); before, the
+    safe ``SAFE_WARPS_PER_SM``. The grid changes no bit of the result: every piece is
+    summed by one lane and written to its own row or slot whatever program takes it.
+    """
+
+    def __init__(self) -> None:
+        self._per_sm: dict[tuple, int] = {}
+
+    def programs(self, signature: tuple, num_occ: int, config: LaneConfig, device: torch.device) -> int:
+        """Programs for ``num_occ`` occurrences: at most one per block of pieces (P <= N)."""
+        blocks = triton.cdiv(num_occ, config.block_pieces)
+        if device.type != "cuda":
+            return min(blocks, 4)  # the interpreter runs programs one after another
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        per_sm = self._per_sm.get(signature, max(1, SAFE_WARPS_PER_SM // config.num_warps))
+        return min(blocks, sms * per_sm)
+
+    def learn(self, signature: tuple, compiled: object, config: LaneConfig) -> None:
+        """Records the compiled kernel's programs per SM (a launch's return; None when interpreted)."""
+        registers = getattr(compiled, "n_regs", None)
+        if signature not in self._per_sm and isinstance(registers, int) and registers > 0:
+            self._per_sm[signature] = _programs_per_sm(registers, config.num_warps)
+
+
+LANE_GRID = LaneGrid()  # like Triton's kernel cache: one per process, filled by launches
 
 
 def launch_lanes(
@@ -349,14 +383,25 @@ def launch_lanes(
     if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         grad_out = grad_out.to(torch.float32)
     stochastic = target.dtype in (torch.bfloat16, torch.float16)
-    programs = _lane_programs(num_occ, config.block_pieces, target.device)
-    _piece_lanes_kernel[(programs,)](
+    signature = (
+        target.device,
+        target.dtype,
+        grad_out.dtype,
+        keys.dtype,
+        mode,
+        scale is None,
+        config,
+        block_d,
+    )
+    programs = LANE_GRID.programs(signature, num_occ, config, target.device)
+    compiled = _piece_lanes_kernel[(programs,)](
         target, m1, m2, keys, bags, bags if scale is None else scale, grad_out, pieces.start, pieces.count,
         part, owner, num_occ, batch_size, dim, target.stride(0),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2), *hyper, seed,
         MODE=mode, STOCHASTIC=stochastic, HAS_SCALE=scale is not None, PIECE_LEN=config.piece_len,
         BLOCK_PIECES=config.block_pieces, BLOCK_D=block_d, UNROLL=config.unroll, num_warps=config.num_warps,
     )  # fmt: skip
+    LANE_GRID.learn(signature, compiled, config)
     if num_occ > config.piece_len:  # else no segment is split
         _piece_combine_kernel[(triton.cdiv(num_windows, COMBINE_WINDOWS),)](
             target, m1, m2, keys, part, owner, num_occ, num_windows, dim, target.stride(0), *hyper, seed,
