@@ -315,3 +315,27 @@ def test_the_grid_is_one_resident_wave_once_the_kernel_tells_its_registers():
     cpu = torch.device("cpu")
     assert grid.programs("sig", 10_000, config, cpu) == 4  # the interpreter: at most 4 programs
     assert grid.programs("sig", 20, config, cpu) == 2  # never more than the blocks of pieces
+
+
+@pytest.mark.parametrize("dim", [16, 128, 256])
+def test_one_300_id_bag_among_short_ones_at_wide_dims(dim):
+    """Bag 0 of feature 0 holds 300 ids of a 50-row table (rows of ~6 occurrences from one
+    bag, several pieces each at piece_len 2), beside bags of 0-2 ids."""
+    from recaccel.ops.embedding.packing import LocalFeatures, gather_pack_ids
+    from recaccel.sparse import SparseFeatures
+    from tests.helpers.backward_tiles import Batch
+
+    gen = torch.Generator().manual_seed(dim)
+    lengths = torch.cat([torch.tensor([300]), torch.randint(0, 3, (7,), generator=gen)])
+    ids = torch.randint(0, 50, (int(lengths.sum()),), generator=gen)
+    sf = SparseFeatures.from_lengths(["f", "g"], ids, lengths, torch.rand(ids.numel(), generator=gen)).to(
+        DEVICE
+    )
+    local = LocalFeatures.build([0, 1], [0, 0], [True, False], 2, torch.device(DEVICE))
+    batch = Batch(gather_pack_ids(sf, local, 4, with_bags=True), 50, 4, 2)
+    grad_out = batch.grad_out(dim, seed=7)
+    rows = torch.unique(batch.ids.rows)
+    want = float64_row_grads(batch, grad_out)[rows].float()
+    config = LaneConfig(piece_len=2, block_pieces=8, unroll=2, num_warps=4)
+    torch.testing.assert_close(_grad(batch, grad_out, config), want, rtol=1e-5, atol=1e-5)
+    _check_update(batch, "rowwise_adagrad", dim, torch.float32, config)
