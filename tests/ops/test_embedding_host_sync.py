@@ -212,10 +212,15 @@ def test_a_training_step_over_two_packs_matches_packs_sorted_one_by_one(backend,
     with monkeypatch.context() as patch:
         patch.setattr(PackSort, "one_sort", staticmethod(lambda device: True))  # CUDA's choice
         _step(together, sf)
-    # Each pack groups its own rows at once: no shared sort.
-    monkeypatch.setattr(
-        PackSort, "group", lambda self, rows, num_rows, unique: group_by_row(rows, num_rows, unique=unique)
-    )
+
+    # Each pack groups its own rows at once (and what follows its sort): no shared sort.
+    def group_alone(self, rows, num_rows, unique, then=None):
+        groups = group_by_row(rows, num_rows, unique=unique)
+        if then is not None:
+            then(groups)
+        return groups
+
+    monkeypatch.setattr(PackSort, "group", group_alone)
     _step(alone, sf)
     for name, state in together.table_states().items():
         for key, tensor in state.items():
@@ -223,13 +228,21 @@ def test_a_training_step_over_two_packs_matches_packs_sorted_one_by_one(backend,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backward", ["tuned", "lanes"])
 @pytest.mark.parametrize("keys", [ONE_PACK, TWO_PACKS], ids=["one-pack", "two-packs"])
-def test_a_cuda_training_step_from_the_loader_never_synchronizes(keys, sparse_batch):
+def test_a_cuda_training_step_from_the_loader_never_synchronizes(keys, backward, sparse_batch, monkeypatch):
     """On CUDA, torch's sync debug mode turns every host synchronization of the prepare +
-    lookup + fused update of a loader-delivered batch into an error."""
+    lookup + fused update of a loader-delivered batch into an error: with the device's
+    tuned backward, and with the piece lanes (whose pieces are cut on the device)."""
     from recaccel.io.loader import DeviceLoader
+    from recaccel.ops.embedding.triton import tuning
     from tests.helpers.loader_batches import ListReader
 
+    if backward == "lanes":
+        lanes = {"piece_len": 4, "block_pieces": 16, "unroll": 2, "num_warps": 4}
+        monkeypatch.setattr(
+            tuning, "lookup", lambda device, key, table=None: dict(lanes) if key.startswith("bwd_") else None
+        )
     m = _module("triton", device="cuda").train()
     gen = torch.Generator().manual_seed(13)
     batches = []
