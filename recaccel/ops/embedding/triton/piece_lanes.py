@@ -31,6 +31,29 @@ not its segment's last is ``PIECE_LEN`` long, so at most one starts in a window 
 segment's full piece before it to fit in the room after the first (less than a window).
 The buffer is ``2 * cdiv(N, PIECE_LEN)`` rows, written only where a segment is split.
 
+Machine code on sm_90 (``../shared/tools/sm90_report.py
+recaccel.ops.embedding.triton.piece_lanes:_piece_lanes_kernel --sig <every runtime
+parameter, keys_ptr=*i32> --const stride_gd=1 MODE=<m> STOCHASTIC=<s> HAS_SCALE=0
+PIECE_LEN=64 BLOCK_PIECES=<lanes> BLOCK_D=128 UNROLL=<u> --aligned <pointers, dim,
+stride_w, stride_gb, stride_gf> --num-warps <w>``); D=128 float32 rows, row-wise Adagrad
+unless named:
+
+==================================  ======  ===============  ===============  ============
+lanes / unroll / warps              regs    spills (st / ld)  programs per SM  ld.global.v4
+==================================  ======  ===============  ===============  ============
+16 / 1 / 4                          126     0 / 0            4                8
+16 / 2 / 4                          146     0 / 0            3                12
+32 / 1 / 8                          126     0 / 0            2                8
+32 / 2 / 8                          146     0 / 0            1                12
+16 / 1 / 4, Adam, bf16 rows         190     0 / 0            2                14
+16 / 1 / 4, gradient store          96      0 / 0            5                4
+64 / 1 / 4, D=32                    128     0 / 0            4                8
+==================================  ======  ===============  ===============  ============
+
+16-byte loads of the gradient and weight rows, no atomics. The lanes' index vectors are
+``[BLOCK_PIECES, 1]`` columns: as 1-D vectors inside the nested loops, Triton 3.6's layout
+pass fails on sm_90 beyond 16 lanes (mismatched slice layouts).
+
 Every row is written by exactly one program, no atomics: two runs are bitwise equal for
 a given ``(PIECE_LEN, CHUNK)``; ``BLOCK_PIECES``, ``UNROLL`` and the warps change no bit
 (a piece is summed occurrence by occurrence in order). A row of at most ``PIECE_LEN``
