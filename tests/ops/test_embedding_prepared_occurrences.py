@@ -121,3 +121,41 @@ def test_occurrences_made_for_other_pieces_are_made_again():
     assert usable(plain, backward.TileConfig(8, 4)) and not usable(plain, LaneConfig(2, 4, 1, 2))
     assert usable(cut, LaneConfig(2, 8, 2, 4)) and not usable(cut, LaneConfig(4, 4, 1, 2))
     assert not usable(cut, backward.TileConfig(8, 4)) and not usable(None, backward.TileConfig(8, 4))
+
+
+def test_density_buckets_are_occurrences_per_row_rounded_up_to_a_power_of_two():
+    from recaccel.ops.embedding.triton.backward_config import density_bucket
+
+    assert density_bucket(1_703_936, 13_100_000) == 1  # criteo one-hot: most rows alone
+    assert density_bucket(26 * 16384 * 20, 26 * 20000) == 32  # L=20 into 20k-row tables
+    assert density_bucket(3, 1) == 4 and density_bucket(0, 5) == 1 and density_bucket(10**9, 1) == 32
+
+
+def test_a_bucketed_entry_wins_over_the_unbucketed_one_and_prepare_and_update_agree(
+    sparse_batch, monkeypatch
+):
+    """The table holds tiles for every density and lanes for this batch's bucket only: the
+    preparation cuts pieces for the lanes and the update reads them, no second gather."""
+    from recaccel.ops.embedding.triton.backward_config import density_bucket
+
+    m = PackedEmbeddingBag(_tables("rowwise_adagrad"), backend="triton", optim=CFG, seed=1, device=DEVICE)
+    sf = _batch(sparse_batch, seed=5)
+    prepared = m.prepare(sf)
+    pack = next(p for p in prepared.packs if p is not None)
+    layout = next(p.layout for p in m._packs)
+    bucket = density_bucket(pack.ids.rows.numel(), layout.num_rows)
+    table = {"cpu": {tuning.backward_key(8, torch.float32): {"block_occ": 8, "num_warps": 4},
+                     tuning.backward_key(8, torch.float32, bucket): dict(LANES)}}  # fmt: skip
+    monkeypatch.setattr(tuning, "_load_table", lambda: table)
+    monkeypatch.setattr(tuning, "device_name", lambda device: "cpu")
+    assert backward.tile_config(8, torch.float32, DEVICE, bucket) == LaneConfig(**LANES)
+    assert backward.tile_config(8, torch.float32, DEVICE, bucket * 2) == backward.TileConfig(8, 4)
+    assert backward.tile_config(8, torch.float32, DEVICE) == backward.TileConfig(8, 4)
+    prepared = m.prepare(sf)
+    assert all(p.sorted.piece_len == LANES["piece_len"] for p in prepared.packs if p is not None)
+
+    def gather_again(*args, **kwargs):
+        raise AssertionError("the update gathered the occurrences again")
+
+    monkeypatch.setattr(backward, "sort_occurrences", gather_again)
+    _step(m, prepared, 6)

@@ -118,7 +118,7 @@ def shape_key(case: KernelCase) -> str:
 
     if case.kernel == "forward":
         return tuning.forward_key(case.dim, length_bucket(case.mean_len), case.dtype)
-    return tuning.backward_key(case.dim, case.dtype)
+    return tuning.backward_key(case.dim, case.dtype, case.density)
 
 
 def winners(records: list[dict]) -> dict[str, dict[str, int]]:

@@ -54,6 +54,13 @@ class KernelCase:
     def mean_len(self) -> float:
         return self.length if self.length else 20.0
 
+    @property
+    def density(self) -> int:
+        """The backward key's bucket: occurrences per row of the pack (T*R rows)."""
+        from recaccel.ops.embedding.triton.backward_config import density_bucket
+
+        return density_bucket(round(self.tables * self.batch * self.mean_len), self.tables * self.rows)
+
 
 def _cases(kernel: str, zipf_backward: bool) -> list[KernelCase]:
     """The sweep's shapes for one kernel, most important first (the gpu-check cases lead)."""
@@ -302,7 +309,8 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     occ, warps, _ = tile_config(case.dim)
     default = {"block_occ": occ, "num_warps": warps}
     configs = {"default": candidate(default)}
-    tuned = tuning.lookup(device, tuning.backward_key(case.dim, case.dtype))
+    key = tuning.backward_key(case.dim, case.dtype, case.density)
+    tuned = tuning.lookup(device, key) or tuning.lookup(device, tuning.backward_key(case.dim, case.dtype))
     configs.update({config_name(f): candidate(f) for f in backward_sweep(case, tuned) if f != default})
     timed_w, timed_m = weight.clone(), momentum.clone()
     for c in configs.values():  # timing updates one copy in place: no clone inside the timed call

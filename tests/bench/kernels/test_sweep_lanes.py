@@ -79,3 +79,16 @@ def test_lane_winner_is_written_with_its_fields_and_read_back_by_the_launch(tmp_
         grad_out, batch.ids, batch.batch_size, config=LaneConfig(4, 8, 2, 4)
     )
     assert torch.equal(got, lanes)
+
+
+def test_backward_cases_are_keyed_by_their_density_bucket():
+    """Occurrences per row decide the winner: L=1 and L=20 cases of one D get their own keys."""
+    keys = {
+        case.name: kernels.shape_key(case) for case in sweep_cases.gpu_cases() if case.kernel == "backward"
+    }
+    assert keys["bwd_T26_B16384_D128_L1_zipf_float32"] == "bwd_D128_N1_float32"
+    assert keys["bwd_T26_B16384_D128_L20_zipf_float32"] == "bwd_D128_N32_float32"
+    assert keys["bwd_T26_B65536_D128_L1_zipf_float32"] == "bwd_D128_N4_float32"
+    assert (
+        tuning.backward_key(128, torch.float32) == "bwd_D128_float32"
+    )  # old tables: every bucket's fallback

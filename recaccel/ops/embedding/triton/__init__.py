@@ -33,6 +33,7 @@ from recaccel.ops.embedding.triton.autograd import (
     TritonFusedEmbeddingBagFunction,
 )
 from recaccel.ops.embedding.triton.backward import fused_update, tile_config
+from recaccel.ops.embedding.triton.backward_config import density_bucket
 from recaccel.ops.embedding.triton.forward import (
     check_forward_launchable,
     embedding_bag_forward,
@@ -91,7 +92,9 @@ class TritonPack(HeldPack):
     def _sort_occurrences(self, prepared: PreparedPack, groups: RowGroups) -> None:
         """The fused update's sorted occurrences (and pieces, for the piece lanes), made once
         the batch's sort has run."""
-        config = tile_config(self.layout.dim, self.dtype, prepared.ids.rows.device)
+        rows = prepared.ids.rows
+        density = density_bucket(rows.numel(), self.layout.num_rows)
+        config = tile_config(self.layout.dim, self.dtype, rows.device, density)
         prepared.sorted = sort_occurrences(prepared.ids, groups, piece_len_of(config))
 
     def lookup_autograd(self, weight: Tensor, batch: PackBatch, out: Tensor | None = None) -> Tensor:

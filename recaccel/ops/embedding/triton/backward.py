@@ -91,6 +91,7 @@ from recaccel.ops.embedding.triton.backward_config import (
     BackwardConfig,
     TileConfig,
     check_tile_config,
+    density_bucket,
     resolve_config,
     tile_config,
 )
@@ -421,8 +422,9 @@ def fused_update(
     if order.numel() == 0:
         return
     weight = state.weight
+    density = density_bucket(order.numel(), weight.shape[0])
     config = resolve_config(
-        weight.shape[1], weight.dtype, weight.device, config, block_occ, num_warps, subtiles
+        weight.shape[1], weight.dtype, weight.device, config, block_occ, num_warps, subtiles, density
     )
     if not usable(occurrences, config):
         occurrences = sort_occurrences(ids, groups, piece_len_of(config))

@@ -8,6 +8,7 @@ any other a :class:`TileConfig`; :func:`resolve_config` lets a caller name eithe
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -35,12 +36,28 @@ class TileConfig(NamedTuple):
 BackwardConfig = TileConfig | LaneConfig
 
 
+MAX_DENSITY_BUCKET = 32
+
+
+def density_bucket(num_occ: int, num_rows: int) -> int:
+    """A pack's occurrences per row, rounded up to a power of two in 1 .. 32: the backward
+    key's bucket (both counts are known on the host). Few occurrences per row (one-hot ids
+    into large tables) leave most rows alone in their run; many (long bags into small
+    tables) make long runs, where walking a row's occurrences in order pays."""
+    per_row = math.ceil(num_occ / max(num_rows, 1))
+    return min(triton.next_power_of_2(max(1, per_row)), MAX_DENSITY_BUCKET)
+
+
 def tile_config(
-    dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    dim: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    density: int | None = None,
 ) -> BackwardConfig:
     """The backward's launch configuration for rows of ``dim`` columns in ``dtype``: the
     per-device tuning table's entry for ``device``
-    (:mod:`~recaccel.ops.embedding.triton.tuning`): piece lanes
+    (:mod:`~recaccel.ops.embedding.triton.tuning`) at the ``density`` bucket
+    (:func:`density_bucket`), else its entry without a bucket: piece lanes
     (:mod:`~recaccel.ops.embedding.triton.piece_lanes`) where the entry has
     ``piece_len``, else occurrence tiles (an entry without ``subtiles`` has 1); without
     an entry, the occurrence tiles' default below (one chunk per program).
@@ -53,7 +70,9 @@ def tile_config(
     run may replace this default per device.
     """
     if device is not None:
-        entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
+        entry = None if density is None else tuning.lookup(device, tuning.backward_key(dim, dtype, density))
+        if entry is None:
+            entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
         if entry is not None and "piece_len" in entry:
             return LaneConfig(entry["piece_len"], entry["block_pieces"], entry["unroll"], entry["num_warps"])
         if entry is not None:
@@ -70,14 +89,15 @@ def resolve_config(
     block_occ: int | None,
     num_warps: int | None,
     subtiles: int | None,
+    density: int | None = None,
 ) -> BackwardConfig:
     """``config`` when given; else occurrence tiles when any of their fields is given (the
-    others from :func:`tile_config`'s tile default); else :func:`tile_config`."""
+    others from :func:`tile_config`'s tile default); else :func:`tile_config` at ``density``."""
     if config is not None:
         return config
     if block_occ is None and num_warps is None and subtiles is None:
-        return tile_config(dim, dtype, device)
-    tuned = tile_config(dim, dtype, device)
+        return tile_config(dim, dtype, device, density)
+    tuned = tile_config(dim, dtype, device, density)
     base = tuned if isinstance(tuned, TileConfig) else tile_config(dim)
     return TileConfig(
         base.block_occ if block_occ is None else block_occ,

@@ -9,7 +9,10 @@ entry by the device's name (``torch.cuda.get_device_name``) and the kernel's sha
 a device or shape the table does not hold gets ``None``, and the kernel falls back to its
 own heuristic default (the sound choice for a device nobody has tuned on).
 
-Shape keys: ``forward_key(D, length bucket, dtype)`` and ``backward_key(D, dtype)``;
+Shape keys: ``forward_key(D, length bucket, dtype)`` and ``backward_key(D, dtype,
+density bucket)`` (occurrences per row of the pack, which decides how long a row's run
+of occurrences is, hence which backward kernel wins; a key without it is every
+bucket's fallback);
 entries are plain dicts of the config's integer fields. A backward entry's ``subtiles``
 (chunks per tile program) is optional: absent means 1, so tables written before the
 field existed keep their meaning.
@@ -46,9 +49,13 @@ def forward_key(dim: int, bucket: int, dtype: torch.dtype | str) -> str:
     return f"fwd_D{dim}_L{bucket}_{dtype_name(dtype)}"
 
 
-def backward_key(dim: int, dtype: torch.dtype | str) -> str:
-    """Shape key of the backward / fused update: ``bwd_D<dim>_<dtype of the updated rows>``."""
-    return f"bwd_D{dim}_{dtype_name(dtype)}"
+def backward_key(dim: int, dtype: torch.dtype | str, density: int | None = None) -> str:
+    """Shape key of the backward / fused update: ``bwd_D<dim>_N<density bucket>_<dtype of
+    the updated rows>``, or without the bucket (``bwd_D<dim>_<dtype>``: tables written
+    before it existed, and the fallback of every bucket)."""
+    if density is None:
+        return f"bwd_D{dim}_{dtype_name(dtype)}"
+    return f"bwd_D{dim}_N{density}_{dtype_name(dtype)}"
 
 
 def _load_table() -> Table:
