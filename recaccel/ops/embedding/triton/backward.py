@@ -24,6 +24,7 @@ Per chunk (grid ``(cdiv(N_p, P),)``):
    last occurrence of each segment the scan holds the segment's sum within the span; the
    value at the chunk's last occurrence is the next chunk's carry.
 3. Apply the update (SGD, row-wise Adagrad, Adam; stochastic rounding for 16-bit rows,
+   the rows loaded before the scan, as soon as the keys tell which the chunk updates,
    the rules of :func:`~recaccel.ops.embedding.optimizers.update_rows`), or store the
    gradient (autograd mode), for every segment that begins and ends in the span.
 4. Write the span's partials for segments that cross its edges: ``head`` (the sum of its
@@ -51,8 +52,8 @@ stride_w, stride_gb, stride_gf> --num-warps <w>``:
 ============  =========  ======  ==================  ================  ==============
 SUBTILES      num_warps  regs    spills (st / ld B)  programs per SM   ld.global.v4
 ============  =========  ======  ==================  ================  ==============
-1             2          96      0 / 0               10                8
-1             4          56      0 / 0               9                 4
+1             2          93      0 / 0               11                8
+1             4          53      0 / 0               9                 4
 4 or 16       2          128     0 / 0               8                 8
 4 or 16       4          72      0 / 0               7                 4
 ============  =========  ======  ==================  ================  ==============
@@ -97,7 +98,7 @@ from recaccel.ops.embedding.triton.backward_config import (
 )
 from recaccel.ops.embedding.triton.occurrences import piece_len_of, pieces_of, sort_occurrences, usable
 from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, Pieces, launch_lanes
-from recaccel.ops.embedding.triton.row_update import _apply_rows, _spanning_rows_kernel
+from recaccel.ops.embedding.triton.row_update import _load_rows, _spanning_rows_kernel, _update_rows
 
 __all__ = [
     "BackwardConfig",
@@ -208,14 +209,23 @@ def _tile_chunk(
         keys_ptr, bags_ptr, scale_ptr, grad_out_ptr, occ, valid, num_occ, batch_size, cols, col_mask,
         stride_gb, stride_gf, stride_gd, HAS_SCALE,
     )  # fmt: skip
-    if CARRY:  # the segment open at the previous chunk's end goes on: its sum joins this row
-        g = tl.where(((occ == first) & (key == prev) & joined)[:, None], g + carry[None, :], g)
     ends = valid & (key != nxt)
     began_here = key != before
+    live = ends & began_here
+    # The rows this chunk updates are known from the keys: loaded before the scan, their
+    # latency overlaps the gradient rows' instead of following the scan.
+    if MODE == 3:
+        w = g
+    else:
+        w = _load_rows(weight_ptr, key, live, cols, col_mask, stride_w)
+    if CARRY:  # the segment open at the previous chunk's end goes on: its sum joins this row
+        g = tl.where(((occ == first) & (key == prev) & joined)[:, None], g + carry[None, :], g)
     starts = tl.broadcast_to((key != prev).to(tl.int32)[:, None], (BLOCK_OCC, BLOCK_D))
     _, sums = tl.associative_scan((starts, g), 0, _segmented_add)
-    _apply_rows(
-        weight_ptr, m1_ptr, m2_ptr, key, sums, ends & began_here, cols, col_mask, dim, stride_w,
+    if MODE == 3:
+        w = sums
+    _update_rows(
+        weight_ptr, m1_ptr, m2_ptr, key, sums, w, live, cols, col_mask, dim, stride_w,
         lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
     )  # fmt: skip
     # Partials of the segments crossing the span's edges (at most one row each is unmasked).
