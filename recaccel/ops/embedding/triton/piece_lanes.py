@@ -16,8 +16,9 @@ Kernels (launcher :func:`launch_lanes`):
 - ``_piece_lanes_kernel``: lane ``l`` of a program takes piece ``q = blk*BLOCK_PIECES + l``
   and walks its occurrences ``UNROLL`` at a time (``BLOCK_PIECES * UNROLL`` gradient rows in
   flight, 16-byte loads), the sum kept in float32 registers, in occurrence order. A piece
-  that is its whole segment updates its row at once (:func:`_apply_rows`: SGD, row-wise
-  Adagrad, Adam, stochastic rounding of 16-bit rows, or the gradient store). A piece of a
+  that is its whole segment updates its row at once (``row_update``'s rules: SGD, row-wise
+  Adagrad, Adam, stochastic rounding of 16-bit rows, or the gradient store; the rows
+  are loaded before the walk, their latency overlapping the gradient rows'). A piece of a
   longer segment writes its sum to a partial slot instead, and the segment's first piece
   records its start in ``owner[start // PIECE_LEN]``. Programs loop over blocks of
   pieces (grid: one resident wave of programs; the pieces' count read on the device).
@@ -57,7 +58,7 @@ pass fails on sm_90 beyond 16 lanes (mismatched slice layouts).
 Every row is written by exactly one program, no atomics: two runs are bitwise equal for
 a given ``(PIECE_LEN, CHUNK)``; ``BLOCK_PIECES``, ``UNROLL`` and the warps change no bit
 (a piece is summed occurrence by occurrence in order). A row of at most ``PIECE_LEN``
-occurrences is summed sequentially, as the reference sums it.
+occurrences is summed in sorted occurrence order: bitwise a float32 loop over them.
 
 They run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
 this module is imported).
