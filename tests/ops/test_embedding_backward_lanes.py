@@ -142,11 +142,12 @@ def test_rows_ending_exactly_on_piece_edges(optimizer):
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_hot_rows_over_more_pieces_and_windows_than_one_combine_step(optimizer):
-    """Pieces of 2: row 0's 301 occurrences are 151 pieces (more than COMBINE_CHUNK per
-    step), and 700 occurrences are 350 windows (more than COMBINE_WINDOWS per program)."""
+    """Pieces of 2: row 0's 301 occurrences are 151 pieces (more than one combine step
+    loads at D=8), and 700 occurrences are 350 windows (more than COMBINE_WINDOWS per
+    program)."""
     counts = [301, 2, 3] + [1] * 30 + [200, 163]
     config = LaneConfig(piece_len=2, block_pieces=8, unroll=1, num_warps=2)
-    assert 301 // 2 > piece_lanes.COMBINE_CHUNK and sum(counts) // 2 > piece_lanes.COMBINE_WINDOWS
+    assert 301 // 2 > piece_lanes.partials_per_step(8) and sum(counts) // 2 > piece_lanes.COMBINE_WINDOWS
     batch = sorted_rows_batch(counts)
     dim = 8
     grad_out = batch.grad_out(dim, seed=4)
@@ -243,7 +244,7 @@ _COMPILE = textwrap.dedent(
                               "BLOCK_PIECES": lanes, "BLOCK_D": 128, "UNROLL": unroll}))
         variants.append((K._piece_combine_kernel, {**COMBINE, "weight_ptr": weight},
                          {"MODE": mode, "STOCHASTIC": stochastic, "PIECE_LEN": 64, "BLOCK_D": 128,
-                          "CHUNK": 16, "WINDOWS": 128}))
+                          "CHUNK": 64, "WINDOWS": 128}))
     for fn, signature, constexprs in variants:
         compiled = triton.compile(
             ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32)

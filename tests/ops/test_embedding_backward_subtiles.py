@@ -101,12 +101,13 @@ def test_segments_ending_exactly_on_chunk_and_program_edges(subtiles):
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_hot_row_across_more_programs_than_one_fixup_step(optimizer):
-    """Row 0's 300 occurrences cover ~18 spans of 16 (more than CHUNK_TILES), 37 more rows
-    of one occurrence leave 353 = 22 * 16 + 1: the last span holds one occurrence and three
-    chunks without any."""
+def test_hot_row_across_more_programs_than_one_fixup_step(optimizer, monkeypatch):
+    """Row 0's 300 occurrences cover ~18 spans of 16 (more than a fix-up step of 16, shrunk
+    from D=8's 128), 37 more rows of one occurrence leave 353 = 22 * 16 + 1: the last span
+    holds one occurrence and three chunks without any."""
+    monkeypatch.setattr(tiles, "partials_per_step", lambda block_d: 16)
     counts = [300, 15] + [1] * 38
-    assert sum(counts) % 16 == 1 and 300 // 16 > tiles.CHUNK_TILES
+    assert sum(counts) % 16 == 1 and 300 // 16 > 16
     batch = sorted_rows_batch(counts)
     dim = 8
     grad_out = batch.grad_out(dim, seed=4)

@@ -94,11 +94,13 @@ def test_fused_update_with_uniform_ids_and_tiles_of_8_matches_reference(optimize
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_two_row_table_whose_rows_span_more_than_one_fixup_chunk(optimizer):
-    """Row 0 takes ~3/4 of 256 occurrences: ~48 tiles of 4, three fix-up chunks of 16."""
+def test_two_row_table_whose_rows_span_more_than_one_fixup_chunk(optimizer, monkeypatch):
+    """Row 0 takes ~3/4 of 256 occurrences: ~48 tiles of 4, three fix-up steps of 16 (the
+    step shrunk from D=8's 128 so that a small batch walks several)."""
+    monkeypatch.setattr(tiles, "partials_per_step", lambda block_d: 16)
     counts = [190, 66]
     batch = sorted_rows_batch(counts)
-    assert sum(counts) // 4 > 2 * tiles.CHUNK_TILES
+    assert sum(counts) // 4 > 2 * 16
     dim = 8
     grad_out = batch.grad_out(dim, seed=4)
     rows, grad = tiles.embedding_bag_backward(grad_out, batch.ids, batch.batch_size, block_occ=4)

@@ -34,7 +34,8 @@ Per chunk (grid ``(cdiv(N_p, P),)``):
 Then :func:`_spanning_rows_kernel` (grid ``(T,)``, T spans; module ``row_update``): the
 span where a spanning segment begins sums its ``tail``, the ``tail`` of every span the
 segment covers whole, and the ``head`` of the span where it ends, in span order (``CHUNK``
-spans per step, a fixed reduction tree within a step), and applies the update to that row.
+spans per step, :func:`~recaccel.ops.embedding.triton.row_update.partials_per_step`, a
+fixed reduction tree within a step), and applies the update to that row.
 
 ``SUBTILES`` 1 is the one-chunk kernel, without a loop (the code and bits it had before
 programs walked chunks). With small chunks (BLOCK_OCC 8 at D=128: 16 occurrences per row
@@ -65,7 +66,8 @@ SUBTILES 1 / 4: 64 / 96 registers (row-wise Adagrad), 67 / 119 (Adam, ``MODE=2``
 128 registers, 25 KB); not taken without a GPU timing.
 
 Every row is written by exactly one program and no atomics are used, so the result is
-bitwise the same from run to run for a given ``(BLOCK_OCC, SUBTILES, num_warps, CHUNK)``;
+bitwise the same from run to run for a given ``(BLOCK_OCC, SUBTILES, num_warps)`` and D (which
+fixes ``CHUNK``);
 the summation order differs from the reference's (sequential per row), hence results
 agree with it to float32 rounding, not bit for bit.
 
@@ -98,7 +100,13 @@ from recaccel.ops.embedding.triton.backward_config import (
 )
 from recaccel.ops.embedding.triton.occurrences import piece_len_of, pieces_of, sort_occurrences, usable
 from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, Pieces, launch_lanes
-from recaccel.ops.embedding.triton.row_update import _load_rows, _spanning_rows_kernel, _update_rows
+from recaccel.ops.embedding.triton.row_update import (
+    FIXUP_WARPS,
+    _load_rows,
+    _spanning_rows_kernel,
+    _update_rows,
+    partials_per_step,
+)
 
 __all__ = [
     "BackwardConfig",
@@ -113,7 +121,6 @@ __all__ = [
 # MODE of the kernels: the sparse optimizers, or "store the row's gradient" (autograd mode).
 _MODE_CODES = {"sgd": 0, "rowwise_adagrad": 1, "adam": 2}
 _MODE_GRAD = 3
-CHUNK_TILES = 16  # partials the fix-up kernel loads per step
 
 
 @triton.jit
@@ -346,7 +353,7 @@ def launch_backward(
         _spanning_rows_kernel[(num_tiles,)](
             target, m1, m2, keys, part, num_occ, num_tiles, dim, target.stride(0), *hyper, seed,
             MODE=mode, STOCHASTIC=stochastic, BLOCK_OCC=span, BLOCK_D=block_d,
-            CHUNK=CHUNK_TILES, num_warps=1,
+            CHUNK=partials_per_step(block_d), num_warps=FIXUP_WARPS,
         )  # fmt: skip
 
 

@@ -56,7 +56,7 @@ lanes / unroll / warps              regs    spills (st / ld)  programs per SM  l
 pass fails on sm_90 beyond 16 lanes (mismatched slice layouts).
 
 Every row is written by exactly one program, no atomics: two runs are bitwise equal for
-a given ``(PIECE_LEN, CHUNK)``; ``BLOCK_PIECES``, ``UNROLL`` and the warps change no bit
+a given ``PIECE_LEN`` and D (which fixes the combine's ``CHUNK``); ``BLOCK_PIECES``, ``UNROLL`` and the warps change no bit
 (a piece is summed occurrence by occurrence in order). A row of at most ``PIECE_LEN``
 occurrences is summed in sorted occurrence order: bitwise a float32 loop over them.
 
@@ -77,9 +77,14 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.errors import ConfigError
-from recaccel.ops.embedding.triton.row_update import _apply_rows, _load_rows, _update_rows
+from recaccel.ops.embedding.triton.row_update import (
+    FIXUP_WARPS,
+    _apply_rows,
+    _load_rows,
+    _update_rows,
+    partials_per_step,
+)
 
-COMBINE_CHUNK = 16  # partials the combine kernel loads per step
 COMBINE_WINDOWS = 128  # windows one combine program scans
 # Lane programs loop over the blocks of pieces, so the grid is one resident wave: more
 # would idle the first wave's SMs at the end, fewer leave rows out of flight. Until a
@@ -430,5 +435,5 @@ def launch_lanes(
         _piece_combine_kernel[(triton.cdiv(num_windows, COMBINE_WINDOWS),)](
             target, m1, m2, keys, part, owner, num_occ, num_windows, dim, target.stride(0), *hyper, seed,
             MODE=mode, STOCHASTIC=stochastic, PIECE_LEN=config.piece_len, BLOCK_D=block_d,
-            CHUNK=COMBINE_CHUNK, WINDOWS=COMBINE_WINDOWS, num_warps=1,
+            CHUNK=partials_per_step(block_d), WINDOWS=COMBINE_WINDOWS, num_warps=FIXUP_WARPS,
         )  # fmt: skip

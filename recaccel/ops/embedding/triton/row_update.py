@@ -11,6 +11,17 @@ import triton.language as tl
 
 from recaccel.ops.embedding.triton.rounding import _stochastic_round, _uniform_noise
 
+PARTIAL_VALUES = 8192  # float32 partial values one fix-up step loads (4 warps: 64 a thread)
+FIXUP_WARPS = 4
+
+
+def partials_per_step(block_d: int) -> int:
+    """Partials a fix-up kernel (the tiles' spanning rows, the lanes' combine) loads and
+    sums per step: a hot row's partials are walked in steps of this many, one dependent
+    load chain each, so its fix-up takes ~partials / this steps (16 to 128; sm_90, 4 warps:
+    56-72 registers, no spills, at D 32-256)."""
+    return min(128, max(16, PARTIAL_VALUES // block_d))
+
 
 @triton.jit
 def _load_rows(weight_ptr, key, live, cols, col_mask, stride_w):
