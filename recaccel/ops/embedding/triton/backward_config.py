@@ -70,15 +70,35 @@ def tile_config(
     run may replace this default per device.
     """
     if device is not None:
-        entry = None if density is None else tuning.lookup(device, tuning.backward_key(dim, dtype, density))
+        key = None if density is None else tuning.backward_key(dim, dtype, density)
+        entry = None if key is None else tuning.lookup(device, key)
         if entry is None:
-            entry = tuning.lookup(device, tuning.backward_key(dim, dtype))
-        if entry is not None and "piece_len" in entry:
-            return LaneConfig(entry["piece_len"], entry["block_pieces"], entry["unroll"], entry["num_warps"])
+            key = tuning.backward_key(dim, dtype)
+            entry = tuning.lookup(device, key)
         if entry is not None:
-            return TileConfig(entry["block_occ"], entry["num_warps"], entry.get("subtiles", 1))
+            return config_of_entry(entry, key)
     block_d = triton.next_power_of_2(dim)
     return TileConfig(max(8, min(128, 2048 // block_d)), 4)
+
+
+def config_of_entry(entry: dict[str, int], key: str) -> BackwardConfig:
+    """A tuning-table entry's launch configuration: piece lanes where it has ``piece_len``,
+    else occurrence tiles (``subtiles`` 1 when absent).
+
+    Raises:
+        ConfigError: the entry lacks a field or has one of another kind (a hand-edited
+            table), named with its key.
+    """
+    lanes = "piece_len" in entry
+    fields = ("piece_len", "block_pieces", "unroll", "num_warps") if lanes else ("block_occ", "num_warps")
+    missing = [f for f in fields if not isinstance(entry.get(f), int)]
+    if missing:
+        raise ConfigError(
+            f"embedding tuning table: entry {key!r} = {entry!r} needs integer {', '.join(missing)}"
+        )
+    if lanes:
+        return LaneConfig(*(entry[f] for f in fields))
+    return TileConfig(entry["block_occ"], entry["num_warps"], int(entry.get("subtiles", 1)))
 
 
 def resolve_config(
