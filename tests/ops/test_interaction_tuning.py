@@ -102,3 +102,13 @@ def test_table_round_trip_keeps_other_devices_and_reads_its_formatted_module(tmp
     namespace: dict = {}
     exec(path.read_text(), namespace)
     assert namespace["TABLE"] == table
+
+
+@pytest.mark.parametrize("entry", [{"block_b": 4, "bd": 32}, {"block_b": 4, "bd": "32", "num_warps": 8}])
+def test_a_hand_edited_entry_is_a_one_line_config_error(entry):
+    from recaccel.errors import ConfigError
+
+    plan = heuristic_plan(27, 16)
+    with pytest.raises(ConfigError, match="bwd entry") as err:
+        with_tuned(plan, None, entry)
+    assert "\n" not in str(err.value)

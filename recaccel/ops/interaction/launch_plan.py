@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from recaccel.errors import ConfigError
 from recaccel.ops.interaction import tuning
 from recaccel.ops.tf32 import tf32_enabled
 
@@ -110,6 +111,18 @@ def launch_plan(num_rows: int, dim: int, dtype: torch.dtype, device: torch.devic
 
 
 def with_tuned(plan: LaunchPlan, fwd: dict[str, int] | None, bwd: dict[str, int] | None) -> LaunchPlan:
-    """``plan`` with each kernel's config replaced by its table entry, where there is one."""
-    tuned = {k: KernelConfig(**entry) for k, entry in (("fwd", fwd), ("bwd", bwd)) if entry is not None}
+    """``plan`` with each kernel's config replaced by its table entry, where there is one.
+
+    Raises:
+        ConfigError: an entry lacks a field, has another, or one that is not an integer (a
+            hand-edited table): one line naming the kernel and the entry.
+    """
+    tuned = {k: _config_of_entry(k, entry) for k, entry in (("fwd", fwd), ("bwd", bwd)) if entry is not None}
     return plan._replace(**tuned)
+
+
+def _config_of_entry(kernel: str, entry: dict[str, int]) -> KernelConfig:
+    fields = KernelConfig._fields
+    if sorted(entry) != sorted(fields) or not all(isinstance(v, int) for v in entry.values()):
+        raise ConfigError(f"{_OP} tuning table: {kernel} entry {entry!r} needs integer {', '.join(fields)}")
+    return KernelConfig(**entry)
