@@ -159,3 +159,16 @@ def test_a_bucketed_entry_wins_over_the_unbucketed_one_and_prepare_and_update_ag
 
     monkeypatch.setattr(backward, "sort_occurrences", gather_again)
     _step(m, prepared, 6)
+
+
+def test_the_backward_kernel_a_step_runs_is_logged_once_per_shape(sparse_batch, monkeypatch, caplog):
+    from recaccel.ops.embedding.triton.backward_config import log_choice
+
+    log_choice.cache_clear()
+    _tuned_lanes(monkeypatch)
+    m = PackedEmbeddingBag(_tables("rowwise_adagrad"), backend="triton", optim=CFG, seed=1, device=DEVICE)
+    with caplog.at_level("INFO", logger="recaccel.ops.embedding.triton.backward_config"):
+        for seed in (1, 2):
+            _step(m, _batch(sparse_batch, seed=seed), seed)
+    lines = [r.getMessage() for r in caplog.records if "embedding backward" in r.getMessage()]
+    assert len(lines) == 1 and "piece lanes" in lines[0] and "D=8 float32" in lines[0], lines

@@ -95,6 +95,7 @@ from recaccel.ops.embedding.triton.backward_config import (
     TileConfig,
     check_tile_config,
     density_bucket,
+    log_choice,
     resolve_config,
     tile_config,
 )
@@ -443,6 +444,7 @@ def fused_update(
     config = resolve_config(
         weight.shape[1], weight.dtype, weight.device, config, block_occ, num_warps, subtiles, density
     )
+    log_choice(weight.shape[1], weight.dtype, density, config)
     if not usable(occurrences, config):
         occurrences = sort_occurrences(ids, groups, piece_len_of(config))
     bc1, bc2 = adam_bias_corrections(optim, state.step)

@@ -8,6 +8,8 @@ any other a :class:`TileConfig`; :func:`resolve_config` lets a caller name eithe
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import NamedTuple
 
@@ -17,6 +19,8 @@ import triton
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding.triton import tuning
 from recaccel.ops.embedding.triton.piece_lanes import LaneConfig
+
+logger = logging.getLogger(__name__)
 
 
 class TileConfig(NamedTuple):
@@ -133,3 +137,15 @@ def check_tile_config(block_occ: int, subtiles: int) -> None:
             f"occurrence-tile backward: block_occ={block_occ}, subtiles={subtiles}: "
             "block_occ must be a power of two and subtiles at least 1"
         )
+
+
+@functools.lru_cache(maxsize=64)
+def log_choice(dim: int, dtype: torch.dtype, density: int | None, config: BackwardConfig) -> None:
+    """Logs once per shape which backward kernel and configuration the updates run (a
+    benchmark's log then says what its step timed)."""
+    kernel = "piece lanes" if isinstance(config, LaneConfig) else "occurrence tiles"
+    logger.info(
+        "embedding backward: %s %s for D=%d %s rows, %s occurrences per row",
+        kernel, dict(config._asdict()), dim, str(dtype).removeprefix("torch."),
+        "any" if density is None else f"<= {density}",
+    )  # fmt: skip
