@@ -18,8 +18,22 @@ pytestmark = needs_triton
         {"piece_len": 32, "block_pieces": 16, "num_warps": 4},
         {"block_occ": 8},
         {"block_occ": "8", "num_warps": 4},
+        {"block_occ": 8, "num_warps": 4, "bogus": 1},
+        {"piece_len": 32, "block_pieces": 16, "unroll": 1, "num_warps": 4, "block_occ": 8},
+        {"block_occ": 8, "num_warps": 4, "subtiles": "x"},
+        {"block_occ": 8, "num_warps": 4, "subtiles": 2.7},
+        {"block_occ": True, "num_warps": 4},
     ],
-    ids=["lanes-without-unroll", "tiles-without-warps", "a-string"],
+    ids=[
+        "lanes-without-unroll",
+        "tiles-without-warps",
+        "a-string",
+        "an-extra-field",
+        "lanes-and-tiles",
+        "string-subtiles",
+        "float-subtiles",
+        "a-bool",
+    ],  # fmt: skip
 )
 def test_a_hand_edited_tuning_entry_is_a_one_line_config_error_naming_its_key(entry, monkeypatch):
     from recaccel.errors import ConfigError

@@ -144,8 +144,10 @@ class PackSort:
             made = group_packs(rows, num_rows, [False] * len(queued))
         else:
             made = [group_by_row(r, n, unique=False) for r, n in zip(rows, num_rows)]
-        for (_, _, unique, groups, then), done in zip(queued, made):
+        # Every grouping gets its order first: a 'then' that raises leaves none unsorted.
+        for (_, _, _, groups, _), done in zip(queued, made):
             groups._order, groups._sorted_rows = done.order, done.sorted_rows
+        for _, _, unique, groups, then in queued:
             if unique:
                 groups.unique_rows  # noqa: B018 (made now, on the preparing stream)
             if then is not None:

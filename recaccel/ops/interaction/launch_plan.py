@@ -123,6 +123,6 @@ def with_tuned(plan: LaunchPlan, fwd: dict[str, int] | None, bwd: dict[str, int]
 
 def _config_of_entry(kernel: str, entry: dict[str, int]) -> KernelConfig:
     fields = KernelConfig._fields
-    if sorted(entry) != sorted(fields) or not all(isinstance(v, int) for v in entry.values()):
+    if sorted(entry) != sorted(fields) or not all(type(v) is int for v in entry.values()):
         raise ConfigError(f"{_OP} tuning table: {kernel} entry {entry!r} needs integer {', '.join(fields)}")
     return KernelConfig(**entry)

@@ -47,7 +47,12 @@ def density_bucket(num_occ: int, num_rows: int) -> int:
     """A pack's occurrences per row, rounded up to a power of two in 1 .. 32: the backward
     key's bucket (both counts are known on the host). Few occurrences per row (one-hot ids
     into large tables) leave most rows alone in their run; many (long bags into small
-    tables) make long runs, where walking a row's occurrences in order pays."""
+    tables) make long runs, where walking a row's occurrences in order pays.
+
+    A proxy, not the runs' length (that needs the unique rows: a host synchronisation):
+    skewed ids into a large table give bucket 1 and still a few rows with tens of
+    thousands of occurrences; both kernels split such rows over many programs.
+    """
     per_row = math.ceil(num_occ / max(num_rows, 1))
     return min(triton.next_power_of_2(max(1, per_row)), MAX_DENSITY_BUCKET)
 
@@ -86,23 +91,28 @@ def tile_config(
 
 
 def config_of_entry(entry: dict[str, int], key: str) -> BackwardConfig:
-    """A tuning-table entry's launch configuration: piece lanes where it has ``piece_len``,
-    else occurrence tiles (``subtiles`` 1 when absent).
+    """A tuning-table entry's launch configuration: piece lanes where it has ``piece_len``
+    (exactly their four fields), else occurrence tiles (``block_occ``, ``num_warps`` and
+    an optional ``subtiles``, 1 when absent).
 
     Raises:
-        ConfigError: the entry lacks a field or has one of another kind (a hand-edited
-            table), named with its key.
+        ConfigError: the entry lacks a field, has another, or one that is not an integer
+            (a hand-edited table), named with its key.
     """
     lanes = "piece_len" in entry
-    fields = ("piece_len", "block_pieces", "unroll", "num_warps") if lanes else ("block_occ", "num_warps")
-    missing = [f for f in fields if not isinstance(entry.get(f), int)]
-    if missing:
+    required = LaneConfig._fields if lanes else ("block_occ", "num_warps")
+    allowed = set(required) | (set() if lanes else {"subtiles"})
+    wrong = [f for f in required if f not in entry] + sorted(set(entry) - allowed)
+    wrong += [f for f in entry if f in allowed and type(entry[f]) is not int]
+    if wrong:
+        kind = "piece-lane" if lanes else "occurrence-tile"
         raise ConfigError(
-            f"embedding tuning table: entry {key!r} = {entry!r} needs integer {', '.join(missing)}"
+            f"embedding tuning table: entry {key!r} = {entry!r}: {', '.join(wrong)}: a {kind} entry "
+            f"holds integer {', '.join(sorted(allowed))}"
         )
     if lanes:
-        return LaneConfig(*(entry[f] for f in fields))
-    return TileConfig(entry["block_occ"], entry["num_warps"], int(entry.get("subtiles", 1)))
+        return LaneConfig(*(entry[f] for f in required))
+    return TileConfig(entry["block_occ"], entry["num_warps"], entry.get("subtiles", 1))
 
 
 def resolve_config(

@@ -266,7 +266,7 @@ def _config_of_entry(entry: dict[str, int], key: str) -> ForwardConfig:
     """A tuning-table entry's forward config; a one-line ConfigError naming the key for an
     entry that lacks a field, has another, or one that is not an integer (a hand-edited table)."""
     fields = [f.name for f in dataclasses.fields(ForwardConfig)]
-    if sorted(entry) != sorted(fields) or not all(isinstance(v, int) for v in entry.values()):
+    if sorted(entry) != sorted(fields) or not all(type(v) is int for v in entry.values()):
         raise ConfigError(
             f"embedding tuning table: entry {key!r} = {entry!r} needs integer {', '.join(fields)}"
         )

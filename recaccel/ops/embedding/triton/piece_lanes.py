@@ -56,9 +56,12 @@ lanes / unroll / warps              regs    spills (st / ld)  programs per SM  l
 pass fails on sm_90 beyond 16 lanes (mismatched slice layouts).
 
 Every row is written by exactly one program, no atomics: two runs are bitwise equal for
-a given ``PIECE_LEN`` and D (which fixes the combine's ``CHUNK``); ``BLOCK_PIECES``, ``UNROLL`` and the warps change no bit
-(a piece is summed occurrence by occurrence in order). A row of at most ``PIECE_LEN``
-occurrences is summed in sorted occurrence order: bitwise a float32 loop over them.
+a given configuration and D (which fixes the combine's ``CHUNK``). ``UNROLL`` and the grid
+change no bit (a piece is summed occurrence by occurrence in order); ``BLOCK_PIECES`` and
+the warps change none of the gradient store, SGD or Adam (element-wise), while row-wise
+Adagrad's sum of g^2 over D is reduced in the block's thread layout, which they set. A
+row of at most ``PIECE_LEN`` occurrences is summed in sorted occurrence order: bitwise a
+float32 loop over them.
 
 They run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
 this module is imported).
