@@ -123,8 +123,17 @@ def shape_key(case: KernelCase) -> str:
 
 def winners(records: list[dict]) -> dict[str, dict[str, int]]:
     """Per shape key, the config with the least total time relative to each case's best,
-    among configs timed in every case of that key."""
-    return pick_winners(records, lambda figures, rec: _fields(figures, rec["case"]["kernel"]))
+    among configs timed in every case of that key; the backward's cases also count, all
+    buckets together, for their key without the density bucket (what a launch without a
+    bucket reads: autograd mode, and a bucket no case covered)."""
+    from recaccel.ops.embedding.triton import tuning
+
+    bucketless = [
+        {**rec, "key": tuning.backward_key(rec["case"]["dim"], rec["case"]["dtype"])}
+        for rec in records
+        if rec["case"]["kernel"] == "backward" and "dim" in rec["case"]
+    ]
+    return pick_winners(records + bucketless, lambda figures, rec: _fields(figures, rec["case"]["kernel"]))
 
 
 def _fields(figures: dict, kernel: str) -> dict[str, int]:

