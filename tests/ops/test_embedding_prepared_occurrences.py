@@ -172,3 +172,39 @@ def test_the_backward_kernel_a_step_runs_is_logged_once_per_shape(sparse_batch, 
             _step(m, _batch(sparse_batch, seed=seed), seed)
     lines = [r.getMessage() for r in caplog.records if "embedding backward" in r.getMessage()]
     assert len(lines) == 1 and "piece lanes" in lines[0] and "D=8 float32" in lines[0], lines
+
+
+@pytest.mark.parametrize("one_sort", [True, False], ids=["one-sort", "pack-by-pack"])
+def test_each_queued_grouping_gets_its_then_once_after_the_sort(one_sort, monkeypatch):
+    from recaccel.ops.embedding.row_groups import PackSort, group_by_row
+
+    monkeypatch.setattr(PackSort, "one_sort", staticmethod(lambda device: one_sort))
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, n, (k,), generator=gen) for n, k in ((5, 9), (40, 30), (3, 1))]
+    sort, seen = PackSort(), []
+    groups = [
+        sort.group(r, n, False, then=lambda g, p=p: seen.append((p, g)))
+        for p, (r, n) in enumerate(zip(rows, (5, 40, 3)))
+    ]
+    assert seen == []  # nothing before the sort runs
+    sort.run()
+    assert [p for p, _ in seen] == [0, 1, 2] and all(g is groups[p] for p, g in seen)
+    for r, n, g in zip(rows, (5, 40, 3), groups):
+        assert torch.equal(g.sorted_rows, group_by_row(r, n, unique=False).sorted_rows)
+    sort.run()  # nothing queued: no second call
+    assert len(seen) == 3
+
+
+def test_a_then_that_raises_leaves_every_grouping_sorted():
+    from recaccel.ops.embedding.row_groups import PackSort
+
+    def boom(groups):
+        raise RuntimeError("boom")
+
+    sort = PackSort()
+    first = sort.group(torch.tensor([2, 0, 1]), 3, False, then=boom)
+    second = sort.group(torch.tensor([1, 1, 0]), 2, False)
+    with pytest.raises(RuntimeError, match="boom"):
+        sort.run()
+    assert first.order is not None and second.order is not None
+    assert second.sorted_rows.tolist() == [0, 1, 1]

@@ -94,12 +94,16 @@ COMBINE_WINDOWS = 128  # windows one combine program scans
 # configuration's compiled kernel tells its registers, 8 warps per SM (any kernel of at
 # most 255 registers fits); then the SM's register file and thread limit decide.
 SAFE_WARPS_PER_SM = 8
-SM_REGISTERS = 65536
-SM_THREADS = 2048
+SM_REGISTERS = 65536  # sm_80 / sm_90 (H100, H200)
+SM_THREADS = 2048  # sm_80 / sm_90 (1536 on sm_86 / sm_89: a grid there may be a bit long)
 
 
 class LaneConfig(NamedTuple):
     """Launch configuration of the piece-lane kernel.
+
+    The partial buffer takes ``2 * cdiv(N, piece_len) * next_pow2(D) * 4`` bytes (at
+    ``piece_len`` 32, D=128 and criteo's 1.7M ids: 54 MB; at 1: 1.7 GB): the sweep tries 32
+    and 128.
 
     Attributes:
         piece_len: Most occurrences per piece (a longer row is split over pieces).
@@ -423,7 +427,7 @@ def launch_lanes(
         mode,
         scale is None,
         config,
-        block_d,
+        dim,
     )
     programs = LANE_GRID.programs(signature, num_occ, config, target.device)
     compiled = _piece_lanes_kernel[(programs,)](
