@@ -156,12 +156,10 @@ def test_micro_batches_and_eval_match_device():
     _assert_same_state(host, device)
 
 
-def test_released_batches_are_made_resident_again():
+def _train_released_batches(host, device, batches) -> None:
     """window=1: preparing the next batch releases the previous one before its backward and
-    even before its lookup; both are made resident again where used, exactly."""
-    device = _module(_tables("adam", "device"))
-    host = _module(_tables("adam", "host"), rows=100, window=1)
-    a, b, c = (_batch(device.tables, seed=s, batch_size=4) for s in (80, 81, 82))
+    even before its lookup; the three batches' steps on ``host`` match ``device``'s."""
+    a, b, c = batches
     pa, pb = host.prepare(a), host.prepare(b)  # a released before its lookup
     out_a = host(pa)
     host.prepare(c)  # b released; a's rows may be evicted before its backward
@@ -179,11 +177,20 @@ def test_released_batches_are_made_resident_again():
     _assert_same_state(host, device)
 
 
+def test_released_batches_are_made_resident_again():
+    """Batches released before their lookup or backward are made resident again where
+    used, exactly."""
+    device = _module(_tables("adam", "device"))
+    host = _module(_tables("adam", "host"), rows=100, window=1)
+    _train_released_batches(host, device, [_batch(device.tables, seed=s, batch_size=4) for s in (80, 81, 82)])
+
+
 @needs_triton
 def test_released_batches_are_made_resident_again_on_triton_with_the_piece_lanes(monkeypatch):
     """As above on the Triton backend with the piece lanes tuned: a batch prepared again
     before its update hands the update its fresh sorted occurrences and pieces (a stale
     copy would update the old slots), bit for bit the all-device module."""
+    from recaccel.ops.embedding.prepared import PreparedPack
     from recaccel.ops.embedding.triton import tuning
 
     lanes = {"piece_len": 2, "block_pieces": 4, "unroll": 2, "num_warps": 2}
@@ -193,8 +200,6 @@ def test_released_batches_are_made_resident_again_on_triton_with_the_piece_lanes
         "lookup",
         lambda d, key, table=None: dict(lanes) if key.startswith("bwd_") else real(d, key, table),
     )
-    from recaccel.ops.embedding.prepared import PreparedPack
-
     taken = []
     real_take = PreparedPack.take
     monkeypatch.setattr(
@@ -202,23 +207,9 @@ def test_released_batches_are_made_resident_again_on_triton_with_the_piece_lanes
     )
     device = _module(_tables("adam", "device", (12, 9)), backend="triton")
     host = _module(_tables("adam", "host", (12, 9)), backend="triton", rows=12, window=1)
-    a, b, c = (_batch(device.tables, seed=s, batch_size=2, max_len=3) for s in (80, 81, 82))
-    pa, pb = host.prepare(a), host.prepare(b)  # a released before its lookup
-    out_a = host(pa)
-    host.prepare(c)  # b released; a's rows may be evicted before its backward
-    host.prepare(a)
-    pc = host.prepare(c)
-    out_a.backward(_grad(out_a.shape, 1))
-    out_b = host(pb)
-    out_b.backward(_grad(out_b.shape, 2))
-    out_c = host(pc)
-    out_c.backward(_grad(out_c.shape, 3))
+    batches = [_batch(device.tables, seed=s, batch_size=2, max_len=3) for s in (80, 81, 82)]
+    _train_released_batches(host, device, batches)
     assert taken and all(t is not None and t.piece_len == 2 for t in taken)  # refreshed, with pieces
-    for sf, seed, got in ((a, 1, out_a), (b, 2, out_b), (c, 3, out_c)):
-        out = device(sf)
-        assert torch.equal(got, out)
-        out.backward(_grad(out.shape, seed))
-    _assert_same_state(host, device)
 
 
 # ------------------------------------------------------------------------ checkpoints
