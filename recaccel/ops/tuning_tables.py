@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from recaccel.errors import ConfigError
+
 Table = dict[str, dict[str, dict[str, int]]]
 
 
@@ -43,6 +45,27 @@ def device_name(device: torch.device | str) -> str:
 def lookup_in(table: Table, device: str, key: str) -> dict[str, int] | None:
     """``key``'s tuned fields for the device named ``device`` (:func:`device_name`) in ``table``, or None."""
     return table.get(device, {}).get(key)
+
+
+def check_entry(entry: dict, required: tuple[str, ...], optional: tuple[str, ...] = (), *, name: str) -> None:
+    """Refuses a hand-edited entry: a required field missing, an unknown one, or a value
+    that is not an int (bools too).
+
+    Args:
+        entry: The entry as the table holds it.
+        required: Fields it must have. optional: Fields it may have.
+        name: What the one-line error calls the entry (table and key).
+
+    Raises:
+        ConfigError: one line naming ``name``, the entry and the wrong fields.
+    """
+    allowed = set(required) | set(optional)
+    wrong = [f for f in required if f not in entry] + sorted(set(entry) - allowed)
+    wrong += [f for f in entry if f in allowed and type(entry[f]) is not int]
+    if wrong:
+        raise ConfigError(
+            f"{name} = {entry!r}: {', '.join(wrong)}: the entry holds integer {', '.join(sorted(allowed))}"
+        )
 
 
 def read_table(path: str | Path) -> Table:

@@ -11,23 +11,20 @@ a summary by class first, as markdown.
 
 from __future__ import annotations
 
-import json
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
+from recaccel.bench.harness.profiling import profile_steps
 from recaccel.plotting.timeline import (
     BACKWARD,
     FORWARD,
     PREFIX,
-    STEP,
     Timeline,
     kernel_table,
-    spans_from_trace,
 )
 
 GEMM, ELEMENTWISE, REDUCTION, FUSED, COPY, OTHER = (
@@ -79,19 +76,7 @@ def profile_fwd_bwd(
         torch.autograd.grad(out, leaves, grad)
 
     once()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
-        for _ in range(iterations):
-            with record_function(STEP):
-                once()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    with tempfile.TemporaryDirectory(prefix="recaccel-kernels-") as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return spans_from_trace(json.loads(path.read_text()))
+    return profile_steps(once, iterations, device)
 
 
 def breakdown_rows(timeline: Timeline) -> list[dict]:

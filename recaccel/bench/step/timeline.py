@@ -12,15 +12,14 @@ profiler's Chrome trace and draws it.
 from __future__ import annotations
 
 import contextlib
-import json
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
+from recaccel.bench.harness.profiling import profile_steps
 from recaccel.bench.step.candidates import Candidate
 from recaccel.bench.step.data import Preset, ReaderBatches, RotatingBatches
 from recaccel.bench.step.parts import TrainerParts
@@ -32,11 +31,9 @@ from recaccel.plotting.timeline import (
     PREFIX,
     PREPARE,
     SPARSE,
-    STEP,
     Timeline,
     kernel_table,
     plot_timeline,
-    spans_from_trace,
 )
 
 
@@ -111,30 +108,13 @@ def record_timeline(
         host_table: where to write the profiler's table of host ops by self CPU time (the
             30 largest): what the host spends a step on, launches included.
     """
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with labelled_phases(parts), tempfile.TemporaryDirectory(prefix="recaccel-timeline-") as tmp:
+    with labelled_phases(parts):
         loop = parts.steps(_labelled_pairs(source.pairs()))
         for _ in range(warmup):
             next(loop)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                with record_function(STEP):
-                    next(loop)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        spans = profile_steps(loop.__next__, steps, device, host_table)
         del loop
-        if host_table is not None:
-            host_table.write_text(
-                prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
-            )
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    return spans_from_trace(trace)
+    return spans
 
 
 def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps: int, path: Path) -> str:

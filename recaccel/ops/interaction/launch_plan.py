@@ -13,9 +13,9 @@ from typing import NamedTuple
 import torch
 import triton
 
-from recaccel.errors import ConfigError
 from recaccel.ops.interaction import tuning
 from recaccel.ops.tf32 import tf32_enabled
+from recaccel.ops.tuning_tables import check_entry
 
 _OP = "dot_interaction"
 ONE_TILE_MAX_ROWS = 64  # up to here one row tile holds all R rows; beyond, the tile-pair grid
@@ -117,12 +117,9 @@ def with_tuned(plan: LaunchPlan, fwd: dict[str, int] | None, bwd: dict[str, int]
         ConfigError: an entry lacks a field, has another, or one that is not an integer (a
             hand-edited table): one line naming the kernel and the entry.
     """
-    tuned = {k: _config_of_entry(k, entry) for k, entry in (("fwd", fwd), ("bwd", bwd)) if entry is not None}
+    tuned = {}
+    for kernel, entry in (("fwd", fwd), ("bwd", bwd)):
+        if entry is not None:
+            check_entry(entry, KernelConfig._fields, name=f"{_OP} tuning table: {kernel} entry")
+            tuned[kernel] = KernelConfig(**entry)
     return plan._replace(**tuned)
-
-
-def _config_of_entry(kernel: str, entry: dict[str, int]) -> KernelConfig:
-    fields = KernelConfig._fields
-    if sorted(entry) != sorted(fields) or not all(type(v) is int for v in entry.values()):
-        raise ConfigError(f"{_OP} tuning table: {kernel} entry {entry!r} needs integer {', '.join(fields)}")
-    return KernelConfig(**entry)

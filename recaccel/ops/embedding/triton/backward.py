@@ -222,16 +222,11 @@ def _tile_chunk(
     live = ends & began_here
     # The rows this chunk updates are known from the keys: loaded before the scan, their
     # latency overlaps the gradient rows' instead of following the scan.
-    if MODE == 3:
-        w = g
-    else:
-        w = _load_rows(weight_ptr, key, live, cols, col_mask, stride_w)
+    w = _load_rows(weight_ptr, key, live, cols, col_mask, stride_w, MODE)
     if CARRY:  # the segment open at the previous chunk's end goes on: its sum joins this row
         g = tl.where(((occ == first) & (key == prev) & joined)[:, None], g + carry[None, :], g)
     starts = tl.broadcast_to((key != prev).to(tl.int32)[:, None], (BLOCK_OCC, BLOCK_D))
     _, sums = tl.associative_scan((starts, g), 0, _segmented_add)
-    if MODE == 3:
-        w = sums
     _update_rows(
         weight_ptr, m1_ptr, m2_ptr, key, sums, w, live, cols, col_mask, dim, stride_w,
         lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
@@ -300,12 +295,6 @@ def _occurrence_tile_kernel(
                 stride_gb, stride_gf, stride_gd, lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2,
                 weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC, HAS_SCALE, BLOCK_OCC, BLOCK_D, True,
             )  # fmt: skip
-
-
-def _sorted_occurrences(ids: PackIds, order: Tensor) -> tuple[Tensor, Tensor | None]:
-    """Bags and scales of the occurrences in row-sorted order."""
-    scale = None if ids.scale is None else ids.scale.index_select(0, order)
-    return ids.bags.index_select(0, order), scale
 
 
 def launch_backward(
@@ -383,7 +372,8 @@ def embedding_bag_backward(
     Returns:
         (rows int64 [U] sorted unique packed rows, grad float32 [U, D]).
     """
-    order, rows, segments = group_by_row(ids.rows) if groups is None else groups
+    groups = group_by_row(ids.rows) if groups is None else groups
+    order, rows, segments = groups
     num_occ = order.numel()
     grad = torch.empty(rows.numel(), grad_out.shape[2], dtype=torch.float32, device=grad_out.device)
     if num_occ == 0:
@@ -392,9 +382,11 @@ def embedding_bag_backward(
     # The kernels' destination is the unique row's slot u in grad: key = u per occurrence.
     slot = torch.arange(rows.numel(), device=rows.device)
     keys = torch.repeat_interleave(slot, segments[1:] - segments[:-1], output_size=num_occ)
-    bags, scale = _sorted_occurrences(ids, order)
+    occ = sort_occurrences(ids, groups, None)  # its bags and scales (its keys are rows, not slots)
     hyper = (0.0,) * 7 + (1.0, 1.0)
-    launch_backward(grad, grad, grad, keys, bags, scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, config)
+    launch_backward(
+        grad, grad, grad, keys, occ.bags, occ.scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, config
+    )
     return rows, grad
 
 

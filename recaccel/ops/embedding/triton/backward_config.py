@@ -19,6 +19,7 @@ import triton
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding.triton import tuning
 from recaccel.ops.embedding.triton.piece_lanes import LaneConfig
+from recaccel.ops.tuning_tables import check_entry
 
 logger = logging.getLogger(__name__)
 
@@ -100,18 +101,13 @@ def config_of_entry(entry: dict[str, int], key: str) -> BackwardConfig:
             (a hand-edited table), named with its key.
     """
     lanes = "piece_len" in entry
+    kind = "piece-lane" if lanes else "occurrence-tile"
     required = LaneConfig._fields if lanes else ("block_occ", "num_warps")
-    allowed = set(required) | (set() if lanes else {"subtiles"})
-    wrong = [f for f in required if f not in entry] + sorted(set(entry) - allowed)
-    wrong += [f for f in entry if f in allowed and type(entry[f]) is not int]
-    if wrong:
-        kind = "piece-lane" if lanes else "occurrence-tile"
-        raise ConfigError(
-            f"embedding tuning table: entry {key!r} = {entry!r}: {', '.join(wrong)}: a {kind} entry "
-            f"holds integer {', '.join(sorted(allowed))}"
-        )
+    check_entry(
+        entry, required, () if lanes else ("subtiles",), name=f"embedding tuning table: {kind} entry {key!r}"
+    )
     if lanes:
-        return LaneConfig(*(entry[f] for f in required))
+        return LaneConfig(**entry)
     return TileConfig(entry["block_occ"], entry["num_warps"], entry.get("subtiles", 1))
 
 

@@ -50,10 +50,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from recaccel.errors import ConfigError, RecaccelError
+from recaccel.errors import RecaccelError
 from recaccel.ops.backend import check_triton_launchable
 from recaccel.ops.embedding.packing import LocalFeatures
 from recaccel.ops.embedding.triton import tuning
+from recaccel.ops.tuning_tables import check_entry
 from recaccel.sparse import SparseFeatures
 
 _OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -262,17 +263,6 @@ _SCAN_BAGS = 128  # bags whose lengths one long-bag program scans
 _LONG_TILE = 4096  # CHUNK * BLOCK_D of the long-bag kernel
 
 
-def _config_of_entry(entry: dict[str, int], key: str) -> ForwardConfig:
-    """A tuning-table entry's forward config; a one-line ConfigError naming the key for an
-    entry that lacks a field, has another, or one that is not an integer (a hand-edited table)."""
-    fields = [f.name for f in dataclasses.fields(ForwardConfig)]
-    if sorted(entry) != sorted(fields) or not all(type(v) is int for v in entry.values()):
-        raise ConfigError(
-            f"embedding tuning table: entry {key!r} = {entry!r} needs integer {', '.join(fields)}"
-        )
-    return ForwardConfig(**entry)
-
-
 def length_bucket(mean_len: float) -> int:
     """Mean bag length rounded up to a power of two, in 1 .. 32 (the config key)."""
     return min(triton.next_power_of_2(max(1, math.ceil(mean_len))), 32)
@@ -298,7 +288,9 @@ def forward_config(
         key = tuning.forward_key(dim, bucket, dtype)
         entry = tuning.lookup(device, key)
         if entry is not None:
-            return _config_of_entry(entry, key)
+            fields = tuple(f.name for f in dataclasses.fields(ForwardConfig))
+            check_entry(entry, fields, name=f"embedding tuning table: forward entry {key!r}")
+            return ForwardConfig(**entry)
     block_d = triton.next_power_of_2(dim)
     block_bags = max(8, min(128, _TILE_ELEMENTS // block_d))
     unroll = min(bucket, 4)

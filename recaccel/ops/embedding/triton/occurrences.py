@@ -15,6 +15,7 @@ from __future__ import annotations
 from recaccel.ops.embedding.packing import PackIds
 from recaccel.ops.embedding.prepared import SortedOccurrences
 from recaccel.ops.embedding.row_groups import RowGroups
+from recaccel.ops.embedding.triton.backward_config import BackwardConfig
 from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, Pieces, build_pieces
 
 
@@ -37,12 +38,12 @@ def sort_occurrences(ids: PackIds, groups: RowGroups, piece_len: int | None) -> 
     return SortedOccurrences(keys, bags, scale, piece_len, pieces.start, pieces.count)
 
 
-def piece_len_of(config: object) -> int | None:
+def piece_len_of(config: BackwardConfig) -> int | None:
     """The piece length a launch configuration needs: a :class:`LaneConfig`'s, else None."""
     return config.piece_len if isinstance(config, LaneConfig) else None
 
 
-def usable(occurrences: SortedOccurrences | None, config: object) -> bool:
+def usable(occurrences: SortedOccurrences | None, config: BackwardConfig) -> bool:
     """Whether ``occurrences`` (a preparation's) fit ``config``: same pieces, or none needed."""
     return occurrences is not None and occurrences.piece_len == piece_len_of(config)
 

@@ -82,7 +82,6 @@ from torch import Tensor
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding.triton.row_update import (
     FIXUP_WARPS,
-    _apply_rows,
     _load_rows,
     _update_rows,
     partials_per_step,
@@ -266,14 +265,11 @@ def _piece_lanes_kernel(
         opens = before != key
         closes = after != key
         whole = live & opens & closes
-        if MODE != 3:
-            w = _load_rows(weight_ptr, key, whole, cols, col_mask, stride_w)
+        w = _load_rows(weight_ptr, key, whole, cols, col_mask, stride_w, MODE)
         acc = _piece_sums(
             bags_ptr, scale_ptr, grad_out_ptr, start, end - start, batch_size, cols, col_mask,
             stride_gb, stride_gf, stride_gd, HAS_SCALE, BLOCK_PIECES, BLOCK_D, UNROLL,
         )  # fmt: skip
-        if MODE == 3:
-            w = acc
         _update_rows(
             weight_ptr, m1_ptr, m2_ptr, key, acc, w, whole, cols, col_mask, dim, stride_w, lr, eps, beta1,
             beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
@@ -346,8 +342,10 @@ def _piece_combine_kernel(
         if first >= 0:
             key = tl.load(keys_ptr + first).to(tl.int64)
             acc = _segment_partials(keys_ptr, part_ptr, first, key, num_occ, cols, PIECE_LEN, BLOCK_D, CHUNK)
-            _apply_rows(
-                weight_ptr, m1_ptr, m2_ptr, key + one, acc[None, :], one == 0, cols, col_mask, dim, stride_w,
+            rows, live = key + one, one == 0
+            w = _load_rows(weight_ptr, rows, live, cols, col_mask, stride_w, MODE)
+            _update_rows(
+                weight_ptr, m1_ptr, m2_ptr, rows, acc[None, :], w, live, cols, col_mask, dim, stride_w,
                 lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed,
                 MODE, STOCHASTIC,
             )  # fmt: skip
@@ -416,8 +414,6 @@ def launch_lanes(
     num_windows = triton.cdiv(num_occ, config.piece_len)
     part = torch.empty(2 * num_windows, block_d, dtype=torch.float32, device=target.device)
     owner = torch.full((num_windows,), -1, dtype=torch.int64, device=target.device)
-    if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        grad_out = grad_out.to(torch.float32)
     stochastic = target.dtype in (torch.bfloat16, torch.float16)
     signature = (
         target.device,

@@ -24,11 +24,12 @@ def partials_per_step(block_d: int) -> int:
 
 
 @triton.jit
-def _load_rows(weight_ptr, key, live, cols, col_mask, stride_w):
-    """Rows ``key`` of the weight as float32 [M, BLOCK_D] (0 where not ``live``): what
-    :func:`_update_rows` updates, loadable ahead of the gradient's sum."""
+def _load_rows(weight_ptr, key, live, cols, col_mask, stride_w, MODE: tl.constexpr):
+    """Rows ``key`` of the weight as float32 [M, BLOCK_D] (0 where not ``live``, and all 0
+    in MODE 3, the gradient store, which reads none): what :func:`_update_rows` updates,
+    loadable ahead of the gradient's sum."""
     key = key.to(tl.int64)
-    mask = live[:, None] & col_mask[None, :]
+    mask = live[:, None] & col_mask[None, :] & (MODE != 3)
     return tl.load(weight_ptr + key[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
@@ -85,42 +86,6 @@ def _update_rows(
             tl.store(w_ptrs, _stochastic_round(w, noise, weight_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(w_ptrs, w, mask=mask)
-
-
-@triton.jit
-def _apply_rows(
-    weight_ptr,
-    m1_ptr,
-    m2_ptr,
-    key,  # int32 or int64 [M] destination row of each gradient row
-    g,  # float32 [M, BLOCK_D] summed gradient (0 in padded columns)
-    live,  # bool [M] rows to update
-    cols,
-    col_mask,
-    dim,
-    stride_w,
-    lr,
-    eps,
-    beta1,
-    beta2,
-    one_minus_beta1,
-    one_minus_beta2,
-    weight_decay,
-    bias_c1,
-    bias_c2,
-    seed,
-    MODE: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
-    """:func:`_load_rows` then :func:`_update_rows` (no load in MODE 3, the gradient store)."""
-    if MODE == 3:
-        w = g
-    else:
-        w = _load_rows(weight_ptr, key, live, cols, col_mask, stride_w)
-    _update_rows(
-        weight_ptr, m1_ptr, m2_ptr, key, g, w, live, cols, col_mask, dim, stride_w, lr, eps, beta1, beta2,
-        one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
-    )  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -181,7 +146,9 @@ def _spanning_rows_kernel(
     closing = k - CHUNK + middles
     acc += tl.load(part_ptr + closing * (2 * BLOCK_D) + cols, mask=owns, other=0.0)
     one = tl.zeros([1], dtype=tl.int64)
-    _apply_rows(
-        weight_ptr, m1_ptr, m2_ptr, key + one, acc[None, :], owns & (one == 0), cols, col_mask, dim,
-        stride_w, lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
+    rows, live = key + one, owns & (one == 0)
+    w = _load_rows(weight_ptr, rows, live, cols, col_mask, stride_w, MODE)
+    _update_rows(
+        weight_ptr, m1_ptr, m2_ptr, rows, acc[None, :], w, live, cols, col_mask, dim, stride_w,
+        lr, eps, beta1, beta2, one_minus_beta1, one_minus_beta2, weight_decay, bias_c1, bias_c2, seed, MODE, STOCHASTIC,
     )  # fmt: skip
