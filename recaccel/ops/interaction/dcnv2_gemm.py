@@ -176,18 +176,6 @@ def cross_backward_pass(
     return dy, out, colsum.sum(0)
 
 
-def cross_elementwise_backward(
-    g: Tensor, x0: Tensor, y: Tensor, acc: Tensor | None, *, final: bool
-) -> tuple[Tensor, Tensor]:
-    """``(g * x0, acc + g * y [+ g if final])`` in one pass; contiguous [B, K] inputs of one shape.
-
-    Returns:
-        dy in ``g``'s dtype, and the sum: float32, or ``g``'s dtype when ``final``.
-    """
-    dy, out, _ = cross_backward_pass(g, x0, y, acc, final=final)
-    return dy, out
-
-
 def _forward(x0: Tensor, u: Tensor, v: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x_L, and what the backward needs: x_1..x_{L-1} [L-1, B, K], h [L, B, r], y [L, B, K]."""
     check_triton_launchable(_cross_fwd_ew_kernel, x0.device, _OP)
