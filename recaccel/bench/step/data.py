@@ -22,10 +22,12 @@ import torch
 from recaccel.config import Config, load_config
 from recaccel.errors import ConfigError
 from recaccel.io.convert.synth import generate_synthetic, synth_schema
+from recaccel.io.format.dataset import open_dataset
 from recaccel.io.format.schema import FeatureSchema
 from recaccel.io.loader import DeviceLoader
 from recaccel.io.readers.rows import BatchReader
 from recaccel.sparse import Batch, SparseFeatures
+from recaccel.train.loop.setup import with_reader_workers
 
 CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs"
 """The repository's presets (a name that is not a path is looked up here)."""
@@ -213,17 +215,21 @@ class RotatingBatches:
 
 class ReaderBatches:
     """Batches through the real input path: :class:`BatchReader` (Parquet) and
-    :class:`DeviceLoader` (prefetch thread, pinned buffer, side-stream copy).
+    :class:`DeviceLoader` (prefetch thread, pinned buffer, side-stream copy), with
+    ``data.workers = "auto"`` resolved as the trainer resolves it for this device and
+    dataset (:func:`~recaccel.train.loop.setup.with_reader_workers`: reader processes on
+    a GPU host), so the data wait is a real run's.
 
     Attributes:
+        workers: the reader processes (0: decoded in this process).
         waits_ms: host time blocked in each ``next()`` (the data wait), in call order.
     """
 
     def __init__(self, data: Path, preset: Preset, device: torch.device) -> None:
-        reader = BatchReader.from_config(data, preset.cfg.data, train=True)
-        self._loader = DeviceLoader(
-            reader, device, preset.cfg.data.prefetch, backend=preset.cfg.data.loader_backend
-        )
+        cfg = with_reader_workers(preset.cfg, device, open_dataset(data, preset.cfg.data.schema).num_rows)
+        self.workers: int = cfg.data.workers
+        reader = BatchReader.from_config(data, cfg.data, train=True)
+        self._loader = DeviceLoader(reader, device, cfg.data.prefetch, backend=cfg.data.loader_backend)
         self._it: Iterator[tuple[Batch, dict]] = self._loader.iter_with_state()
         self.waits_ms: list[float] = []
         self._data = data

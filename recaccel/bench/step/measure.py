@@ -142,8 +142,9 @@ def measure_through_reader(
     candidate: Candidate, data: Path, preset: Preset, device: torch.device, timing: Timing
 ) -> dict:
     """Reader mode: the candidate alone, each step's batch from a fresh BatchReader +
-    DeviceLoader over ``data`` (one input pipeline, as in a real run; the trainer's loop
-    takes the loader's (batch, position) pairs)."""
+    DeviceLoader over ``data`` (one input pipeline with the trainer's reader processes,
+    as in a real run; the trainer's loop takes the loader's (batch, position) pairs).
+    The summary carries ``reader_workers``."""
     source = ReaderBatches(data, preset, device)
     try:
         call = candidate.stepper(source)
@@ -153,7 +154,7 @@ def measure_through_reader(
         phases, instrumented = phase_breakdown(candidate, source, device, timing.phase_steps)
     finally:
         source.close()
-    return _summary(samples, waits, phases, instrumented)
+    return {**_summary(samples, waits, phases, instrumented), "reader_workers": source.workers}
 
 
 NO_DATA_WAIT = "none (batches already on the device)"

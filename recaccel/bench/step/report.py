@@ -267,7 +267,10 @@ def method_notes(
         "mlps = bottom MLP + top MLP + loss; a phase a candidate does not run on its own says what it is "
         "part of; recaccel's pipelined combinations are not instrumented.",
         "device mode: batches of the preset's synthetic data read once and rotated on the device; reader mode: "
-        "BatchReader (Parquet) + DeviceLoader per candidate, data_wait = mean host time blocked on the next "
+        "BatchReader (Parquet) + DeviceLoader per candidate, with data.workers resolved as the trainer does "
+        "(reader_workers: the reader processes, 0 = decoded in the training process; on a GPU host "
+        "reader processes decode buffers ahead, so a short run may time batches decoded during its warm-up: "
+        "recaccel-bench io measures the reader's sustained rows/s), data_wait = mean host time blocked on the next "
         "batch over the timed steps, data_wait_fraction = total wait / total step time; data_cost = "
         "(reader step_ms - device step_ms) / reader step_ms, against the device row of the same candidate, "
         "combination, preset and precision (the time the data path adds to a step; target < 2% on a GPU).",

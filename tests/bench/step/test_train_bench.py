@@ -3,7 +3,9 @@ writes, the equivalence check that guards it, the presets' sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -62,8 +64,10 @@ def test_every_candidate_in_both_modes_writes_the_json_schema(tmp_path, tiny):
         data_wait = r["phases_ms"]["data_wait"]
         if r["mode"] == "reader":
             assert isinstance(data_wait, float) and 0 <= r["data_wait_fraction"] < 1
+            assert r["reader_workers"] == 0  # data.workers = auto decodes in-process on a CPU device
         else:
             assert data_wait.startswith("none") and r["data_wait_fraction"] is None
+            assert "reader_workers" not in r
         if r["candidate"] == "eager":
             assert r["speedup_vs_eager"] == 1.0
         else:
@@ -137,3 +141,33 @@ def test_presets_run_as_written_on_a_gpu_and_scaled_down_on_cpu():
     assert small.scaled[0] == "batch 65536 -> 1024" and f"capped at {cap} rows" in small.scaled[1]
     forced = load_preset("bench_wide", torch.device("cpu"), batch=100, cardinality_cap=7)
     assert forced.batch_size == 100 and max(forced.schema.cardinalities) == 7
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_reader_mode_resolves_auto_workers_as_the_trainer_does(tmp_path, tiny, device, monkeypatch):
+    """On a GPU host the trainer reads with reader processes; the benchmark's reader path
+    must time that input path, not the in-process decoder (session 12's H200 data cost)."""
+    from recaccel.bench.step import data as bench_data
+    from recaccel.io.format.dataset import open_dataset
+    from recaccel.io.readers.options import auto_workers
+
+    preset = load_preset(str(tiny), torch.device("cpu"))
+    data_cfg = dataclasses.replace(preset.cfg.data, shuffle_buffer_rows=256)  # 8 buffers: workers pay off
+    preset = dataclasses.replace(preset, cfg=dataclasses.replace(preset.cfg, data=data_cfg))
+    path = bench_data.make_dataset(preset, 64 * 32, tmp_path / "data")
+    buffers = -(-open_dataset(path).num_rows // preset.cfg.data.shuffle_buffer_rows)
+    made = {}
+
+    class Loader:  # the DeviceLoader of a CUDA device cannot be built on a CPU host
+        def __init__(self, reader, *args, **kwargs):
+            made["workers"] = reader.options.workers
+
+        def iter_with_state(self):
+            return iter(())
+
+    monkeypatch.setattr(bench_data, "DeviceLoader", Loader)
+    source = bench_data.ReaderBatches(path, preset, torch.device(device))
+    expected = auto_workers("auto", device, 1, buffers)
+    assert preset.cfg.data.workers == "auto" and source.workers == made["workers"] == expected
+    if device == "cuda" and buffers >= 4 and len(os.sched_getaffinity(0)) >= 2:
+        assert source.workers > 0
