@@ -111,6 +111,28 @@ def _hybrid_runs_no_overlap(cfg: Config) -> str | None:
     return None
 
 
+def _step_graph_replays_fixed_rates(cfg: Config) -> str | None:
+    """A captured step replays the scalars it was captured with (learning rates, Adam's bias
+    corrections, 16-bit rows' rounding seed) and the packed Triton embedding's kernels."""
+    t, o, m = cfg.train, cfg.optim, cfg.model
+    if not (t.cuda_graphs and t.cuda_graph_scope == "step"):
+        return None
+    what = "train.cuda_graph_scope=step (a captured step replays the rates it was captured with)"
+    if o.schedule != "constant" or o.warmup_steps > 0:
+        return f"{what} needs a constant learning rate: optim.schedule=constant and optim.warmup_steps=0, got {o.schedule} and {o.warmup_steps}"  # noqa: E501
+    if o.sparse == "adam":
+        return f"{what} does not replay optim.sparse=adam (its bias corrections change every step); use rowwise_adagrad or sgd"  # noqa: E501
+    if o.dense == "adagrad":
+        return f"{what} does not replay optim.dense=adagrad (torch counts its steps on the host); use adam or sgd"  # noqa: E501
+    if m.embedding_dtype != "fp32":
+        return f"{what} does not replay model.embedding_dtype={m.embedding_dtype} (its rounding seed changes every step); use fp32"  # noqa: E501
+    if m.embedding_placement == "host" or any(e.endswith("=host") for e in m.table_placement):
+        return f"{what} does not capture host-placed tables (their cache is filled on the host); place them on the device"  # noqa: E501
+    if m.embedding_backend not in ("auto", "triton"):
+        return f"{what} captures the packed Triton embedding; model.embedding_backend={m.embedding_backend} (use auto or triton)"  # noqa: E501
+    return None
+
+
 def _dynamic_data_reads_rows(cfg: Config) -> str | None:
     if cfg.parallel.data == "dynamic" and cfg.train.mode != "dlrm":
         return "parallel.data=dynamic reads rows (train.mode=dlrm); use parallel.data=global"
@@ -173,6 +195,22 @@ RULES: tuple[Rule, ...] = (
         _hybrid_pipelines_dlrm_only,
     ),
     Rule("hybrid_runs_no_overlap", ("parallel.mode", "train.pipeline"), _hybrid_runs_no_overlap),
+    Rule(
+        "step_graph_replays_fixed_rates",
+        (
+            "train.cuda_graphs",
+            "train.cuda_graph_scope",
+            "optim.schedule",
+            "optim.warmup_steps",
+            "optim.sparse",
+            "optim.dense",
+            "model.embedding_dtype",
+            "model.embedding_placement",
+            "model.table_placement",
+            "model.embedding_backend",
+        ),  # fmt: skip
+        _step_graph_replays_fixed_rates,
+    ),
     Rule("dynamic_data_reads_rows", ("parallel.data", "train.mode"), _dynamic_data_reads_rows),
     Rule(
         "straggler_policy_needs_no_pipeline",

@@ -32,6 +32,7 @@ from recaccel.config.vocabulary import (
     Arch,
     BestMode,
     CachePolicy,
+    CudaGraphScope,
     DataSharding,
     DcnKernel,
     DenseOptimizer,
@@ -166,6 +167,9 @@ class TrainConfig(Section):
     pipeline: PipelineMode = "off"
     micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
     cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
+    # what cuda_graphs = true captures: head (the dense head's forward and backward) | step (the whole
+    # step, one graph: needs pipeline off or sync, fixed learning rates, packed Triton embeddings)
+    cuda_graph_scope: CudaGraphScope = "head"
     compile: bool = False  # torch.compile the dense arches
     loggers: list[Logger] = field(default_factory=lambda: ["jsonl"])  # jsonl (log.jsonl) always written
     metric_window: NonNegative = 0  # > 0: train AUC and logloss over the last this many rows, at log steps
@@ -189,6 +193,7 @@ class TrainConfig(Section):
                 "combine; use train.pipeline=sync with micro-batches"
             )
         self._check_overlap()
+        self._check_graph_scope()
         self._check_best()
         self._check_profile()
 
@@ -206,6 +211,22 @@ class TrainConfig(Section):
                     f"config keys train.pipeline=overlap and train.{setting} do not "
                     "combine (its weight gradients run outside autograd); use train.pipeline=sync"
                 )
+
+    def _check_graph_scope(self) -> None:
+        """A whole-step graph replays one batch through one step runner: pipeline off or sync
+        (the lookup of semi_sync and overlap runs outside the step), no micro-batches."""
+        if not (self.cuda_graphs and self.cuda_graph_scope == "step"):
+            return  # without cuda_graphs the scope captures nothing (the trainer logs it)
+        if self.pipeline not in ("off", "sync"):
+            raise ConfigError(
+                f"config keys train.cuda_graph_scope=step and train.pipeline={self.pipeline} do not combine "
+                "(the whole step is one graph); use train.pipeline=sync"
+            )
+        if self.micro_batches > 1:
+            raise ConfigError(
+                f"config keys train.cuda_graph_scope=step and train.micro_batches={self.micro_batches} do not "
+                "combine (the whole step is one graph); use train.micro_batches=1"
+            )
 
     def _check_profile(self) -> None:
         """profile_steps is empty or [first, last] with first <= last."""

@@ -43,6 +43,9 @@ Precision = Literal["fp32", "tf32", "bf16"]
 # | overlap: weight gradients deferred, the next lookup after the sparse update (exact)
 PipelineMode = Literal["off", "sync", "semi_sync", "overlap"]
 LRSchedule = Literal["constant", "linear", "cosine", "polynomial"]
+# What train.cuda_graphs captures: head: the dense head's forward and backward | step: the whole
+# training step (preparation, lookup, head, backward with the sparse update, dense optimizer)
+CudaGraphScope = Literal["head", "step"]
 # jsonl: log.jsonl (always written) | tensorboard: scalars and the hyperparameters |
 # csv: metrics.csv, a row per log step | wandb, mlflow: need their packages installed
 Logger = Literal["jsonl", "tensorboard", "csv", "wandb", "mlflow"]

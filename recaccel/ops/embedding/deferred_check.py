@@ -39,15 +39,15 @@ class PendingCheck:
     event: torch.cuda.Event | None
 
     @classmethod
-    def start(cls, sf: PreparedSparse) -> PendingCheck:
-        counter = sf.bad_ids
+    def start(cls, batch: SparseFeatures, routing: Routing, counter: Tensor) -> PendingCheck:
+        """Starts the host's copy of ``counter``, the bad-id count of ``batch`` routed by ``routing``."""
         if not counter.is_cuda:
-            return cls(sf.unchecked, sf.routing, counter, counter, None)
+            return cls(batch, routing, counter, counter, None)
         host = torch.empty(counter.shape, dtype=counter.dtype, pin_memory=True)
         host.copy_(counter, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return cls(sf.unchecked, sf.routing, counter, host, event)
+        return cls(batch, routing, counter, host, event)
 
     def landed(self) -> bool:
         return self.event is None or self.event.query()
@@ -96,7 +96,12 @@ class PendingChecks:
             return
         # A batch looked up again (micro-batches) replaces its earlier copy: the count grew.
         self._pending = [c for c in self._pending if c.counter is not sf.bad_ids]
-        self._pending.append(PendingCheck.start(sf))
+        self._pending.append(PendingCheck.start(sf.unchecked, sf.routing, sf.bad_ids))
+
+    def queue_count(self, batch: SparseFeatures, routing: Routing, counter: Tensor) -> None:
+        """Starts the host's copy of ``counter``, the bad-id count of ``batch`` (not a
+        preparation's own: a captured step's, copied out after its replay)."""
+        self._pending.append(PendingCheck.start(batch, routing, counter))
 
     def raise_bad(self, wait: bool) -> None:
         """Raises for the first pending batch whose count arrived non-zero; keeps the

@@ -14,7 +14,9 @@ Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -203,6 +205,7 @@ class PackedEmbeddingBag(nn.Module):
         self._defer_check = wanted and deferrable
         self._always_check_ids = (pack_class.always_checks_ids and not self._defer_check) or bool(host_packs)
         self._pending_checks = PendingChecks(self.plan)
+        self._checks_by_caller = False  # a captured step queues its replays' checks itself
         self._routes: dict[tuple, Routing] = {}
 
     # ----------------------------------------------------------------- lookups
@@ -304,10 +307,10 @@ class PackedEmbeddingBag(nn.Module):
         Raises:
             ValueError: rows outside the batch, or features of different dims.
         """
-        self._pending_checks.raise_bad(wait=False)
+        self._raise_landed_checks()
         sf = self._prepared(sf, training=False)
         out = lookup_pack_rows(sf, lo, hi, self._packs, self._held, self.plan, out_dtype)
-        self._pending_checks.queue(sf)
+        self._queue_check(sf)
         return out
 
     def deferred_update_unsupported(self) -> str | None:
@@ -342,13 +345,54 @@ class PackedEmbeddingBag(nn.Module):
     def _lookup(
         self, sf: SparseFeatures, out: Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> tuple[Routing, list[Tensor]]:
-        self._pending_checks.raise_bad(wait=False)
+        self._raise_landed_checks()
         train = self.training and torch.is_grad_enabled()
         sf = self._prepared(sf, training=train)
         targets = pack_outs(sf, out, self._packs, out_dtype)
         outs = [self._lookup_pack(p, sf, train, o) for p, o in enumerate(targets)]
-        self._pending_checks.queue(sf)
+        self._queue_check(sf)
         return sf.routing, outs
+
+    def _raise_landed_checks(self) -> None:
+        if not self._checks_by_caller:
+            self._pending_checks.raise_bad(wait=False)
+
+    def _queue_check(self, sf: PreparedSparse) -> None:
+        if not self._checks_by_caller:
+            self._pending_checks.queue(sf)
+
+    @contextlib.contextmanager
+    def checks_by_caller(self) -> Iterator[None]:
+        """Within the block, lookups neither read nor queue the deferred bounds check's
+        counts: a CUDA graph capture may neither query events nor copy to the host. The
+        capturing caller does what each lookup would have done after each replay, with
+        :meth:`queue_replayed_check`."""
+        before, self._checks_by_caller = self._checks_by_caller, True
+        try:
+            yield
+        finally:
+            self._checks_by_caller = before
+
+    def queue_replayed_check(self, batch: SparseFeatures, replayed: PreparedSparse) -> None:
+        """The deferred bounds check of ``batch`` trained by a replayed captured step.
+
+        What a lookup does, outside the graph: raises the error of any earlier batch whose
+        count has landed, then queues this batch's count (a copy of the graph's counter
+        ``replayed.bad_ids``, which the next replay overwrites) under ``batch`` itself, so a
+        bad id's message names this batch's feature, id and row.
+
+        Args:
+            batch: The batch as the step got it (its static copy is what the graph read).
+            replayed: The preparation the captured step made of that static copy.
+
+        Raises:
+            InvalidIdError: an earlier batch's count landed non-zero.
+        """
+        self._pending_checks.raise_bad(wait=False)
+        if replayed.bad_ids is not None:
+            self._pending_checks.queue_count(
+                self._validate(batch), replayed.routing, replayed.bad_ids.clone()
+            )
 
     def _lookup_pack(self, p: int, sf: PreparedSparse, train: bool, out: Tensor | None = None) -> Tensor:
         count, batch_size = sf.routing.packs[p].local.count, sf.batch_size

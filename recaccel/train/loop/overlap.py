@@ -69,6 +69,7 @@ from recaccel.ops.embedding import PackedEmbeddingBag
 from recaccel.sparse import Batch
 from recaccel.train.loop.parts import part_bounds
 from recaccel.train.loop.pipeline import StepInput, batch_tensors
+from recaccel.train.loop.runner import EagerStep
 from recaccel.train.model.objectives import DLRMObjective, Objective, loss_denominator
 
 
@@ -82,7 +83,7 @@ class _Lookup:
     ready: torch.cuda.Event | None
 
 
-class OverlapStep:
+class OverlapStep(EagerStep):
     """The step of ``train.pipeline = "overlap"`` (see the module's docstring).
 
     Args:

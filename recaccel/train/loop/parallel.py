@@ -89,6 +89,10 @@ class Parallelism(Protocol):
     def close(self) -> None: ...
 
 
+def _as_given(batch: Any) -> Any:
+    return batch
+
+
 class SingleProcess:
     """One process, one device: wrapping and gathering are identities."""
 
@@ -118,16 +122,16 @@ class SingleProcess:
         observers: StepObservers | None = None,
     ) -> Iterator[StepDone]:
         """The batches through the :class:`BatchPipeline` of ``train.pipeline``, each
-        stepped by the runner of :func:`recaccel.train.loop.step.build_step`."""
-        pipeline = BatchPipeline(objective.prepare, self.device, train.pipeline, objective.batches_ahead)
+        stepped by the runner of :func:`recaccel.train.loop.step.build_step` (which
+        prepares them itself when it captures the whole step)."""
         runner = build_step(train, objective, self.device)
+        prepare = _as_given if runner.prepares_in_step else objective.prepare
+        pipeline = BatchPipeline(prepare, self.device, train.pipeline, objective.batches_ahead)
         for item in pipeline(source):
             self.step_rows = item.batch.training_rows
             if observers is not None:
                 observers.before_step(item.batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss = runner.forward_backward(item)
-            optimizer.step()
+            loss = runner.train_step(item, optimizer)
             yield StepDone(loss, item.reader_state, self.step_rows)
 
     def observers(self) -> list[StepObserver]:

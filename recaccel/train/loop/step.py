@@ -1,5 +1,6 @@
-"""The forward and backward of one training step, as ``train.pipeline`` and
-``train.micro_batches`` shape it (the optimizer step is the caller's).
+"""One training step, as ``train.pipeline``, ``train.micro_batches`` and
+``train.cuda_graph_scope`` shape it: :meth:`StepRunner.train_step` (the eager runners:
+``zero_grad``, their forward and backward, the dense optimizer's ``step``).
 
 - :class:`PlainStep`: the objective's step loss, then backward (a fused embedding
   applies its sparse update inside backward).
@@ -10,6 +11,9 @@
 - :class:`~recaccel.train.loop.overlap.OverlapStep` (``train.pipeline = "overlap"``): the
   next batch's lookup after this step's sparse update, alongside its weight gradients
   and dense optimizer step (the results of ``off``; see :mod:`recaccel.train.loop.overlap`).
+- :class:`~recaccel.train.loop.step_graph.GraphedStep` (``train.cuda_graph_scope = "step"``):
+  the whole step, preparation and dense optimizer step included, captured in one CUDA
+  graph and replayed.
 - :class:`MicroBatchStep` (``train.micro_batches = k``): the batch's rows in k parts;
   each part's lookup (no graph) runs on a side stream ahead of the previous part's dense
   forward and backward; dense gradients accumulate over the parts, and the sparse update
@@ -20,8 +24,6 @@ Shapes: B batch, F fields, D dim.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import Tensor
 
@@ -31,19 +33,12 @@ from recaccel.ops.embedding import PackedEmbeddingBag
 from recaccel.train.loop.overlap import OverlapStep
 from recaccel.train.loop.parts import part_bounds
 from recaccel.train.loop.pipeline import StepInput
+from recaccel.train.loop.runner import EagerStep, StepRunner
+from recaccel.train.loop.step_graph import GraphedStep
 from recaccel.train.model.objectives import DLRMObjective, Objective, loss_denominator
 
 
-class StepRunner(Protocol):
-    """Runs the forward and backward of one step."""
-
-    def forward_backward(self, item: StepInput) -> Tensor:
-        """Leaves the step's gradients (and any fused sparse update) applied; returns
-        the detached step loss."""
-        ...
-
-
-class PlainStep:
+class PlainStep(EagerStep):
     """The objective's loss and its backward."""
 
     def __init__(self, objective: Objective) -> None:
@@ -55,7 +50,7 @@ class PlainStep:
         return loss.detach()
 
 
-class SemiSyncStep:
+class SemiSyncStep(EagerStep):
     """A step whose next batch's lookup runs before its own sparse update.
 
     The lookup of batch i+1 (with its graph: its backward, in step i+1, applies that
@@ -101,7 +96,7 @@ class SemiSyncStep:
         return loss
 
 
-class MicroBatchStep:
+class MicroBatchStep(EagerStep):
     """Dense work per micro-batch, one sparse update per step.
 
     Args:
@@ -167,9 +162,12 @@ def build_step(train: TrainConfig, objective: Objective, device: torch.device) -
 
     Raises:
         ConfigError: micro-batches with an embedding that cannot defer its update;
-            ``overlap`` where it cannot hold (:mod:`recaccel.train.loop.overlap`).
+            ``overlap`` where it cannot hold (:mod:`recaccel.train.loop.overlap`); a
+            whole-step graph where it cannot (:mod:`recaccel.train.loop.step_graph`).
     """
     t = train
+    if t.cuda_graphs and t.cuda_graph_scope == "step":  # the config allows pipeline off or sync only
+        return GraphedStep(objective, device)
     if t.pipeline == "overlap":  # the config refused graphs and compile with it
         return OverlapStep(objective, device, t.micro_batches)
     if t.micro_batches > 1:

@@ -77,6 +77,8 @@ def check_head_options(train_cfg: TrainConfig, model: nn.Module, device: torch.d
                 f"train.{key}=true needs a DLRM with a dense head (dense_arch, interaction_arch, "
                 f"over_arch); got a {type(model).__name__}"
             )
+    if train_cfg.cuda_graph_scope == "step" and not train_cfg.cuda_graphs:
+        logger.warning("train.cuda_graph_scope=step captures nothing with train.cuda_graphs=false")
     if train_cfg.cuda_graphs and device.type != "cuda":
         raise ConfigError(
             f"train.cuda_graphs=true captures CUDA graphs; device is {device}: use train.device=cuda "
@@ -95,7 +97,9 @@ def build_head(model: DLRM, train_cfg: TrainConfig, device: torch.device) -> Hea
     """
     check_head_options(train_cfg, model, device)
     head = compile_head(model) if train_cfg.compile else model.head
-    return GraphedHead(model, head) if train_cfg.cuda_graphs else head
+    # With cuda_graph_scope = "step" the whole step is captured (its runner's): the head is plain.
+    graphed = train_cfg.cuda_graphs and train_cfg.cuda_graph_scope == "head"
+    return GraphedHead(model, head) if graphed else head
 
 
 def compile_head(model: DLRM) -> Head:

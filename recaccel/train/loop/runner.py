@@ -1,0 +1,42 @@
+"""What runs one training step: the :class:`StepRunner` protocol and the eager runners' base.
+
+Shapes: B batch.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from recaccel.train.loop.pipeline import StepInput
+
+
+class StepRunner(Protocol):
+    """Runs one training step."""
+
+    prepares_in_step: bool  # batches come unprepared: the step prepares them itself
+
+    def train_step(self, item: StepInput, optimizer: torch.optim.Optimizer) -> Tensor:
+        """The whole step, the dense optimizer's included; returns the detached step loss."""
+        ...
+
+
+class EagerStep(abc.ABC):
+    """A step as forward and backward (:meth:`forward_backward`, the runner's own) between
+    the dense optimizer's ``zero_grad`` and ``step``."""
+
+    prepares_in_step = False
+
+    @abc.abstractmethod
+    def forward_backward(self, item: StepInput) -> Tensor:
+        """Leaves the step's gradients (and any fused sparse update) applied; returns
+        the detached step loss."""
+
+    def train_step(self, item: StepInput, optimizer: torch.optim.Optimizer) -> Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        loss = self.forward_backward(item)
+        optimizer.step()
+        return loss

@@ -1,0 +1,229 @@
+"""The whole-step CUDA graph (train.cuda_graph_scope = "step") on CPU, with a capture that
+replays by running the captured body again: the static-batch plumbing, the warm-up, the
+fallbacks and the host work a replay does not redo, each against plain eager steps
+(bit for bit on CPU). The CUDA capture itself: test_step_graph_gpu.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from recaccel.config import load_config
+from recaccel.errors import ConfigError
+from recaccel.ops.embedding import InvalidIdError
+from recaccel.sparse import Batch, SparseFeatures
+from recaccel.train.loop.pipeline import BatchPipeline
+from recaccel.train.loop.step import PlainStep
+from recaccel.train.loop.step_graph import GraphedStep, StaticBatch
+from recaccel.train.model.optim import build_dense_optimizer
+from tests.helpers.step_parts import random_batch, tiny_objective
+
+pytestmark = pytest.mark.numeric
+
+NAMES = ["sparse_0", "sparse_1", "sparse_2"]
+CARDS = [20, 7, 11]
+
+
+def one_hot_batch(rows: int, seed: int, bad: int | None = None) -> Batch:
+    """A one-hot batch of the tiny objective's fields (implicit offsets); ``bad``: the row
+    whose sparse_1 id is out of its table's range."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.cat([torch.randint(0, c, (rows,), generator=g) for c in CARDS])
+    if bad is not None:
+        values[rows + bad] = CARDS[1] + 3
+    labels = torch.randint(0, 2, (rows,), generator=g).float()
+    return Batch(torch.randn(rows, 3, generator=g), SparseFeatures(NAMES, values, None), labels)
+
+
+def replay_by_running(body):
+    """A capture that runs nothing now and the body at every replay (CPU stand-in)."""
+    return body
+
+
+def _objective(**kwargs):
+    objective = tiny_objective(sparse_optim="rowwise_adagrad", **kwargs)
+    optimizer = build_dense_optimizer(objective.module, objective.cfg.optim)
+    return objective, optimizer
+
+
+def _run(objective, optimizer, runner, batches: list[Batch]) -> list[torch.Tensor]:
+    prepare = (lambda b: b) if runner.prepares_in_step else objective.prepare
+    pipeline = BatchPipeline(prepare, torch.device("cpu"), "off")
+    return [runner.train_step(item, optimizer) for item in pipeline((b, {}) for b in batches)]
+
+
+def _same_training(batches: list[Batch], **graphed) -> tuple[GraphedStep, list, list]:
+    """Trains two copies of the tiny model on ``batches``: plain eager steps and a graphed
+    step (replays by running the body); asserts equal losses and final states."""
+    plain_obj, plain_opt = _objective()
+    graph_obj, graph_opt = _objective()
+    runner = GraphedStep(graph_obj, torch.device("cpu"), capture=replay_by_running, **graphed)
+    plain = _run(plain_obj, plain_opt, PlainStep(plain_obj), batches)
+    graph = _run(graph_obj, graph_opt, runner, batches)
+    torch.testing.assert_close(torch.stack(graph), torch.stack(plain), rtol=0, atol=0)
+    for (name, a), b in zip(graph_obj.module.state_dict().items(), plain_obj.module.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(
+        graph_opt.state_dict()["state"], plain_opt.state_dict()["state"], rtol=0, atol=0
+    )
+    return runner, graph, plain
+
+
+def test_a_graphed_run_trains_what_plain_steps_train():
+    batches = [one_hot_batch(16, seed) for seed in range(7)]
+    runner, _, _ = _same_training(batches, warmup_steps=2)
+    assert runner.captured and runner.failed is None
+    assert (runner.eager_steps, runner.graphed_steps, runner.steps) == (2, 5, 7)
+
+
+def test_replays_read_the_static_copy_refilled_from_each_batch():
+    batches = [one_hot_batch(8, seed) for seed in range(4)]
+    objective, optimizer = _objective()
+    runner = GraphedStep(objective, torch.device("cpu"), capture=replay_by_running, warmup_steps=1)
+    _run(objective, optimizer, runner, batches)
+    static = runner.static.batch
+    last = batches[-1]
+    assert static is not last and static.dense.data_ptr() != last.dense.data_ptr()
+    torch.testing.assert_close(static.dense, last.dense, rtol=0, atol=0)
+    torch.testing.assert_close(static.sparse.values, last.sparse.values, rtol=0, atol=0)
+
+
+def test_batches_of_another_signature_run_eagerly_and_are_logged_once(caplog):
+    batches = [one_hot_batch(16, s) for s in range(4)] + [one_hot_batch(5, 9), one_hot_batch(16, 10)]
+    batches += [one_hot_batch(5, 11), random_batch(16, 12)]  # a multi-hot batch: other id counts
+    with caplog.at_level(logging.INFO, logger="recaccel.train.loop.step_graph"):
+        runner, _, _ = _same_training(batches, warmup_steps=2)
+    assert (runner.eager_steps, runner.graphed_steps) == (2 + 3, 3)
+    said = [r.message for r in caplog.records if "does not match the captured step" in r.message]
+    assert len(said) == 1 and "5 rows" in said[0] and "(16 rows)" in said[0]
+
+
+def test_a_capture_that_fails_leaves_the_run_eager_and_says_why(caplog):
+    def failing(body):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    batches = [one_hot_batch(16, seed) for seed in range(5)]
+    plain_obj, plain_opt = _objective()
+    graph_obj, graph_opt = _objective()
+    runner = GraphedStep(graph_obj, torch.device("cpu"), capture=failing, warmup_steps=1)
+    with caplog.at_level(logging.WARNING, logger="recaccel.train.loop.step_graph"):
+        graph = _run(graph_obj, graph_opt, runner, batches)
+    plain = _run(plain_obj, plain_opt, PlainStep(plain_obj), batches)
+    torch.testing.assert_close(torch.stack(graph), torch.stack(plain), rtol=0, atol=0)
+    assert not runner.captured and runner.failed.endswith("not permitted when stream is capturing")
+    assert (runner.eager_steps, runner.graphed_steps) == (5, 0)
+    warned = [r.message for r in caplog.records if "capturing the whole training step failed" in r.message]
+    assert len(warned) == 1 and "more detail" not in warned[0]
+
+
+def test_the_metric_window_sees_every_replayed_step():
+    batches = [one_hot_batch(16, seed) for seed in range(5)]
+    plain_obj, plain_opt = _objective()
+    graph_obj, graph_opt = _objective()
+    seen: dict[str, list] = {"plain": [], "graph": []}
+    plain_obj.watch = lambda logits, labels: seen["plain"].append((logits.detach().clone(), labels.clone()))
+    graph_obj.watch = lambda logits, labels: seen["graph"].append((logits.detach().clone(), labels.clone()))
+    runner = GraphedStep(graph_obj, torch.device("cpu"), capture=replay_by_running, warmup_steps=2)
+    _run(plain_obj, plain_opt, PlainStep(plain_obj), batches)
+    _run(graph_obj, graph_opt, runner, batches)
+    assert runner.graphed_steps == 3 and len(seen["graph"]) == len(seen["plain"]) == 5
+    for (gl, gy), (pl, py) in zip(seen["graph"], seen["plain"]):
+        torch.testing.assert_close(gl, pl, rtol=0, atol=0)
+        torch.testing.assert_close(gy, py, rtol=0, atol=0)
+
+
+def test_the_clipped_gradient_norm_is_the_replayed_steps():
+    objective, _ = _objective()
+    cfg = objective.cfg
+    cfg.optim.grad_clip_norm = 1e-3
+    optimizer = build_dense_optimizer(objective.module, cfg.optim)
+    runner = GraphedStep(objective, torch.device("cpu"), capture=replay_by_running, warmup_steps=1)
+    norms = []
+    for item in BatchPipeline(lambda b: b, torch.device("cpu"), "off")(
+        (one_hot_batch(16, s), {}) for s in range(4)
+    ):
+        runner.train_step(item, optimizer)
+        norms.append(float(optimizer.grad_norm))
+    assert runner.graphed_steps == 3 and len(set(norms)) == 4  # a fresh norm every step
+
+
+def test_a_bad_id_in_a_replayed_step_raises_naming_its_own_batch():
+    objective, optimizer = _objective(backend="triton")  # the deferred bounds check: Triton's kernels count
+    runner = GraphedStep(objective, torch.device("cpu"), capture=replay_by_running, warmup_steps=1)
+    batches = [one_hot_batch(4, 0), one_hot_batch(4, 1), one_hot_batch(4, 2, bad=3), one_hot_batch(4, 3)]
+    items = BatchPipeline(lambda b: b, torch.device("cpu"), "off")((b, {}) for b in batches)
+    with pytest.raises(InvalidIdError) as raised:
+        for item in items:
+            runner.train_step(item, optimizer)
+    assert runner.graphed_steps >= 1
+    text = str(raised.value)
+    assert (
+        "sparse_1" in text and str(CARDS[1] + 3) in text and "row 3" in text and len(text.splitlines()) == 1
+    )
+
+
+def test_static_batch_signature_names_what_a_replay_needs():
+    a, b = one_hot_batch(8, 0), one_hot_batch(8, 1)
+    static = StaticBatch(a)
+    assert static.matches(b) and not static.matches(one_hot_batch(9, 0))
+    assert not static.matches(random_batch(8, 0))
+    moved = Batch(a.dense.double(), a.sparse, a.labels)
+    assert not static.matches(moved)
+
+
+# ------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (['train.pipeline="semi_sync"'], "train.pipeline=semi_sync do not combine"),
+        (["train.micro_batches=2"], "train.micro_batches=2 do not combine"),
+        (['optim.schedule="cosine"', "optim.decay_steps=10"], "needs a constant learning rate"),
+        (["optim.warmup_steps=5"], "needs a constant learning rate"),
+        (['optim.sparse="adam"'], "optim.sparse=adam"),
+        (['optim.dense="adagrad"'], "optim.dense=adagrad"),
+        (['model.embedding_dtype="bf16"'], "model.embedding_dtype=bf16"),
+        (['model.embedding_placement="host"'], "host-placed tables"),
+        (['model.embedding_backend="reference"'], "model.embedding_backend=reference"),
+    ],
+)
+def test_what_a_captured_step_cannot_replay_is_refused_in_one_line(overrides, words):
+    with pytest.raises(ConfigError) as raised:
+        load_config(None, ["train.cuda_graphs=true", 'train.cuda_graph_scope="step"', *overrides])
+    text = str(raised.value)
+    assert words in text and len(text.splitlines()) == 1
+    load_config(None, ['train.cuda_graph_scope="step"', *overrides])  # no graphs: nothing to refuse
+
+
+def test_a_step_scope_without_cuda_graphs_is_logged(caplog):
+    from recaccel.config import TrainConfig
+    from recaccel.train.model.dense_head import check_head_options
+
+    objective = tiny_objective()
+    with caplog.at_level(logging.WARNING, logger="recaccel.train.model.dense_head"):
+        check_head_options(TrainConfig(cuda_graph_scope="step"), objective.module, torch.device("cpu"))
+    assert any("captures nothing with train.cuda_graphs=false" in r.message for r in caplog.records)
+
+
+def test_a_step_graph_needs_a_packed_fused_embedding_and_cuda():
+    objective, _ = _objective()
+    with pytest.raises(ConfigError, match=r"needs a CUDA device, not cpu; use train.cuda_graph_scope=head$"):
+        GraphedStep(objective, torch.device("cpu"))
+    autograd = tiny_objective()
+    autograd.embedding.mode = "autograd"  # as a model built in autograd mode reports itself
+    with pytest.raises(ConfigError, match="fused update"):
+        GraphedStep(autograd, torch.device("cpu"), capture=replay_by_running)
+
+
+def test_a_loaded_optimizer_state_keeps_this_runs_capturable_setting():
+    objective, optimizer = _objective()
+    optimizer.defaults["capturable"] = True  # as GraphedStep sets it on CUDA
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+    state = optimizer.state_dict()
+    _, fresh = _objective()
+    fresh.load_state_dict(state)
+    assert all(group["capturable"] is False for group in fresh.param_groups)
