@@ -19,6 +19,8 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from recaccel.bench.step.graphs import graphs_label
+
 MET, NOT_MET, NOT_MEASURED = "met", "not met", "not measured"
 
 # The range of shapes the embedding bandwidth targets hold over (inclusive).
@@ -27,7 +29,7 @@ EMBEDDING_RANGE = {"T": (26, 1000), "B": (16_384, 65_536), "D": (64, 128), "L": 
 EMBEDDING_FAST = "triton"
 TRAIN_FAST, TRAIN_EAGER = "recaccel", "eager"
 # The pipelined step of the interleaving targets: train.pipeline=sync, one micro-batch, CUDA graphs.
-PIPELINED = ("sync", 1, True)
+PIPELINED = ("sync", 1, "on")
 
 
 def _load_json(path: Path) -> dict | None:
@@ -133,7 +135,7 @@ def train_rows(results: Sequence[Mapping], candidate: str, preset: str, reader: 
 def _combination(row: Mapping) -> str:
     if row.get("pipeline") is None:
         return ""
-    return f", {row['pipeline']}/{row.get('micro_batches')}/{'on' if row.get('cuda_graphs') else 'off'}"
+    return f", {row['pipeline']}/{row.get('micro_batches')}/{graphs_label(row.get('cuda_graphs'))}"
 
 
 def train_figure(results: Sequence[Mapping], preset: str, key: str, precision: str | None = None) -> tuple:
@@ -246,7 +248,11 @@ def pipelined_speedup(results: Sequence[Mapping], preset: str) -> tuple:
 
     def find(reader: bool) -> Mapping | None:
         for row in train_rows(results, TRAIN_FAST, preset, reader):
-            combination = (row.get("pipeline"), row.get("micro_batches"), row.get("cuda_graphs"))
+            combination = (
+                row.get("pipeline"),
+                row.get("micro_batches"),
+                graphs_label(row.get("cuda_graphs")),
+            )
             if combination == PIPELINED and row.get("speedup_vs_off"):
                 return row
         return None

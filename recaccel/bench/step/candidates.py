@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from recaccel.bench.step.eager import EagerDLRM, cross_shape, sparse_optimizer
+from recaccel.bench.step.graphs import GRAPHS
 from recaccel.bench.step.parts import TrainerParts, trainer_parts
 from recaccel.bench.step.phased import (
     PhaseTimer,
@@ -55,7 +56,6 @@ PHASES = (
 )
 FUSED_SPARSE_UPDATE = "merged into backward (fused sparse optimizer)"
 PIPELINES: tuple[str, ...] = get_args(PipelineMode)
-GRAPH_SWITCH = {"off": False, "on": True}
 
 
 @dataclass(frozen=True)
@@ -65,17 +65,22 @@ class Combination:
     Attributes:
         pipeline: ``train.pipeline``.
         micro_batches: ``train.micro_batches``.
-        cuda_graphs: ``train.cuda_graphs``.
+        cuda_graphs: one of :data:`GRAPHS`: ``train.cuda_graphs`` off, or on with
+            ``train.cuda_graph_scope`` head (``on``) or step (``step``).
     """
 
     pipeline: str = "off"
     micro_batches: int = 1
-    cuda_graphs: bool = False
+    cuda_graphs: str = "off"
 
     @property
     def label(self) -> str:
         """``pipeline/micro_batches/graphs``, e.g. ``sync/2/on``."""
-        return f"{self.pipeline}/{self.micro_batches}/{'on' if self.cuda_graphs else 'off'}"
+        return f"{self.pipeline}/{self.micro_batches}/{self.cuda_graphs}"
+
+    @property
+    def key(self) -> tuple[str, int, str]:
+        return self.pipeline, self.micro_batches, self.cuda_graphs
 
     def train_config(self, train: TrainConfig) -> TrainConfig:
         """``train`` with this combination's keys.
@@ -84,7 +89,11 @@ class Combination:
             ConfigError: the keys do not combine (``semi_sync`` with micro-batches).
         """
         return dataclasses.replace(
-            train, pipeline=self.pipeline, micro_batches=self.micro_batches, cuda_graphs=self.cuda_graphs
+            train,
+            pipeline=self.pipeline,
+            micro_batches=self.micro_batches,
+            cuda_graphs=self.cuda_graphs != "off",
+            cuda_graph_scope="step" if self.cuda_graphs == "step" else "head",
         )
 
 
@@ -111,10 +120,10 @@ def _micro_batches(text: str) -> int:
     return int(text)
 
 
-def _graphs(text: str) -> bool:
-    if text not in GRAPH_SWITCH:
-        raise ConfigError(f"train bench: --cuda-graphs {text!r} is not one of off, on")
-    return GRAPH_SWITCH[text]
+def _graphs(text: str) -> str:
+    if text not in GRAPHS:
+        raise ConfigError(f"train bench: --cuda-graphs {text!r} is not one of {', '.join(GRAPHS)}")
+    return text
 
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -151,7 +160,7 @@ def parse_combinations(
     Args:
         pipelines: of ``off``, ``sync``, ``semi_sync``.
         micro_batches: integers >= 1.
-        cuda_graphs: of ``off``, ``on``.
+        cuda_graphs: of :data:`GRAPHS` (``off``, ``on``, ``step``).
         labels: comma-separated ``pipeline/micro_batches/graphs`` (``sync/2/on``); when
             given, the three lists are ignored.
 

@@ -15,6 +15,7 @@ import torch
 from recaccel.bench.harness.report import markdown_table
 from recaccel.bench.step.candidates import BASELINE, PHASES, Combination
 from recaccel.bench.step.eager import EAGER_SPARSE_OPTIMIZERS
+from recaccel.bench.step.graphs import graphs_label
 from recaccel.plotting import pyplot, save_figure
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def cpu_target_note(rows: list[dict]) -> str:
     """The CPU target judged on this run: recaccel's slowest combination against its
     ``off/1/off`` (same preset and mode)."""
     timed = [r for r in rows if r["candidate"] == "recaccel" and r.get("speedup_vs_off") is not None]
-    others = [r for r in timed if (r["pipeline"], r["micro_batches"], r["cuda_graphs"]) != BASELINE_KEY]
+    others = [r for r in timed if combination_key(r) != BASELINE.key]
     if not others:
         return "CPU target (no mode slower than off by more than 5%): not measured (no other combination ran)"
     worst = min(others, key=lambda r: r["speedup_vs_off"])
@@ -87,7 +88,7 @@ def speedups(rows: list[dict]) -> None:
             for r in rows
             if r["candidate"] == candidate
             and r["step_ms"]
-            and (not combination or (r["pipeline"], r["micro_batches"], r["cuda_graphs"]) == BASELINE_KEY)
+            and (not combination or combination_key(r) == BASELINE.key)
         }
 
     eager, off = base_of("eager", False), base_of("recaccel", True)
@@ -102,8 +103,7 @@ def speedups(rows: list[dict]) -> None:
 
 def _same_step(row: dict) -> tuple:
     """What a reader row is compared with in device mode: everything but the data mode."""
-    return (row["preset"], row.get("precision"), row["candidate"], row.get("pipeline"),
-            row.get("micro_batches"), row.get("cuda_graphs"))  # fmt: skip
+    return (row["preset"], row.get("precision"), row["candidate"], *combination_key(row))
 
 
 def data_costs(rows: list[dict]) -> None:
@@ -116,7 +116,10 @@ def data_costs(rows: list[dict]) -> None:
         r["data_cost"] = (r["step_ms"] - base) / r["step_ms"] if base and r["step_ms"] else None
 
 
-BASELINE_KEY = (BASELINE.pipeline, BASELINE.micro_batches, BASELINE.cuda_graphs)
+def combination_key(row: dict) -> tuple:
+    """(pipeline, micro_batches, graphs) of a row; graphs as :func:`graphs_label` says."""
+    graphs = row.get("cuda_graphs")
+    return row.get("pipeline"), row.get("micro_batches"), None if graphs is None else graphs_label(graphs)
 
 
 _SHORT = {
@@ -134,7 +137,7 @@ def combination_label(row: dict) -> str | None:
     """``pipeline/micro_batches/graphs`` of a recaccel or reference row, else None."""
     if row.get("pipeline") is None:
         return None
-    return f"{row['pipeline']}/{row['micro_batches']}/{'on' if row['cuda_graphs'] else 'off'}"
+    return f"{row['pipeline']}/{row['micro_batches']}/{graphs_label(row['cuda_graphs'])}"
 
 
 def row_label(row: dict) -> str:
@@ -224,7 +227,7 @@ def combination_rows(rows: list[dict]) -> list[dict]:
                 "precision": r.get("precision"),
                 "pipeline": r["pipeline"],
                 "micro_batches": r["micro_batches"],
-                "cuda_graphs": "on" if r["cuda_graphs"] else "off",
+                "cuda_graphs": graphs_label(r["cuda_graphs"]),
                 "step_ms": r["step_ms"],
                 "samples_per_s": r["samples_per_s"],
                 "speedup_vs_off": r["speedup_vs_off"],

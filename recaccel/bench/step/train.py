@@ -132,7 +132,9 @@ def add_args(parser) -> None:
         "--micro-batches", default="1", help="train.micro_batches values, comma-separated (e.g. 1,2,4)"
     )
     parser.add_argument(
-        "--cuda-graphs", default="off", help="train.cuda_graphs values, comma-separated (off,on)"
+        "--cuda-graphs",
+        default="off",
+        help="CUDA graphs, comma-separated: off, on (the dense head), step (the whole step)",
     )
     parser.add_argument(
         "--combinations",
@@ -286,7 +288,7 @@ def _timeline_candidate(entries: list[Entry]) -> Candidate | None:
         for e in entries
         if e.candidate is not None and e.name == "recaccel" and e.combination.pipeline == "sync"
     ]
-    synced.sort(key=lambda c: (c.combination.micro_batches != 1, not c.combination.cuda_graphs))
+    synced.sort(key=lambda c: (c.combination.micro_batches != 1, c.combination.cuda_graphs != "on"))
     return synced[0] if synced else None
 
 

@@ -21,6 +21,7 @@ from recaccel.train.checkpoint.state import TrainState, load_checkpoint, save_ch
 from recaccel.train.loop.observers import StepDone, StepObserver, StepObservers
 from recaccel.train.loop.pipeline import BatchPipeline
 from recaccel.train.loop.preemption import pending_signal
+from recaccel.train.loop.runner import StepRunner
 from recaccel.train.loop.step import build_step
 from recaccel.train.model.objectives import Objective
 
@@ -102,6 +103,7 @@ class SingleProcess:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.step_rows = 0
+        self._kept_runner: tuple[Objective, TrainConfig, StepRunner] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -124,7 +126,7 @@ class SingleProcess:
         """The batches through the :class:`BatchPipeline` of ``train.pipeline``, each
         stepped by the runner of :func:`recaccel.train.loop.step.build_step` (which
         prepares them itself when it captures the whole step)."""
-        runner = build_step(train, objective, self.device)
+        runner = self._runner(train, objective)
         prepare = _as_given if runner.prepares_in_step else objective.prepare
         pipeline = BatchPipeline(prepare, self.device, train.pipeline, objective.batches_ahead)
         for item in pipeline(source):
@@ -133,6 +135,16 @@ class SingleProcess:
                 observers.before_step(item.batch)
             loss = runner.train_step(item, optimizer)
             yield StepDone(loss, item.reader_state, self.step_rows)
+
+    def _runner(self, train: TrainConfig, objective: Objective) -> StepRunner:
+        """The step runner of ``train``: a persistent one (a captured whole step) is kept
+        for the next call with the same objective and settings; others are built afresh."""
+        kept = self._kept_runner
+        if kept is not None and kept[0] is objective and kept[1] == train:
+            return kept[2]
+        runner = build_step(train, objective, self.device)
+        self._kept_runner = (objective, train, runner) if runner.persistent else None
+        return runner
 
     def observers(self) -> list[StepObserver]:
         return []

@@ -18,6 +18,7 @@ class StepRunner(Protocol):
     """Runs one training step."""
 
     prepares_in_step: bool  # batches come unprepared: the step prepares them itself
+    persistent: bool  # kept by the loop across its calls (a captured graph lives in it)
 
     def train_step(self, item: StepInput, optimizer: torch.optim.Optimizer) -> Tensor:
         """The whole step, the dense optimizer's included; returns the detached step loss."""
@@ -29,6 +30,7 @@ class EagerStep(abc.ABC):
     the dense optimizer's ``zero_grad`` and ``step``."""
 
     prepares_in_step = False
+    persistent = False
 
     @abc.abstractmethod
     def forward_backward(self, item: StepInput) -> Tensor:

@@ -155,7 +155,8 @@ class GraphedStep:
     """The step of ``train.cuda_graph_scope = "step"`` (see the module's docstring).
 
     Batches come unprepared (:attr:`prepares_in_step`): the preparation is part of the
-    captured step.
+    captured step. The loop keeps the runner across its calls (:attr:`persistent`), so a
+    run captures once.
 
     Args:
         objective: a DLRM objective over recaccel's packed, fused embedding.
@@ -169,6 +170,7 @@ class GraphedStep:
     """
 
     prepares_in_step = True
+    persistent = True  # the loop keeps it from epoch to epoch: one capture per run
 
     def __init__(
         self,

@@ -17,6 +17,7 @@ from recaccel.bench.step.candidates import BASELINE, Combination, parse_combinat
 from recaccel.bench.step.data import RotatingBatches, device_batches, load_preset, make_dataset, rows_needed
 from recaccel.bench.step.timeline import labelled_phases, record_timeline
 from recaccel.cli import bench_main
+from recaccel.config import TrainConfig
 from recaccel.errors import ConfigError
 from recaccel.plotting.timeline import (
     BACKWARD,
@@ -35,13 +36,19 @@ def test_the_cli_parses_comma_lists_into_every_combination_baseline_first():
     parser = argparse.ArgumentParser()
     train_bench.add_args(parser)
     args = parser.parse_args(
-        ["--pipeline", "sync,semi_sync,off", "--micro-batches", "1,2,4", "--cuda-graphs", "on,off"]
+        ["--pipeline", "sync,semi_sync,off", "--micro-batches", "1,2,4", "--cuda-graphs", "on,off,step"]
     )
     found = parse_combinations(args.pipeline, args.micro_batches, args.cuda_graphs)
     assert found[0] == BASELINE
-    assert len(found) == len(set(found)) == 3 * 3 * 2
-    assert found[1] == Combination("sync", 1, True)  # then the lists' order
-    assert {c.label for c in found} >= {"sync/2/on", "semi_sync/4/off", "off/1/off"}
+    assert len(found) == len(set(found)) == 3 * 3 * 3
+    assert found[1] == Combination("sync", 1, "on")  # then the lists' order
+    assert {c.label for c in found} >= {"sync/2/on", "semi_sync/4/off", "off/1/off", "sync/1/step"}
+    step = Combination("sync", 1, "step").train_config(TrainConfig())
+    assert (step.cuda_graphs, step.cuda_graph_scope) == (True, "step")
+    head = Combination("sync", 1, "on").train_config(TrainConfig())
+    assert (head.cuda_graphs, head.cuda_graph_scope) == (True, "head")
+    with pytest.raises(ConfigError, match="--cuda-graphs 'all' is not one of off, on, step"):
+        parse_combinations("off", "1", "all")
     defaults = parser.parse_args([])
     assert parse_combinations(defaults.pipeline, defaults.micro_batches, defaults.cuda_graphs) == [BASELINE]
 
@@ -97,7 +104,7 @@ def _run(tmp_path, tiny, *extra):
         "--micro-batches",
         "1,2",
         "--cuda-graphs",
-        "off,on",
+        "off,on,step",
         "--timeline-steps",
         "2",
         "--out",
@@ -113,7 +120,7 @@ def _run(tmp_path, tiny, *extra):
 def test_every_combination_is_a_row_with_its_fields_skips_with_the_trainers_reason(tmp_path, tiny):
     rows = _run(tmp_path, tiny)
     mine = [r for r in rows if r["candidate"] == "recaccel"]
-    assert len(mine) == 3 * 2 * 2 * 2  # combinations x {device, reader}
+    assert len(mine) == 3 * 2 * 3 * 2  # combinations x {device, reader}
     for r in rows:
         assert {"pipeline", "micro_batches", "cuda_graphs", "speedup_vs_off"} <= set(r)
     for r in mine:
@@ -121,7 +128,10 @@ def test_every_combination_is_a_row_with_its_fields_skips_with_the_trainers_reas
         if combination.pipeline == "semi_sync" and combination.micro_batches > 1:  # TrainConfig's check
             assert r["status"] == "skipped"
             assert r["reason"].startswith("config keys train.pipeline=semi_sync and train.micro_batches=2")
-        elif r["cuda_graphs"]:  # a CPU run cannot capture: the ConfigError of build_head
+        elif r["cuda_graphs"] == "step" and (r["pipeline"] == "semi_sync" or r["micro_batches"] > 1):
+            assert r["status"] == "skipped"  # TrainConfig's check: one graph, one batch
+            assert r["reason"].startswith("config keys train.cuda_graph_scope=step and train.")
+        elif r["cuda_graphs"] != "off":  # a CPU run cannot capture: the ConfigError of build_head
             assert r["status"] == "skipped"
             assert r["reason"].startswith("train.cuda_graphs=true captures CUDA graphs")
         else:

@@ -227,3 +227,29 @@ def test_a_loaded_optimizer_state_keeps_this_runs_capturable_setting():
     _, fresh = _objective()
     fresh.load_state_dict(state)
     assert all(group["capturable"] is False for group in fresh.param_groups)
+
+
+def test_the_trainers_loop_keeps_one_graphed_runner_across_its_calls(monkeypatch):
+    """SingleProcess.steps is called once per epoch (and per step by the train bench): a
+    whole-step graph is captured once per run, and the loop hands it unprepared batches."""
+    import functools
+
+    from recaccel.config import TrainConfig
+    from recaccel.train.loop import step as step_module
+    from recaccel.train.loop.parallel import SingleProcess
+
+    monkeypatch.setattr(
+        step_module, "GraphedStep", functools.partial(GraphedStep, capture=replay_by_running, warmup_steps=2)
+    )
+    batches = [one_hot_batch(16, seed) for seed in range(6)]
+    plain_obj, plain_opt = _objective()
+    plain = _run(plain_obj, plain_opt, PlainStep(plain_obj), batches)
+    objective, optimizer = _objective()
+    train = TrainConfig(cuda_graphs=True, cuda_graph_scope="step", pipeline="sync")
+    layout = SingleProcess(torch.device("cpu"))
+    losses = []
+    for part in (batches[:3], batches[3:]):  # two "epochs"
+        losses += [done.loss for done in layout.steps([(b, {}) for b in part], objective, optimizer, train)]
+    runner = layout._runner(train, objective)  # noqa: SLF001 (the kept runner)
+    assert isinstance(runner, GraphedStep) and (runner.eager_steps, runner.graphed_steps) == (2, 4)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(plain), rtol=0, atol=0)
