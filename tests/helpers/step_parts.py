@@ -46,3 +46,18 @@ def random_batch(rows: int, seed: int, weights: bool = False) -> Batch:
     labels = torch.randint(0, 2, (rows,), generator=g).float()
     w = torch.rand(rows, generator=g) + 0.5 if weights else None
     return Batch(torch.randn(rows, 3, generator=g), sparse, labels, w)
+
+
+NAMES = ["sparse_0", "sparse_1", "sparse_2"]
+CARDS = [20, 7, 11]
+
+
+def one_hot_batch(rows: int, seed: int, bad: int | None = None) -> Batch:
+    """A one-hot batch of the tiny objective's fields (implicit offsets); ``bad``: the row
+    whose sparse_1 id is out of its table's range."""
+    g = torch.Generator().manual_seed(seed)
+    values = torch.cat([torch.randint(0, c, (rows,), generator=g) for c in CARDS])
+    if bad is not None:
+        values[rows + bad] = CARDS[1] + 3
+    labels = torch.randint(0, 2, (rows,), generator=g).float()
+    return Batch(torch.randn(rows, 3, generator=g), SparseFeatures(NAMES, values, None), labels)

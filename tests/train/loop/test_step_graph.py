@@ -13,28 +13,14 @@ import torch
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding import InvalidIdError
-from recaccel.sparse import Batch, SparseFeatures
+from recaccel.sparse import Batch
 from recaccel.train.loop.pipeline import BatchPipeline
 from recaccel.train.loop.step import PlainStep
 from recaccel.train.loop.step_graph import GraphedStep, StaticBatch
 from recaccel.train.model.optim import build_dense_optimizer
-from tests.helpers.step_parts import random_batch, tiny_objective
+from tests.helpers.step_parts import CARDS, one_hot_batch, random_batch, tiny_objective
 
 pytestmark = pytest.mark.numeric
-
-NAMES = ["sparse_0", "sparse_1", "sparse_2"]
-CARDS = [20, 7, 11]
-
-
-def one_hot_batch(rows: int, seed: int, bad: int | None = None) -> Batch:
-    """A one-hot batch of the tiny objective's fields (implicit offsets); ``bad``: the row
-    whose sparse_1 id is out of its table's range."""
-    g = torch.Generator().manual_seed(seed)
-    values = torch.cat([torch.randint(0, c, (rows,), generator=g) for c in CARDS])
-    if bad is not None:
-        values[rows + bad] = CARDS[1] + 3
-    labels = torch.randint(0, 2, (rows,), generator=g).float()
-    return Batch(torch.randn(rows, 3, generator=g), SparseFeatures(NAMES, values, None), labels)
 
 
 def replay_by_running(body):
@@ -253,3 +239,48 @@ def test_the_trainers_loop_keeps_one_graphed_runner_across_its_calls(monkeypatch
     runner = layout._runner(train, objective)  # noqa: SLF001 (the kept runner)
     assert isinstance(runner, GraphedStep) and (runner.eager_steps, runner.graphed_steps) == (2, 4)
     torch.testing.assert_close(torch.stack(losses), torch.stack(plain), rtol=0, atol=0)
+
+
+def test_the_trainer_with_a_whole_step_runner_trains_and_resumes_exactly(monkeypatch, tmp_path):
+    """The trainer's loop, evaluation, checkpoints and resume around a GraphedStep (its
+    capture replayed by running the body, on CPU): the runs of eager steps, bit for bit."""
+    import functools
+    import json
+
+    from recaccel.cli import train_main
+    from recaccel.io.convert.synth import generate_synthetic
+    from recaccel.train.loop import step as step_module
+    from recaccel.train.model import dense_head
+    from tests.helpers.resume import final_entries
+    from tests.train.loop.test_step_graph_gpu import ONE_HOT
+
+    made = []
+
+    def recorded(*args, **kwargs):
+        made.append(GraphedStep(*args, capture=replay_by_running, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(step_module, "GraphedStep", recorded)
+    monkeypatch.setattr(dense_head, "check_head_options", lambda *args: None)  # CUDA graphs, on CPU
+    sets = [s for s in ONE_HOT if not s.startswith("train.device")] + ['train.device="cpu"', "train.eval_every=8"]
+    root = tmp_path / "data"
+    generate_synthetic(load_config(None, [*sets, f'synth.out_dir="{root}"']).synth)
+
+    def run(out, *extra):
+        args = [*sets, f'data.train="{root / "train"}"', f'data.test="{root / "test"}"', f'train.out_dir="{out}"']
+        assert train_main([a for s in [*args, *extra] for a in ("--set", s)]) == 0
+        return json.loads((out / "metrics.json").read_text())
+
+    graphs = ["train.cuda_graphs=true", 'train.cuda_graph_scope="step"', 'train.pipeline="sync"']
+    eager = run(tmp_path / "eager")
+    full = run(tmp_path / "full", *graphs)
+    assert len(made) == 1 and made[0].graphed_steps == full["steps"] - made[0].eager_steps > 0
+    assert full["train_loss"] == eager["train_loss"] and full["auc"] == eager["auc"]
+    part = tmp_path / "part"
+    run(part, *graphs, "train.steps=20")  # mid-epoch 2, after the checkpoint of step 16
+    assert train_main(["--resume", str(part), "--set", "train.steps=0"]) == 0
+    resumed = json.loads((part / "metrics.json").read_text())
+    assert resumed["train_loss"] == full["train_loss"]
+    for (key, a), b in zip(final_entries(tmp_path / "full").items(), final_entries(part).values()):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
