@@ -122,8 +122,6 @@ def _step_graph_replays_fixed_rates(cfg: Config) -> str | None:
         return f"{what} needs a constant learning rate: optim.schedule=constant and optim.warmup_steps=0, got {o.schedule} and {o.warmup_steps}"  # noqa: E501
     if o.sparse == "adam":
         return f"{what} does not replay optim.sparse=adam (its bias corrections change every step); use rowwise_adagrad or sgd"  # noqa: E501
-    if o.dense == "adagrad":
-        return f"{what} does not replay optim.dense=adagrad (torch counts its steps on the host); use adam or sgd"  # noqa: E501
     if m.embedding_dtype != "fp32":
         return f"{what} does not replay model.embedding_dtype={m.embedding_dtype} (its rounding seed changes every step); use fp32"  # noqa: E501
     if m.embedding_placement == "host" or any(e.endswith("=host") for e in m.table_placement):

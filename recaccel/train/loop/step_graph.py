@@ -30,7 +30,10 @@ The step's host work that a replay does not redo is done here after each replay:
   so an out-of-range id raises with its own feature, id and row, as eagerly;
 - ``objective.watch`` (``train.metric_window``): called with copies of the step's logits
   and labels;
-- ``optimizer.grad_norm`` (``optim.grad_clip_norm``): the graph's norm tensor.
+- ``optimizer.grad_norm`` (``optim.grad_clip_norm``): the graph's norm tensor;
+- the step counts an optimizer keeps on the host (torch's Adagrad, whose rate does not
+  depend on them: recaccel sets no ``lr_decay``): advanced by one, so its state and
+  checkpoints are those of eager steps.
 
 What a replay repeats as captured: the learning rates, Adam's bias corrections and the
 rounding seed of 16-bit rows. The config refuses what would need them to change
@@ -133,6 +136,14 @@ class StaticBatch:
             for static, new in pairs:
                 if static is not None:
                     static.copy_(new)
+
+
+def host_step_counts(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The optimizer's step counts kept on the host (torch's foreach Adagrad: CPU tensors,
+    advanced by host work that a replay does not redo); fused and capturable optimizers
+    keep theirs on the device, where a replay advances them."""
+    counts = (state.get("step") for state in optimizer.state.values())
+    return [c for c in counts if isinstance(c, Tensor) and c.device.type == "cpu"]
 
 
 def step_graph_unsupported(objective: Objective, device: torch.device) -> str | None:
@@ -300,6 +311,8 @@ class GraphedStep:
             self._prepared, self._loss = prepared, loss.detach()
             self._grad_norm = getattr(optimizer, "grad_norm", None)  # the clipping hook's, if any
 
+        counts = host_step_counts(optimizer)
+        before = [c.clone() for c in counts]
         try:
             replay = self.capture(body)
         except (RuntimeError, ValueError) as e:
@@ -311,6 +324,9 @@ class GraphedStep:
                 self.failed,
             )
             return
+        finally:
+            for count, was in zip(counts, before):  # a capture runs the host's part of a step once
+                count.copy_(was)
         self.static, self._replay = static, replay
         logger.info("cuda graphs: captured the whole training step for batches of %d rows", batch.batch_size)
 
@@ -337,7 +353,12 @@ class GraphedStep:
     def _replayed(self, batch: Batch, optimizer: torch.optim.Optimizer) -> Tensor:
         """``batch``'s step by the graph, then the host work a replay does not redo."""
         self.static.fill(batch)
+        counts = host_step_counts(optimizer)
+        before = [float(c) for c in counts]
         self._replay()
+        for count, was in zip(counts, before):
+            if float(count) == was:  # a graph replay (a capture stand-in that reruns the body moves them)
+                count.add_(1)
         self.graphed_steps += 1
         self.embedding.queue_replayed_check(batch.sparse, self._prepared.sparse)
         if self._watched is not None and self.objective.watch is not None:

@@ -28,8 +28,9 @@ def replay_by_running(body):
     return body
 
 
-def _objective(**kwargs):
+def _objective(dense: str = "adam", **kwargs):
     objective = tiny_objective(sparse_optim="rowwise_adagrad", **kwargs)
+    objective.cfg.optim.dense = dense
     optimizer = build_dense_optimizer(objective.module, objective.cfg.optim)
     return objective, optimizer
 
@@ -40,11 +41,12 @@ def _run(objective, optimizer, runner, batches: list[Batch]) -> list[torch.Tenso
     return [runner.train_step(item, optimizer) for item in pipeline((b, {}) for b in batches)]
 
 
-def _same_training(batches: list[Batch], **graphed) -> tuple[GraphedStep, list, list]:
+def _same_training(batches: list[Batch], dense: str = "adam", **graphed) -> tuple[GraphedStep, list, list]:
     """Trains two copies of the tiny model on ``batches``: plain eager steps and a graphed
-    step (replays by running the body); asserts equal losses and final states."""
-    plain_obj, plain_opt = _objective()
-    graph_obj, graph_opt = _objective()
+    step (replays by running the body); asserts equal losses and final states (the dense
+    optimizer's step counts included)."""
+    plain_obj, plain_opt = _objective(dense)
+    graph_obj, graph_opt = _objective(dense)
     runner = GraphedStep(graph_obj, torch.device("cpu"), capture=replay_by_running, **graphed)
     plain = _run(plain_obj, plain_opt, PlainStep(plain_obj), batches)
     graph = _run(graph_obj, graph_opt, runner, batches)
@@ -57,9 +59,10 @@ def _same_training(batches: list[Batch], **graphed) -> tuple[GraphedStep, list, 
     return runner, graph, plain
 
 
-def test_a_graphed_run_trains_what_plain_steps_train():
+@pytest.mark.parametrize("dense", ["adam", "sgd", "adagrad"])
+def test_a_graphed_run_trains_what_plain_steps_train(dense):
     batches = [one_hot_batch(16, seed) for seed in range(7)]
-    runner, _, _ = _same_training(batches, warmup_steps=2)
+    runner, _, _ = _same_training(batches, dense, warmup_steps=2)
     assert runner.captured and runner.failed is None
     assert (runner.eager_steps, runner.graphed_steps, runner.steps) == (2, 5, 7)
 
@@ -170,7 +173,6 @@ def test_static_batch_signature_names_what_a_replay_needs():
         (['optim.schedule="cosine"', "optim.decay_steps=10"], "needs a constant learning rate"),
         (["optim.warmup_steps=5"], "needs a constant learning rate"),
         (['optim.sparse="adam"'], "optim.sparse=adam"),
-        (['optim.dense="adagrad"'], "optim.dense=adagrad"),
         (['model.embedding_dtype="bf16"'], "model.embedding_dtype=bf16"),
         (['model.embedding_placement="host"'], "host-placed tables"),
         (['model.embedding_backend="reference"'], "model.embedding_backend=reference"),
@@ -244,11 +246,11 @@ def test_the_trainers_loop_keeps_one_graphed_runner_across_its_calls(monkeypatch
 def test_the_trainer_with_a_whole_step_runner_trains_and_resumes_exactly(monkeypatch, tmp_path):
     """The trainer's loop, evaluation, checkpoints and resume around a GraphedStep (its
     capture replayed by running the body, on CPU): the runs of eager steps, bit for bit."""
-    import functools
     import json
 
     from recaccel.cli import train_main
     from recaccel.io.convert.synth import generate_synthetic
+    from recaccel.train.loop import setup
     from recaccel.train.loop import step as step_module
     from recaccel.train.model import dense_head
     from tests.helpers.resume import final_entries
@@ -261,13 +263,22 @@ def test_the_trainer_with_a_whole_step_runner_trains_and_resumes_exactly(monkeyp
         return made[-1]
 
     monkeypatch.setattr(step_module, "GraphedStep", recorded)
-    monkeypatch.setattr(dense_head, "check_head_options", lambda *args: None)  # CUDA graphs, on CPU
-    sets = [s for s in ONE_HOT if not s.startswith("train.device")] + ['train.device="cpu"', "train.eval_every=8"]
+    for module in (dense_head, setup):  # CUDA graphs, on CPU
+        monkeypatch.setattr(module, "check_head_options", lambda *args: None)
+    sets = [s for s in ONE_HOT if not s.startswith("train.device")] + [
+        'train.device="cpu"',
+        "train.eval_every=8",
+    ]
     root = tmp_path / "data"
     generate_synthetic(load_config(None, [*sets, f'synth.out_dir="{root}"']).synth)
 
     def run(out, *extra):
-        args = [*sets, f'data.train="{root / "train"}"', f'data.test="{root / "test"}"', f'train.out_dir="{out}"']
+        args = [
+            *sets,
+            f'data.train="{root / "train"}"',
+            f'data.test="{root / "test"}"',
+            f'train.out_dir="{out}"',
+        ]
         assert train_main([a for s in [*args, *extra] for a in ("--set", s)]) == 0
         return json.loads((out / "metrics.json").read_text())
 
@@ -284,3 +295,31 @@ def test_the_trainer_with_a_whole_step_runner_trains_and_resumes_exactly(monkeyp
     for (key, a), b in zip(final_entries(tmp_path / "full").items(), final_entries(part).values()):
         if isinstance(a, torch.Tensor):
             torch.testing.assert_close(a, b, rtol=0, atol=0, msg=key)
+
+
+def test_host_step_counts_advance_once_per_replay_of_a_real_graph():
+    """A CUDA replay runs none of the step's host work: Adagrad's CPU step counts stay where
+    the capture left them (the capture ran the host part once: undone) unless advanced here."""
+    objective, optimizer = _objective("adagrad")
+    batches = [one_hot_batch(16, seed) for seed in range(5)]
+    captured = {}
+
+    def like_a_graph(body):
+        """Runs the body at capture (its host part: what a real capture runs) and replays
+        its tensor work by rerunning it with the host step counts held still."""
+        captured["body"] = body
+        body()
+
+        def replay():
+            counts = [s["step"] for s in optimizer.state.values()]
+            held = [c.clone() for c in counts]
+            body()
+            for c, h in zip(counts, held):
+                c.copy_(h)
+
+        return replay
+
+    runner = GraphedStep(objective, torch.device("cpu"), capture=like_a_graph, warmup_steps=2)
+    _run(objective, optimizer, runner, batches)
+    assert runner.graphed_steps == 3
+    assert {float(s["step"]) for s in optimizer.state.values()} == {5.0}

@@ -44,24 +44,33 @@ def graphed_runners(monkeypatch) -> list[GraphedStep]:
     return made
 
 
-def _train(train: TrainConfig, batches, *, grad_clip: float = 0.0):
+def _train(train: TrainConfig, batches, *, grad_clip: float = 0.0, dense: str = "adam"):
     objective = tiny_objective(backend="triton", sparse_optim="rowwise_adagrad", device="cuda")
     objective.cfg.optim.grad_clip_norm = grad_clip
-    optimizer = build_dense_optimizer(objective.module, objective.cfg.optim)  # fused Adam
+    objective.cfg.optim.dense = dense
+    optimizer = build_dense_optimizer(
+        objective.module, objective.cfg.optim
+    )  # fused Adam / SGD, foreach Adagrad
     layout = SingleProcess(CUDA)
     source = [(b.to(CUDA), {"s": i}) for i, b in enumerate(batches)]
     losses = [float(done.loss) for done in layout.steps(source, objective, optimizer, train)]
     state = {k: v.detach().cpu().clone() for k, v in objective.module.state_dict().items()}
-    return losses, state, objective
+    steps = sorted(float(s["step"]) for s in optimizer.state.values() if "step" in s)
+    return losses, state, steps
 
 
-@pytest.mark.parametrize("pipeline", ["off", "sync"])
-@pytest.mark.parametrize("grad_clip", [0.0, 0.5])
-def test_replayed_steps_train_what_eager_steps_train(graphed_runners, pipeline, grad_clip):
+@pytest.mark.parametrize(
+    ("pipeline", "grad_clip", "dense"),
+    [("off", 0.0, "adam"), ("sync", 0.5, "adam"), ("sync", 0.0, "sgd"), ("off", 0.0, "adagrad")],
+)
+def test_replayed_steps_train_what_eager_steps_train(graphed_runners, pipeline, grad_clip, dense):
     batches = [one_hot_batch(256, s) for s in range(WARMUP_STEPS + 5)]
-    eager, eager_state, _ = _train(TrainConfig(pipeline=pipeline), batches, grad_clip=grad_clip)
+    eager, eager_state, eager_steps = _train(
+        TrainConfig(pipeline=pipeline), batches, grad_clip=grad_clip, dense=dense
+    )
     train = TrainConfig(pipeline=pipeline, cuda_graphs=True, cuda_graph_scope="step")
-    graphed, graphed_state, _ = _train(train, batches, grad_clip=grad_clip)
+    graphed, graphed_state, graphed_steps = _train(train, batches, grad_clip=grad_clip, dense=dense)
+    assert graphed_steps == eager_steps  # host (Adagrad) and device (fused Adam) step counts alike
     (runner,) = graphed_runners
     assert runner.failed is None, runner.failed
     assert (runner.eager_steps, runner.graphed_steps) == (WARMUP_STEPS, 5)
