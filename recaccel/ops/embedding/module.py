@@ -373,6 +373,24 @@ class PackedEmbeddingBag(nn.Module):
         finally:
             self._checks_by_caller = before
 
+    def step_counts(self) -> list[Tensor]:
+        """Each pack's update count (int64 scalar CPU tensors: Adam's ``t``, advanced by
+        the host once per update), for a caller that replays updates without their host work."""
+        return [pack.step for pack in self._packs]
+
+    def replay_unsupported(self) -> str | None:
+        """Why a replayed captured update would not be this module's update, or None: a
+        replay repeats the host's scalars of the captured step, and Adam's bias corrections
+        and 16-bit rows' rounding seed change every step."""
+        adam = sorted({layout.optimizer for layout in self.plan.packs} & {"adam"})
+        if adam:
+            return (
+                "sparse optimizers whose scalars stay the same from step to step, not adam (bias corrections)"
+            )
+        if self.rounding is not None:
+            return f"float32 rows, not {self.dtype} (the rounding seed changes every step)"
+        return None
+
     def queue_replayed_check(self, batch: SparseFeatures, replayed: PreparedSparse) -> None:
         """The deferred bounds check of ``batch`` trained by a replayed captured step.
 

@@ -8,10 +8,11 @@ optimizer step. Captured once and replayed, it costs the host one graph launch a
 copies, so the host stays ahead of the device however short the step.
 :class:`GraphedStep` runs the steps of a run as:
 
-1. warm-up: the first :data:`WARMUP_STEPS` steps run eagerly on a side stream (torch's
-   CUDA graph notes: lazy initialisation, cuBLAS workspaces, Triton compilation and the
-   lane grid's occupancy happen before the capture). They are ordinary steps of the run.
-2. capture: the next batch is copied into static tensors (:class:`StaticBatch`) and one
+1. warm-up: steps run eagerly on a side stream (torch's CUDA graph notes: lazy
+   initialisation, cuBLAS workspaces, Triton compilation, the routing's index tensors and
+   the lane grid's occupancy happen before the capture) until :data:`WARMUP_STEPS`
+   batches of one signature have run. They are ordinary steps of the run.
+2. capture: the next batch of that signature is copied into static tensors (:class:`StaticBatch`) and one
    step reading them is captured (preparation, forward, backward, dense optimizer step),
    then replayed for that batch.
 3. replay: every later batch of the same signature (shapes, dtypes, keys, id counts per
@@ -31,9 +32,9 @@ The step's host work that a replay does not redo is done here after each replay:
 - ``objective.watch`` (``train.metric_window``): called with copies of the step's logits
   and labels;
 - ``optimizer.grad_norm`` (``optim.grad_clip_norm``): the graph's norm tensor;
-- the step counts an optimizer keeps on the host (torch's Adagrad, whose rate does not
-  depend on them: recaccel sets no ``lr_decay``): advanced by one, so its state and
-  checkpoints are those of eager steps.
+- the step counts the host keeps (torch's Adagrad's, whose rate does not depend on them:
+  recaccel sets no ``lr_decay``; the packed embedding's update counts): advanced by one,
+  so the state and checkpoints are those of eager steps (the capture's own advance is undone).
 
 What a replay repeats as captured: the learning rates, Adam's bias corrections and the
 rounding seed of 16-bit rows. The config refuses what would need them to change
@@ -159,7 +160,7 @@ def step_graph_unsupported(objective: Objective, device: torch.device) -> str | 
         return f"the packed embedding's Triton backend on CUDA, not {embedding.backend!r}"
     if embedding.cached_packs():
         return "tables on the device (host tables fill their cache on the host)"
-    return None
+    return embedding.replay_unsupported()
 
 
 class GraphedStep:
@@ -196,6 +197,9 @@ class GraphedStep:
             reason = f"a CUDA device, not {device}"
         if reason is not None:
             raise ConfigError(f"train.cuda_graph_scope=step needs {reason}; use train.cuda_graph_scope=head")
+        if warmup_steps < 1:
+            # The routing's index tensors and every kernel's compilation must exist before a capture.
+            raise ValueError(f"GraphedStep: warmup_steps must be >= 1, got {warmup_steps}")
         self.objective: DLRMObjective = objective
         self.embedding: PackedEmbeddingBag = objective.embedding
         self.device = device
@@ -210,6 +214,7 @@ class GraphedStep:
         self._grad_norm: Tensor | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self.failed: str | None = None  # why the capture failed, if it did
+        self._warm: dict[tuple, int] = {}  # eager steps per batch signature before the capture
         self.steps = 0
         self.graphed_steps = 0
         self.eager_steps = 0
@@ -225,13 +230,19 @@ class GraphedStep:
         self._bind(optimizer)
         batch = item.batch
         graphable = self._graphable(batch)
-        if graphable and not self.captured and self.failed is None and self.steps >= self.warmup_steps:
-            self._capture(batch, optimizer)
+        warming_up = graphable and not self.captured and self.failed is None
+        if warming_up:
+            signature = StaticBatch.signature_of(batch)
+            # Only a batch whose kind the warm-up ran (its kernels compiled, its routing
+            # made): a first short batch would be captured and every later one run eagerly.
+            if self._warm.get(signature, 0) >= self.warmup_steps:
+                self._capture(batch, optimizer)
+            else:
+                self._warm[signature] = self._warm.get(signature, 0) + 1
         if graphable and self.captured and self.static.matches(batch):
             loss = self._replayed(batch, optimizer)
         else:
             self._note_fallback(batch, graphable)
-            warming_up = not self.captured and self.failed is None
             loss = self._eager(batch, optimizer, on_side_stream=warming_up)
         self.steps += 1
         return loss
@@ -311,7 +322,7 @@ class GraphedStep:
             self._prepared, self._loss = prepared, loss.detach()
             self._grad_norm = getattr(optimizer, "grad_norm", None)  # the clipping hook's, if any
 
-        counts = host_step_counts(optimizer)
+        counts = self._host_counts(optimizer)
         before = [c.clone() for c in counts]
         try:
             replay = self.capture(body)
@@ -348,12 +359,17 @@ class GraphedStep:
         finally:
             self.objective.watch = watch
 
+    def _host_counts(self, optimizer: torch.optim.Optimizer) -> list[Tensor]:
+        """The step counts the host advances in a step: the dense optimizer's kept on the
+        host (torch's Adagrad) and the packs' update counts."""
+        return host_step_counts(optimizer) + self.embedding.step_counts()
+
     # ------------------------------------------------------------- replay
 
     def _replayed(self, batch: Batch, optimizer: torch.optim.Optimizer) -> Tensor:
         """``batch``'s step by the graph, then the host work a replay does not redo."""
         self.static.fill(batch)
-        counts = host_step_counts(optimizer)
+        counts = self._host_counts(optimizer)
         before = [float(c) for c in counts]
         self._replay()
         for count, was in zip(counts, before):

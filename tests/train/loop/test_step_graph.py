@@ -323,3 +323,44 @@ def test_host_step_counts_advance_once_per_replay_of_a_real_graph():
     _run(objective, optimizer, runner, batches)
     assert runner.graphed_steps == 3
     assert {float(s["step"]) for s in optimizer.state.values()} == {5.0}
+
+
+def test_the_capture_waits_for_a_warmed_up_batch_of_its_own_kind():
+    """A run (or a resume) that starts on a short batch captures a full one, after full
+    batches have warmed the kernels up, not the short one."""
+    batches = [one_hot_batch(5, 0), one_hot_batch(16, 1), one_hot_batch(16, 2), one_hot_batch(16, 3)]
+    batches += [one_hot_batch(16, s) for s in range(4, 7)]
+    runner, _, _ = _same_training(batches, warmup_steps=2)
+    assert runner.static.batch.batch_size == 16
+    assert (runner.eager_steps, runner.graphed_steps) == (3, 4)
+
+
+def test_an_objective_whose_update_a_replay_cannot_repeat_is_refused():
+    adam = tiny_objective(sparse_optim="adam")
+    with pytest.raises(ConfigError, match="not adam"):
+        GraphedStep(adam, torch.device("cpu"), capture=replay_by_running)
+    objective, _ = _objective()
+    with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
+        GraphedStep(objective, torch.device("cpu"), capture=replay_by_running, warmup_steps=0)
+
+
+def test_the_packs_update_counts_advance_once_per_replayed_step():
+    objective, optimizer = _objective()
+    held = {}
+
+    def like_a_graph(body):
+        body()  # the host part runs at capture (undone by GraphedStep)
+
+        def replay():  # the tensor work again; the host's counters stay where they were
+            counts = objective.embedding.step_counts()
+            held["before"] = [c.clone() for c in counts]
+            body()
+            for c, h in zip(counts, held["before"]):
+                c.copy_(h)
+
+        return replay
+
+    runner = GraphedStep(objective, torch.device("cpu"), capture=like_a_graph, warmup_steps=1)
+    _run(objective, optimizer, runner, [one_hot_batch(16, s) for s in range(4)])
+    assert runner.graphed_steps == 3
+    assert [int(c) for c in objective.embedding.step_counts()] == [4]
