@@ -120,6 +120,35 @@ CASES = (
         r"parallel.data=dynamic reads rows \(train.mode=dlrm\); use parallel.data=global$",
     ),
     Case(
+        "step_graph_replays_fixed_rates",
+        ("train.cuda_graphs=true", 'train.cuda_graph_scope="step"'),
+        ("optim.warmup_steps=100",),
+        ("optim.warmup_steps=0",),
+        r"train.cuda_graph_scope=step \(a captured step replays the rates it was captured with\) needs a "
+        r"constant learning rate: optim.schedule=constant and optim.warmup_steps=0, got constant and 100$",
+    ),
+    Case(
+        "step_graph_replays_fixed_rates",
+        ("train.cuda_graphs=true",),
+        ('train.cuda_graph_scope="step"', 'optim.sparse="adam"'),
+        ('train.cuda_graph_scope="head"', 'optim.sparse="adam"'),
+        r"train.cuda_graph_scope=step .* does not replay optim.sparse=adam \(its bias corrections",
+    ),
+    Case(
+        "step_graph_captures_device_fp32_triton_tables",
+        ("train.cuda_graphs=true",),
+        ('train.cuda_graph_scope="step"', 'model.embedding_dtype="bf16"'),
+        ('train.cuda_graph_scope="step"', 'model.embedding_dtype="fp32"'),
+        r"train.cuda_graph_scope=step .* does not replay model.embedding_dtype=bf16 \(its rounding seed",
+    ),
+    Case(
+        "step_graph_captures_device_fp32_triton_tables",
+        ("train.cuda_graphs=true", 'train.cuda_graph_scope="step"'),
+        ('model.table_placement=["t1=host"]',),
+        ("model.table_placement=[]",),
+        r"train.cuda_graph_scope=step does not capture host-placed tables \(model.embedding_placement",
+    ),
+    Case(
         "straggler_policy_needs_no_pipeline",
         (HYBRID, "parallel.straggler=rebalance"),
         ("train.pipeline=sync",),

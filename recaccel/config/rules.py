@@ -111,23 +111,38 @@ def _hybrid_runs_no_overlap(cfg: Config) -> str | None:
     return None
 
 
+def _step_graph(cfg: Config) -> bool:
+    return cfg.train.cuda_graphs and cfg.train.cuda_graph_scope == "step"
+
+
+_REPLAYS = "train.cuda_graph_scope=step (a captured step replays the rates it was captured with)"
+
+
 def _step_graph_replays_fixed_rates(cfg: Config) -> str | None:
-    """A captured step replays the scalars it was captured with (learning rates, Adam's bias
-    corrections, 16-bit rows' rounding seed) and the packed Triton embedding's kernels."""
-    t, o, m = cfg.train, cfg.optim, cfg.model
-    if not (t.cuda_graphs and t.cuda_graph_scope == "step"):
+    """A captured step replays the scalars it was captured with: the learning rates and
+    sparse Adam's bias corrections."""
+    o = cfg.optim
+    if not _step_graph(cfg):
         return None
-    what = "train.cuda_graph_scope=step (a captured step replays the rates it was captured with)"
     if o.schedule != "constant" or o.warmup_steps > 0:
-        return f"{what} needs a constant learning rate: optim.schedule=constant and optim.warmup_steps=0, got {o.schedule} and {o.warmup_steps}"  # noqa: E501
+        return f"{_REPLAYS} needs a constant learning rate: optim.schedule=constant and optim.warmup_steps=0, got {o.schedule} and {o.warmup_steps}"  # noqa: E501
     if o.sparse == "adam":
-        return f"{what} does not replay optim.sparse=adam (its bias corrections change every step); use rowwise_adagrad or sgd"  # noqa: E501
+        return f"{_REPLAYS} does not replay optim.sparse=adam (its bias corrections change every step); use rowwise_adagrad or sgd"  # noqa: E501
+    return None
+
+
+def _step_graph_captures_device_fp32_triton_tables(cfg: Config) -> str | None:
+    """A captured step replays 16-bit rows' rounding seed of its capture, cannot fill a host
+    table's cache, and captures the packed Triton embedding."""
+    m = cfg.model
+    if not _step_graph(cfg):
+        return None
     if m.embedding_dtype != "fp32":
-        return f"{what} does not replay model.embedding_dtype={m.embedding_dtype} (its rounding seed changes every step); use fp32"  # noqa: E501
+        return f"{_REPLAYS} does not replay model.embedding_dtype={m.embedding_dtype} (its rounding seed changes every step); use fp32"  # noqa: E501
     if m.embedding_placement == "host" or any(e.endswith("=host") for e in m.table_placement):
-        return f"{what} does not capture host-placed tables (their cache is filled on the host); place them on the device"  # noqa: E501
+        return "train.cuda_graph_scope=step does not capture host-placed tables (model.embedding_placement, model.table_placement: their cache is filled on the host); place them on the device"  # noqa: E501
     if m.embedding_backend not in ("auto", "triton"):
-        return f"{what} captures the packed Triton embedding; model.embedding_backend={m.embedding_backend} (use auto or triton)"  # noqa: E501
+        return f"train.cuda_graph_scope=step captures the packed Triton embedding; model.embedding_backend={m.embedding_backend} (use auto or triton)"  # noqa: E501
     return None
 
 
@@ -201,13 +216,20 @@ RULES: tuple[Rule, ...] = (
             "optim.schedule",
             "optim.warmup_steps",
             "optim.sparse",
-            "optim.dense",
+        ),  # fmt: skip
+        _step_graph_replays_fixed_rates,
+    ),
+    Rule(
+        "step_graph_captures_device_fp32_triton_tables",
+        (
+            "train.cuda_graphs",
+            "train.cuda_graph_scope",
             "model.embedding_dtype",
             "model.embedding_placement",
             "model.table_placement",
             "model.embedding_backend",
         ),  # fmt: skip
-        _step_graph_replays_fixed_rates,
+        _step_graph_captures_device_fp32_triton_tables,
     ),
     Rule("dynamic_data_reads_rows", ("parallel.data", "train.mode"), _dynamic_data_reads_rows),
     Rule(
