@@ -121,11 +121,12 @@ CASES = (
     ),
     Case(
         "step_graph_replays_fixed_rates",
-        ("train.cuda_graphs=true", 'train.cuda_graph_scope="step"'),
-        ("optim.warmup_steps=100",),
-        ("optim.warmup_steps=0",),
-        r"train.cuda_graph_scope=step \(a captured step replays the rates it was captured with\) needs a "
-        r"constant learning rate: optim.schedule=constant and optim.warmup_steps=0, got constant and 100$",
+        ("train.cuda_graphs=true", 'train.cuda_graph_scope="step"', "optim.warmup_steps=100"),
+        ('optim.dense="sgd"',),
+        ('optim.dense="adam"',),
+        r"train.cuda_graph_scope=step \(a captured step replays the rates it was captured with\) replays "
+        r"optim.dense=sgd at one rate \(torch reads it on the host\): with optim.schedule=constant and "
+        r"optim.warmup_steps=100 use optim.dense=adam$",
     ),
     Case(
         "step_graph_replays_fixed_rates",

@@ -119,13 +119,15 @@ _REPLAYS = "train.cuda_graph_scope=step (a captured step replays the rates it wa
 
 
 def _step_graph_replays_fixed_rates(cfg: Config) -> str | None:
-    """A captured step replays the scalars it was captured with: the learning rates and
-    sparse Adam's bias corrections."""
+    """A captured step replays the scalars it was captured with: a dense SGD's or Adagrad's
+    rate (the embedding's and dense Adam's live in device tensors) and sparse Adam's bias
+    corrections."""
     o = cfg.optim
     if not _step_graph(cfg):
         return None
-    if o.schedule != "constant" or o.warmup_steps > 0:
-        return f"{_REPLAYS} needs a constant learning rate: optim.schedule=constant and optim.warmup_steps=0, got {o.schedule} and {o.warmup_steps}"  # noqa: E501
+    scheduled = o.schedule != "constant" or o.warmup_steps > 0
+    if scheduled and o.dense != "adam":
+        return f"{_REPLAYS} replays optim.dense={o.dense} at one rate (torch reads it on the host): with optim.schedule={o.schedule} and optim.warmup_steps={o.warmup_steps} use optim.dense=adam"  # noqa: E501
     if o.sparse == "adam":
         return f"{_REPLAYS} does not replay optim.sparse=adam (its bias corrections change every step); use rowwise_adagrad or sgd"  # noqa: E501
     return None
@@ -215,6 +217,7 @@ RULES: tuple[Rule, ...] = (
             "train.cuda_graph_scope",
             "optim.schedule",
             "optim.warmup_steps",
+            "optim.dense",
             "optim.sparse",
         ),  # fmt: skip
         _step_graph_replays_fixed_rates,

@@ -233,7 +233,7 @@ _COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from recaccel.ops.embedding.triton import piece_lanes as K
 
-    HYPER = {k: "fp32" for k in ("lr", "eps", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2",
+    HYPER = {"lr_ptr": "*fp32"} | {k: "fp32" for k in ("eps", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2",
                                  "weight_decay", "bias_c1", "bias_c2")}
     HYPER["seed"] = "i32"
     LANES = {

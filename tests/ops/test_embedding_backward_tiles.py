@@ -187,7 +187,7 @@ _COMPILE = textwrap.dedent(
     from triton.compiler import ASTSource
     from recaccel.ops.embedding.triton import backward as K
 
-    HYPER = {k: "fp32" for k in ("lr", "eps", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "weight_decay", "bias_c1", "bias_c2")}
+    HYPER = {"lr_ptr": "*fp32"} | {k: "fp32" for k in ("eps", "beta1", "beta2", "one_minus_beta1", "one_minus_beta2", "weight_decay", "bias_c1", "bias_c2")}
     HYPER["seed"] = "i32"
     TILE = {
         "weight_ptr": "*fp32", "m1_ptr": "*fp32", "m2_ptr": "*fp32", "keys_ptr": "*i64",

@@ -280,7 +280,8 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     )
     momentum = init_states(OPTIMIZER, weight.shape[0], case.dim, device)["momentum1"]
     optim = SparseOptimConfig(lr=0.01, eps=1e-8)
-    hyper = (optim.lr, optim.eps, optim.beta1, optim.beta2, 1 - optim.beta1, 1 - optim.beta2, 0.0, 1.0, 1.0)
+    lr = torch.full((1,), optim.lr, dtype=torch.float32, device=device)
+    hyper = (lr, optim.eps, optim.beta1, optim.beta2, 1 - optim.beta1, 1 - optim.beta2, 0.0, 1.0, 1.0)
     stochastic_seed = _ROUNDING_SEED if weight.dtype != torch.float32 else 0
 
     pieces: dict[int, object] = {}  # the lanes' pieces, cut once per length: a training step

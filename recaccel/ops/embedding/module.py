@@ -373,6 +373,14 @@ class PackedEmbeddingBag(nn.Module):
         finally:
             self._checks_by_caller = before
 
+    def keep_rates_in_place(self) -> None:
+        """For a captured step: each pack's learning rate lives in one device tensor that
+        :meth:`set_learning_rate` refills, so a replay reads each step's rate. By default a
+        change of rate makes a new tensor, so an update keeps the rate of its lookup (a
+        semi-sync step looks the next batch up before that step's rate is set)."""
+        for pack in self._packs:
+            pack.rates_in_place = True
+
     def step_counts(self) -> list[Tensor]:
         """Each pack's update count (int64 scalar CPU tensors: Adam's ``t``, advanced by
         the host once per update), for a caller that replays updates without their host work."""

@@ -32,6 +32,10 @@ class PackState:
             tensor so that reading it never waits for the GPU.
         rounding_seed: 16-bit rows: draws the 32-bit seed of one update's stochastic
             rounding (:mod:`~recaccel.ops.embedding.rounding`); None for float32 rows.
+        lr: float32 [1] on the weight's device: the learning rate as the Triton update
+            kernels read it (a device scalar that the schedule refills, so a captured
+            step's replays use each step's rate); None: the kernels' launcher makes one
+            from ``optim.lr``. The other backends read ``optim.lr``.
     """
 
     optimizer: str
@@ -39,6 +43,7 @@ class PackState:
     states: dict[str, Tensor]
     step: Tensor
     rounding_seed: Callable[[], int] | None = None
+    lr: Tensor | None = None
 
 
 def init_states(optimizer: str, num_rows: int, dim: int, device: torch.device) -> dict[str, Tensor]:

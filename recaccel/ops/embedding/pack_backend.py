@@ -201,6 +201,9 @@ class HeldPack(ABC):
         self.rounding = options.rounding
         # Adam's t: a CPU tensor, so that reading it never waits for the GPU.
         self.step = torch.zeros((), dtype=torch.int64)
+        self._lr_scalar: Tensor | None = None  # optim.lr on the device (_lr_on)
+        # A captured step's updates read one rate tensor per pack, refilled by the schedule.
+        self.rates_in_place = False
 
     @classmethod
     def create(
@@ -290,7 +293,24 @@ class HeldPack(ABC):
 
     def _state(self, held: Mapping[str, Tensor]) -> PackState:
         seed = None if self.rounding is None else self.rounding.next_seed
-        return PackState(self.layout.optimizer, held["weight"], self._optimizer_states(held), self.step, seed)
+        weight = held["weight"]
+        return PackState(
+            self.layout.optimizer,
+            weight,
+            self._optimizer_states(held),
+            self.step,
+            seed,
+            self._lr_on(weight.device),
+        )
+
+    def _lr_on(self, device: torch.device) -> Tensor:
+        """The learning rate as a float32 [1] tensor on ``device``, made by a fill (no copy
+        from the host) on first use there and after each change of rate; with
+        :attr:`rates_in_place` it is made once and refilled (:meth:`set_learning_rate`)."""
+        lr = self._lr_scalar
+        if lr is None or lr.device != device:
+            lr = self._lr_scalar = torch.full((1,), self.optim.lr, dtype=torch.float32, device=device)
+        return lr
 
     def table_tensors(self, held: Mapping[str, Tensor]) -> list[dict[str, Tensor]]:
         tensors = {"weight": held["weight"].detach(), **self._optimizer_states(held)}
@@ -298,3 +318,9 @@ class HeldPack(ABC):
 
     def set_learning_rate(self, lr: float) -> None:
         self.optim = dataclasses.replace(self.optim, lr=lr)
+        if self._lr_scalar is None:
+            return
+        if self.rates_in_place:  # on the current stream, before the step whose replay reads it
+            self._lr_scalar.fill_(lr)
+        else:  # a lookup made before the change (semi_sync's) keeps its rate for its update
+            self._lr_scalar = None

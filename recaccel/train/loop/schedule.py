@@ -180,8 +180,7 @@ class LRSchedule:
                 f"the schedule brings optim.sparse_lr to 0 at step {step + 1} (optim.final_lr_ratio=0 "
                 "and the decay ends before the run); set optim.final_lr_ratio > 0 or optim.decay_steps"
             )
-        for group in self.dense.param_groups:
-            group["lr"] = dense
+        set_group_rates(self.dense, dense)
         for setter in self.sparse:
             setter(sparse)
         self._applied = f
@@ -202,9 +201,14 @@ def sparse_rate_setters(module: nn.Module, parallel: Parallelism) -> list[Callab
 
 
 def set_group_rates(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Sets every group's ``lr`` of ``optimizer``."""
+    """Sets every group's ``lr`` of ``optimizer``; a rate held in a tensor (a captured
+    step's optimizer: :class:`~recaccel.train.loop.step_graph.GraphedStep`) is refilled in
+    place, on the current stream, so the graph's replays read it."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
 
 
 def set_fused_rate(optimizer: Any, lr: float) -> None:

@@ -36,10 +36,13 @@ The step's host work that a replay does not redo is done here after each replay:
   recaccel sets no ``lr_decay``; the packed embedding's update counts): advanced by one,
   so the state and checkpoints are those of eager steps (the capture's own advance is undone).
 
-What a replay repeats as captured: the learning rates, Adam's bias corrections and the
-rounding seed of 16-bit rows. The config refuses what would need them to change
-(:func:`recaccel.config.rules.check_rules`, ``step_graph_replays_fixed_rates``); the dense
-optimizer is made capturable (torch keeps its step counts on the device). The parameters'
+The learning rates live in device tensors that the schedule refills between steps: the
+packed embedding's (:meth:`~recaccel.ops.embedding.PackedEmbeddingBag.keep_rates_in_place`,
+read by the Triton update kernels) and the dense Adam's (made capturable, its rate a tensor:
+torch keeps its step counts on the device too). What a replay repeats as captured: sparse
+Adam's bias corrections, the rounding seed of 16-bit rows, and the rate of a dense SGD or
+Adagrad (torch reads theirs on the host). The config refuses what would need those to
+change (:func:`recaccel.config.rules.check_rules`, ``step_graph_replays_fixed_rates``). The parameters'
 gradients are set to None before the capture, so the captured backward allocates them in
 the graph's memory and each replay overwrites them, as in torch's whole-network capture.
 
@@ -202,6 +205,7 @@ class GraphedStep:
             raise ValueError(f"GraphedStep: warmup_steps must be >= 1, got {warmup_steps}")
         self.objective: DLRMObjective = objective
         self.embedding: PackedEmbeddingBag = objective.embedding
+        self.embedding.keep_rates_in_place()  # the schedule refills the rate tensors the graph reads
         self.device = device
         self.warmup_steps = warmup_steps
         self.capture = capture if capture is not None else capture_cuda_graph
@@ -258,6 +262,9 @@ class GraphedStep:
             optimizer.defaults["capturable"] = True  # kept across load_state_dict (keep_implementation)
             for group in optimizer.param_groups:
                 group["capturable"] = True
+                if not isinstance(group["lr"], Tensor):  # refilled by the schedule (set_group_rates)
+                    device = group["params"][0].device
+                    group["lr"] = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
 
     def _graphable(self, batch: object) -> bool:
         return (

@@ -96,6 +96,8 @@ def keep_implementation(optimizer: torch.optim.Optimizer, impl: dict[str, bool |
             group.update(impl)
             if "capturable" in opt.defaults:
                 group["capturable"] = opt.defaults["capturable"]
+            if isinstance(group["lr"], torch.Tensor) and not group.get("capturable", False):
+                group["lr"] = float(group["lr"])  # a captured run's rate tensor, into an uncaptured one
             for p in group["params"]:
                 step = opt.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor):

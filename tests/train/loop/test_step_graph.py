@@ -170,8 +170,8 @@ def test_static_batch_signature_names_what_a_replay_needs():
     [
         (['train.pipeline="semi_sync"'], "train.pipeline=semi_sync do not combine"),
         (["train.micro_batches=2"], "train.micro_batches=2 do not combine"),
-        (['optim.schedule="cosine"', "optim.decay_steps=10"], "needs a constant learning rate"),
-        (["optim.warmup_steps=5"], "needs a constant learning rate"),
+        (['optim.schedule="cosine"', "optim.decay_steps=10", 'optim.dense="sgd"'], "use optim.dense=adam"),
+        (["optim.warmup_steps=5", 'optim.dense="adagrad"'], "use optim.dense=adam"),
         (['optim.sparse="adam"'], "optim.sparse=adam"),
         (['model.embedding_dtype="bf16"'], "model.embedding_dtype=bf16"),
         (['model.embedding_placement="host"'], "host-placed tables"),

@@ -1,7 +1,7 @@
 """The whole-step CUDA graph on CUDA (``pytest -m gpu``; skipped without a GPU): the capture
 holds the preparation, Triton lookup, head, backward with the fused sparse update and the
-fused dense Adam step; replays train what eager steps train, never wait for the host, and
-the trainer runs, checkpoints and resumes with them."""
+fused dense Adam step; replays train what eager steps train (with rates that change every
+step too), never wait for the host, and the trainer runs, checkpoints and resumes with them."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from recaccel.io.convert.synth import generate_synthetic
 from recaccel.ops.embedding import InvalidIdError
 from recaccel.train.loop import step as step_module
 from recaccel.train.loop.parallel import SingleProcess
+from recaccel.train.loop.schedule import set_group_rates
 from recaccel.train.loop.step_graph import WARMUP_STEPS, GraphedStep
 from recaccel.train.model.optim import build_dense_optimizer
 from tests.helpers.step_parts import CARDS, one_hot_batch, random_batch, tiny_objective
@@ -80,6 +81,31 @@ def test_replayed_steps_train_what_eager_steps_train(graphed_runners, pipeline, 
         torch.testing.assert_close(graphed_state[key], eager_state[key], rtol=1e-4, atol=1e-6, msg=key)
 
 
+def _scheduled(train: TrainConfig, batches) -> tuple[list[float], dict]:
+    """Steps whose dense and sparse rates change before every step, as the trainer's
+    schedule sets them (between the loop's steps)."""
+    objective = tiny_objective(backend="triton", sparse_optim="rowwise_adagrad", device="cuda")
+    optimizer = build_dense_optimizer(objective.module, objective.cfg.optim)  # fused Adam
+    steps = SingleProcess(CUDA).steps([(b.to(CUDA), {}) for b in batches], objective, optimizer, train)
+    losses = []
+    for k in range(len(batches)):
+        set_group_rates(optimizer, 0.01 * (k + 1))
+        objective.embedding.set_learning_rate(0.05 * (k + 1))
+        losses.append(float(next(steps).loss))
+    state = {k: v.detach().cpu().clone() for k, v in objective.module.state_dict().items()}
+    return losses, state
+
+
+def test_replays_read_each_steps_learning_rates(graphed_runners):
+    batches = [one_hot_batch(256, s) for s in range(WARMUP_STEPS + 5)]
+    eager, eager_state = _scheduled(TrainConfig(), batches)
+    graphed, graphed_state = _scheduled(TrainConfig(cuda_graphs=True, cuda_graph_scope="step"), batches)
+    assert graphed_runners[0].graphed_steps == 5
+    torch.testing.assert_close(torch.tensor(graphed), torch.tensor(eager), rtol=1e-5, atol=1e-6)
+    for key in eager_state:
+        torch.testing.assert_close(graphed_state[key], eager_state[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
 def test_other_batches_run_eagerly_between_replays(graphed_runners):
     batches = [one_hot_batch(256, s) for s in range(WARMUP_STEPS + 2)]
     batches += [one_hot_batch(100, 50), random_batch(256, 51), one_hot_batch(256, 52)]
@@ -135,6 +161,7 @@ ONE_HOT = [
     "model.bottom_mlp=[16, 8]",
     "model.top_mlp=[16, 1]",
     "optim.sparse=rowwise_adagrad",
+    "optim.warmup_steps=6",  # rates that change every step: the replays read them from the device
     "train.log_every=4",
     "train.progress=false",
     "train.epochs=2",

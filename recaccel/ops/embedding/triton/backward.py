@@ -257,7 +257,7 @@ def _occurrence_tile_kernel(
     stride_gb,
     stride_gf,
     stride_gd,
-    lr,
+    lr_ptr,  # float32 [1] the learning rate (a device scalar: a captured step replays its updates)
     eps,
     beta1,
     beta2,
@@ -274,6 +274,7 @@ def _occurrence_tile_kernel(
     BLOCK_D: tl.constexpr,
     SUBTILES: tl.constexpr,  # chunks of BLOCK_OCC occurrences per program (its span)
 ):
+    lr = tl.load(lr_ptr)
     t = tl.program_id(0).to(tl.int64)
     start = t * (BLOCK_OCC * SUBTILES)
     span_last = tl.minimum(start + BLOCK_OCC * SUBTILES, num_occ) - 1
@@ -307,7 +308,7 @@ def launch_backward(
     grad_out: Tensor,
     batch_size: int,
     mode: int,
-    hyper: tuple[float, ...],
+    hyper: tuple[Tensor | float, ...],
     seed: int,
     config: BackwardConfig,
     pieces: Pieces | None = None,
@@ -315,7 +316,7 @@ def launch_backward(
     """Runs the backward over ``keys.numel() > 0`` sorted occurrences: the piece lanes for
     a :class:`LaneConfig` (``pieces`` when already made), else the tile kernel and then the
     spanning-row kernel; ``hyper`` is (lr, eps, beta1, beta2, 1 - beta1, 1 - beta2,
-    weight_decay, bias_c1, bias_c2)."""
+    weight_decay, bias_c1, bias_c2), ``lr`` a float32 [1] device tensor (:func:`lr_scalar`)."""
     if grad_out.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         grad_out = grad_out.to(torch.float32)
     if isinstance(config, LaneConfig):
@@ -383,11 +384,19 @@ def embedding_bag_backward(
     slot = torch.arange(rows.numel(), device=rows.device)
     keys = torch.repeat_interleave(slot, segments[1:] - segments[:-1], output_size=num_occ)
     occ = sort_occurrences(ids, groups, None)  # its bags and scales (its keys are rows, not slots)
-    hyper = (0.0,) * 7 + (1.0, 1.0)
+    hyper = (torch.zeros(1, dtype=torch.float32, device=grad.device), *(0.0,) * 6, 1.0, 1.0)
     launch_backward(
         grad, grad, grad, keys, occ.bags, occ.scale, grad_out, batch_size, _MODE_GRAD, hyper, 0, config
     )
     return rows, grad
+
+
+def lr_scalar(state: PackState, lr: float) -> Tensor:
+    """The learning rate as the update kernels read it: ``state.lr`` (float32 [1] on the
+    weight's device), else one made from ``lr``."""
+    if state.lr is not None:
+        return state.lr
+    return torch.full((1,), lr, dtype=torch.float32, device=state.weight.device)
 
 
 def fused_update(
@@ -441,7 +450,7 @@ def fused_update(
         occurrences = sort_occurrences(ids, groups, piece_len_of(config))
     bc1, bc2 = adam_bias_corrections(optim, state.step)
     hyper = (
-        optim.lr,
+        lr_scalar(state, optim.lr),
         optim.eps,
         optim.beta1,
         optim.beta2,

@@ -227,7 +227,7 @@ def _piece_lanes_kernel(
     stride_gb,
     stride_gf,
     stride_gd,
-    lr,
+    lr_ptr,  # float32 [1] the learning rate (a device scalar: a captured step replays its updates)
     eps,
     beta1,
     beta2,
@@ -245,6 +245,7 @@ def _piece_lanes_kernel(
     BLOCK_D: tl.constexpr,
     UNROLL: tl.constexpr,
 ):
+    lr = tl.load(lr_ptr)
     num_pieces = tl.load(num_pieces_ptr)
     lanes = tl.arange(0, BLOCK_PIECES)
     cols = tl.arange(0, BLOCK_D)
@@ -315,7 +316,7 @@ def _piece_combine_kernel(
     num_windows,
     dim,
     stride_w,
-    lr,
+    lr_ptr,  # float32 [1] the learning rate (a device scalar: a captured step replays its updates)
     eps,
     beta1,
     beta2,
@@ -332,6 +333,7 @@ def _piece_combine_kernel(
     CHUNK: tl.constexpr,
     WINDOWS: tl.constexpr,
 ):
+    lr = tl.load(lr_ptr)
     ws = tl.program_id(0).to(tl.int64) * WINDOWS + tl.arange(0, WINDOWS)
     owners = tl.load(owner_ptr + ws, mask=ws < num_windows, other=-1)
     cols = tl.arange(0, BLOCK_D)
@@ -398,14 +400,15 @@ def launch_lanes(
     grad_out: Tensor,
     batch_size: int,
     mode: int,
-    hyper: tuple[float, ...],
+    hyper: tuple[Tensor | float, ...],
     seed: int,
     config: LaneConfig,
     pieces: Pieces | None = None,
 ) -> None:
     """Runs the lane kernel and then the combine kernel over ``keys.numel() > 0`` sorted
     occurrences; the arguments are those of the occurrence tiles' launcher
-    (``hyper``: lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2),
+    (``hyper``: lr, eps, beta1, beta2, 1 - beta1, 1 - beta2, weight_decay, bias_c1, bias_c2; lr
+    a float32 [1] device tensor),
     and ``pieces``: :func:`build_pieces` of ``keys`` at ``config.piece_len`` when already made."""
     check_lane_config(config)
     num_occ, dim = keys.numel(), target.shape[1]

@@ -99,7 +99,7 @@ def _spanning_rows_kernel(
     num_tiles,
     dim,
     stride_w,
-    lr,
+    lr_ptr,  # float32 [1] the learning rate (a device scalar: a captured step replays its updates)
     eps,
     beta1,
     beta2,
@@ -115,6 +115,7 @@ def _spanning_rows_kernel(
     BLOCK_D: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
+    lr = tl.load(lr_ptr)
     t = tl.program_id(0).to(tl.int64)
     start = t * BLOCK_OCC
     last = tl.minimum(start + BLOCK_OCC, num_occ) - 1
