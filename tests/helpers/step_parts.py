@@ -61,3 +61,28 @@ def one_hot_batch(rows: int, seed: int, bad: int | None = None) -> Batch:
         values[rows + bad] = CARDS[1] + 3
     labels = torch.randint(0, 2, (rows,), generator=g).float()
     return Batch(torch.randn(rows, 3, generator=g), SparseFeatures(NAMES, values, None), labels)
+
+
+# A one-hot synthetic run on CUDA (the whole-step graph tests): data, model and schedule.
+ONE_HOT = [
+    "synth.train_rows=2048",
+    "synth.test_rows=256",
+    "synth.num_dense=2",
+    "synth.num_sparse=3",
+    "synth.cardinality=40",
+    "synth.multi_hot_fields=0",
+    "synth.rows_per_row_group=256",
+    "synth.rows_per_file=1024",
+    "data.batch_size=128",
+    "data.shuffle_buffer_rows=512",
+    "model.embedding_dim=8",
+    "model.bottom_mlp=[16, 8]",
+    "model.top_mlp=[16, 1]",
+    "optim.sparse=rowwise_adagrad",
+    "optim.warmup_steps=6",  # rates that change every step: the replays read them from the device
+    "train.log_every=4",
+    "train.progress=false",
+    "train.epochs=2",
+    'train.device="cuda"',
+    "train.checkpoint_every=8",
+]

@@ -14,9 +14,7 @@ Shapes: B batch, F features of a batch, F_p of them in pack p, D dim, R rows.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +26,7 @@ from recaccel.ops.embedding.cache.counters import merge_stats
 from recaccel.ops.embedding.cache.host_store import check_host_memory
 from recaccel.ops.embedding.cache.options import check_host_placement
 from recaccel.ops.embedding.cache.pack import CachedPack
+from recaccel.ops.embedding.capture import CapturedUpdates
 from recaccel.ops.embedding.deferred_check import PendingChecks
 from recaccel.ops.embedding.init_weights import init_table_weights, rounding_seed
 from recaccel.ops.embedding.lookup_out import as_out_dtype, into_out, pack_lookup, pack_outs
@@ -46,7 +45,7 @@ _OP = "PackedEmbeddingBag"
 _MAX_CACHED_ROUTES = 16
 
 
-class PackedEmbeddingBag(nn.Module):
+class PackedEmbeddingBag(CapturedUpdates, nn.Module):
     """Pooled embedding lookups of many tables, packed by (dim, optimizer).
 
     Semantics (every backend): feature ``f`` of a batch looks up its table; bag ``(f, b)``
@@ -352,73 +351,6 @@ class PackedEmbeddingBag(nn.Module):
         outs = [self._lookup_pack(p, sf, train, o) for p, o in enumerate(targets)]
         self._queue_check(sf)
         return sf.routing, outs
-
-    def _raise_landed_checks(self) -> None:
-        if not self._checks_by_caller:
-            self._pending_checks.raise_bad(wait=False)
-
-    def _queue_check(self, sf: PreparedSparse) -> None:
-        if not self._checks_by_caller:
-            self._pending_checks.queue(sf)
-
-    @contextlib.contextmanager
-    def checks_by_caller(self) -> Iterator[None]:
-        """Within the block, lookups neither read nor queue the deferred bounds check's
-        counts: a CUDA graph capture may neither query events nor copy to the host. The
-        capturing caller does what each lookup would have done after each replay, with
-        :meth:`queue_replayed_check`."""
-        before, self._checks_by_caller = self._checks_by_caller, True
-        try:
-            yield
-        finally:
-            self._checks_by_caller = before
-
-    def keep_rates_in_place(self) -> None:
-        """For a captured step: each pack's learning rate lives in one device tensor that
-        :meth:`set_learning_rate` refills, so a replay reads each step's rate. By default a
-        change of rate makes a new tensor, so an update keeps the rate of its lookup (a
-        semi-sync step looks the next batch up before that step's rate is set)."""
-        for pack in self._packs:
-            pack.rates_in_place = True
-
-    def step_counts(self) -> list[Tensor]:
-        """Each pack's update count (int64 scalar CPU tensors: Adam's ``t``, advanced by
-        the host once per update), for a caller that replays updates without their host work."""
-        return [pack.step for pack in self._packs]
-
-    def replay_unsupported(self) -> str | None:
-        """Why a replayed captured update would not be this module's update, or None: a
-        replay repeats the host's scalars of the captured step, and Adam's bias corrections
-        and 16-bit rows' rounding seed change every step."""
-        adam = sorted({layout.optimizer for layout in self.plan.packs} & {"adam"})
-        if adam:
-            return (
-                "sparse optimizers whose scalars stay the same from step to step, not adam (bias corrections)"
-            )
-        if self.rounding is not None:
-            return f"float32 rows, not {self.dtype} (the rounding seed changes every step)"
-        return None
-
-    def queue_replayed_check(self, batch: SparseFeatures, replayed: PreparedSparse) -> None:
-        """The deferred bounds check of ``batch`` trained by a replayed captured step.
-
-        What a lookup does, outside the graph: raises the error of any earlier batch whose
-        count has landed, then queues this batch's count (a copy of the graph's counter
-        ``replayed.bad_ids``, which the next replay overwrites) under ``batch`` itself, so a
-        bad id's message names this batch's feature, id and row.
-
-        Args:
-            batch: The batch as the step got it (its static copy is what the graph read).
-            replayed: The preparation the captured step made of that static copy.
-
-        Raises:
-            InvalidIdError: an earlier batch's count landed non-zero.
-        """
-        self._pending_checks.raise_bad(wait=False)
-        if replayed.bad_ids is not None:
-            self._pending_checks.queue_count(
-                self._validate(batch), replayed.routing, replayed.bad_ids.clone()
-            )
 
     def _lookup_pack(self, p: int, sf: PreparedSparse, train: bool, out: Tensor | None = None) -> Tensor:
         count, batch_size = sf.routing.packs[p].local.count, sf.batch_size

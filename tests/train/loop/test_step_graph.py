@@ -254,7 +254,7 @@ def test_the_trainer_with_a_whole_step_runner_trains_and_resumes_exactly(monkeyp
     from recaccel.train.loop import step as step_module
     from recaccel.train.model import dense_head
     from tests.helpers.resume import final_entries
-    from tests.train.loop.test_step_graph_gpu import ONE_HOT
+    from tests.helpers.step_parts import ONE_HOT
 
     made = []
 

@@ -21,7 +21,7 @@ from recaccel.train.loop.parallel import SingleProcess
 from recaccel.train.loop.schedule import set_group_rates
 from recaccel.train.loop.step_graph import WARMUP_STEPS, GraphedStep
 from recaccel.train.model.optim import build_dense_optimizer
-from tests.helpers.step_parts import CARDS, one_hot_batch, random_batch, tiny_objective
+from tests.helpers.step_parts import CARDS, ONE_HOT, one_hot_batch, random_batch, tiny_objective
 
 pytestmark = [
     pytest.mark.gpu,
@@ -145,29 +145,6 @@ def test_a_bad_id_in_a_replayed_step_raises_naming_its_own_batch(graphed_runners
 
 
 # ------------------------------------------------------------------ the trainer
-
-ONE_HOT = [
-    "synth.train_rows=2048",
-    "synth.test_rows=256",
-    "synth.num_dense=2",
-    "synth.num_sparse=3",
-    "synth.cardinality=40",
-    "synth.multi_hot_fields=0",
-    "synth.rows_per_row_group=256",
-    "synth.rows_per_file=1024",
-    "data.batch_size=128",
-    "data.shuffle_buffer_rows=512",
-    "model.embedding_dim=8",
-    "model.bottom_mlp=[16, 8]",
-    "model.top_mlp=[16, 1]",
-    "optim.sparse=rowwise_adagrad",
-    "optim.warmup_steps=6",  # rates that change every step: the replays read them from the device
-    "train.log_every=4",
-    "train.progress=false",
-    "train.epochs=2",
-    'train.device="cuda"',
-    "train.checkpoint_every=8",
-]
 
 
 def _run(root: Path, out: Path, *extra: str) -> dict:
