@@ -124,7 +124,7 @@ CASES = (
         ("train.cuda_graphs=true", 'train.cuda_graph_scope="step"', "optim.warmup_steps=100"),
         ('optim.dense="sgd"',),
         ('optim.dense="adam"',),
-        r"train.cuda_graph_scope=step \(a captured step replays the rates it was captured with\) replays "
+        r"train.cuda_graph_scope=step \(a replay repeats the host's scalars of its capture\) replays "
         r"optim.dense=sgd at one rate \(torch reads it on the host\): with optim.schedule=constant and "
         r"optim.warmup_steps=100 use optim.dense=adam$",
     ),

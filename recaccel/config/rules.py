@@ -115,7 +115,7 @@ def _step_graph(cfg: Config) -> bool:
     return cfg.train.cuda_graphs and cfg.train.cuda_graph_scope == "step"
 
 
-_REPLAYS = "train.cuda_graph_scope=step (a captured step replays the rates it was captured with)"
+_REPLAYS = "train.cuda_graph_scope=step (a replay repeats the host's scalars of its capture)"
 
 
 def _step_graph_replays_fixed_rates(cfg: Config) -> str | None:

@@ -166,9 +166,9 @@ class TrainConfig(Section):
     # packed fused embedding, one process; no cuda_graphs or compile)
     pipeline: PipelineMode = "off"
     micro_batches: Count = 1  # > 1: dense work per micro-batch, one sparse update per step (dlrm mode)
-    cuda_graphs: bool = False  # capture the dense part of the step in CUDA graphs (CUDA, fixed shapes)
+    cuda_graphs: bool = False  # capture the step in CUDA graphs, replayed per batch shape (CUDA)
     # what cuda_graphs = true captures: head (the dense head's forward and backward) | step (the whole
-    # step, one graph: needs pipeline off or sync, fixed learning rates, packed Triton embeddings)
+    # step, one graph: pipeline off or sync, fp32 device tables on Triton; a schedule with dense adam)
     cuda_graph_scope: CudaGraphScope = "head"
     compile: bool = False  # torch.compile the dense arches
     loggers: list[Logger] = field(default_factory=lambda: ["jsonl"])  # jsonl (log.jsonl) always written

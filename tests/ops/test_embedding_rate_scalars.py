@@ -33,7 +33,7 @@ def test_the_update_kernels_read_the_rate_tensor_not_the_configs_float(optimizer
     grad_out = batch.grad_out(8, seed=2)
     state = make_state(optimizer, batch, 8, torch.float32)
     want = copy_state(state)
-    state.lr = torch.full((1,), 0.37, dtype=torch.float32)
+    state.lr = torch.full((1,), 0.37, dtype=torch.float32, device=state.weight.device)
     tiles.fused_update(state, CFG, grad_out, batch.ids, batch.batch_size, config=config)  # CFG.lr = 0.1
     tiles.fused_update(
         want, dataclasses.replace(CFG, lr=0.37), grad_out, batch.ids, batch.batch_size, config=config

@@ -3,8 +3,8 @@ base of :class:`~recaccel.ops.embedding.module.PackedEmbeddingBag`.
 
 A CUDA graph of a whole training step (:mod:`recaccel.train.loop.step_graph`) replays the
 module's kernels but none of its host work. So the module lets the capturing caller: do
-the deferred bounds check's host side after each replay (:meth:`checks_by_caller`,
-:meth:`queue_replayed_check`), keep the learning rate in device tensors the schedule
+the deferred bounds check's host side around each replay (:meth:`checks_by_caller`,
+:meth:`raise_landed_checks`, :meth:`queue_replayed_check`), keep the learning rate in device tensors the schedule
 refills (:meth:`keep_rates_in_place`), advance the host's update counts
 (:meth:`step_counts`), and know when a replayed update would not be the module's own
 (:meth:`replay_unsupported`).
@@ -34,7 +34,6 @@ class CapturedUpdates:
     _packs: list
     _pending_checks: PendingChecks
     _checks_by_caller: bool
-    # and the module's _validate(sf) -> SparseFeatures (its checks of a batch)
 
     def _raise_landed_checks(self) -> None:
         if not self._checks_by_caller:
@@ -82,23 +81,26 @@ class CapturedUpdates:
             return f"float32 rows, not {self.dtype} (the rounding seed changes every step)"
         return None
 
-    def queue_replayed_check(self, batch: SparseFeatures, replayed: PreparedSparse) -> None:
-        """The deferred bounds check of ``batch`` trained by a replayed captured step.
-
-        What a lookup does, outside the graph: raises the error of any earlier batch whose
-        count has landed, then queues this batch's count (a copy of the graph's counter
-        ``replayed.bad_ids``, which the next replay overwrites) under ``batch`` itself, so a
-        bad id's message names this batch's feature, id and row.
-
-        Args:
-            batch: The batch as the step got it (its static copy is what the graph read).
-            replayed: The preparation the captured step made of that static copy.
+    def raise_landed_checks(self) -> None:
+        """Raises the deferred bounds check's error of an earlier batch whose count has
+        landed non-zero (no waiting): what a lookup does first, for a captured step to do
+        before its replay, so no step trains after a bad batch's error could be known.
 
         Raises:
             InvalidIdError: an earlier batch's count landed non-zero.
         """
         self._pending_checks.raise_bad(wait=False)
+
+    def queue_replayed_check(self, batch: SparseFeatures, replayed: PreparedSparse) -> None:
+        """Queues the deferred bounds check of ``batch``, trained by a replayed captured step:
+        a copy of the graph's counter ``replayed.bad_ids`` (which the next replay
+        overwrites), under ``batch`` itself, so a bad id's message names this batch's
+        feature, id and row.
+
+        Args:
+            batch: The batch as the step got it (its static copy is what the graph read;
+                checked eagerly for the message only if its count lands non-zero).
+            replayed: The preparation the captured step made of that static copy.
+        """
         if replayed.bad_ids is not None:
-            self._pending_checks.queue_count(
-                self._validate(batch), replayed.routing, replayed.bad_ids.clone()
-            )
+            self._pending_checks.queue_count(batch, replayed.routing, replayed.bad_ids.clone())

@@ -33,9 +33,9 @@ class PackState:
         rounding_seed: 16-bit rows: draws the 32-bit seed of one update's stochastic
             rounding (:mod:`~recaccel.ops.embedding.rounding`); None for float32 rows.
         lr: float32 [1] on the weight's device: the learning rate as the Triton update
-            kernels read it (a device scalar that the schedule refills, so a captured
-            step's replays use each step's rate); None: the kernels' launcher makes one
-            from ``optim.lr``. The other backends read ``optim.lr``.
+            kernels read it (the pack's, made when the rate changes, or refilled in place
+            for a captured step: ``PackedEmbeddingBag.keep_rates_in_place``); None: the
+            kernels' launcher makes one from ``optim.lr``. The other backends read ``optim.lr``.
     """
 
     optimizer: str

@@ -19,8 +19,9 @@ possible:
 3. the embedding is now what the next step must read: the next batch's lookup starts
    (:meth:`~recaccel.ops.embedding.PackedEmbeddingBag.lookup_rows`; on CUDA on a side
    stream);
-4. the queued weight-gradient GEMMs run (on the step's stream), and the caller's dense
-   optimizer step after them: on CUDA both overlap the lookup. The next step's dense
+4. the queued weight-gradient GEMMs run (on the step's stream), and the dense optimizer
+   step after them (:meth:`~recaccel.train.loop.runner.EagerStep.train_step`): on CUDA both
+   overlap the lookup. The next step's dense
    forward waits for the lookup's event.
 
 With ``train.micro_batches = k`` each part's dense forward and backward run in turn on

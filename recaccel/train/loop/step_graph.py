@@ -68,6 +68,8 @@ logger = logging.getLogger(__name__)
 
 # Eager steps before the capture (torch's CUDA graph notes ask for a few, on a side stream).
 WARMUP_STEPS = 3
+# Batch signatures the warm-up tracks before it gives up (no batch kind repeats).
+MAX_SIGNATURES = 16
 
 # Captures a step body; returns its replay. The CUDA one is :func:`capture_cuda_graph`; a
 # test may pass one that replays by running the body again.
@@ -142,6 +144,36 @@ class StaticBatch:
                     static.copy_(new)
 
 
+def hold_rates_in_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Makes a torch optimizer that can be captured (Adam) capturable, its groups' rates
+    float32 tensors on their parameters' device that the schedule refills
+    (:func:`~recaccel.train.loop.schedule.set_group_rates`), and its ``state_dict`` save
+    them as numbers, so a checkpoint loads into any run (:func:`floats_in_state_dict`)."""
+    optimizer.defaults["capturable"] = True  # kept across load_state_dict (keep_implementation)
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        if not isinstance(group["lr"], Tensor):
+            device = group["params"][0].device
+            group["lr"] = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
+    floats_in_state_dict(optimizer)
+
+
+def floats_in_state_dict(optimizer: torch.optim.Optimizer) -> None:
+    """Makes ``optimizer.state_dict()`` write each group's rate as a number (the live one
+    may be a tensor) and ``capturable`` as False: what a run without a captured step
+    reads, and what one with it makes capturable again (:func:`hold_rates_in_tensors`)."""
+
+    def as_numbers(opt: torch.optim.Optimizer, state: dict) -> dict:
+        for group in state["param_groups"]:  # copies of the live groups (torch packs them anew)
+            if isinstance(group.get("lr"), Tensor):
+                group["lr"] = float(group["lr"])
+            if "capturable" in group:
+                group["capturable"] = False
+        return state
+
+    optimizer.register_state_dict_post_hook(as_numbers)
+
+
 def host_step_counts(optimizer: torch.optim.Optimizer) -> list[Tensor]:
     """The optimizer's step counts kept on the host (torch's foreach Adagrad: CPU tensors,
     advanced by host work that a replay does not redo); fused and capturable optimizers
@@ -205,7 +237,6 @@ class GraphedStep:
             raise ValueError(f"GraphedStep: warmup_steps must be >= 1, got {warmup_steps}")
         self.objective: DLRMObjective = objective
         self.embedding: PackedEmbeddingBag = objective.embedding
-        self.embedding.keep_rates_in_place()  # the schedule refills the rate tensors the graph reads
         self.device = device
         self.warmup_steps = warmup_steps
         self.capture = capture if capture is not None else capture_cuda_graph
@@ -241,6 +272,9 @@ class GraphedStep:
             # made): a first short batch would be captured and every later one run eagerly.
             if self._warm.get(signature, 0) >= self.warmup_steps:
                 self._capture(batch, optimizer)
+            elif len(self._warm) >= MAX_SIGNATURES:
+                self._give_up()
+                warming_up = False
             else:
                 self._warm[signature] = self._warm.get(signature, 0) + 1
         if graphable and self.captured and self.static.matches(batch):
@@ -258,13 +292,9 @@ class GraphedStep:
         if self._optimizer is not None:
             raise RuntimeError("GraphedStep: a captured step replays one optimizer; build a new GraphedStep")
         self._optimizer = optimizer
+        self.embedding.keep_rates_in_place()  # the schedule refills the rate tensors the graph reads
         if "capturable" in optimizer.defaults and self.device.type == "cuda":
-            optimizer.defaults["capturable"] = True  # kept across load_state_dict (keep_implementation)
-            for group in optimizer.param_groups:
-                group["capturable"] = True
-                if not isinstance(group["lr"], Tensor):  # refilled by the schedule (set_group_rates)
-                    device = group["params"][0].device
-                    group["lr"] = torch.full((), float(group["lr"]), dtype=torch.float32, device=device)
+            hold_rates_in_tensors(optimizer)
 
     def _graphable(self, batch: object) -> bool:
         return (
@@ -298,6 +328,17 @@ class GraphedStep:
         loss.backward()
         optimizer.step()
         return loss.detach()
+
+    def _give_up(self) -> None:
+        """No batch signature repeated over :data:`MAX_SIGNATURES` kinds (multi-hot bags whose
+        total length varies): nothing to capture; the run goes on with eager steps."""
+        self.failed = f"no batch signature repeated {self.warmup_steps} times among {len(self._warm)} kinds"
+        self._warm.clear()
+        logger.warning(
+            "cuda graphs: %s (multi-hot bags of varying total length?): the whole training step is not "
+            "captured; the run goes on with eager steps",
+            self.failed,
+        )
 
     def _note_fallback(self, batch: object, graphable: bool) -> None:
         if not self.captured or self._fallback_logged or not graphable:
@@ -375,6 +416,7 @@ class GraphedStep:
 
     def _replayed(self, batch: Batch, optimizer: torch.optim.Optimizer) -> Tensor:
         """``batch``'s step by the graph, then the host work a replay does not redo."""
+        self.embedding.raise_landed_checks()  # as an eager lookup would, before this step trains
         self.static.fill(batch)
         counts = self._host_counts(optimizer)
         before = [float(c) for c in counts]

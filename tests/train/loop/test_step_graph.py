@@ -13,8 +13,9 @@ import torch
 from recaccel.config import load_config
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding import InvalidIdError
-from recaccel.sparse import Batch
+from recaccel.sparse import Batch, SparseFeatures
 from recaccel.train.loop.pipeline import BatchPipeline
+from recaccel.train.loop.schedule import set_group_rates
 from recaccel.train.loop.step import PlainStep
 from recaccel.train.loop.step_graph import GraphedStep, StaticBatch
 from recaccel.train.model.optim import build_dense_optimizer
@@ -206,15 +207,25 @@ def test_a_step_graph_needs_a_packed_fused_embedding_and_cuda():
         GraphedStep(autograd, torch.device("cpu"), capture=replay_by_running)
 
 
-def test_a_loaded_optimizer_state_keeps_this_runs_capturable_setting():
+def test_a_captured_runs_checkpoint_loads_into_a_run_without_graphs(tmp_path):
+    """A captured step's dense Adam holds its rate in a tensor and is capturable; its
+    checkpoints save numbers, which any run loads (the payload check refuses a tensor
+    where a rate belongs), and a run that does not capture is not capturable."""
+    from recaccel.train.checkpoint.state import TrainState, load_checkpoint, save_checkpoint
+    from recaccel.train.loop.step_graph import hold_rates_in_tensors
+
     objective, optimizer = _objective()
-    optimizer.defaults["capturable"] = True  # as GraphedStep sets it on CUDA
-    for group in optimizer.param_groups:
-        group["capturable"] = True
-    state = optimizer.state_dict()
-    _, fresh = _objective()
-    fresh.load_state_dict(state)
-    assert all(group["capturable"] is False for group in fresh.param_groups)
+    _run(objective, optimizer, PlainStep(objective), [one_hot_batch(16, 0)])
+    hold_rates_in_tensors(optimizer)
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
+    set_group_rates(optimizer, 0.0123)
+    save_checkpoint(tmp_path, objective.module, optimizer, TrainState(step=1))
+    fresh_obj, fresh = _objective()
+    load_checkpoint(tmp_path, fresh_obj.module, fresh, torch.device("cpu"))
+    group = fresh.param_groups[0]
+    assert group["lr"] == pytest.approx(0.0123) and isinstance(group["lr"], float)
+    assert group["capturable"] is False
+    assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)  # the live group keeps its tensor
 
 
 def test_the_trainers_loop_keeps_one_graphed_runner_across_its_calls(monkeypatch):
@@ -364,3 +375,26 @@ def test_the_packs_update_counts_advance_once_per_replayed_step():
     _run(objective, optimizer, runner, [one_hot_batch(16, s) for s in range(4)])
     assert runner.graphed_steps == 3
     assert [int(c) for c in objective.embedding.step_counts()] == [4]
+
+
+def test_batches_that_never_repeat_a_signature_give_up_the_capture_and_say_so(caplog):
+    """Multi-hot bags of a varying total length: no signature repeats; after a bounded number
+    of kinds the warm-up stops tracking them, logs once, and the run is eager."""
+    from recaccel.train.loop.step_graph import MAX_SIGNATURES
+
+    def varying(seed: int) -> Batch:  # field sparse_1's first bag holds 1 + seed ids
+        g = torch.Generator().manual_seed(seed)
+        lengths = torch.ones(3 * 16, dtype=torch.int64)
+        lengths[16] += seed
+        values = torch.cat([torch.randint(0, c, (int(lengths[f * 16 : (f + 1) * 16].sum()),), generator=g)
+                            for f, c in enumerate(CARDS)])  # fmt: skip
+        sparse = SparseFeatures.from_lengths(["sparse_0", "sparse_1", "sparse_2"], values, lengths)
+        return Batch(torch.randn(16, 3, generator=g), sparse, torch.randint(0, 2, (16,), generator=g).float())
+
+    batches = [varying(seed) for seed in range(MAX_SIGNATURES + 4)]
+    with caplog.at_level(logging.WARNING, logger="recaccel.train.loop.step_graph"):
+        runner, _, _ = _same_training(batches, warmup_steps=2)
+    assert not runner.captured and runner.failed.startswith("no batch signature repeated 2 times")
+    assert runner.eager_steps == len(batches) and not runner._warm  # noqa: SLF001 (bounded)
+    said = [r.message for r in caplog.records if "is not captured" in r.message]
+    assert len(said) == 1
