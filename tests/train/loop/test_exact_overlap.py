@@ -333,7 +333,7 @@ def test_overlap_refusal_from_the_cli_is_one_line(tmp_path: Path, capsys):
 def test_the_train_bench_times_overlap_beside_off_and_sync_on_one_shared_model():
     cfg = _objective().cfg
     schema = FeatureSchema(("d0", "d1", "d2"), tuple(SparseField(n, c) for n, c in zip(NAMES, CARDS)))
-    combinations = [BASELINE, Combination("sync", 1, False), Combination("overlap", 1, False)]
+    combinations = [BASELINE, Combination("sync", 1, "off"), Combination("overlap", 1, "off")]
     candidates, skipped = recaccel_candidates(cfg, schema, torch.device("cpu"), "recaccel", combinations)
     assert skipped == {}
     assert [c.key for c in candidates] == ["recaccel", "recaccel sync/1/off", "recaccel overlap/1/off"]
