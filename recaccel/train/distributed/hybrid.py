@@ -338,6 +338,9 @@ class HybridParallel:
         with self.collectives("reading a checkpoint"):
             return load_sharded(run_dir, self, model, optimizer)
 
+    def step_figures(self) -> dict[str, Any]:
+        return {}  # hybrid steps are eager (the config refuses CUDA graphs here)
+
     def close(self) -> None:
         """Leaves the process group if this object joined it."""
         self.group.close()

@@ -87,6 +87,11 @@ class Parallelism(Protocol):
         self, run_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer
     ) -> TrainState: ...
 
+    def step_figures(self) -> dict[str, Any]:
+        """What the run's step runner did, for metrics.json (a whole-step CUDA graph's
+        graphed and eager steps); empty where there is nothing to say."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -151,6 +156,10 @@ class SingleProcess:
 
     def sparse_rate_setters(self) -> list[Callable[[float], None]]:
         return []
+
+    def step_figures(self) -> dict[str, Any]:
+        kept = self._kept_runner
+        return {} if kept is None else kept[2].figures()
 
     def gather(self, tensor: Tensor) -> Tensor:
         """Concatenates a per-rank [N, ...] tensor over ranks (here: itself)."""

@@ -20,6 +20,10 @@ class StepRunner(Protocol):
     prepares_in_step: bool  # batches come unprepared: the step prepares them itself
     persistent: bool  # kept by the loop across its calls (a captured graph lives in it)
 
+    def figures(self) -> dict:
+        """What the runner did over the run, for metrics.json (a persistent one's)."""
+        ...
+
     def train_step(self, item: StepInput, optimizer: torch.optim.Optimizer) -> Tensor:
         """The whole step, the dense optimizer's included; returns the detached step loss."""
         ...
@@ -36,6 +40,9 @@ class EagerStep(abc.ABC):
     def forward_backward(self, item: StepInput) -> Tensor:
         """Leaves the step's gradients (and any fused sparse update) applied; returns
         the detached step loss."""
+
+    def figures(self) -> dict:
+        return {}  # an eager step has nothing to report beyond the run's own figures
 
     def train_step(self, item: StepInput, optimizer: torch.optim.Optimizer) -> Tensor:
         optimizer.zero_grad(set_to_none=True)

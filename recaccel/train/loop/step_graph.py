@@ -259,6 +259,15 @@ class GraphedStep:
     def captured(self) -> bool:
         return self._replay is not None
 
+    def figures(self) -> dict[str, int | str]:
+        """This process's steps by the graph and eagerly, and how the capture went (metrics.json)."""
+        capture = "ok" if self.captured else ("failed: " + self.failed if self.failed else "not yet")
+        return {
+            "graphed_steps": self.graphed_steps,
+            "eager_steps": self.eager_steps,
+            "graph_capture": capture,
+        }
+
     def train_step(self, item: StepInput, optimizer: torch.optim.Optimizer) -> Tensor:
         """One whole step on ``item.batch``, the dense optimizer's step included; returns the
         detached step loss."""

@@ -447,6 +447,7 @@ class Trainer:
             **self.observers.final_metrics(),  # cache totals; hybrid rank 0: monitor, straggler
         )
         metrics.update(self._incidents())
+        metrics.update(self.parallel.step_figures())  # a whole-step graph: graphed / eager steps
         self._event("final", **metrics)
         if self.log is not None:
             self.log.write_metrics(metrics)

@@ -298,6 +298,8 @@ def test_the_trainer_with_a_whole_step_runner_trains_and_resumes_exactly(monkeyp
     full = run(tmp_path / "full", *graphs)
     assert len(made) == 1 and made[0].graphed_steps == full["steps"] - made[0].eager_steps > 0
     assert full["train_loss"] == eager["train_loss"] and full["auc"] == eager["auc"]
+    assert (full["graphed_steps"], full["eager_steps"]) == (made[0].graphed_steps, made[0].eager_steps)
+    assert full["graph_capture"] == "ok" and "graphed_steps" not in eager
     part = tmp_path / "part"
     run(part, *graphs, "train.steps=20")  # mid-epoch 2, after the checkpoint of step 16
     assert train_main(["--resume", str(part), "--set", "train.steps=0"]) == 0

@@ -163,6 +163,7 @@ def test_the_trainer_trains_checkpoints_and_resumes_with_a_whole_step_graph(grap
     assert graphed_runners and graphed_runners[0].failed is None
     assert sum(r.graphed_steps for r in graphed_runners) > 0
     assert full["steps"] == eager["steps"] == 2 * (2048 // 128)
+    assert full["graph_capture"] == "ok" and full["graphed_steps"] > 0
     assert math.isclose(full["train_loss"], eager["train_loss"], rel_tol=1e-4)
     part = tmp_path / "part"
     _run(root, part, *graphs, "train.steps=20")  # stops mid-epoch 2, after a checkpoint at 16
