@@ -35,10 +35,6 @@ class CapturedUpdates:
     _pending_checks: PendingChecks
     _checks_by_caller: bool
 
-    def _raise_landed_checks(self) -> None:
-        if not self._checks_by_caller:
-            self._pending_checks.raise_bad(wait=False)
-
     def _queue_check(self, sf: PreparedSparse) -> None:
         if not self._checks_by_caller:
             self._pending_checks.queue(sf)
@@ -72,8 +68,7 @@ class CapturedUpdates:
         """Why a replayed captured update would not be this module's update, or None: a
         replay repeats the host's scalars of the captured step, and Adam's bias corrections
         and 16-bit rows' rounding seed change every step."""
-        adam = sorted({layout.optimizer for layout in self.plan.packs} & {"adam"})
-        if adam:
+        if any(layout.optimizer == "adam" for layout in self.plan.packs):
             return (
                 "sparse optimizers whose scalars stay the same from step to step, not adam (bias corrections)"
             )
@@ -83,13 +78,15 @@ class CapturedUpdates:
 
     def raise_landed_checks(self) -> None:
         """Raises the deferred bounds check's error of an earlier batch whose count has
-        landed non-zero (no waiting): what a lookup does first, for a captured step to do
+        landed non-zero (no waiting): what every lookup does first, and a captured step
         before its replay, so no step trains after a bad batch's error could be known.
+        Nothing inside :meth:`checks_by_caller` (a capture may not query events).
 
         Raises:
             InvalidIdError: an earlier batch's count landed non-zero.
         """
-        self._pending_checks.raise_bad(wait=False)
+        if not self._checks_by_caller:
+            self._pending_checks.raise_bad(wait=False)
 
     def queue_replayed_check(self, batch: SparseFeatures, replayed: PreparedSparse) -> None:
         """Queues the deferred bounds check of ``batch``, trained by a replayed captured step:

@@ -306,7 +306,7 @@ class PackedEmbeddingBag(CapturedUpdates, nn.Module):
         Raises:
             ValueError: rows outside the batch, or features of different dims.
         """
-        self._raise_landed_checks()
+        self.raise_landed_checks()
         sf = self._prepared(sf, training=False)
         out = lookup_pack_rows(sf, lo, hi, self._packs, self._held, self.plan, out_dtype)
         self._queue_check(sf)
@@ -344,7 +344,7 @@ class PackedEmbeddingBag(CapturedUpdates, nn.Module):
     def _lookup(
         self, sf: SparseFeatures, out: Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> tuple[Routing, list[Tensor]]:
-        self._raise_landed_checks()
+        self.raise_landed_checks()
         train = self.training and torch.is_grad_enabled()
         sf = self._prepared(sf, training=train)
         targets = pack_outs(sf, out, self._packs, out_dtype)

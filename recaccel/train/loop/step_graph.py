@@ -250,7 +250,6 @@ class GraphedStep:
         self._optimizer: torch.optim.Optimizer | None = None
         self.failed: str | None = None  # why the capture failed, if it did
         self._warm: dict[tuple, int] = {}  # eager steps per batch signature before the capture
-        self.steps = 0
         self.graphed_steps = 0
         self.eager_steps = 0
         self._fallback_logged = False
@@ -258,6 +257,10 @@ class GraphedStep:
     @property
     def captured(self) -> bool:
         return self._replay is not None
+
+    @property
+    def steps(self) -> int:
+        return self.graphed_steps + self.eager_steps
 
     def figures(self) -> dict[str, int | str]:
         """This process's steps by the graph and eagerly, and how the capture went (metrics.json)."""
@@ -287,12 +290,9 @@ class GraphedStep:
             else:
                 self._warm[signature] = self._warm.get(signature, 0) + 1
         if graphable and self.captured and self.static.matches(batch):
-            loss = self._replayed(batch, optimizer)
-        else:
-            self._note_fallback(batch, graphable)
-            loss = self._eager(batch, optimizer, on_side_stream=warming_up)
-        self.steps += 1
-        return loss
+            return self._replayed(batch, optimizer)
+        self._note_fallback(batch, graphable)
+        return self._eager(batch, optimizer, on_side_stream=warming_up)
 
     def _bind(self, optimizer: torch.optim.Optimizer) -> None:
         """Makes the dense optimizer capturable, once (its step counts live on the device)."""

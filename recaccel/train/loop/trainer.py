@@ -339,9 +339,7 @@ class Trainer:
             step=step,
             epoch=self.state.epoch,
             loss=self.state.last_loss,
-            lr=float(
-                self.optimizer.param_groups[0]["lr"]
-            ),  # what this step used (set before it); a tensor in a captured step
+            lr=float(self.optimizer.param_groups[0]["lr"]),  # this step's (a tensor in a captured step)
             sparse_lr=self.schedule.rates(step - 1)[1],
             samples_per_s=(self.state.samples - samples) / elapsed,
             data_wait_s=wait.seconds,

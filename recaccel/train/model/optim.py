@@ -82,10 +82,6 @@ def keep_implementation(optimizer: torch.optim.Optimizer, impl: dict[str, bool |
     """Makes ``optimizer.load_state_dict`` keep ``impl`` (torch otherwise takes the saved
     groups' ``fused`` / ``foreach`` flags, e.g. a CPU run's into a CUDA run).
 
-    ``capturable`` follows the optimizer's own default too (a whole-step CUDA graph sets it:
-    :class:`~recaccel.train.loop.step_graph.GraphedStep`), not the checkpoint's: a CPU run
-    resuming a captured CUDA run's state is not capturable.
-
     A fused or capturable optimizer keeps each ``step`` count as a float32 tensor on its
     parameter's device, the others on the CPU; the loaded counts are moved to match,
     values unchanged.
@@ -94,10 +90,6 @@ def keep_implementation(optimizer: torch.optim.Optimizer, impl: dict[str, bool |
     def reapply(opt: torch.optim.Optimizer) -> None:
         for group in opt.param_groups:
             group.update(impl)
-            if "capturable" in opt.defaults:
-                group["capturable"] = opt.defaults["capturable"]
-            if isinstance(group["lr"], torch.Tensor) and not group.get("capturable", False):
-                group["lr"] = float(group["lr"])  # a captured run's rate tensor, into an uncaptured one
             for p in group["params"]:
                 step = opt.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor):
