@@ -41,6 +41,7 @@ from recaccel.io.readers.options import ReadOptions
 from recaccel.io.readers.rows import BatchReader
 from recaccel.io.readers.tasks.reader import TaskReader
 from recaccel.plotting import pyplot, save_figure
+from recaccel.train.run.console import console
 
 # name -> (sparse one-hot fields, ids per field, with a task key): the two schemas.
 SCHEMAS = {"criteo_1hot": (26, 100_000, True), "wide": (500, 50_000, False)}
@@ -295,19 +296,15 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
     if args.path is not None:
         datasets = {"path": Path(args.path)}
     else:
-        datasets = {
-            name: write_dataset(
-                work / name,
-                name,
-                dataset_rows(name, args),
-                args.task_rows,
-                min(args.rows_per_row_group, buffer_rows(name, args)),
-                args.compression,
-            )
-            for name in parse_schemas(args.schema)
-        }
+        datasets = {}
+        for name in parse_schemas(args.schema):
+            t0, rows = time.monotonic(), dataset_rows(name, args)
+            group = min(args.rows_per_row_group, buffer_rows(name, args))
+            datasets[name] = write_dataset(work / name, name, rows, args.task_rows, group, args.compression)
+            console.info("io: %s: %d rows written in %.1f s", name, rows, time.monotonic() - t0)
     table, notes = [], []
     for name, path in datasets.items():
+        t0 = time.monotonic()
         info = open_dataset(path)
         load_before = _load()
         buffer = buffer_rows(name, args)
@@ -320,6 +317,9 @@ def run_sweep(work: Path, args) -> tuple[list[dict], list[str]]:
         }
         check_whole_passes(read, info.num_rows)
         table += sweep_rows(name, info.num_rows, samples)
+        console.info(
+            "io: %s: %d passes timed in %.1f s", name, sum(map(len, samples.values())), time.monotonic() - t0
+        )
         notes.append(f"{_dataset_note(name, info, buffer, args.compression)}; 1-minute load average "
                      f"{load_before:.2f} before and {_load():.2f} after its passes")  # fmt: skip
     notes += [

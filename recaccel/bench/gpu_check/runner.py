@@ -76,6 +76,10 @@ REPO = Path(__file__).resolve().parents[3]
 BENCH_ENTRY = "import sys; from recaccel.cli import bench_main; sys.exit(bench_main())"
 # Seconds a pytest group has, after its SIGINT at the budget, to write its junit XML and summary.
 PYTEST_GRACE_S = 5.0
+# Seconds one GPU test may take (pytest-timeout, where installed: the lent machines have it).
+# A test past it fails with its stack instead of holding its group until the budget kills
+# the group's later files unrun (the H200 run of session 15 lost two files so).
+PER_TEST_TIMEOUT_S = 45
 __all__ = ["BENCH_ARGS", "BUDGETS", "PARTS", "STEPS", "TOTAL_BUDGET_S", "main", "plan_text", "run_step"]
 
 
@@ -238,8 +242,16 @@ def pytest_groups(device: str, parts: Path) -> list[list[str]]:
     groups = max(1, min(4, (os.cpu_count() or 1) // 4))
     known = timings.file_seconds(timings.load_seconds())
     files = balance(timings.weights(gpu_test_files(REPO / "tests", REPO), known), groups)
-    options = ["-v", "-m", "gpu", "--continue-on-collection-errors", "--durations=5"]
+    options = ["-v", "-m", "gpu", "--continue-on-collection-errors", "--durations=5", *per_test_timeout()]
     return [[*base, *options, *junit_options(parts, i), *group] for i, group in enumerate(files)]
+
+
+def per_test_timeout() -> list[str]:
+    """pytest options failing any one test after :data:`PER_TEST_TIMEOUT_S` (its stack
+    printed, the group going on), where the pytest-timeout plugin is installed; none otherwise."""
+    if find_spec("pytest_timeout") is None:
+        return []
+    return [f"--timeout={PER_TEST_TIMEOUT_S}", "--timeout-method=signal"]
 
 
 def _record_seconds(

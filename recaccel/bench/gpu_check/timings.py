@@ -44,11 +44,12 @@ def load_seconds(path: Path = COMMITTED) -> dict:
 
 
 def file_seconds(data: Mapping) -> dict[str, float]:
-    """``file -> seconds`` of a seconds file's entries that carry a positive number."""
+    """``file -> seconds`` of a seconds file's entries that carry a number, zero included (a
+    file whose GPU tests all skipped where it was measured, e.g. those needing TorchRec)."""
     out = {}
     for name, entry in data.get("files", {}).items():
         seconds = entry.get("seconds") if isinstance(entry, Mapping) else None
-        if isinstance(seconds, int | float) and seconds > 0:
+        if isinstance(seconds, int | float) and not isinstance(seconds, bool) and seconds >= 0:
             out[name] = float(seconds)
     return out
 
@@ -57,7 +58,8 @@ def weights(files: Sequence[tuple[str, int]], known: Mapping[str, float]) -> lis
     """Each GPU test file with its weight in seconds: its known seconds, else its test count
     times the median seconds per test of the known files among ``files``."""
     counts = dict(files)
-    rates = [known[f] / counts[f] for f in counts if f in known and counts[f] > 0]
+    # A file measured at 0 s (its tests skipped there) says nothing about a test's time.
+    rates = [known[f] / counts[f] for f in counts if known.get(f, 0) > 0 and counts[f] > 0]
     per_test = statistics.median(rates) if rates else DEFAULT_SECONDS_PER_TEST
     return [(name, known.get(name, count * per_test)) for name, count in files]
 

@@ -3,4 +3,15 @@
 Read by :mod:`recaccel.ops.interaction.tuning`; regenerate rather than edit.
 """
 
-TABLE = {}
+TABLE = {
+    "NVIDIA H200": {
+        "bwd_R27_D128_bfloat16_native": {"bd": 128, "block_b": 2, "num_warps": 2},
+        "bwd_R27_D128_float32_tf32": {"bd": 128, "block_b": 2, "num_warps": 2},
+        "bwd_R501_D32_bfloat16_native": {"bd": 32, "block_b": 1, "num_warps": 2},
+        "bwd_R501_D32_float32_tf32": {"bd": 32, "block_b": 1, "num_warps": 2},
+        "fwd_R27_D128_bfloat16_native": {"bd": 128, "block_b": 2, "num_warps": 2},
+        "fwd_R27_D128_float32_tf32": {"bd": 32, "block_b": 2, "num_warps": 2},
+        "fwd_R501_D32_bfloat16_native": {"bd": 32, "block_b": 1, "num_warps": 2},
+        "fwd_R501_D32_float32_tf32": {"bd": 32, "block_b": 1, "num_warps": 2},
+    },
+}

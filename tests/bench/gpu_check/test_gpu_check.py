@@ -185,6 +185,25 @@ def test_the_interaction_targets_read_the_roofline_rows_and_the_phased_step(tmp_
     assert head["status"] == NOT_MET and head["value"] == 300.0 / 800.0
 
 
+def test_the_cross_network_target_reads_the_default_kernels_speedup_as_its_benchmark_writes_it(tmp_path):
+    """The DCN-v2 row's speedups are per kernel (gemm_, fused_): the target reads gemm's,
+    the default kernel's (the H200 run of session 15 read a dot-interaction key and showed
+    "not measured" beside a finished benchmark)."""
+    row = {"batch": 16384, "fields": 26, "dim": 128, "dtype": "bfloat16", "device": "cuda"}
+    for kernel in ("gemm", "fused"):
+        row |= {f"{kernel}_fwd_ms": 1.0, f"{kernel}_fwd_bwd_ms": 3.0}
+    row |= {
+        "eager_fwd_ms": 1.0,
+        "eager_fwd_bwd_ms": 3.3,
+        "gemm_fwd_bwd_speedup": 1.1,
+        "fused_fwd_bwd_speedup": 0.6,
+    }
+    (tmp_path / "dcnv2.json").write_text(json.dumps({"results": [row]}))
+    got = {t["target"]: t for t in evaluate(tmp_path, {"copy_GBps": 1000.0, "matmul_TFLOPs": 800.0})}
+    cross = got["DCN-v2 cross fwd+bwd >= 1.5x eager (bf16)"]
+    assert cross["status"] == NOT_MET and cross["value"] == 1.1 and "B=16384" in cross["figure"]
+
+
 def _pipeline_row(preset, mode, pipeline, micro, graphs, speedup, sps):
     return {"candidate": "recaccel", "preset": preset, "mode": mode, "batch": 4096, "pipeline": pipeline,
             "micro_batches": micro, "cuda_graphs": graphs, "speedup_vs_off": speedup,
