@@ -330,6 +330,10 @@ def test_a_cpu_timeline_labels_the_trainers_loop_and_leaves_it_as_it_was(tmp_pat
     } <= kinds  # micro-batches: lookup_rows, apply_gradient
     assert "embed" not in vars(parts.objective) and "lookup_rows" not in vars(parts.objective.embedding)
     assert parts.objective._head is head
+    with labelled_phases(parts):  # the labelled head reads as the head (its pooled_buffer, say)
+        labelled = parts.objective._head
+        names = [n for n in ("pooled_buffer", "forward", "__self__") if hasattr(head, n)]
+        assert labelled is not head and names and all(getattr(labelled, n) == getattr(head, n) for n in names)
     with pytest.raises(ZeroDivisionError):  # labels come off on an error too
         with labelled_phases(parts):
             raise ZeroDivisionError
