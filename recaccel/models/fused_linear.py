@@ -29,9 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recaccel.ops.relu_bias_grad import relu_bias_grad
+
 # Inner dimensions are padded to a multiple of this many elements: 16 bytes in bf16/fp16
 # (cuBLASLt's tensor-core alignment), 32 bytes in fp32.
 ALIGN = 8
+# Gradient dtypes whose ReLU + bias backward runs as one Triton pass on CUDA.
+ONE_PASS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def fast_path_default(x: Tensor) -> bool:
@@ -89,13 +93,28 @@ class _LinearReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         x, weight, out = ctx.saved_tensors
-        # relu's own backward (threshold at the output), then addmm's three gradients.
-        g = torch.ops.aten.threshold_backward(grad, out, 0)
         need_x, need_w, need_b = ctx.needs_input_grad
+        # relu's own backward (threshold at the output), then addmm's three gradients. A
+        # first-order backward on CUDA masks and sums the bias gradient in one kernel; one
+        # that is itself differentiated (grad mode on: the meta engines) stays in aten ops.
+        if one_pass_relu_backward(grad) and not torch.is_grad_enabled():
+            g, grad_b = relu_bias_grad(grad, out)
+            grad_b = grad_b.to(out.dtype) if need_b else None
+        else:
+            g = torch.ops.aten.threshold_backward(grad, out, 0)
+            grad_b = g.sum(0) if need_b else None
         grad_x = g.mm(weight) if need_x else None
-        grad_w = x.t().mm(g).t() if need_w else None
-        grad_b = g.sum(0) if need_b else None
+        # [N, K] row-major, as F.linear's backward makes it: no transposing copy when the
+        # gradient is accumulated into the (row-major) weight's .grad.
+        grad_w = g.t().mm(x) if need_w else None
         return grad_x, grad_w, grad_b
+
+
+def one_pass_relu_backward(grad: Tensor) -> bool:
+    """Whether :func:`~recaccel.ops.relu_bias_grad.relu_bias_grad` takes a layer's ReLU and
+    bias backward: 2-D CUDA gradients in float32 or 16 bits (its bias sums are float32, short
+    of float64's; elsewhere aten's two ops)."""
+    return grad.is_cuda and grad.dim() == 2 and grad.dtype in ONE_PASS_DTYPES
 
 
 def linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
