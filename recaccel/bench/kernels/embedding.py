@@ -95,7 +95,8 @@ def write_markdown_summary(result: dict, path: str | Path, command: str, notes: 
             "on CUDA synchronise with the host per table) + "
             f"{BASELINE_OPTIMIZERS.get(first.get('optimizer'), 'a torch optimizer')}: zero_grad, "
             "backward, step. reference / triton / fbgemm = recaccel.ops.embedding.PackedEmbeddingBag("
-            "backend=..., mode='fused'): one lookup per pack, the sparse optimizer applied inside backward."
+            "backend=..., mode='fused', bounds_check='auto' as the models build it: deferred into "
+            "triton's kernels, eager elsewhere): one lookup per pack, the sparse optimizer applied inside backward."
         ),
         (
             "forward = lookup under torch.no_grad(); fwd+bwd+update = lookup, backward of sum(pooled * G) "
