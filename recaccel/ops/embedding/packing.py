@@ -10,6 +10,7 @@ features), N ids, D dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -351,23 +352,24 @@ def gather_pack_ids(
         gather = shift + torch.arange(n, device=device)
         values = values.index_select(0, gather)
         weights = None if weights is None else weights.index_select(0, gather)
-    # The pack's ids are feature-major: per-feature and per-bag quantities reach them by
-    # repeat_interleave, a linear pass, rather than by a gather through each id's bag.
+    # The pack's ids are feature-major: per-bag quantities reach them by repeat_interleave,
+    # a linear pass, rather than by a gather through each id's bag; per-feature ones by
+    # _per_id_of_feature.
     bags = None
     if with_bags:
         bags = torch.repeat_interleave(torch.arange(s * b, device=device), lengths, output_size=n)
-    feat_counts = offsets[b::b] - offsets[: s * b : b] if b > 0 else None
+    per_id = _per_id_of_feature(offsets, bags, b, n) if b > 0 else None
     bad = None
     if local.limit is not None and b > 0:
         # Deferred bounds check: an id outside its table reads (and updates) the table's
         # row 0, as the forward kernel does, never another table's row or past the buffer.
-        limit = torch.repeat_interleave(local.limit, feat_counts, output_size=n)
+        limit = per_id(local.limit)
         ok = (values >= 0) & (values < limit)
         values = torch.where(ok, values, 0)
         bad = (n - ok.sum(dtype=torch.int32)).reshape(1)
     rows = values
     if local.any_shift and b > 0:
-        rows = values + torch.repeat_interleave(local.row_offset.to(index), feat_counts, output_size=n)
+        rows = values + per_id(local.row_offset.to(index))
     scale = None if weights is None else weights.to(torch.float32)
     if local.any_mean:
         inv_len = 1.0 / lengths.clamp(min=1).to(torch.float32)
@@ -375,6 +377,32 @@ def gather_pack_ids(
         mean_scale = torch.repeat_interleave(bag_scale, lengths, output_size=n)
         scale = mean_scale if scale is None else scale * mean_scale
     return PackIds(rows, offsets, scale, bags, bad)
+
+
+def _per_id_of_feature(
+    offsets: Tensor, bags: Tensor | None, b: int, n: int, gather: bool | None = None
+) -> Callable[[Tensor], Tensor]:
+    """Spreads a per-feature value [S] over the pack's feature-major ids [N] (``offsets``
+    [S*B + 1] of its bags; ``bags`` [N], each id's bag, or None). On the CPU a
+    ``repeat_interleave`` over the features' id counts, a linear pass; on CUDA (``gather``
+    None: ``offsets``' device decides) that op writes a feature's ids with one warp (26 warps
+    for 1.7 M ids: ~0.09 ms on the H200), so each id's feature is found once (its bag // B,
+    or a search among the features' end offsets) and the values gathered through it."""
+    if not (offsets.is_cuda if gather is None else gather):
+        counts = offsets[b::b] - offsets[:-1:b]
+        return lambda per_feature: torch.repeat_interleave(per_feature, counts, output_size=n)
+    feature: list[Tensor] = []
+
+    def spread(per_feature: Tensor) -> Tensor:
+        if not feature:
+            if bags is not None:
+                feature.append(bags // b)
+            else:
+                ids = torch.arange(n, device=offsets.device, dtype=offsets.dtype)
+                feature.append(torch.searchsorted(offsets[b::b].contiguous(), ids, right=True))
+        return per_feature.index_select(0, feature[0])
+
+    return spread
 
 
 class PackIdCounts:
