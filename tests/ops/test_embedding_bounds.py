@@ -156,6 +156,22 @@ def test_the_deferred_check_leaves_valid_offsets_as_they_are():
     )
 
 
+def test_the_deferred_check_takes_a_one_hot_batch_as_it_is_and_counts_its_bad_ids():
+    """Implicit offsets are valid by construction: the batch passes untouched (no offsets
+    made) with a zero counter of its own, and an id past its table is still counted."""
+    from recaccel.ops.embedding.deferred_check import defer_batch_check
+
+    sf = SparseFeatures(["x", "y"], torch.arange(6), None)
+    safe, counter = defer_batch_check(sf)
+    assert safe is sf and safe.one_hot and counter.tolist() == [0] and counter.dtype == torch.int32
+    assert defer_batch_check(sf)[1] is not counter  # one counter per batch
+    tables = [TableSpec("x", 4, 3), TableSpec("y", 4, 3)]
+    m = PackedEmbeddingBag(tables, backend="triton", optim=CFG, bounds_check="deferred", seed=3)
+    m(SparseFeatures(["x", "y"], torch.tensor([0, 1, 3, 2, 9, 1]), None))  # y's second id past its 4 rows
+    with pytest.raises(InvalidIdError, match="feature 'y': id 9 at batch row 1"):
+        m.check_ids()
+
+
 @pytest.mark.parametrize("optimizer_seed", [10, 20])
 def test_in_range_training_steps_are_bit_identical_to_the_eager_check(optimizer_seed, sparse_batch):
     deferred, eager = _modules("deferred").train(), _modules(True).train()
