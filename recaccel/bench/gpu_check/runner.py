@@ -78,8 +78,11 @@ BENCH_ENTRY = "import sys; from recaccel.cli import bench_main; sys.exit(bench_m
 PYTEST_GRACE_S = 5.0
 # Seconds one GPU test may take (pytest-timeout, where installed: the lent machines have it).
 # A test past it fails with its stack instead of holding its group until the budget kills
-# the group's later files unrun (the H200 run of session 15 lost two files so).
-PER_TEST_TIMEOUT_S = 45
+# the group's later files unrun (the H200 run of session 15 lost two files so). A test
+# blocked inside a CUDA call is not interrupted until it returns, so every thread's stack is
+# also dumped (pytest's own faulthandler, no plugin) once a test passes STACK_DUMP_S.
+PER_TEST_TIMEOUT_S = 60
+STACK_DUMP_S = 40
 __all__ = ["BENCH_ARGS", "BUDGETS", "PARTS", "STEPS", "TOTAL_BUDGET_S", "main", "plan_text", "run_step"]
 
 
@@ -243,6 +246,7 @@ def pytest_groups(device: str, parts: Path) -> list[list[str]]:
     known = timings.file_seconds(timings.load_seconds())
     files = balance(timings.weights(gpu_test_files(REPO / "tests", REPO), known), groups)
     options = ["-v", "-m", "gpu", "--continue-on-collection-errors", "--durations=5", *per_test_timeout()]
+    options += ["-o", f"faulthandler_timeout={STACK_DUMP_S}"]
     return [[*base, *options, *junit_options(parts, i), *group] for i, group in enumerate(files)]
 
 

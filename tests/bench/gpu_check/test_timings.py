@@ -209,4 +209,23 @@ def test_gpu_groups_fail_a_slow_test_alone_where_pytest_timeout_is_installed(tmp
     limit = f"--timeout={runner.PER_TEST_TIMEOUT_S}"
     assert groups and all(limit in argv and "--timeout-method=signal" in argv for argv in groups)
     monkeypatch.setattr(runner, "find_spec", lambda name: None)
-    assert not any(a.startswith("--timeout") for argv in runner.pytest_groups("cuda", tmp_path) for a in argv)
+    groups = runner.pytest_groups("cuda", tmp_path)
+    assert not any(a.startswith("--timeout") for argv in groups for a in argv)
+    # pytest's own stack dump of a test past STACK_DUMP_S needs no plugin.
+    assert all(f"faulthandler_timeout={runner.STACK_DUMP_S}" in argv for argv in groups)
+
+
+def test_a_test_past_the_stack_dump_time_prints_where_it_is_and_goes_on(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_stuck.py").write_text(
+        "import time\ndef test_slow_here():\n    time.sleep(1.5)\ndef test_after():\n    pass\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=0.5",
+         "tests/test_stuck.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    text = done.stdout + done.stderr
+    assert done.returncode == 0 and "2 passed" in text
+    assert "Timeout" in text and "test_slow_here" in text  # the stack of the slow test
