@@ -94,20 +94,26 @@ class _LinearReLU(torch.autograd.Function):
     def backward(ctx, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         x, weight, out = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        # relu's own backward (threshold at the output), then addmm's three gradients. A
-        # first-order backward on CUDA masks and sums the bias gradient in one kernel; one
-        # that is itself differentiated (grad mode on: the meta engines) stays in aten ops.
-        if one_pass_relu_backward(grad) and not torch.is_grad_enabled():
-            g, grad_b = relu_bias_grad(grad, out)
-            grad_b = grad_b.to(out.dtype) if need_b else None
-        else:
-            g = torch.ops.aten.threshold_backward(grad, out, 0)
-            grad_b = g.sum(0) if need_b else None
+        # relu's own backward (threshold at the output), then addmm's three gradients.
+        g, grad_b = relu_backward(grad, out)
         grad_x = g.mm(weight) if need_x else None
         # [N, K] row-major, as F.linear's backward makes it: no transposing copy when the
         # gradient is accumulated into the (row-major) weight's .grad.
         grad_w = g.t().mm(x) if need_w else None
+        grad_b = (g.sum(0) if grad_b is None else grad_b) if need_b else None
         return grad_x, grad_w, grad_b
+
+
+def relu_backward(grad: Tensor, out: Tensor) -> tuple[Tensor, Tensor | None]:
+    """ReLU's backward in a fused layer (masked by its output ``out`` [B, N]): g [B, N], and
+    the bias gradient [N] in ``out``'s dtype when the same pass made it, else None (the
+    caller sums g). A first-order backward on CUDA masks and sums in one kernel
+    (:func:`one_pass_relu_backward`); one that is itself differentiated (grad mode on: the
+    meta engines) stays in aten's differentiable ops."""
+    if one_pass_relu_backward(grad) and not torch.is_grad_enabled():
+        g, grad_b = relu_bias_grad(grad, out)
+        return g, grad_b.to(out.dtype)
+    return torch.ops.aten.threshold_backward(grad, out, 0), None
 
 
 def one_pass_relu_backward(grad: Tensor) -> bool:

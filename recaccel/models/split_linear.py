@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from recaccel.models.fused_linear import aligned_operands
+from recaccel.models.fused_linear import aligned_operands, relu_backward
 
 
 class WgradQueue:
@@ -95,9 +95,9 @@ class _SplitLinear(torch.autograd.Function):
         spec: _Spec = ctx.spec
         if spec.fused_relu:
             # _LinearReLU's backward (recaccel.models.fused_linear), wgrad deferred.
-            g = torch.ops.aten.threshold_backward(grad, out, 0)
+            g, grad_b = relu_backward(grad, out)
             grad_x = g.mm(w) if ctx.needs_input_grad[0] else None
-            spec.queue.put(lambda: spec.restore(x.t().mm(g).t(), g.sum(0)))
+            spec.queue.put(lambda: spec.restore(g.t().mm(x), g.sum(0) if grad_b is None else grad_b))
             return grad_x, None, None, None, None
         # addmm's backward (torch's mm_mat1_backward / mm_mat2_backward), wgrad deferred.
         grad_x = None

@@ -152,3 +152,30 @@ def test_gpu_one_pass_at_the_criteo_heads_widths(dtype):
         torch.testing.assert_close(g, want_g, rtol=0, atol=0)
         _assert_sums_close(db.cpu(), want_g.cpu())
         assert torch.equal(relu_bias_grad(grad, out)[1], db)  # strips summed in a fixed order
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_the_split_layer_defers_the_same_one_pass_gradients_bit_for_bit(autocast, monkeypatch):
+    """The overlapped step's split layer (wgrad deferred to a queue) gives the fused layer's
+    gradients bit for bit with the one-pass kernel too: the mask, the bias sums, the GEMMs."""
+    from recaccel.models.fused_linear import dense_layer
+    from recaccel.models.split_linear import WgradQueue, split_dense_layer
+
+    monkeypatch.setattr(fused_linear, "one_pass_relu_backward", lambda grad: True)
+    gen = torch.Generator().manual_seed(12)
+    x0, grad_out = torch.randn(64, 13, generator=gen), torch.randn(64, 24, generator=gen)
+    w0, b0 = torch.randn(24, 13, generator=gen), torch.randn(24, generator=gen)
+    grads = []
+    for split in (False, True):
+        x, weight, bias = (torch.nn.Parameter(t.clone()) for t in (x0, w0, b0))
+        queue = WgradQueue()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if split:
+                out = split_dense_layer(x, weight, bias, relu=True, fused=True, align=True, queue=queue)
+            else:
+                out = dense_layer(x, weight, bias, relu=True, fused=True, align=True)
+        out.backward(grad_out.to(out.dtype))
+        queue.run()
+        grads.append((x.grad, weight.grad, bias.grad))
+    for unsplit, split in zip(*grads, strict=True):
+        assert torch.equal(unsplit, split)
