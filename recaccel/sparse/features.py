@@ -146,8 +146,10 @@ class SparseFeatures:
     def with_tensors(self, values: Tensor, offsets: Tensor | None, weights: Tensor | None) -> SparseFeatures:
         """The same fields and bags held in other tensors (another dtype, made offsets, the
         deferred check's copy, which leaves valid offsets as they are): a new batch that keeps
-        :attr:`known_field_counts`."""
-        made = SparseFeatures(self.keys, values, offsets, weights)
+        :attr:`known_field_counts`; a one-hot batch stays one-hot, ``offsets`` its made CSR."""
+        made = SparseFeatures(self.keys, values, None if self.one_hot else offsets, weights)
+        if self.one_hot and offsets is not None:
+            made.__dict__["_made"] = offsets
         known = self.known_field_counts
         if known is not None and offsets is not None:
             made.__dict__["_field_counts"] = known  # same bags, same counts: checked once

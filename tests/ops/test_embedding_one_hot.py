@@ -109,3 +109,27 @@ def test_one_hot_offsets_follow_the_ids_dtype() -> None:
     assert one_hot_offsets(torch.zeros(3, dtype=torch.int32)).dtype == torch.int32
     assert one_hot_offsets(torch.zeros(3, dtype=torch.int64)).tolist() == [0, 1, 2, 3]
     assert one_hot_offsets(torch.zeros(3, dtype=torch.int64)).dtype == torch.int64
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_one_hot_batch_stays_one_hot_through_the_deferred_check_and_trains_like_explicit() -> None:
+    """The prepared batch keeps its implicit offsets (the deferred check and the long-bag
+    launch skip it; an identity pack's bags are an arange), and trains bit for bit like the
+    explicit int64 batch, whose offsets the deferred check does validate."""
+    optim = SparseOptimConfig(lr=0.3, eps=1e-3)
+
+    def module() -> PackedEmbeddingBag:
+        return PackedEmbeddingBag(
+            TABLES, backend="triton", optim=optim, device=DEVICE, seed=7, bounds_check="deferred"
+        ).train()
+
+    batches = [_one_hot(5, ["a", "u", "b", "c"]), _one_hot(6, ["b", "a"])]
+    prepared = module().prepare(batches[0])
+    assert prepared.one_hot and prepared.bad_ids.tolist() == [0] and prepared.offsets.dtype == torch.int32
+    wide, narrow = module(), module()
+    for w, n in zip(_train_steps(wide, [_explicit(sf) for sf in batches]), _train_steps(narrow, batches)):
+        assert torch.equal(w, n)
+    for name, state in wide.table_states().items():
+        for key, tensor in state.items():
+            assert torch.equal(tensor, narrow.table_state(name)[key]), f"{name}.{key}"
+    wide.check_ids(), narrow.check_ids()  # no bad id counted on either

@@ -352,11 +352,12 @@ def gather_pack_ids(
         gather = shift + torch.arange(n, device=device)
         values = values.index_select(0, gather)
         weights = None if weights is None else weights.index_select(0, gather)
-    # The pack's ids are feature-major: per-bag quantities reach them by repeat_interleave,
-    # a linear pass, rather than by a gather through each id's bag; per-feature ones by
-    # _per_id_of_feature.
+    # Feature-major ids: per-bag quantities reach them by repeat_interleave, a linear pass
+    # (a one-hot batch's whole-batch pack: id i is bag i), per-feature ones by _per_id_of_feature.
     bags = None
-    if with_bags:
+    if with_bags and sf.one_hot and local.identity:
+        bags = torch.arange(n, device=device)
+    elif with_bags:
         bags = torch.repeat_interleave(torch.arange(s * b, device=device), lengths, output_size=n)
     per_id = _per_id_of_feature(offsets, bags, b, n) if b > 0 else None
     bad = None

@@ -46,7 +46,8 @@ def as_kernel_input(sf: SparseFeatures) -> SparseFeatures:
     weights = None if sf.weights is None else sf.weights.detach().float().contiguous()
     if sf.one_hot:
         # Never read sf.offsets (an int64 arange made on first read): the kernels' CSR is
-        # made here in the ids' dtype, so int32 ids keep int32 offsets all the way.
+        # made here in the ids' dtype, so int32 ids keep int32 offsets all the way; the
+        # batch stays one-hot (the deferred check and the long-bag launch skip it).
         return sf.with_tensors(values, one_hot_offsets(values), weights)
     offsets = _index_tensor(sf.offsets)
     if values is sf.values and offsets is sf.offsets and weights is sf.weights:
@@ -115,10 +116,10 @@ def prepare_packs(
         for pack in prepared:  # ids the preparation replaced by row 0 (the reference reads them)
             if pack is not None and pack.ids.bad is not None:
                 bad_ids += pack.ids.bad
-    return PreparedSparse(
+    prepared_sf = PreparedSparse(
         sf.keys,
         sf.values,
-        sf.offsets,
+        None if sf.one_hot else sf.offsets,
         sf.weights,
         routing=routing,
         packs=prepared,
@@ -126,4 +127,7 @@ def prepare_packs(
         training=training,
         bad_ids=bad_ids,
         unchecked=given if bad_ids is not None else None,
-    ).remember_field_counts(sf.known_field_counts)
+    )
+    if sf.one_hot:
+        prepared_sf.__dict__["_made"] = sf.offsets  # SparseFeatures' made CSR, in the ids' dtype
+    return prepared_sf.remember_field_counts(sf.known_field_counts)
