@@ -56,8 +56,10 @@ def _tile(cols: int) -> tuple[int, int]:
     return _TILE // block_k, block_k
 
 
-def relu_bias_grad(grad: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
-    """ReLU's backward and the bias gradient of a ``relu(addmm)`` layer in one pass.
+def _relu_bias_grad(grad: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    """ReLU's backward and the bias gradient of a ``relu(addmm)`` layer in one pass
+    (registered as the custom op :data:`relu_bias_grad`, which ``torch.compile`` traces
+    through its fake rule).
 
     Args:
         grad: [B, N] gradient of the layer's output.
@@ -81,6 +83,16 @@ def relu_bias_grad(grad: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
         BLOCK_R=block_r, BLOCK_K=block_k, ROW_TILES=_ROW_TILES, num_warps=_WARPS,
     )  # fmt: skip
     return g, colsum.sum(0)
+
+
+relu_bias_grad = torch.library.custom_op("recaccel::relu_bias_grad", _relu_bias_grad, mutates_args=())
+
+
+@relu_bias_grad.register_fake
+def _relu_bias_grad_fake(grad: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(grad, memory_format=torch.contiguous_format), grad.new_empty(
+        grad.shape[1], dtype=torch.float32
+    )
 
 
 def relu_bias_grad_reference(grad: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:

@@ -179,3 +179,13 @@ def test_the_split_layer_defers_the_same_one_pass_gradients_bit_for_bit(autocast
         grads.append((x.grad, weight.grad, bias.grad))
     for unsplit, split in zip(*grads, strict=True):
         assert torch.equal(unsplit, split)
+
+
+def test_the_custom_op_and_its_fake_rule_agree_for_torch_compile():
+    """``torch.compile`` (a compiled dense head) traces the op through its fake rule:
+    torch.library's own consistency checks, and a compiled call equal to the eager one."""
+    grad, out = _inputs(33, 40, torch.float32, seed=8)
+    torch.library.opcheck(relu_bias_grad, (grad, out), test_utils=("test_schema", "test_faketensor"))
+    compiled = torch.compile(lambda g, o: relu_bias_grad(g, o), backend="aot_eager", fullgraph=True)
+    for got, want in zip(compiled(grad, out), relu_bias_grad(grad, out), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
