@@ -42,12 +42,14 @@ def _run(objective, optimizer, runner, batches: list[Batch]) -> list[torch.Tenso
     return [runner.train_step(item, optimizer) for item in pipeline((b, {}) for b in batches)]
 
 
-def _same_training(batches: list[Batch], dense: str = "adam", **graphed) -> tuple[GraphedStep, list, list]:
-    """Trains two copies of the tiny model on ``batches``: plain eager steps and a graphed
-    step (replays by running the body); asserts equal losses and final states (the dense
-    optimizer's step counts included)."""
-    plain_obj, plain_opt = _objective(dense)
-    graph_obj, graph_opt = _objective(dense)
+def _same_training(
+    batches: list[Batch], dense: str = "adam", train: dict | None = None, **graphed
+) -> tuple[GraphedStep, list, list]:
+    """Trains two copies of the tiny model (``train``: TrainConfig fields) on ``batches``:
+    plain eager steps and a graphed step (replays by running the body); asserts equal
+    losses and final states (the dense optimizer's step counts included)."""
+    plain_obj, plain_opt = _objective(dense, **(train or {}))
+    graph_obj, graph_opt = _objective(dense, **(train or {}))
     runner = GraphedStep(graph_obj, torch.device("cpu"), capture=replay_by_running, **graphed)
     plain = _run(plain_obj, plain_opt, PlainStep(plain_obj), batches)
     graph = _run(graph_obj, graph_opt, runner, batches)
@@ -66,6 +68,14 @@ def test_a_graphed_run_trains_what_plain_steps_train(dense):
     runner, _, _ = _same_training(batches, dense, warmup_steps=2)
     assert runner.captured and runner.failed is None
     assert (runner.eager_steps, runner.graphed_steps, runner.steps) == (2, 5, 7)
+
+
+def test_a_graphed_bf16_run_trains_what_plain_bf16_steps_train():
+    """The captured body enters and leaves the objective's autocast itself (no cast cached
+    across a replay): bf16 replays train what bf16 eager steps train, bit for bit."""
+    batches = [one_hot_batch(16, seed) for seed in range(5)]
+    runner, graph, _ = _same_training(batches, train={"precision": "bf16"}, warmup_steps=2)
+    assert runner.captured and runner.graphed_steps == 3 and all(torch.isfinite(torch.stack(graph)))
 
 
 def test_replays_read_the_static_copy_refilled_from_each_batch():
