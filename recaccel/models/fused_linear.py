@@ -29,7 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recaccel.ops.relu_bias_grad import relu_bias_grad
+try:  # Triton is optional (the CPU paths never need it): without it, aten's two ops run
+    from recaccel.ops.relu_bias_grad import relu_bias_grad
+except ImportError:
+    relu_bias_grad = None
 
 # Inner dimensions are padded to a multiple of this many elements: 16 bytes in bf16/fp16
 # (cuBLASLt's tensor-core alignment), 32 bytes in fp32.
@@ -120,7 +123,7 @@ def one_pass_relu_backward(grad: Tensor) -> bool:
     """Whether :func:`~recaccel.ops.relu_bias_grad.relu_bias_grad` takes a layer's ReLU and
     bias backward: 2-D CUDA gradients in float32 or 16 bits (its bias sums are float32, short
     of float64's; elsewhere aten's two ops)."""
-    return grad.is_cuda and grad.dim() == 2 and grad.dtype in ONE_PASS_DTYPES
+    return relu_bias_grad is not None and grad.is_cuda and grad.dim() == 2 and grad.dtype in ONE_PASS_DTYPES
 
 
 def linear_relu(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:

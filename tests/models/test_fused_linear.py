@@ -8,6 +8,8 @@ tests switch it on explicitly, so the same code that runs on CUDA is checked her
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,3 +197,23 @@ def test_cuda_mlp_takes_the_fast_path_and_matches_linear_then_relu(dtype):
     torch.testing.assert_close(out, ref_out, **tol)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, **tol)
+
+
+def test_the_models_import_and_train_a_layer_without_triton():
+    """Triton is optional: with it unimportable, the MLP layers still build and train on CPU
+    (the one-pass ReLU backward is simply off)."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from recaccel.models import fused_linear\n"
+        "from recaccel.models.arches import mlp\n"
+        "assert fused_linear.relu_bias_grad is None\n"
+        "layers = mlp(13, [8, 4], final_activation=True)\n"
+        "layers.fused, layers.align = True, True\n"
+        "layers(torch.randn(5, 13)).sum().backward()\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

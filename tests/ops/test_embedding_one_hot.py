@@ -133,3 +133,31 @@ def test_a_one_hot_batch_stays_one_hot_through_the_deferred_check_and_trains_lik
         for key, tensor in state.items():
             assert torch.equal(tensor, narrow.table_state(name)[key]), f"{name}.{key}"
     wide.check_ids(), narrow.check_ids()  # no bad id counted on either
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_a_one_hot_batch_launches_no_long_bag_scan(monkeypatch) -> None:
+    """Past the long-bag threshold in ids, an explicit batch's forward scans its bags for
+    long ones (a second launch); the same ids one-hot cannot hold a long bag: no launch, the
+    same pooled rows."""
+    from recaccel.ops.embedding.triton import forward as triton_forward
+
+    launches = []
+    real = triton_forward._long_bag_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(triton_forward, "_long_bag_kernel", Counted())
+    gen = torch.Generator().manual_seed(13)
+    keys, rows = ["a", "u", "b", "c"], 40  # 160 ids: past the default threshold of 64
+    values = torch.cat([torch.randint(0, ROWS[k], (rows,), generator=gen) for k in keys]).to(DEVICE)
+    one_hot = SparseFeatures(keys, values, None)
+    emb = PackedEmbeddingBag(TABLES, backend="triton", device=DEVICE, seed=7).eval()
+    with torch.no_grad():
+        explicit_out = emb.forward_concat(_explicit(one_hot))
+        assert launches, "the explicit batch's bags were not scanned: the test checks nothing"
+        launches.clear()
+        assert torch.equal(emb.forward_concat(one_hot), explicit_out) and not launches

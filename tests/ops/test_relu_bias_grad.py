@@ -103,8 +103,8 @@ def test_the_fused_layer_backward_through_the_one_pass_kernel_is_autograds(autoc
 
 def test_a_differentiated_backward_keeps_autograds_ops(monkeypatch):
     """Second order (the meta engines): the one-pass kernel has no derivative, so a backward
-    run with grad mode on takes aten's differentiable ops (first-order backwards inside the
-    second still take the kernel), and the Hessian-vector product is torch's."""
+    run with grad mode on takes aten's differentiable ops, and the Hessian-vector product is
+    torch's."""
     modes = []
 
     def recorded(grad, out):
@@ -189,3 +189,29 @@ def test_the_custom_op_and_its_fake_rule_agree_for_torch_compile():
     compiled = torch.compile(lambda g, o: relu_bias_grad(g, o), backend="aot_eager", fullgraph=True)
     for got, want in zip(compiled(grad, out), relu_bias_grad(grad, out), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_compiled_fused_layer_traces_its_backward_through_the_custom_op(monkeypatch):
+    """A compiled dense head (train.compile): the layer's backward graph holds the one-pass
+    op (traced through its fake rule) and its gradients are eager's."""
+    monkeypatch.setattr(fused_linear, "one_pass_relu_backward", lambda grad: True)
+    gen = torch.Generator().manual_seed(9)
+    x, weight, bias = torch.randn(48, 24, generator=gen), torch.randn(40, 24, generator=gen), torch.randn(40)
+    want = _layer_grads(x, weight, bias, torch.ones(48, 40), autocast=False)
+    traced = []
+
+    def backend(gm, example_inputs):
+        from torch._dynamo.backends.common import aot_autograd
+
+        def keep(graph, _):
+            traced.append(str(graph.graph))
+            return graph
+
+        return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
+
+    layer = torch.compile(lambda *a: linear_relu(*a).sum(), backend=backend, fullgraph=True)
+    params = [t.clone().requires_grad_(True) for t in (x, weight, bias)]
+    layer(*params).backward()
+    assert any("relu_bias_grad" in g for g in traced)
+    for got, w in zip((p.grad for p in params), want[1:], strict=True):
+        torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)

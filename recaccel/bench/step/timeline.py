@@ -51,6 +51,8 @@ class _Labelled:
             return self._fn(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_fn", "_label"):  # copy / pickle probe these first
+            raise AttributeError(name)
         return getattr(self._fn, name)
 
 
