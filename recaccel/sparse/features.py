@@ -24,8 +24,7 @@ class SparseFeatures:
 
     Attributes:
         keys: F field names.
-        values: integer [N] ids: int64, or int32 when every table's ids fit (consumers
-            widen them with ``.long()``).
+        values: integer [N] ids: int64, or int32 when every table's ids fit (widened by ``.long()``).
         offsets: int64 [F*B+1], starting at 0 and non-decreasing. Given as None, every
             bag holds exactly one id (one-hot: N = F*B) and the offsets are implicit:
             ``arange(F*B+1)`` is made on the values' device the first time it is read,
@@ -143,16 +142,17 @@ class SparseFeatures:
         self.__dict__["_field_counts"] = counts
         return self
 
-    def with_tensors(self, values: Tensor, offsets: Tensor | None, weights: Tensor | None) -> SparseFeatures:
-        """The same fields and bags held in other tensors (another dtype, made offsets, the
-        deferred check's copy, which leaves valid offsets as they are): a new batch that keeps
-        :attr:`known_field_counts`; a one-hot batch stays one-hot, ``offsets`` its made CSR."""
-        made = SparseFeatures(self.keys, values, None if self.one_hot else offsets, weights)
-        if self.one_hot and offsets is not None:
+    def with_tensors(
+        self, values: Tensor, offsets: Tensor | None, weights: Tensor | None, cls: type | None = None, **extra
+    ) -> SparseFeatures:
+        """The same fields and bags in other tensors (another dtype, made offsets, the deferred
+        check's copy of valid offsets): a new batch (a ``cls`` with ``extra`` fields: a preparation)
+        keeping :attr:`known_field_counts`; a one-hot batch stays one-hot, ``offsets`` its CSR."""
+        made = (cls or SparseFeatures)(self.keys, values, None if self.one_hot else offsets, weights, **extra)
+        if offsets is not None and self.one_hot:
             made.__dict__["_made"] = offsets
-        known = self.known_field_counts
-        if known is not None and offsets is not None:
-            made.__dict__["_field_counts"] = known  # same bags, same counts: checked once
+        if offsets is not None and self.known_field_counts is not None:
+            made.__dict__["_field_counts"] = self.known_field_counts  # same bags: counted once
         return made
 
     def count_fields_on_host(self) -> tuple[int, ...] | None:

@@ -359,7 +359,8 @@ def gather_pack_ids(
         bags = torch.arange(n, device=device)
     elif with_bags:
         bags = torch.repeat_interleave(torch.arange(s * b, device=device), lengths, output_size=n)
-    per_id = _per_id_of_feature(offsets, bags, b, n) if b > 0 else None
+    needs_per_id = b > 0 and (local.limit is not None or local.any_shift)
+    per_id = _per_id_of_feature(offsets, bags, b, n) if needs_per_id else None
     bad = None
     if local.limit is not None and b > 0:
         # Deferred bounds check: an id outside its table reads (and updates) the table's
@@ -392,18 +393,12 @@ def _per_id_of_feature(
     if not (offsets.is_cuda if gather is None else gather):
         counts = offsets[b::b] - offsets[:-1:b]
         return lambda per_feature: torch.repeat_interleave(per_feature, counts, output_size=n)
-    feature: list[Tensor] = []
-
-    def spread(per_feature: Tensor) -> Tensor:
-        if not feature:
-            if bags is not None:
-                feature.append(bags // b)
-            else:
-                ids = torch.arange(n, device=offsets.device, dtype=offsets.dtype)
-                feature.append(torch.searchsorted(offsets[b::b].contiguous(), ids, right=True))
-        return per_feature.index_select(0, feature[0])
-
-    return spread
+    if bags is not None:
+        feature = bags // b
+    else:
+        ids = torch.arange(n, device=offsets.device, dtype=offsets.dtype)
+        feature = torch.searchsorted(offsets[b::b].contiguous(), ids, right=True)
+    return lambda per_feature: per_feature.index_select(0, feature)
 
 
 class PackIdCounts:

@@ -116,11 +116,11 @@ def prepare_packs(
         for pack in prepared:  # ids the preparation replaced by row 0 (the reference reads them)
             if pack is not None and pack.ids.bad is not None:
                 bad_ids += pack.ids.bad
-    prepared_sf = PreparedSparse(
-        sf.keys,
+    return sf.with_tensors(
         sf.values,
-        None if sf.one_hot else sf.offsets,
+        sf.offsets,
         sf.weights,
+        PreparedSparse,
         routing=routing,
         packs=prepared,
         owner=weakref.ref(owner),
@@ -128,6 +128,3 @@ def prepare_packs(
         bad_ids=bad_ids,
         unchecked=given if bad_ids is not None else None,
     )
-    if sf.one_hot:
-        prepared_sf.__dict__["_made"] = sf.offsets  # SparseFeatures' made CSR, in the ids' dtype
-    return prepared_sf.remember_field_counts(sf.known_field_counts)

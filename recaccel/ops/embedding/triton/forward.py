@@ -384,7 +384,7 @@ def _launch(
         O_VEC=_pow2_divisor([out.stride(0), out.stride(1)], 16 // out.element_size()),
         num_warps=config.num_warps,
     )
-    one_id_bags = getattr(sf, "one_hot", False) and config.long_threshold >= 1
+    one_id_bags = sf.one_hot and config.long_threshold >= 1
     if one_id_bags or sf.values.numel() <= config.long_threshold:
         return  # no bag can be long (one id a bag, or fewer ids than a long bag holds)
     long_d = min(block_d, 128)
