@@ -81,8 +81,9 @@ def profile_fwd_bwd(
 
 def breakdown_rows(timeline: Timeline) -> list[dict]:
     """Every kernel of ``timeline`` (largest first) per iteration, with its class and the
-    pass most of its time ran in (``forward``, ``backward``, or ``other``):
-    ``[{"kernel", "class", "pass", "launches_per_step", "ms_per_step", "share"}]``."""
+    pass most of its time ran in (``forward``, ``backward``, or ``other``) and the host op
+    that launched it:
+    ``[{"kernel", "class", "pass", "launches_per_step", "ms_per_step", "share", "launched_by"}]``."""
     rows = kernel_table(timeline, top=len(timeline.spans) or 1)
     return [{"kernel": r["kernel"], "class": kernel_class(r["kernel"]), **_per_step(r)} for r in rows]
 
@@ -90,7 +91,7 @@ def breakdown_rows(timeline: Timeline) -> list[dict]:
 def _per_step(row: Mapping) -> dict:
     passes = {FORWARD: "forward", BACKWARD: "backward"}
     return {"pass": passes.get(row["phase"], "other")} | {
-        k: row[k] for k in ("launches_per_step", "ms_per_step", "share")
+        k: row[k] for k in ("launches_per_step", "ms_per_step", "share", "launched_by")
     }
 
 
@@ -119,16 +120,21 @@ def _summary_lines(tables: Mapping[str, Sequence[Mapping]]) -> list[str]:
     return lines
 
 
+def _code(text: str) -> str:
+    return f"`{text}`" if text else "-"
+
+
 def _candidate_lines(name: str, rows: Sequence[Mapping]) -> list[str]:
-    lines = [f"## {name}", "", "| kernel | class | pass | launches / iteration | ms / iteration | share |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"## {name}", "",
+             "| kernel | class | pass | launches / iteration | ms / iteration | share | launched by |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [
         f"| `{r['kernel']}` | {r['class']} | {r['pass']} | {r['launches_per_step']:g} | {r['ms_per_step']:.4f} "
-        f"| {r['share']:.1%} |"
+        f"| {r['share']:.1%} | {_code(r.get('launched_by', ''))} |"
         for r in rows[:TOP_KERNELS]
     ]
     if len(rows) > TOP_KERNELS:
-        lines.append(f"| ({len(rows) - TOP_KERNELS} more) | | | | | |")
+        lines.append(f"| ({len(rows) - TOP_KERNELS} more) | | | | | | |")
     return lines
 
 

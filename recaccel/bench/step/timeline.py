@@ -170,14 +170,20 @@ def host_table_path(timeline_png: Path) -> Path:
     return timeline_png.with_name(f"{timeline_png.stem}_host.txt")
 
 
+def _code(text: str) -> str:
+    return f"`{text}`" if text else "-"
+
+
 def write_kernel_table(spans: Timeline, path: Path, title: str) -> Path:
     """The profiled steps' device time by kernel (:func:`~recaccel.plotting.timeline.kernel_table`)
-    as a markdown table at ``path``."""
+    as a markdown table at ``path``, each kernel with the host op that launched it."""
     rows = kernel_table(spans)
-    lines = [f"# Kernels per step: {title}", "", "| kernel | phase | launches / step | ms / step | share |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [f"# Kernels per step: {title}", "",
+             "| kernel | phase | launches / step | ms / step | share | launched by |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
     lines += [
-        f"| `{r['kernel']}` | {r['phase']} | {r['launches_per_step']} | {r['ms_per_step']} | {r['share']:.1%} |"
+        f"| `{r['kernel']}` | {r['phase']} | {r['launches_per_step']} | {r['ms_per_step']} | {r['share']:.1%} "
+        f"| {_code(r['launched_by'])} |"
         for r in rows
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
