@@ -29,6 +29,7 @@ from recaccel.bench.kernels.embedding_cases import (
     default_rows,
 )
 from recaccel.bench.kernels.embedding_run import run_embedding_bench
+from recaccel.bench.kernels.kernel_breakdown import breakdown_path
 from recaccel.errors import ConfigError
 
 __all__ = ["add_args", "default_cases", "main", "run_embedding_bench", "write_markdown_summary"]
@@ -161,6 +162,12 @@ def add_args(parser) -> None:
     parser.add_argument("--batches", type=int, default=4, help="distinct batches per case, cycled")
     parser.add_argument("--with-autograd", action="store_true", help="also time the packed autograd mode")
     parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the packed candidates of every case after timing them: per-kernel device time "
+        "and host ms per iteration in <out stem>_kernels.md, host ops in <out stem>_host.txt",
+    )
+    parser.add_argument(
         "--device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="cuda or cpu (default: cuda if present)",
@@ -201,6 +208,7 @@ def main(args, command_line: str) -> Path:
         plot_path=plot_file(args),
         factories=default_factories(args.seed, with_autograd=args.with_autograd),
         seed=args.seed,
+        profile_path=breakdown_path(args.out) if args.profile else None,
     )
     notes = [
         f"threads: {torch.get_num_threads()}; repeats {repeats}, warmup {args.warmup}, {args.batches} batches",
@@ -208,4 +216,6 @@ def main(args, command_line: str) -> Path:
         f"host load average (1 min) before / after the run: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
         f"on {os.cpu_count()} CPUs",
     ]
+    if result.get("profile"):
+        notes.append(result["profile"])
     return write_markdown_summary(result, args.out, command_line, notes + list(args.note))

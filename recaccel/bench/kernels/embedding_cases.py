@@ -12,7 +12,7 @@ Shapes: B batch, T tables (= features), D dim, L bag length, R rows per table, N
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +101,19 @@ class EmbeddingCase:
 
     def optim_config(self) -> SparseOptimConfig:
         return SparseOptimConfig(lr=self.lr)
+
+
+def cycling(step: Callable, args: Sequence[tuple]) -> Callable[[], object]:
+    """A zero-argument callable whose k-th call runs ``step(*args[k % K])`` (repeat k of a
+    timed or profiled candidate reads batch k % K)."""
+    state = {"k": 0}
+
+    def call():
+        a = args[state["k"] % len(args)]
+        state["k"] += 1
+        return step(*a)
+
+    return call
 
 
 def default_rows(device: torch.device, tables: int, dim: int) -> int:

@@ -33,10 +33,12 @@ from recaccel.bench.kernels.embedding_cases import (
     EmbeddingCase,
     bytes_moved,
     check_candidates,
+    cycling,
     default_factories,
     initial_rows,
     make_inputs,
 )
+from recaccel.bench.kernels.embedding_profile import CaseProfiles, profile_note
 from recaccel.errors import ConfigError
 from recaccel.plotting import pyplot, save_figure
 
@@ -50,25 +52,13 @@ MODES = {"fwd": "forward", "train": "fwd+bwd+update"}
 TARGETS = (("cpu", 1000, 512, 16, 1, "train", 2.0),)
 
 
-def _cycling(step: Callable, args: Sequence[tuple]) -> Callable[[], object]:
-    """A zero-argument callable whose k-th call runs ``step(*args[k % K])``."""
-    state = {"k": 0}
-
-    def call():
-        a = args[state["k"] % len(args)]
-        state["k"] += 1
-        return step(*a)
-
-    return call
-
-
 def _timed_callables(cands: Mapping[str, Candidate], inputs: BenchInputs) -> dict[str, Callable[[], object]]:
     fwd_args = [(sf,) for sf in inputs.batches]
     train_args = list(zip(inputs.batches, inputs.grads))
     out = {}
     for name, cand in cands.items():
-        out[f"{name}/fwd"] = _cycling(cand.forward, fwd_args)
-        out[f"{name}/train"] = _cycling(cand.train_step, train_args)
+        out[f"{name}/fwd"] = cycling(cand.forward, fwd_args)
+        out[f"{name}/train"] = cycling(cand.train_step, train_args)
     return out
 
 
@@ -81,8 +71,10 @@ def bench_case(
     num_batches: int,
     copy_gbps: float | None,
     seed: int = 0,
+    profiles: CaseProfiles | None = None,
 ) -> tuple[list[dict], dict[str, str]]:
-    """Checks and times every candidate on one case.
+    """Checks and times every candidate on one case, then profiles the packed ones into
+    ``profiles`` when given (:mod:`~recaccel.bench.kernels.embedding_profile`).
 
     Returns:
         (two rows, forward and fwd+bwd+update; candidate -> why it was skipped).
@@ -108,6 +100,8 @@ def bench_case(
     del init
     check_candidates(cands, REFERENCE, inputs, case)
     ms = time_interleaved(_timed_callables(cands, inputs), repeats, warmup, device)
+    if profiles is not None:
+        profiles.add_case(case, cands, inputs, device, skip=(BASELINE,))
     num_ids = sum(int(sf.values.numel()) for sf in inputs.batches) / num_batches
     unique = sum(inputs.unique_rows) / num_batches
     moved = dict(zip(MODES, bytes_moved(case, round(num_ids), round(unique))))
@@ -174,6 +168,7 @@ def run_embedding_bench(
     factories: Mapping[str, CandidateFactory] | None = None,
     extra_candidates: Mapping[str, CandidateFactory] | None = None,
     seed: int = 0,
+    profile_path: str | Path | None = None,
 ) -> dict:
     """Runs the sweep.
 
@@ -189,10 +184,15 @@ def run_embedding_bench(
             ``per_table`` (the baseline) and ``reference`` (the truth of the checks).
         extra_candidates: Added to ``factories`` (e.g. a candidate under development).
         seed: Seed of the initial rows and of the inputs.
+        profile_path: If given, the packed candidates of every case are profiled after
+            their timing and their kernel tables written there (markdown; host ops beside
+            it): see :mod:`~recaccel.bench.kernels.embedding_profile`. A profiler failure
+            ends the profiling, not the benchmark.
 
     Returns:
         ``{"env", "copy_GBps", "cases", "results" (one row per case and mode), "skipped"
-        (candidate -> reason, first seen), "targets"}``.
+        (candidate -> reason, first seen), "targets", "profile" (the note naming the
+        profile's files, or why there are none; None when not asked)}``.
 
     Raises:
         CandidateMismatchError: a candidate disagrees with the reference (nothing is timed
@@ -208,10 +208,11 @@ def run_embedding_bench(
     copy_gbps = measure_copy_bandwidth(device) if device.type == "cuda" else None
     rows: list[dict] = []
     skipped: dict[str, str] = {}
+    profiles = None if profile_path is None else CaseProfiles(profile_path)
     for case in cases:
         log.info("embedding bench: %s", case)
         case_rows, case_skipped = bench_case(
-            case, factories, device, repeats, warmup, num_batches, copy_gbps, seed
+            case, factories, device, repeats, warmup, num_batches, copy_gbps, seed, profiles
         )
         rows += case_rows
         for name, why in case_skipped.items():
@@ -219,6 +220,8 @@ def run_embedding_bench(
         if json_path is not None:  # after every case: a run killed at a time budget keeps those done
             _write_json(json_path, _result(device, copy_gbps, cases, rows, skipped))
     result = _result(device, copy_gbps, cases, rows, skipped)
+    if profile_path is not None:
+        result["profile"] = profile_note(profiles)
     if json_path is not None:
         _write_json(json_path, result)
     if plot_path is not None:

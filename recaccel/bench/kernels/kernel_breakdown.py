@@ -108,15 +108,17 @@ def class_totals(rows: Sequence[Mapping]) -> dict[str, dict]:
     return out
 
 
-def _summary_lines(tables: Mapping[str, Sequence[Mapping]]) -> list[str]:
-    lines = ["| candidate | device ms / iteration | launches / iteration | by class (ms, share) |",
-             "|---|---|---|---|"]  # fmt: skip
+def _summary_lines(tables: Mapping[str, Sequence[Mapping]], host_ms: Mapping[str, float]) -> list[str]:
+    host = " host ms / iteration |" if host_ms else ""
+    lines = [f"| candidate | device ms / iteration |{host} launches / iteration | by class (ms, share) |",
+             "|---|---|---|---|" + ("---|" if host_ms else "")]  # fmt: skip
     for name, rows in tables.items():
         totals = class_totals(rows)
         by_class = "; ".join(f"{c} {t['ms_per_step']:.3f} ({t['share']:.1%})" for c, t in totals.items())
         ms = sum(r["ms_per_step"] for r in rows)
         launches = sum(r["launches_per_step"] for r in rows)
-        lines.append(f"| {name} | {ms:.3f} | {launches:g} | {by_class or '-'} |")
+        host_cell = (f" {host_ms[name]:.3f} |" if name in host_ms else " - |") if host_ms else ""
+        lines.append(f"| {name} | {ms:.3f} |{host_cell} {launches:g} | {by_class or '-'} |")
     return lines
 
 
@@ -139,16 +141,30 @@ def _candidate_lines(name: str, rows: Sequence[Mapping]) -> list[str]:
 
 
 def write_breakdown(
-    tables: Mapping[str, Sequence[Mapping]], path: str | Path, title: str, iterations: int
+    tables: Mapping[str, Sequence[Mapping]],
+    path: str | Path,
+    title: str,
+    iterations: int,
+    host_ms: Mapping[str, float] | None = None,
 ) -> Path:
     """The candidates' kernel tables (from :func:`breakdown_rows`) as markdown at ``path``:
-    a summary by class, then one table per candidate (its :data:`TOP_KERNELS` largest kernels)."""
-    lines = [f"# Kernels per forward + backward: {title}", ""]
+    a summary by class (with each candidate's host ms per iteration where ``host_ms`` has
+    it), then one table per candidate (its :data:`TOP_KERNELS` largest kernels)."""
+    lines = [f"# Kernels per iteration: {title}", ""]
     lines += [
-        f"Device time of {iterations} profiled forward + backward iterations per candidate "
-        "(torch.profiler, CUDA activity), per iteration; share = of the candidate's device time.",
+        f"Device time of {iterations} profiled iterations per candidate (a forward + backward unless "
+        "its name says otherwise; torch.profiler, CUDA activity), per iteration; share = of the "
+        "candidate's device time; each kernel with the host op that launched most of its time.",
+        *(
+            [
+                "Host ms / iteration: the spacing of the iterations' starts on the host; above the device ms, "
+                "the host limits the candidate."
+            ]
+            if host_ms
+            else []
+        ),  # fmt: skip
         "",
-        *_summary_lines(tables),
+        *_summary_lines(tables, host_ms or {}),
     ]
     for name, rows in tables.items():
         lines += ["", *_candidate_lines(name, rows)]

@@ -1,0 +1,98 @@
+"""``recaccel-bench embedding --profile``: the packed candidates' kernels and host ms per
+iteration, written after every case; a profiler failure leaves the timed rows standing."""
+
+from __future__ import annotations
+
+import argparse
+
+from recaccel.bench.kernels import embedding as bench
+from recaccel.bench.kernels import embedding_profile
+from recaccel.bench.kernels.embedding_cases import EmbeddingCase, default_factories
+from recaccel.bench.kernels.embedding_run import run_embedding_bench
+from recaccel.ops.backend import fbgemm_installed
+from recaccel.plotting.timeline import FORWARD, Span, Timeline
+
+CASE = EmbeddingCase(tables=2, batch=16, dim=8, bag_len=2, rows=40)
+
+
+def _factories():
+    factories = default_factories(seed=0)
+    if not fbgemm_installed():
+        factories.pop("fbgemm")
+    return factories
+
+
+def test_cpu_profile_gives_every_packed_candidate_and_mode_its_host_ms(tmp_path):
+    path = tmp_path / "embedding_kernels.md"
+    result = run_embedding_bench([CASE], "cpu", repeats=1, warmup=0, num_batches=2, factories=_factories(),
+                                 profile_path=path)  # fmt: skip
+    packed = ["reference"] + (["fbgemm"] if fbgemm_installed() else [])
+    text = path.read_text()
+    for name in packed:
+        for mode in ("forward", "fwd+bwd+update"):
+            row = next(
+                line for line in text.splitlines() if line.startswith(f"| {name} {mode} T=2 B=16 D=8 L=2 |")
+            )
+            host_ms = float(row.split("|")[3])
+            assert host_ms > 0  # the host's time per iteration, the only figure on a CPU
+    assert "per_table" not in text  # the baseline is timed, not profiled
+    host = (tmp_path / "embedding_host.txt").read_text()
+    assert "## reference fwd+bwd+update T=2 B=16 D=8 L=2" in host and "Self CPU" in host
+    assert (
+        result["profile"].startswith("Per-kernel device time and host ms")
+        and "embedding_kernels.md" in result["profile"]
+    )
+    assert [r["mode"] for r in result["results"]] == ["forward", "fwd+bwd+update"]
+
+
+def test_kernels_of_a_profile_are_tabled_with_their_launching_op(tmp_path, monkeypatch):
+    """What the CUDA profile gives (a kernel span with its op) reaches the markdown."""
+
+    def fake_profile(step, steps, device, host_table=None):
+        for _ in range(steps):
+            step()
+        host_table.write_text("host ops\n")
+        kernel = Span(
+            "CUDA stream 7", FORWARD, "void at::native::radix_sort_kernel", 0.0, 0.5, "aten::sort [340] i32"
+        )
+        return Timeline([kernel], [0.0, 2.0, 4.0][:steps])
+
+    monkeypatch.setattr(embedding_profile, "profile_steps", fake_profile)
+    path = tmp_path / "k.md"
+    run_embedding_bench(
+        [CASE], "cpu", repeats=1, warmup=0, num_batches=1, factories=_factories(), profile_path=path
+    )
+    text = path.read_text()
+    assert "| reference forward T=2 B=16 D=8 L=2 | 0.167 | 2.000 | 0.33 |" in text  # 0.5 ms over 3 iterations
+    assert (
+        "| `radix_sort_kernel` | other | forward | 0.33 | 0.1667 | 100.0% | `aten::sort [340] i32` |" in text
+    )
+
+
+def test_a_profiler_failure_stops_profiling_and_keeps_the_timed_rows(tmp_path, monkeypatch):
+    calls = []
+
+    def failing(step, steps, device, host_table=None):
+        calls.append(1)
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED\nmore detail")
+
+    monkeypatch.setattr(embedding_profile, "profile_steps", failing)
+    cases = [CASE, EmbeddingCase(tables=3, batch=8, dim=4, bag_len=1, rows=20)]
+    result = run_embedding_bench(cases, "cpu", repeats=1, warmup=0, num_batches=1, factories=_factories(),
+                                 profile_path=tmp_path / "k.md")  # fmt: skip
+    assert len(calls) == 1  # no second try on the next case
+    assert result["profile"] == "Per-kernel device time: none (RuntimeError: CUPTI_ERROR_NOT_INITIALIZED)"
+    assert len(result["results"]) == 4
+
+
+def test_cli_profile_flag_writes_the_tables_beside_the_markdown_and_names_them(tmp_path):
+    parser = argparse.ArgumentParser()
+    bench.add_args(parser)
+    out = tmp_path / "embedding.md"
+    args = parser.parse_args(
+        ["--tables", "2", "--shapes", "8:4:1", "--cases", "--rows", "10", "--repeats", "1", "--warmup", "0",
+         "--batches", "1", "--profile", "--out", str(out), "--device", "cpu"]
+    )  # fmt: skip
+    text = bench.main(args, "recaccel-bench embedding --profile").read_text()
+    assert (tmp_path / "embedding_kernels.md").exists() and (tmp_path / "embedding_host.txt").exists()
+    assert "embedding_kernels.md (each kernel with the op that launched it)" in text
