@@ -13,6 +13,7 @@ from recaccel.ops.interaction.launch_plan import (
     check_config,
     heuristic_plan,
     launch_plan,
+    tile_rows,
     with_tuned,
 )
 from recaccel.ops.tuning_tables import read_table, write_table
@@ -59,10 +60,12 @@ def test_sweep_configs_fit_the_register_budget_and_launch():
             assert len(configs) == len(set(configs.values())) > 1
             for config in configs.values():
                 check_config(config, fields + 1)
-                assert (
-                    config.block_b * plan.bt * max(plan.bt, config.bd) <= interaction_tune.MAX_TILE_ELEMENTS
-                )
+                bt = tile_rows(config, fields + 1)
+                assert config.block_b * bt * max(bt, config.bd) <= interaction_tune.MAX_TILE_ELEMENTS
                 assert fields + 1 <= 64 or config.block_b == 1
+                assert config.bt != plan.bt  # the default row tile is stored as 0
+            row_tiles = {tile_rows(c, fields + 1) for c in configs.values()}
+            assert row_tiles == ({16, 32, 64} if fields == 500 else {plan.bt})
 
 
 def test_a_config_that_cannot_launch_is_refused_in_one_line():
@@ -70,6 +73,9 @@ def test_a_config_that_cannot_launch_is_refused_in_one_line():
         (KernelConfig(3, 32, 4), 27),
         (KernelConfig(2, 8, 4), 27),
         (KernelConfig(2, 32, 4), 501),
+        (KernelConfig(1, 32, 4, 8), 501),  # a row tile under tl.dot's 16
+        (KernelConfig(1, 32, 4, 48), 501),
+        (KernelConfig(1, 32, 4, 16), 27),  # one tile holds every row: no row tile of its own
     ):
         with pytest.raises(ValueError, match=r"launch config .* cannot run at R="):
             check_config(bad, rows)
@@ -104,7 +110,83 @@ def test_table_round_trip_keeps_other_devices_and_reads_its_formatted_module(tmp
     assert namespace["TABLE"] == table
 
 
-@pytest.mark.parametrize("entry", [{"block_b": 4, "bd": 32}, {"block_b": 4, "bd": "32", "num_warps": 8}])
+def test_a_tuned_row_tile_reaches_the_plan_and_the_default_stays_unwritten():
+    plan = heuristic_plan(501, 32)
+    tuned = with_tuned(
+        plan, {"block_b": 1, "bd": 32, "num_warps": 2, "bt": 16}, {"block_b": 1, "bd": 32, "num_warps": 4}
+    )
+    assert tile_rows(tuned.fwd, 501) == 16 and tile_rows(tuned.bwd, 501) == 64 == plan.bt
+    figures = {"ms": 1.0, "block_b": 1, "bd": 32, "num_warps": 2}
+    records = [
+        {
+            "key": "k",
+            "best": "a",
+            "configs": {"a": figures | {"bt": 32}, "b": {**figures, "ms": 2.0, "bt": 0}},
+        }
+    ]
+    assert interaction_tune.winners(records) == {"k": {"block_b": 1, "bd": 32, "num_warps": 2, "bt": 32}}
+    records[0]["configs"]["b"]["ms"], records[0]["best"] = 0.5, "b"
+    assert interaction_tune.winners(records) == {"k": {"block_b": 1, "bd": 32, "num_warps": 2}}
+
+
+@needs_triton
+@pytest.mark.parametrize("bt", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_smaller_row_tile_on_the_tile_pair_grid_is_the_reference(bt, dtype, monkeypatch):
+    """R = 131 (partial last tiles at 16 and 32 rows), forward and backward, fp32 and bf16:
+    the reference runs in float64 on the same (rounded) inputs, so the kernel is held to its
+    float32 sums and one rounding of its output."""
+    from recaccel.ops.interaction import triton as kernels
+
+    launched = []
+    for name in ("_dot_interaction_fwd_kernel", "_dot_interaction_bwd_kernel"):
+        monkeypatch.setattr(kernels, name, _Recording(getattr(kernels, name), launched))
+    monkeypatch.setattr(kernels, "check_triton_launchable", lambda *args: None)  # it reads the wrapped type
+    dense, pooled = _inputs(3, 130, 24, seed=4)
+    grad_shape = (3, 24 + 131 * 130 // 2)
+    grad = torch.randn(grad_shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    args = [t.to(dtype) for t in (dense, pooled, grad)]
+    x = torch.cat([args[0][:, None], args[1]], 1).double()
+    want = dot_interaction_reference(x)
+    want_grad = dot_interaction_backward_reference(args[2].double(), x)
+    config = KernelConfig(1, 32, 2, bt)
+    rounding = 1e-6 if dtype == torch.float32 else 2.0**-8
+
+    def close(got, expected):
+        torch.testing.assert_close(
+            got.double(), expected, rtol=2 * rounding, atol=2 * rounding * float(expected.abs().max())
+        )
+
+    got = kernels.forward_with(args[0], args[1], True, config)
+    close(got[:, : want.shape[1]], want)
+    assert not got[:, want.shape[1] :].any()  # the padding columns are zero
+    g_dense, g_pooled = kernels.backward_with(args[2], args[0], args[1], config)
+    close(torch.cat([g_dense[:, None], g_pooled], 1), want_grad)
+    assert launched == [(bt, -(-131 // bt))] * 2  # both kernels ran with the config's row tile
+
+
+class _Recording:
+    """A kernel whose launches record their (BT, NT) before running."""
+
+    def __init__(self, kernel, launched: list) -> None:
+        self.kernel, self.launched = kernel, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append((kwargs["BT"], kwargs["NT"]))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"block_b": 4, "bd": 32},
+        {"block_b": 4, "bd": "32", "num_warps": 8},
+        {"block_b": 1, "bd": 32, "num_warps": 8, "bt": "16"},
+    ],
+)
 def test_a_hand_edited_entry_is_a_one_line_config_error(entry):
     from recaccel.errors import ConfigError
 

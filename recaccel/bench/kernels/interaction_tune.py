@@ -9,8 +9,8 @@ One command on a lent H100/H200, about 2 minutes (``--budget-s``, 150 by default
 Per case (forward and backward of the DLRM shapes: R=27 rows of D=128 at B=65,536 in
 bf16 and TF32, R=501 of D=32 at B=4,096, R=27 in strict float32 at B=16,384), most
 important first: the heuristic's config (``default``, what runs untuned), then every
-candidate (batch rows per program, column chunk, warps; register tiles of at most 8192
-elements) compiled at once on a thread pool, each checked against the default's output
+candidate (batch rows per program, column chunk, warps, and on the tile-pair grid of R > 64
+the row tile; register tiles of at most 8192 elements) compiled at once on a thread pool, each checked against the default's output
 (a config that differs, or fails to compile, is dropped, not timed) and timed alone with
 ``triton.testing.do_bench``. Figures: ms, GB/s of the minimum bytes (inputs read once,
 outputs written once), % of the copy bandwidth measured in the same run. The JSON is
@@ -95,18 +95,21 @@ def configs(case: TuneCase) -> dict[str, KernelConfig]:
     plan = heuristic_plan(rows, case.dim)
     found = {"default": plan.fwd if case.kernel == "fwd" else plan.bwd}
     top_bd = max(16, 1 << (case.dim - 1).bit_length())
-    for block_b in (1, 2, 4, 8, 16) if rows <= ONE_TILE_MAX_ROWS else (1,):
-        for bd in (16, 32, 64, 128):
-            elements = block_b * plan.bt * max(plan.bt, bd)
-            # 16-column chunks only where D needs no more: 8 chunks of a 128-wide row are slow.
-            if bd > top_bd or (bd == 16 and top_bd > 16) or elements > MAX_TILE_ELEMENTS:
-                continue
-            for warps in (2, 4, 8):
-                if elements // (32 * warps) < 8:  # under 8 elements a thread: warps idle
+    one_tile = rows <= ONE_TILE_MAX_ROWS
+    for bt in (plan.bt,) if one_tile else (64, 32, 16):
+        for block_b in (1, 2, 4, 8, 16) if one_tile else (1,):
+            for bd in (16, 32, 64, 128):
+                elements = block_b * bt * max(bt, bd)
+                # 16-column chunks only where D needs no more: 8 chunks of a 128-wide row are slow.
+                if bd > top_bd or (bd == 16 and top_bd > 16) or elements > MAX_TILE_ELEMENTS:
                     continue
-                config = KernelConfig(block_b, bd, warps)
-                if config not in found.values():
-                    found[f"b{block_b}_bd{bd}_w{warps}"] = config
+                for warps in (2, 4, 8):
+                    if elements // (32 * warps) < 8:  # under 8 elements a thread: warps idle
+                        continue
+                    own_bt = 0 if bt == plan.bt else bt  # the table stores a row tile only where it differs
+                    config = KernelConfig(block_b, bd, warps, own_bt)
+                    if config not in found.values():
+                        found[f"b{block_b}{f'_bt{bt}' if own_bt else ''}_bd{bd}_w{warps}"] = config
     return found
 
 
@@ -172,9 +175,12 @@ def table_key(case: TuneCase) -> str:
 def winners(records: list[dict]) -> dict[str, dict[str, int]]:
     """Per table key, the config with the least total time relative to each case's best,
     among the configs timed in every case of that key."""
-    return pick_winners(
-        records, lambda figures, _: {f: int(figures[f]) for f in ("block_b", "bd", "num_warps")}
-    )
+
+    def fields(figures: dict, _) -> dict[str, int]:
+        own = {f: int(figures[f]) for f in ("block_b", "bd", "num_warps")}
+        return own | ({"bt": int(figures["bt"])} if figures.get("bt") else {})  # 0: the default row tile
+
+    return pick_winners(records, fields)
 
 
 def run(

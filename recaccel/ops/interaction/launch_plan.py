@@ -1,7 +1,7 @@
 """Launch plans of the Triton dot-interaction kernels: tile sizes by shape, tuned per device.
 
-A plan fixes the row tile BT (by R alone) and, per kernel, the batch rows per program,
-the column chunk and the warps: :func:`heuristic_plan` from register budgets, replaced per
+A plan fixes the row tile BT (by R alone; a tuned entry may pick another on the tile-pair
+grid) and, per kernel, the batch rows per program, the column chunk and the warps: :func:`heuristic_plan` from register budgets, replaced per
 shape by the tuning table's entries for the device (:func:`launch_plan`,
 :mod:`recaccel.ops.interaction.tuning`).
 """
@@ -47,6 +47,17 @@ class KernelConfig(NamedTuple):
     block_b: int  # batch rows per program (a power of two)
     bd: int  # column chunk (a power of two >= 16); the backward's grid covers the chunks
     num_warps: int
+    # Row tile of the tile-pair grid (R > 64): a power of two in 16..64, or 0 for
+    # :func:`row_tile`'s 64. On sm_90 (sm90_report, R=501 D=32 bf16) the 64-row backward
+    # tile takes 244-255 registers (8 warps an SM) where 32 rows take 127-155 (12-16
+    # warps) and 16 rows 64-72 (28-32 warps): more loads in flight for the triangle's
+    # unaligned (scalar) gradient loads, against more re-reads of x from L2.
+    bt: int = 0
+
+
+def tile_rows(config: KernelConfig, num_rows: int) -> int:
+    """The row tile BT ``config`` launches with at R = ``num_rows``."""
+    return config.bt or row_tile(num_rows)
 
 
 class LaunchPlan(NamedTuple):
@@ -90,9 +101,12 @@ def heuristic_plan(num_rows: int, dim: int) -> LaunchPlan:
 
 def check_config(config: KernelConfig, num_rows: int) -> None:
     """Raises ValueError unless ``config`` can launch at R = ``num_rows`` (powers of two;
-    several batch rows per program only where one row tile holds every row)."""
-    pow2 = all(v > 0 and v & (v - 1) == 0 for v in config)
-    if not pow2 or config.bd < 16 or (config.block_b > 1 and num_rows > ONE_TILE_MAX_ROWS):
+    several batch rows per program only where one row tile holds every row; a row tile of
+    its own only on the tile-pair grid, R > 64)."""
+    pow2 = all(v > 0 and v & (v - 1) == 0 for v in config[:3])
+    pairs = num_rows > ONE_TILE_MAX_ROWS
+    bt_ok = config.bt == 0 or (pairs and config.bt in (16, 32, 64))
+    if not pow2 or config.bd < 16 or (config.block_b > 1 and pairs) or not bt_ok:
         raise ValueError(f"{_OP}: launch config {config._asdict()} cannot run at R={num_rows}")
 
 
@@ -120,6 +134,6 @@ def with_tuned(plan: LaunchPlan, fwd: dict[str, int] | None, bwd: dict[str, int]
     tuned = {}
     for kernel, entry in (("fwd", fwd), ("bwd", bwd)):
         if entry is not None:
-            check_entry(entry, KernelConfig._fields, name=f"{_OP} tuning table: {kernel} entry")
+            check_entry(entry, KernelConfig._fields[:3], ("bt",), name=f"{_OP} tuning table: {kernel} entry")
             tuned[kernel] = KernelConfig(**entry)
     return plan._replace(**tuned)

@@ -52,7 +52,7 @@ from recaccel.ops.interaction.launch_plan import (
     check_config,
     dot_precision,
     launch_plan,
-    row_tile,
+    tile_rows,
 )
 from recaccel.ops.interaction.reference import (
     TRITON_DTYPES,
@@ -252,7 +252,7 @@ def forward_with(dense: Tensor, pooled: Tensor, pad: bool, config: KernelConfig)
     out = torch.empty(b, interaction_output_dim(r - 1, d, pad=pad), dtype=dense.dtype, device=dense.device)
     if b == 0:
         return out
-    bt = row_tile(r)
+    bt = tile_rows(config, r)
     nt = triton.cdiv(r, bt)
     precision, upcast = _kernel_precision(dense.dtype, dense.device)
     grid = (triton.cdiv(b, config.block_b) * nt * (nt + 1) // 2,)
@@ -282,7 +282,7 @@ def backward_with(
     grad_pooled = torch.empty(b, r - 1, d, dtype=dense.dtype, device=dense.device)
     if b == 0:
         return grad_dense, grad_pooled
-    bt = row_tile(r)
+    bt = tile_rows(config, r)
     nt = triton.cdiv(r, bt)
     precision, upcast = _kernel_precision(dense.dtype, dense.device)
     nd = triton.cdiv(d, config.bd)
