@@ -15,7 +15,6 @@ from recaccel.bench.kernels.embedding_cases import (
     CandidateMismatchError,
     EmbeddingCase,
     bytes_moved,
-    default_factories,
     initial_rows,
     make_inputs,
     packed_candidate,
@@ -23,15 +22,9 @@ from recaccel.bench.kernels.embedding_cases import (
 )
 from recaccel.bench.kernels.embedding_run import evaluate_targets, run_embedding_bench
 from recaccel.ops.backend import fbgemm_installed
+from tests.helpers.embedding_bench import cpu_factories
 
 TINY = [EmbeddingCase(tables=t, batch=16, dim=8, bag_len=2, rows=40) for t in (1, 3)]
-
-
-def _fast_factories():
-    factories = default_factories(seed=0)
-    if not fbgemm_installed():
-        factories.pop("fbgemm")
-    return factories
 
 
 def test_tiny_sweep_rows_json_and_plot(tmp_path):
@@ -44,7 +37,7 @@ def test_tiny_sweep_rows_json_and_plot(tmp_path):
         num_batches=2,
         json_path=json_path,
         plot_path=plot_path,
-        factories=_fast_factories(),
+        factories=cpu_factories(),
     )
     rows = result["results"]
     assert [(r["T"], r["mode"]) for r in rows] == [
@@ -79,7 +72,7 @@ def _wrong(kind: str):
 
 @pytest.mark.parametrize("kind", ["forward", "update"])
 def test_wrong_candidate_is_caught_before_timing(kind, tmp_path):
-    factories = {k: v for k, v in _fast_factories().items() if k in ("per_table", "reference")}
+    factories = {k: v for k, v in cpu_factories().items() if k in ("per_table", "reference")}
     json_path = tmp_path / "never.json"
     with pytest.raises(CandidateMismatchError, match="'wrong'"):
         run_embedding_bench(

@@ -7,24 +7,18 @@ import argparse
 
 from recaccel.bench.kernels import embedding as bench
 from recaccel.bench.kernels import embedding_profile
-from recaccel.bench.kernels.embedding_cases import EmbeddingCase, default_factories
+from recaccel.bench.kernels.embedding_cases import EmbeddingCase
 from recaccel.bench.kernels.embedding_run import run_embedding_bench
 from recaccel.ops.backend import fbgemm_installed
 from recaccel.plotting.timeline import FORWARD, Span, Timeline
+from tests.helpers.embedding_bench import cpu_factories
 
 CASE = EmbeddingCase(tables=2, batch=16, dim=8, bag_len=2, rows=40)
 
 
-def _factories():
-    factories = default_factories(seed=0)
-    if not fbgemm_installed():
-        factories.pop("fbgemm")
-    return factories
-
-
 def test_cpu_profile_gives_every_packed_candidate_and_mode_its_host_ms(tmp_path):
     path = tmp_path / "embedding_kernels.md"
-    result = run_embedding_bench([CASE], "cpu", repeats=1, warmup=0, num_batches=2, factories=_factories(),
+    result = run_embedding_bench([CASE], "cpu", repeats=1, warmup=0, num_batches=2, factories=cpu_factories(),
                                  profile_path=path)  # fmt: skip
     packed = ["reference"] + (["fbgemm"] if fbgemm_installed() else [])
     text = path.read_text()
@@ -60,7 +54,7 @@ def test_kernels_of_a_profile_are_tabled_with_their_launching_op(tmp_path, monke
     monkeypatch.setattr(embedding_profile, "profile_steps", fake_profile)
     path = tmp_path / "k.md"
     run_embedding_bench(
-        [CASE], "cpu", repeats=1, warmup=0, num_batches=1, factories=_factories(), profile_path=path
+        [CASE], "cpu", repeats=1, warmup=0, num_batches=1, factories=cpu_factories(), profile_path=path
     )
     text = path.read_text()
     assert "| reference forward T=2 B=16 D=8 L=2 | 0.167 | 2.000 | 0.33 |" in text  # 0.5 ms over 3 iterations
@@ -78,7 +72,7 @@ def test_a_profiler_failure_stops_profiling_and_keeps_the_timed_rows(tmp_path, m
 
     monkeypatch.setattr(embedding_profile, "profile_steps", failing)
     cases = [CASE, EmbeddingCase(tables=3, batch=8, dim=4, bag_len=1, rows=20)]
-    result = run_embedding_bench(cases, "cpu", repeats=1, warmup=0, num_batches=1, factories=_factories(),
+    result = run_embedding_bench(cases, "cpu", repeats=1, warmup=0, num_batches=1, factories=cpu_factories(),
                                  profile_path=tmp_path / "k.md")  # fmt: skip
     assert len(calls) == 1  # no second try on the next case
     assert result["profile"] == "Per-kernel device time: none (RuntimeError: CUPTI_ERROR_NOT_INITIALIZED)"
