@@ -81,7 +81,7 @@ BENCH_ARGS = {
             "--cases", "26:16384:128:20", "26:65536:128:1", "100:16384:64:20",
             "--rows", "20000", "--repeats", "20", "--batches", "2",
             # Where the module's time goes beside its kernels' (8.2 ms vs 2.6 ms at L=20 on
-            # the H200, session 15): the Triton and reference candidates' kernels and host ms.
+            # the H200, session 15): the Triton candidate's kernels and host ms per case.
             "--profile",
         ],
         # Issue 24's two shapes (B=65536 F=26 D=128, B=4096 F=500 D=32) in bf16 and tf32, padded.

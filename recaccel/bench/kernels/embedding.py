@@ -164,7 +164,7 @@ def add_args(parser) -> None:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="profile the packed candidates of every case after timing them: per-kernel device time "
+        help="profile the packed candidates (on CUDA: triton) of every case after timing them: per-kernel device time "
         "and host ms per iteration in <out stem>_kernels.md, host ops in <out stem>_host.txt",
     )
     parser.add_argument(

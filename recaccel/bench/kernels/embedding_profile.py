@@ -1,5 +1,6 @@
 """Where a packed embedding lookup's time goes: per-kernel device time and host time of the
-embedding benchmark's candidates (``recaccel-bench embedding --profile``).
+embedding benchmark's packed candidates (``recaccel-bench embedding --profile``; on CUDA
+Triton's alone: :func:`~recaccel.bench.kernels.embedding_run.profile_skips`).
 
 The benchmark times the module as a training step sees it (preparation, lookup, fused
 backward update); the kernel sweep times the kernels alone. On the H200 (session 15) the

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 BASELINE = "per_table"
 REFERENCE = "reference"
+TRITON = "triton"
 MODES = {"fwd": "forward", "train": "fwd+bwd+update"}
 
 # Target of the issue, checked when the case is in the run: (device type, T, B, D, L, mode, min speedup).
@@ -101,7 +102,7 @@ def bench_case(
     check_candidates(cands, REFERENCE, inputs, case)
     ms = time_interleaved(_timed_callables(cands, inputs), repeats, warmup, device)
     if profiles is not None:
-        profiles.add_case(case, cands, inputs, device, skip=(BASELINE,))
+        profiles.add_case(case, cands, inputs, device, skip=profile_skips(cands, device))
     num_ids = sum(int(sf.values.numel()) for sf in inputs.batches) / num_batches
     unique = sum(inputs.unique_rows) / num_batches
     moved = dict(zip(MODES, bytes_moved(case, round(num_ids), round(unique))))
@@ -132,6 +133,14 @@ def bench_case(
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows, skipped
+
+
+def profile_skips(cands: Mapping[str, Candidate], device: torch.device) -> tuple[str, ...]:
+    """The candidates ``--profile`` leaves out: the per-table baseline, and on CUDA every one
+    but Triton's (the one the targets judge; the reference is the specification, and each
+    profile costs seconds of gpu-check's budget)."""
+    keep = [TRITON] if device.type == "cuda" and TRITON in cands else [n for n in cands if n != BASELINE]
+    return tuple(n for n in cands if n not in keep)
 
 
 def evaluate_targets(rows: Sequence[dict], device: torch.device) -> list[dict]:
@@ -184,10 +193,11 @@ def run_embedding_bench(
             ``per_table`` (the baseline) and ``reference`` (the truth of the checks).
         extra_candidates: Added to ``factories`` (e.g. a candidate under development).
         seed: Seed of the initial rows and of the inputs.
-        profile_path: If given, the packed candidates of every case are profiled after
-            their timing and their kernel tables written there (markdown; host ops beside
-            it): see :mod:`~recaccel.bench.kernels.embedding_profile`. A profiler failure
-            ends the profiling, not the benchmark.
+        profile_path: If given, the packed candidates of every case (on CUDA Triton's:
+            :func:`profile_skips`) are profiled after their timing and their kernel tables
+            written there (markdown; host ops beside it): see
+            :mod:`~recaccel.bench.kernels.embedding_profile`. A profiler failure ends the
+            profiling, not the benchmark.
 
     Returns:
         ``{"env", "copy_GBps", "cases", "results" (one row per case and mode), "skipped"

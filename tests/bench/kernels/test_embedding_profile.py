@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from recaccel.bench.kernels import embedding as bench
 from recaccel.bench.kernels import embedding_profile
 from recaccel.bench.kernels.embedding_cases import EmbeddingCase
@@ -90,3 +92,13 @@ def test_cli_profile_flag_writes_the_tables_beside_the_markdown_and_names_them(t
     text = bench.main(args, "recaccel-bench embedding --profile").read_text()
     assert (tmp_path / "embedding_kernels.md").exists() and (tmp_path / "embedding_host.txt").exists()
     assert "embedding_kernels.md (each kernel with the op that launched it)" in text
+
+
+def test_on_cuda_only_triton_is_profiled_and_on_a_cpu_every_packed_candidate():
+    from recaccel.bench.kernels.embedding_run import profile_skips
+
+    cands = dict.fromkeys(["per_table", "reference", "triton", "fbgemm"])
+    assert profile_skips(cands, torch.device("cuda")) == ("per_table", "reference", "fbgemm")
+    assert profile_skips(cands, torch.device("cpu")) == ("per_table",)
+    without_triton = dict.fromkeys(["per_table", "reference"])
+    assert profile_skips(without_triton, torch.device("cuda")) == ("per_table",)
