@@ -198,6 +198,18 @@ def main(args, command_line: str) -> Path:
     )
     repeats = args.repeats if args.repeats is not None else (100 if device.type == "cuda" else 20)
     load_before = os.getloadavg()[0]
+
+    def write(result: dict) -> Path:
+        notes = [
+            f"threads: {torch.get_num_threads()}; repeats {repeats}, warmup {args.warmup}, {args.batches} batches",
+            # Other jobs on the host skew CPU times; the load says how busy it was.
+            f"host load average (1 min) before / after the run: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
+            f"on {os.cpu_count()} CPUs",
+        ]
+        if result.get("profile"):
+            notes.append(result["profile"])
+        return write_markdown_summary(result, args.out, command_line, notes + list(args.note))
+
     result = run_embedding_bench(
         cases,
         device,
@@ -209,13 +221,6 @@ def main(args, command_line: str) -> Path:
         factories=default_factories(args.seed, with_autograd=args.with_autograd),
         seed=args.seed,
         profile_path=breakdown_path(args.out) if args.profile else None,
+        on_case=write,  # a run killed at its budget keeps the markdown of the cases done
     )
-    notes = [
-        f"threads: {torch.get_num_threads()}; repeats {repeats}, warmup {args.warmup}, {args.batches} batches",
-        # Other jobs on the host skew CPU times; the load says how busy it was.
-        f"host load average (1 min) before / after the run: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
-        f"on {os.cpu_count()} CPUs",
-    ]
-    if result.get("profile"):
-        notes.append(result["profile"])
-    return write_markdown_summary(result, args.out, command_line, notes + list(args.note))
+    return write(result)

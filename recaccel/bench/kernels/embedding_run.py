@@ -178,6 +178,7 @@ def run_embedding_bench(
     extra_candidates: Mapping[str, CandidateFactory] | None = None,
     seed: int = 0,
     profile_path: str | Path | None = None,
+    on_case: Callable[[dict], object] | None = None,
 ) -> dict:
     """Runs the sweep.
 
@@ -198,6 +199,8 @@ def run_embedding_bench(
             written there (markdown; host ops beside it): see
             :mod:`~recaccel.bench.kernels.embedding_profile`. A profiler failure ends the
             profiling, not the benchmark.
+        on_case: Called after every case with the result so far (the caller's markdown:
+            a run killed at a time budget keeps the cases done, as the JSON does).
 
     Returns:
         ``{"env", "copy_GBps", "cases", "results" (one row per case and mode), "skipped"
@@ -227,11 +230,12 @@ def run_embedding_bench(
         rows += case_rows
         for name, why in case_skipped.items():
             skipped.setdefault(name, why)
+        so_far = _result(device, copy_gbps, cases, rows, skipped, profiles)
         if json_path is not None:  # after every case: a run killed at a time budget keeps those done
-            _write_json(json_path, _result(device, copy_gbps, cases, rows, skipped))
-    result = _result(device, copy_gbps, cases, rows, skipped)
-    if profile_path is not None:
-        result["profile"] = profile_note(profiles)
+            _write_json(json_path, so_far)
+        if on_case is not None:
+            on_case(so_far)
+    result = _result(device, copy_gbps, cases, rows, skipped, profiles)
     if json_path is not None:
         _write_json(json_path, result)
     if plot_path is not None:
@@ -239,7 +243,8 @@ def run_embedding_bench(
     return result
 
 
-def _result(device: torch.device, copy_gbps, cases, rows: list[dict], skipped: dict) -> dict:
+def _result(device: torch.device, copy_gbps, cases, rows: list[dict], skipped: dict, profiles) -> dict:
+    profile = {} if profiles is None else {"profile": profile_note(profiles)}
     return {
         "env": environment_info(device),
         "copy_GBps": copy_gbps,
@@ -247,7 +252,7 @@ def _result(device: torch.device, copy_gbps, cases, rows: list[dict], skipped: d
         "results": rows,
         "skipped": skipped,
         "targets": evaluate_targets(rows, device),
-    }
+    } | profile
 
 
 def _write_json(path: str | Path, result: dict) -> None:

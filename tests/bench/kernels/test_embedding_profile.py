@@ -4,7 +4,9 @@ iteration, written after every case; a profiler failure leaves the timed rows st
 from __future__ import annotations
 
 import argparse
+import json
 
+import pytest
 import torch
 
 from recaccel.bench.kernels import embedding as bench
@@ -102,3 +104,34 @@ def test_on_cuda_only_triton_is_profiled_and_on_a_cpu_every_packed_candidate():
     assert profile_skips(cands, torch.device("cpu")) == ("per_table",)
     without_triton = dict.fromkeys(["per_table", "reference"])
     assert profile_skips(without_triton, torch.device("cuda")) == ("per_table",)
+
+
+def test_the_markdown_is_written_after_every_case(tmp_path, monkeypatch):
+    """A run killed at its budget (here: during the second case's timing) keeps the first
+    case's rows in its markdown and JSON, with the profile's note."""
+    parser = argparse.ArgumentParser()
+    bench.add_args(parser)
+    out = tmp_path / "embedding.md"
+    args = parser.parse_args(
+        ["--tables", "2", "3", "--shapes", "8:4:1", "--cases", "--rows", "10", "--repeats", "1", "--warmup",
+         "0", "--batches", "1", "--profile", "--out", str(out), "--json", str(tmp_path / "e.json"),
+         "--device", "cpu"]
+    )  # fmt: skip
+    from recaccel.bench.kernels import embedding_run
+
+    timed = embedding_run.time_interleaved
+
+    def killed_on_the_second_case(callables, *a, **k):
+        if len(calls) == 1:
+            raise KeyboardInterrupt("budget")
+        calls.append(1)
+        return timed(callables, *a, **k)
+
+    calls: list = []
+    monkeypatch.setattr(embedding_run, "time_interleaved", killed_on_the_second_case)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(args, "recaccel-bench embedding --profile")
+    text = out.read_text()
+    assert "| forward | 2 | 8 | 4 | 1 | 10 |" in text and "| forward | 3 |" not in text
+    assert "embedding_kernels.md" in text
+    assert [r["T"] for r in json.loads((tmp_path / "e.json").read_text())["results"]] == [2, 2]
