@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from recaccel.bench.kernels.kernel_breakdown import breakdown_rows, write_breakdown
@@ -103,3 +104,24 @@ def test_a_real_profile_names_its_ops_shapes_as_the_tables_read_them(tmp_path):
     labels = {op_label(e) for e in events if e.get("cat") == "cpu_op"}
     assert "aten::mm [64, 8] bf16, [8, 64] bf16" in labels
     assert "aten::_to_copy [64, 8] f32" in labels
+
+
+@pytest.mark.gpu
+def test_cuda_kernels_are_named_with_the_op_that_launched_them():
+    """On a real CUDA trace (Kineto's fields, not a synthetic one): a GEMM and an elementwise
+    cast each carry their aten op with its shapes, and the step is counted."""
+    from recaccel.bench.harness.profiling import profile_steps
+
+    a = torch.randn(256, 128, device="cuda")
+    b = torch.randn(128, 64, device="cuda")
+
+    def step():
+        (a @ b).to(torch.bfloat16)
+
+    step()
+    rows = kernel_table(profile_steps(step, 2, torch.device("cuda")), top=50)
+    launched = {r["launched_by"] for r in rows}
+    assert any(op.startswith("aten::mm [256, 128] f32, [128, 64] f32") for op in launched), rows
+    assert any(
+        op.startswith("aten::_to_copy [256, 64] f32") or op.startswith("aten::copy_") for op in launched
+    ), rows
