@@ -10,6 +10,7 @@ stream; :func:`kernel_table` sums the device time per kernel.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,11 +123,19 @@ def op_label(event: dict) -> str:
 def short_kernel_name(name: str) -> str:
     """``name`` without the namespaces and qualifiers that fill the first 90 characters of
     a C++ kernel's name (``void at::native::(anonymous namespace)::``), so what tells two
-    kernels apart (the functor, the dtype) stays in a table's column."""
-    for noise in ("void ", "at::native::", "(anonymous namespace)::", "at_cuda_detail::cub::detail::",
-                  "at::cuda::", "c10::", "std::", "at::"):  # fmt: skip
-        name = name.replace(noise, "")
+    kernels apart (the functor, the dtype) stays in a table's column. A namespace goes only
+    where it begins a qualified name (``cuda::std::tuple`` keeps its ``std::``)."""
+    name, shorter = "", name.removeprefix("void ")
+    while shorter != name:  # again: a namespace may begin where the one removed ended
+        name, shorter = shorter, _NOISE.sub("", shorter)
     return name
+
+
+# Leading namespaces of PyTorch's and CUB's kernels, each removed where no name or scope
+# operator precedes it.
+_NOISE = re.compile(
+    r"(?<![\w:])(?:at::native::|at::cuda::|at::|c10::|std::|at_cuda_detail::cub::detail::|\(anonymous namespace\)::)"
+)
 
 
 def spans_from_trace(trace: dict) -> Timeline:

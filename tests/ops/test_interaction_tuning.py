@@ -194,3 +194,18 @@ def test_a_hand_edited_entry_is_a_one_line_config_error(entry):
     with pytest.raises(ConfigError, match="bwd entry") as err:
         with_tuned(plan, None, entry)
     assert "\n" not in str(err.value)
+
+
+def test_a_table_entry_that_cannot_launch_at_its_shape_is_refused_at_lookup(monkeypatch):
+    """A row tile on a one-tile shape (R <= 64), hand-edited into a table: one ConfigError
+    naming the key when the plan is made, not a ValueError at every launch."""
+    from recaccel.errors import ConfigError
+
+    entry = {"block_b": 1, "bd": 32, "num_warps": 4, "bt": 16}
+    monkeypatch.setattr(tuning, "lookup", lambda device, key: entry if key.startswith("fwd") else None)
+    with pytest.raises(
+        ConfigError, match=r"tuning table: fwd_R27_D128_bfloat16_native: .*cannot run at R=27"
+    ):
+        launch_plan(27, 128, torch.bfloat16, torch.device("cuda"))
+    plan = launch_plan(501, 32, torch.bfloat16, torch.device("cuda"))  # the same entry fits R=501
+    assert tile_rows(plan.fwd, 501) == 16 and plan.bwd == heuristic_plan(501, 32).bwd

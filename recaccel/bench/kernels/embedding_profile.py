@@ -8,15 +8,16 @@ module took 8.2 ms where its two kernels took 2.6 ms (T=26 B=16384 D=128 L=20): 
 profile says which kernels (the sort, the id gathers, the pieces' searches, copies) and
 how much host time fill the difference. Each candidate is run a few times per mode under
 ``torch.profiler`` (:func:`~recaccel.bench.harness.profiling.profile_steps`, shapes
-recorded, so each kernel is named with the op that launched it); host ms per iteration is
-the spacing of the iterations' starts on the host (no synchronisation inside an
-iteration: where it exceeds the device ms, the host is what limits the module).
+recorded, so each kernel is named with the op that launched it). Host ms per iteration is
+timed apart, unprofiled: the host's time to issue an iteration, no synchronisation inside
+(where it exceeds the device ms, the host is what limits the module).
 """
 
 from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -67,6 +68,8 @@ class CaseProfiles:
             first = (str(e).strip().splitlines() or [""])[0]
             self.error = f"{type(e).__name__}: {first}"
             log.warning("embedding bench: profiling stopped: %s", self.error)
+            if self.tables:  # what was profiled before the failure, so the note names real files
+                self.write(iterations)
 
     def _add_case(self, case, cands, inputs, device, skip, iterations) -> None:
         shape = f"T={case.tables} B={case.batch} D={case.dim} L={case.bag_len}"
@@ -84,14 +87,12 @@ class CaseProfiles:
 
     def _profile(self, key: str, step: Callable[[], object], device: torch.device, iterations: int) -> None:
         step()  # compiled and warm before the profiler starts
+        self.host_ms[key] = _issue_ms(step, device, iterations)
         with tempfile.TemporaryDirectory(prefix="recaccel-embedding-profile-") as tmp:
             host_file = Path(tmp) / "host.txt"
             timeline = profile_steps(step, iterations, device, host_file)
             host = host_file.read_text().splitlines()
         self.tables[key] = breakdown_rows(timeline)
-        starts = timeline.step_starts
-        if len(starts) > 1:
-            self.host_ms[key] = (starts[-1] - starts[0]) / (len(starts) - 1)
         self.host_text += [f"## {key}", "", *host[: HOST_ROWS + 4], ""]
 
     def write(self, iterations: int) -> Path:
@@ -100,6 +101,22 @@ class CaseProfiles:
         write_breakdown(self.tables, self.path, title, iterations, host_ms=self.host_ms)
         self.host_path.write_text("\n".join(self.host_text) + "\n")
         return self.path
+
+
+def _issue_ms(step: Callable[[], object], device: torch.device, iterations: int) -> float:
+    """Host ms to issue one iteration, unprofiled (the profiler's own per-op cost, shapes
+    recorded, about doubles a host-bound step): ``iterations`` calls after a synchronisation,
+    none inside, timed before the closing one. A few iterations of a few hundred launches
+    stay under CUDA's launch queue, so a busy device does not block the host into its time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        step()
+    issued = time.perf_counter() - start
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return 1e3 * issued / iterations
 
 
 def profile_note(profiles: CaseProfiles) -> str:

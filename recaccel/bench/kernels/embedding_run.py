@@ -204,8 +204,8 @@ def run_embedding_bench(
 
     Returns:
         ``{"env", "copy_GBps", "cases", "results" (one row per case and mode), "skipped"
-        (candidate -> reason, first seen), "targets", "profile" (the note naming the
-        profile's files, or why there are none; None when not asked)}``.
+        (candidate -> reason, first seen), "targets", and with ``profile_path`` "profile"
+        (the note naming the profile's files, or why there are none)}``.
 
     Raises:
         CandidateMismatchError: a candidate disagrees with the reference (nothing is timed

@@ -98,7 +98,7 @@ def configs(case: TuneCase) -> dict[str, KernelConfig]:
     found = {"default": plan.fwd if case.kernel == "fwd" else plan.bwd}
     top_bd = max(16, 1 << (case.dim - 1).bit_length())
     one_tile = rows <= ONE_TILE_MAX_ROWS
-    for bt in (plan.bt,) if one_tile else (64, 32, 16):
+    for bt in (plan.bt,) if one_tile else (32, 16, 64):  # the heuristic's 64 last: it is the default
         for block_b in (1, 2, 4, 8, 16) if one_tile else (1,):
             for bd in (16, 32, 64, 128):
                 elements = block_b * bt * max(bt, bd)

@@ -157,8 +157,8 @@ def write_breakdown(
         "candidate's device time; each kernel with the host op that launched most of its time.",
         *(
             [
-                "Host ms / iteration: the spacing of the iterations' starts on the host; above the device ms, "
-                "the host limits the candidate."
+                "Host ms / iteration: the host's time to issue an iteration, timed unprofiled; above the "
+                "device ms, the host limits the candidate."
             ]
             if host_ms
             else []

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from recaccel.errors import ConfigError
 from recaccel.ops.interaction import tuning
 from recaccel.ops.tf32 import tf32_enabled
 from recaccel.ops.tuning_tables import check_entry
@@ -63,8 +64,8 @@ def tile_rows(config: KernelConfig, num_rows: int) -> int:
 class LaunchPlan(NamedTuple):
     """Compile-time shape of the forward and backward launches at one (R, D)."""
 
-    bt: int  # row tile
-    nt: int  # row tiles
+    bt: int  # the heuristic's row tile (a kernel config's own ``bt`` replaces it: :func:`tile_rows`)
+    nt: int  # row tiles at ``bt``
     fwd: KernelConfig
     bwd: KernelConfig
 
@@ -118,10 +119,14 @@ def launch_plan(num_rows: int, dim: int, dtype: torch.dtype, device: torch.devic
     if device.type != "cuda":
         return plan
     mode = dot_precision(dtype, on_cuda=True, allow_tf32=tf32_enabled())
-    return with_tuned(
-        plan,
-        **{k: tuning.lookup(device, tuning.shape_key(k, num_rows, dim, dtype, mode)) for k in ("fwd", "bwd")},
-    )
+    keys = {k: tuning.shape_key(k, num_rows, dim, dtype, mode) for k in ("fwd", "bwd")}
+    tuned = with_tuned(plan, **{k: tuning.lookup(device, key) for k, key in keys.items()})
+    for kernel, key in keys.items():
+        try:
+            check_config(getattr(tuned, kernel), num_rows)
+        except ValueError as e:  # a hand-edited table: one line at the lookup, not at every launch
+            raise ConfigError(f"{_OP} tuning table: {key}: {e}") from None
+    return tuned
 
 
 def with_tuned(plan: LaunchPlan, fwd: dict[str, int] | None, bwd: dict[str, int] | None) -> LaunchPlan:

@@ -61,10 +61,37 @@ def test_kernels_of_a_profile_are_tabled_with_their_launching_op(tmp_path, monke
         [CASE], "cpu", repeats=1, warmup=0, num_batches=1, factories=cpu_factories(), profile_path=path
     )
     text = path.read_text()
-    assert "| reference forward T=2 B=16 D=8 L=2 | 0.167 | 2.000 | 0.33 |" in text  # 0.5 ms over 3 iterations
+    row = next(
+        line for line in text.splitlines() if line.startswith("| reference forward T=2 B=16 D=8 L=2 |")
+    )
+    cells = [c.strip() for c in row.split("|")[2:5]]
+    assert cells[0] == "0.167" and cells[2] == "0.33"  # 0.5 ms of kernels over 3 iterations
+    assert float(cells[1]) > 0  # the host's own time per iteration, timed apart from the profile
     assert (
         "| `radix_sort_kernel` | other | forward | 0.33 | 0.1667 | 100.0% | `aten::sort [340] i32` |" in text
     )
+
+
+def test_a_failure_after_some_profiles_writes_those_and_the_note_names_real_files(tmp_path, monkeypatch):
+    real = embedding_profile.profile_steps
+    calls = []
+
+    def second_fails(step, steps, device, host_table=None):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUPTI_ERROR_UNKNOWN")
+        return real(step, steps, device, host_table)
+
+    monkeypatch.setattr(embedding_profile, "profile_steps", second_fails)
+    path = tmp_path / "k.md"
+    result = run_embedding_bench([CASE], "cpu", repeats=1, warmup=0, num_batches=1, factories=cpu_factories(),
+                                 profile_path=path)  # fmt: skip
+    assert (
+        "k.md" in result["profile"]
+        and "profiling stopped: RuntimeError: CUPTI_ERROR_UNKNOWN" in result["profile"]
+    )
+    assert "| reference forward T=2 B=16 D=8 L=2 |" in path.read_text()  # the one profile made
+    assert "## reference forward" in (tmp_path / "k_host.txt").read_text()
 
 
 def test_a_profiler_failure_stops_profiling_and_keeps_the_timed_rows(tmp_path, monkeypatch):
