@@ -237,6 +237,11 @@ def kernel_table(timeline: Timeline, top: int = 30) -> list[dict]:
     ]
 
 
+def launched_by_cell(text: str) -> str:
+    """A kernel table's "launched by" cell: the op as code, ``-`` when none is known."""
+    return f"`{text}`" if text else "-"
+
+
 def _clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 

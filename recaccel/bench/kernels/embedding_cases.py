@@ -103,6 +103,19 @@ class EmbeddingCase:
         return SparseOptimConfig(lr=self.lr)
 
 
+# The two modes every candidate is timed (and profiled) in: key -> the label of the rows.
+MODES = {"fwd": "forward", "train": "fwd+bwd+update"}
+
+
+def mode_calls(candidate: Candidate, inputs: BenchInputs) -> dict[str, Callable[[], object]]:
+    """By mode of :data:`MODES`, a zero-argument call of ``candidate`` whose k-th run reads
+    batch k % K (:func:`cycling`)."""
+    return {
+        "fwd": cycling(candidate.forward, [(sf,) for sf in inputs.batches]),
+        "train": cycling(candidate.train_step, list(zip(inputs.batches, inputs.grads))),
+    }
+
+
 def cycling(step: Callable, args: Sequence[tuple]) -> Callable[[], object]:
     """A zero-argument callable whose k-th call runs ``step(*args[k % K])`` (repeat k of a
     timed or profiled candidate reads batch k % K)."""

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.harness.profiling import profile_steps
-from recaccel.bench.kernels.embedding_cases import BenchInputs, Candidate, EmbeddingCase, cycling
+from recaccel.bench.kernels.embedding_cases import MODES, BenchInputs, Candidate, EmbeddingCase, mode_calls
 from recaccel.bench.kernels.kernel_breakdown import breakdown_rows, write_breakdown
 
 log = logging.getLogger(__name__)
@@ -76,13 +76,8 @@ class CaseProfiles:
         for name, cand in cands.items():
             if name in skip:
                 continue
-            calls = {
-                "forward": (cand.forward, [(sf,) for sf in inputs.batches]),
-                "fwd+bwd+update": (cand.train_step, list(zip(inputs.batches, inputs.grads))),
-            }
-            for mode, (fn, args) in calls.items():
-                key = f"{name} {mode} {shape}"
-                self._profile(key, cycling(fn, args), device, iterations)
+            for mode, call in mode_calls(cand, inputs).items():
+                self._profile(f"{name} {MODES[mode]} {shape}", call, device, iterations)
         self.write(iterations)
 
     def _profile(self, key: str, step: Callable[[], object], device: torch.device, iterations: int) -> None:

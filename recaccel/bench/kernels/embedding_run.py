@@ -26,6 +26,7 @@ import torch
 from recaccel.bench.harness.environment import environment_info
 from recaccel.bench.harness.timing import measure_copy_bandwidth, time_interleaved
 from recaccel.bench.kernels.embedding_cases import (
+    MODES,
     BenchInputs,
     Candidate,
     CandidateFactory,
@@ -33,10 +34,10 @@ from recaccel.bench.kernels.embedding_cases import (
     EmbeddingCase,
     bytes_moved,
     check_candidates,
-    cycling,
     default_factories,
     initial_rows,
     make_inputs,
+    mode_calls,
 )
 from recaccel.bench.kernels.embedding_profile import CaseProfiles, profile_note
 from recaccel.errors import ConfigError
@@ -47,20 +48,17 @@ log = logging.getLogger(__name__)
 BASELINE = "per_table"
 REFERENCE = "reference"
 TRITON = "triton"
-MODES = {"fwd": "forward", "train": "fwd+bwd+update"}
 
 # Target of the issue, checked when the case is in the run: (device type, T, B, D, L, mode, min speedup).
 TARGETS = (("cpu", 1000, 512, 16, 1, "train", 2.0),)
 
 
 def _timed_callables(cands: Mapping[str, Candidate], inputs: BenchInputs) -> dict[str, Callable[[], object]]:
-    fwd_args = [(sf,) for sf in inputs.batches]
-    train_args = list(zip(inputs.batches, inputs.grads))
-    out = {}
-    for name, cand in cands.items():
-        out[f"{name}/fwd"] = cycling(cand.forward, fwd_args)
-        out[f"{name}/train"] = cycling(cand.train_step, train_args)
-    return out
+    return {
+        f"{name}/{mode}": call
+        for name, cand in cands.items()
+        for mode, call in mode_calls(cand, inputs).items()
+    }
 
 
 def bench_case(

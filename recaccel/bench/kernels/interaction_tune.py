@@ -10,8 +10,9 @@ Per case (forward and backward of the DLRM shapes: R=501 of D=32 at B=4,096 and 
 of D=128 at B=65,536, each in bf16 and TF32, then R=27 in strict float32 at B=16,384), most
 important first: the heuristic's config (``default``, what runs untuned), then every
 candidate (batch rows per program, column chunk, warps, and on the tile-pair grid of R > 64
-the row tile; register tiles of at most 8192 elements) compiled at once on a thread pool, each checked against the default's output
-(a config that differs, or fails to compile, is dropped, not timed) and timed alone with
+the row tile; register tiles of at most 8192 elements) compiled at once on a thread pool,
+each checked against the default's output (a config that differs, or fails to compile, is
+dropped, not timed) and timed alone with
 ``triton.testing.do_bench``. Figures: ms, GB/s of the minimum bytes (inputs read once,
 outputs written once), % of the copy bandwidth measured in the same run. The JSON is
 rewritten after every case; cases left when the budget is spent are listed as skipped.
@@ -24,6 +25,7 @@ everything runs; its times mean nothing).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -98,20 +100,19 @@ def configs(case: TuneCase) -> dict[str, KernelConfig]:
     found = {"default": plan.fwd if case.kernel == "fwd" else plan.bwd}
     top_bd = max(16, 1 << (case.dim - 1).bit_length())
     one_tile = rows <= ONE_TILE_MAX_ROWS
-    for bt in (plan.bt,) if one_tile else (32, 16, 64):  # the heuristic's 64 last: it is the default
-        for block_b in (1, 2, 4, 8, 16) if one_tile else (1,):
-            for bd in (16, 32, 64, 128):
-                elements = block_b * bt * max(bt, bd)
-                # 16-column chunks only where D needs no more: 8 chunks of a 128-wide row are slow.
-                if bd > top_bd or (bd == 16 and top_bd > 16) or elements > MAX_TILE_ELEMENTS:
-                    continue
-                for warps in (2, 4, 8):
-                    if elements // (32 * warps) < 8:  # under 8 elements a thread: warps idle
-                        continue
-                    own_bt = 0 if bt == plan.bt else bt  # the table stores a row tile only where it differs
-                    config = KernelConfig(block_b, bd, warps, own_bt)
-                    if config not in found.values():
-                        found[f"b{block_b}{f'_bt{bt}' if own_bt else ''}_bd{bd}_w{warps}"] = config
+    tiles = (plan.bt,) if one_tile else (32, 16, 64)  # the heuristic's 64 last: it is the default
+    batch_rows = (1, 2, 4, 8, 16) if one_tile else (1,)
+    for bt, block_b, bd, warps in itertools.product(tiles, batch_rows, (16, 32, 64, 128), (2, 4, 8)):
+        elements = block_b * bt * max(bt, bd)
+        # 16-column chunks only where D needs no more: 8 chunks of a 128-wide row are slow;
+        # under 8 elements a thread, warps idle.
+        too_narrow = bd > top_bd or (bd == 16 and top_bd > 16)
+        if too_narrow or elements > MAX_TILE_ELEMENTS or elements // (32 * warps) < 8:
+            continue
+        own_bt = 0 if bt == plan.bt else bt  # the table stores a row tile only where it differs
+        config = KernelConfig(block_b, bd, warps, own_bt)
+        if config not in found.values():
+            found[f"b{block_b}{f'_bt{bt}' if own_bt else ''}_bd{bd}_w{warps}"] = config
     return found
 
 

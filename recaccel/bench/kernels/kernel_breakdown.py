@@ -25,6 +25,7 @@ from recaccel.plotting.timeline import (
     PREFIX,
     Timeline,
     kernel_table,
+    launched_by_cell,
 )
 
 GEMM, ELEMENTWISE, REDUCTION, FUSED, COPY, OTHER = (
@@ -122,17 +123,13 @@ def _summary_lines(tables: Mapping[str, Sequence[Mapping]], host_ms: Mapping[str
     return lines
 
 
-def _code(text: str) -> str:
-    return f"`{text}`" if text else "-"
-
-
 def _candidate_lines(name: str, rows: Sequence[Mapping]) -> list[str]:
     lines = [f"## {name}", "",
              "| kernel | class | pass | launches / iteration | ms / iteration | share | launched by |",
              "|---|---|---|---|---|---|---|"]  # fmt: skip
     lines += [
         f"| `{r['kernel']}` | {r['class']} | {r['pass']} | {r['launches_per_step']:g} | {r['ms_per_step']:.4f} "
-        f"| {r['share']:.1%} | {_code(r.get('launched_by', ''))} |"
+        f"| {r['share']:.1%} | {launched_by_cell(r.get('launched_by', ''))} |"
         for r in rows[:TOP_KERNELS]
     ]
     if len(rows) > TOP_KERNELS:

@@ -33,6 +33,7 @@ from recaccel.plotting.timeline import (
     SPARSE,
     Timeline,
     kernel_table,
+    launched_by_cell,
     plot_timeline,
 )
 
@@ -170,10 +171,6 @@ def host_table_path(timeline_png: Path) -> Path:
     return timeline_png.with_name(f"{timeline_png.stem}_host.txt")
 
 
-def _code(text: str) -> str:
-    return f"`{text}`" if text else "-"
-
-
 def write_kernel_table(spans: Timeline, path: Path, title: str) -> Path:
     """The profiled steps' device time by kernel (:func:`~recaccel.plotting.timeline.kernel_table`)
     as a markdown table at ``path``, each kernel with the host op that launched it."""
@@ -183,7 +180,7 @@ def write_kernel_table(spans: Timeline, path: Path, title: str) -> Path:
              "|---|---|---|---|---|---|"]  # fmt: skip
     lines += [
         f"| `{r['kernel']}` | {r['phase']} | {r['launches_per_step']} | {r['ms_per_step']} | {r['share']:.1%} "
-        f"| {_code(r['launched_by'])} |"
+        f"| {launched_by_cell(r['launched_by'])} |"
         for r in rows
     ]
     path.parent.mkdir(parents=True, exist_ok=True)

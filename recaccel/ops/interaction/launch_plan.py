@@ -1,9 +1,9 @@
 """Launch plans of the Triton dot-interaction kernels: tile sizes by shape, tuned per device.
 
 A plan fixes the row tile BT (by R alone; a tuned entry may pick another on the tile-pair
-grid) and, per kernel, the batch rows per program, the column chunk and the warps: :func:`heuristic_plan` from register budgets, replaced per
-shape by the tuning table's entries for the device (:func:`launch_plan`,
-:mod:`recaccel.ops.interaction.tuning`).
+grid) and, per kernel, the batch rows per program, the column chunk and the warps:
+:func:`heuristic_plan` from register budgets, replaced per shape by the tuning table's
+entries for the device (:func:`launch_plan`, :mod:`recaccel.ops.interaction.tuning`).
 """
 
 from __future__ import annotations
