@@ -10,7 +10,8 @@ how much host time fill the difference. Each candidate is run a few times per mo
 ``torch.profiler`` (:func:`~recaccel.bench.harness.profiling.profile_steps`, shapes
 recorded, so each kernel is named with the op that launched it). Host ms per iteration is
 timed apart, unprofiled: the host's time to issue an iteration, no synchronisation inside
-(where it exceeds the device ms, the host is what limits the module).
+(where it exceeds the device ms, the host is what limits the module); the host table adds
+the Python functions that time goes to (:func:`~recaccel.bench.harness.python_profile.python_hotspots`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from recaccel.bench.harness.profiling import profile_steps
+from recaccel.bench.harness.python_profile import python_hotspots
 from recaccel.bench.kernels.embedding_cases import MODES, BenchInputs, Candidate, EmbeddingCase, mode_calls
 from recaccel.bench.kernels.kernel_breakdown import breakdown_rows, write_breakdown
 
@@ -88,7 +90,8 @@ class CaseProfiles:
             timeline = profile_steps(step, iterations, device, host_file)
             host = host_file.read_text().splitlines()
         self.tables[key] = breakdown_rows(timeline)
-        self.host_text += [f"## {key}", "", *host[: HOST_ROWS + 4], ""]
+        python = python_hotspots(step, iterations, rows=HOST_ROWS)
+        self.host_text += [f"## {key}", "", *host[: HOST_ROWS + 4], "", *python, ""]
 
     def write(self, iterations: int) -> Path:
         """Writes the kernel tables (markdown) and the host-op tables (text); returns the first."""
@@ -120,6 +123,7 @@ def profile_note(profiles: CaseProfiles) -> str:
         return f"Per-kernel device time: none ({profiles.error or 'no packed candidate ran'})"[:300]
     return (
         f"Per-kernel device time and host ms per iteration of each profiled candidate and mode: "
-        f"{profiles.path.name} (each kernel with the op that launched it); host ops by self CPU time: "
-        f"{profiles.host_path.name}" + (f"; profiling stopped: {profiles.error}" if profiles.error else "")
+        f"{profiles.path.name} (each kernel with the op that launched it); host ops by self CPU time "
+        f"and Python functions by own time: {profiles.host_path.name}"
+        + (f"; profiling stopped: {profiles.error}" if profiles.error else "")
     )

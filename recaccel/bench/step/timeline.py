@@ -20,6 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from recaccel.bench.harness.profiling import profile_steps
+from recaccel.bench.harness.python_profile import python_hotspots
 from recaccel.bench.step.candidates import Candidate
 from recaccel.bench.step.data import Preset, ReaderBatches, RotatingBatches
 from recaccel.bench.step.parts import TrainerParts
@@ -111,6 +112,7 @@ def record_timeline(
     steps: int,
     warmup: int = 2,
     host_table: Path | None = None,
+    python_table: Path | None = None,
 ) -> Timeline:
     """Profiles ``steps`` steps of the trainer's loop on ``source``'s batches (after
     ``warmup`` unprofiled ones) and returns their spans.
@@ -123,12 +125,17 @@ def record_timeline(
         warmup: steps run first, unprofiled.
         host_table: where to write the profiler's table of host ops by self CPU time (the
             30 largest): what the host spends a step on, launches included.
+        python_table: where to write the Python functions by own time of ``steps`` more
+            steps, run under ``cProfile`` (:func:`~recaccel.bench.harness.python_profile.python_hotspots`):
+            what fills the host time between the ops.
     """
     with labelled_phases(parts):
         loop = parts.steps(_labelled_pairs(source.pairs()))
         for _ in range(warmup):
             next(loop)
         spans = profile_steps(loop.__next__, steps, device, host_table)
+        if python_table is not None:
+            python_table.write_text("\n".join(python_hotspots(loop.__next__, steps)) + "\n")
         del loop
     return spans
 
@@ -142,12 +149,14 @@ def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps
     where = "through the reader" if reader else "device data"
     label = candidate.combination.label
     title = f"{preset.name}: recaccel {label}, {where}"
-    host_table = host_table_path(path)
+    host_table, python_table = host_table_path(path), python_table_path(path)
     try:
         dev = next(candidate.trainer.model.parameters()).device
         source = ReaderBatches(data, preset, dev) if reader else RotatingBatches(data)
         try:
-            spans = record_timeline(candidate.trainer, source, dev, steps, host_table=host_table)
+            spans = record_timeline(
+                candidate.trainer, source, dev, steps, host_table=host_table, python_table=python_table
+            )
         finally:
             source.close()
         kernels = write_kernel_table(spans, kernel_table_path(path), f"{title}, {dev}")
@@ -157,7 +166,7 @@ def draw_timeline(candidate: Candidate, preset: Preset, data: Path | list, steps
         return f"{preset.name}: no timeline ({type(e).__name__}: {first})"[:300]
     return (
         f"{preset.name}: timeline of {steps} {label} steps ({where}): {path.name}, its kernels: {kernels.name}, "
-        f"host ops: {host_table.name}"
+        f"host ops: {host_table.name}, Python functions: {python_table.name}"
     )
 
 
@@ -169,6 +178,11 @@ def kernel_table_path(timeline_png: Path) -> Path:
 def host_table_path(timeline_png: Path) -> Path:
     """Where the host-op table of a timeline picture goes: beside it, ``<stem>_host.txt``."""
     return timeline_png.with_name(f"{timeline_png.stem}_host.txt")
+
+
+def python_table_path(timeline_png: Path) -> Path:
+    """Where the Python-function table of a timeline picture goes: beside it, ``<stem>_python.txt``."""
+    return timeline_png.with_name(f"{timeline_png.stem}_python.txt")
 
 
 def write_kernel_table(spans: Timeline, path: Path, title: str) -> Path:

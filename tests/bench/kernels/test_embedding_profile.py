@@ -36,6 +36,8 @@ def test_cpu_profile_gives_every_packed_candidate_and_mode_its_host_ms(tmp_path)
     assert "per_table" not in text  # the baseline is timed, not profiled
     host = (tmp_path / "embedding_host.txt").read_text()
     assert "## reference fwd+bwd+update T=2 B=16 D=8 L=2" in host and "Self CPU" in host
+    assert host.count("Python functions by own time") == 2 * len(packed)
+    assert "recaccel/ops/embedding/module.py:" in host  # the module's own Python, by name
     assert (
         result["profile"].startswith("Per-kernel device time and host ms")
         and "embedding_kernels.md" in result["profile"]

@@ -174,6 +174,10 @@ def test_every_combination_is_a_row_with_its_fields_skips_with_the_trainers_reas
     kernels = (tmp_path / "train_timeline_tiny_kernels.md").read_text()  # no CUDA work on CPU: no rows
     assert kernels.startswith("# Kernels per step: tiny") and "| kernel | phase |" in kernels
     assert "Self CPU" in (tmp_path / "train_timeline_tiny_host.txt").read_text()
+    python = (tmp_path / "train_timeline_tiny_python.txt").read_text()
+    assert python.startswith("Python functions by own time, per iteration (cProfile, ")
+    assert "recaccel/train/loop/" in python  # the trainer's loop is what ran
+    assert "train_timeline_tiny_python.txt" in text
 
 
 def test_no_timeline_without_a_sync_combination(tmp_path, tiny):
