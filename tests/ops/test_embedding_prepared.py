@@ -192,7 +192,7 @@ def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, m
     """Lookups, backward, lookup_rows and apply_gradient of a prepared batch neither
     validate, check nor gather its ids again, nor sort them for the backward."""
     from recaccel.ops.embedding import packing, prepared, reference, row_groups
-    from recaccel.ops.embedding.triton import autograd, backward
+    from recaccel.ops.embedding.triton import autograd, backward, pack_ids
 
     _runnable(backend, device)
     tables = _tables("adam")
@@ -208,8 +208,9 @@ def test_a_prepared_batch_is_not_prepared_again(backend, device, sparse_batch, m
         (row_groups, ["group_by_row", "group_packs"]),
         (prepared, ["gather_pack_ids", "group_by_row"]),
         (reference, ["group_by_row"]),
-        (autograd, ["gather_pack_ids", "group_by_row"]),
+        (autograd, ["backward_pack_ids", "group_by_row"]),
         (backward, ["group_by_row"]),
+        (pack_ids, ["fused_pack_ids"]),
     ]:
         for name in names:
             monkeypatch.setattr(module, name, forbidden)

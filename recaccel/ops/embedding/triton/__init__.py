@@ -5,6 +5,8 @@
 - :mod:`recaccel.ops.embedding.triton.forward`: the forward as bag tiles.
 - :mod:`recaccel.ops.embedding.triton.rounding`: stochastic rounding of 16-bit rows
   inside the kernels.
+- :mod:`recaccel.ops.embedding.triton.pack_ids`: a training batch's rows, bags, scales
+  and bounds check in one pass (what the backward's sort and kernels read).
 - :mod:`recaccel.ops.embedding.triton.autograd`: the autograd Functions of autograd
   mode (a gradient for the packed weight) and fused mode (the update in backward).
 - :class:`TritonPack`: one pack of a :class:`~recaccel.ops.embedding.PackedEmbeddingBag`
@@ -40,6 +42,7 @@ from recaccel.ops.embedding.triton.forward import (
     embedding_bag_forward_rows,
 )
 from recaccel.ops.embedding.triton.occurrences import piece_len_of, sort_occurrences
+from recaccel.ops.embedding.triton.pack_ids import backward_pack_ids
 
 __all__ = [
     "TritonEmbeddingBagFunction",
@@ -80,7 +83,7 @@ class TritonPack(HeldPack):
     def prepare(self, batch: PackBatch) -> PreparedPack | None:
         if not batch.train:
             return None
-        ids = batch.pack_ids(with_bags=True)
+        ids = backward_pack_ids(batch)
         prepared = PreparedPack(ids)
         if self.mode == "autograd":
             prepared.groups = batch.group(ids.rows, self.layout.num_rows, unique=True)

@@ -24,12 +24,12 @@ import torch
 from torch import Tensor
 
 from recaccel.ops.embedding.optimizers import PackState
-from recaccel.ops.embedding.packing import gather_pack_ids
 from recaccel.ops.embedding.prepared import PackBatch, PreparedPack
 from recaccel.ops.embedding.row_groups import group_by_row
 from recaccel.ops.embedding.specs import SparseOptimConfig
 from recaccel.ops.embedding.triton.backward import embedding_bag_backward, fused_update
 from recaccel.ops.embedding.triton.forward import embedding_bag_forward
+from recaccel.ops.embedding.triton.pack_ids import backward_pack_ids
 
 
 def backward_ids(batch: PackBatch) -> PreparedPack:
@@ -38,7 +38,7 @@ def backward_ids(batch: PackBatch) -> PreparedPack:
     prepared = batch.prepared
     if prepared is not None and prepared.groups is not None:
         return prepared
-    ids = gather_pack_ids(batch.sf, batch.local, batch.batch_size, with_bags=True)
+    ids = backward_pack_ids(batch)
     return PreparedPack(ids, group_by_row(ids.rows))
 
 
