@@ -19,7 +19,9 @@ import torch
 from recaccel.errors import ConfigError
 from recaccel.ops.embedding.triton import backward as tiles
 from recaccel.ops.embedding.triton import piece_lanes, tuning
-from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, build_pieces
+from recaccel.ops.embedding.triton import pieces as pieces_module
+from recaccel.ops.embedding.triton.piece_lanes import LaneConfig
+from recaccel.ops.embedding.triton.pieces import build_pieces, reference_pieces
 from tests.helpers.backward_tiles import (
     CFG,
     DEVICE,
@@ -89,6 +91,28 @@ def test_pieces_cut_every_segment_from_its_start(piece_len):
         start = pieces.start.cpu()
         assert start[: len(want)].tolist() == want
         assert (start[len(want) :] == keys.numel()).all()  # every piece past the last is empty
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_pieces_over_many_programs_equal_the_whole_array_reference(block, monkeypatch):
+    """Blocks of 16 or 64 occurrences: segments (a hot key of hundreds among keys of one)
+    start before a block and run through several; every key once; one key; one occurrence."""
+    monkeypatch.setattr(pieces_module, "BLOCK", block)
+    gen = torch.Generator().manual_seed(block)
+    cases = [torch.arange(37), torch.zeros(50, dtype=torch.int64), torch.tensor([4])]
+    for _ in range(12):
+        counts = torch.randint(1, 6, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen)
+        counts[int(torch.randint(0, counts.numel(), (1,), generator=gen))] = 300  # a Zipf-like hot row
+        cases.append(
+            torch.repeat_interleave(torch.randint(0, 3, (counts.numel(),), generator=gen).cumsum(0), counts)
+        )
+    for keys in cases:
+        for dtype in (torch.int32, torch.int64):
+            k = keys.to(dtype).to(DEVICE)
+            for piece_len in (1, 3, 16):
+                got, want = build_pieces(k, piece_len), reference_pieces(k, piece_len)
+                assert torch.equal(got.count, want.count) and torch.equal(got.start, want.start)
+                assert got.start[: int(got.count)].tolist() == _plain_pieces(keys.tolist(), piece_len)
 
 
 def test_split_pieces_never_share_a_partial_slot():

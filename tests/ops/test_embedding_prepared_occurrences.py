@@ -16,7 +16,8 @@ import torch
 from recaccel.ops.embedding import PackedEmbeddingBag, SparseOptimConfig, TableSpec
 from recaccel.ops.embedding.triton import backward, tuning
 from recaccel.ops.embedding.triton.occurrences import usable
-from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, build_pieces
+from recaccel.ops.embedding.triton.piece_lanes import LaneConfig
+from recaccel.ops.embedding.triton.pieces import build_pieces
 from tests.helpers.marks import needs_triton
 
 pytestmark = needs_triton

@@ -269,7 +269,7 @@ def backward_candidates(case: KernelCase, device: torch.device) -> tuple[dict[st
     from recaccel.ops.embedding.specs import SparseOptimConfig
     from recaccel.ops.embedding.triton import tuning
     from recaccel.ops.embedding.triton.backward import launch_backward, tile_config
-    from recaccel.ops.embedding.triton.piece_lanes import build_pieces
+    from recaccel.ops.embedding.triton.pieces import build_pieces
 
     weight, sf, local = make_batch(case, device)
     ids = gather_pack_ids(sf, local, case.batch, with_bags=True)

@@ -16,7 +16,8 @@ from recaccel.ops.embedding.packing import PackIds
 from recaccel.ops.embedding.prepared import SortedOccurrences
 from recaccel.ops.embedding.row_groups import RowGroups
 from recaccel.ops.embedding.triton.backward_config import BackwardConfig
-from recaccel.ops.embedding.triton.piece_lanes import LaneConfig, Pieces, build_pieces
+from recaccel.ops.embedding.triton.piece_lanes import LaneConfig
+from recaccel.ops.embedding.triton.pieces import Pieces, build_pieces
 
 
 def sort_occurrences(ids: PackIds, groups: RowGroups, piece_len: int | None) -> SortedOccurrences:

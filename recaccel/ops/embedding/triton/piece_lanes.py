@@ -7,9 +7,9 @@ row's occurrences in order and sum their gradient rows in registers, no scan.
 
 The sorted occurrences (``RowGroups.order``) form segments, one per unique row. Each
 segment is cut into pieces of at most ``PIECE_LEN`` occurrences counted from its start
-(:func:`build_pieces`, on the device without a host synchronisation), so a hot row with
-36k occurrences becomes many pieces on many lanes while a row with fewer occurrences is
-one piece.
+(:mod:`~recaccel.ops.embedding.triton.pieces`, on the device without a host
+synchronisation), so a hot row with 36k occurrences becomes many pieces on many lanes
+while a row with fewer occurrences is one piece.
 
 Kernels (launcher :func:`launch_lanes`):
 
@@ -80,6 +80,7 @@ import triton.language as tl
 from torch import Tensor
 
 from recaccel.errors import ConfigError
+from recaccel.ops.embedding.triton.pieces import Pieces, build_pieces
 from recaccel.ops.embedding.triton.row_update import (
     FIXUP_WARPS,
     _load_rows,
@@ -125,40 +126,6 @@ def check_lane_config(config: LaneConfig) -> None:
             f"piece-lane backward: {config}: piece_len, unroll and num_warps must be at least 1 "
             "and block_pieces a power of two"
         )
-
-
-class Pieces(NamedTuple):
-    """Sorted occurrences cut into pieces (:func:`build_pieces`).
-
-    Attributes:
-        start: int64 [N+1]: piece ``q`` is occurrences ``start[q] .. start[q+1]-1``;
-            ``N`` from ``start[P]`` on.
-        count: int64 [1] P, on the device.
-    """
-
-    start: Tensor
-    count: Tensor
-
-
-def build_pieces(keys: Tensor, piece_len: int) -> Pieces:
-    """Cuts the segments of sorted ``keys`` into pieces of at most ``piece_len`` occurrences.
-
-    A piece starts where an occurrence's offset from its segment's start is a multiple of
-    ``piece_len``. Every step is a device op sized by N (known on the host): no host
-    synchronisation.
-
-    Args:
-        keys: int32 or int64 [N > 0] non-decreasing.
-        piece_len: Most occurrences per piece.
-    """
-    n = keys.numel()
-    index = torch.arange(n, device=keys.device)
-    segment_start = torch.searchsorted(keys, keys)  # first occurrence of each key
-    opens = torch.remainder(index - segment_start, piece_len) == 0
-    count = torch.cumsum(opens, 0)
-    # Piece q starts at the first occurrence whose running count of starts is q + 1.
-    start = torch.searchsorted(count, torch.arange(1, n + 2, device=keys.device))
-    return Pieces(start, count[-1:])
 
 
 @triton.jit
