@@ -270,7 +270,8 @@ def method_notes(
         "mlps = bottom MLP + top MLP + loss; a phase a candidate does not run on its own says what it is "
         "part of; recaccel's pipelined combinations are not instrumented.",
         "device mode: batches of the preset's synthetic data read once and rotated on the device; reader mode: "
-        "BatchReader (Parquet) + DeviceLoader per candidate, with data.workers resolved as the trainer does "
+        "BatchReader (Parquet) + DeviceLoader per candidate, with data.workers resolved as the trainer does for "
+        "the preset's dataset, synth.train_rows rows, of which the benchmark reads a cut "
         "(reader_workers: the reader processes, 0 = decoded in the training process; on a GPU host "
         "reader processes decode buffers ahead, so a short run may time batches decoded during its warm-up: "
         "recaccel-bench io measures the reader's sustained rows/s), data_wait = mean host time blocked on the next "
