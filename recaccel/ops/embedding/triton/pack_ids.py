@@ -150,7 +150,7 @@ def fused_pack_ids(sf: SparseFeatures, local: LocalFeatures, batch_size: int, *,
             HAS_MEAN=local.any_mean,
             WRITE_BAGS=with_bags,
             ONE_HOT=sf.one_hot,
-            SEARCH_STEPS=max(1, num_bags.bit_length()),
+            SEARCH_STEPS=1 if sf.one_hot else num_bags.bit_length(),  # one compile for one-hot batches
             BLOCK=BLOCK,
             num_warps=4,
         )
