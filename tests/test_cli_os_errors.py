@@ -107,6 +107,30 @@ def test_out_of_memory_is_one_line_naming_the_allocation_and_what_to_reduce(data
     assert "reduce data.batch_size" in err
 
 
+def test_torchs_cpu_allocator_failing_is_one_line_naming_the_allocation(data, capsys, monkeypatch):
+    """torch reports a failed host allocation as a RuntimeError, not a MemoryError: the
+    message it raises for a tensor no host can hold, caught by the command."""
+    import torch
+
+    def too_big(path, **kwargs):
+        torch.empty(2**62, dtype=torch.uint8)
+
+    monkeypatch.setattr("recaccel.io.format.inspect.inspect_dataset", too_big)
+    assert data_main(["inspect", str(data)]) == 2
+    err = _error_line(capsys)
+    assert err.startswith(f"recaccel-data: error: out of memory (tried to allocate {2**62} bytes)")
+    assert "model.top_mlp" in err
+
+
+def test_another_runtime_error_still_reaches_the_user_as_a_bug(data, monkeypatch):
+    def broken(path, **kwargs):
+        raise RuntimeError("an internal error, not an allocation")
+
+    monkeypatch.setattr("recaccel.io.format.inspect.inspect_dataset", broken)
+    with pytest.raises(RuntimeError, match="an internal error"):
+        data_main(["inspect", str(data)])
+
+
 @pytest.mark.parametrize("control", ["\n", "\r", "\t", "\x00"])
 def test_set_value_with_a_control_character_is_refused_naming_the_key(tmp_path, capsys, monkeypatch, control):
     monkeypatch.chdir(tmp_path)  # nothing may be written: the refusal comes first

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -206,6 +207,16 @@ def test_sections_check_on_construction_and_preflight_rechecks_changed_fields(tm
     cfg.train.log_every = 0  # changed after it was built
     with pytest.raises(ConfigError, match=r"train\.log_every=0"):
         preflight(cfg)
+
+
+@pytest.mark.parametrize("key", ["train.seed", "data.seed", "synth.seed"])
+def test_seeds_past_32_bits_are_refused_in_one_line(key):
+    """numpy's global generator takes seeds below 2**32: a larger one was a traceback."""
+    with pytest.raises(
+        ConfigError, match=rf"^config key {re.escape(key)}=4294967296 must be >= 0 and <= 4294967295$"
+    ):
+        load_config(None, [f"{key}=4294967296"])
+    assert load_config(None, [f"{key}=4294967295"])  # the largest is taken
 
 
 def test_zero_keeps_its_documented_meanings():

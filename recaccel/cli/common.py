@@ -83,22 +83,30 @@ def os_error_line(error: OSError) -> str:
 
 
 def memory_error_line(error: BaseException) -> str:
-    """One line for exhausted host (MemoryError) or GPU (torch's OutOfMemoryError) memory."""
+    """One line for exhausted host (MemoryError, torch's CPU allocator) or GPU (torch's
+    OutOfMemoryError) memory."""
     what = _one_line(str(error))
-    tried = re.search(r"Tried to allocate [^.]*(?:\.\d+ ?\w+)?", what)
-    if tried:  # torch's CUDA message: keep the allocation, drop the advice paragraph
+    tried = re.search(r"tried to allocate [^.]*(?:\.\d+ ?\w+)?", what, re.IGNORECASE)
+    if tried:  # torch's message: keep the allocation, drop the advice and allocator detail
         what = tried.group(0)
     detail = f" ({what})" if what else ""
     return (
         f"out of memory{detail}; reduce data.batch_size (or data.eval_batch_size, "
-        "data.shuffle_buffer_rows) or the embedding tables (model.embedding_dim, cardinalities)"
+        "data.shuffle_buffer_rows), the embedding tables (model.embedding_dim, cardinalities) "
+        "or the MLPs (model.bottom_mlp, model.top_mlp)"
     )
+
+
+# torch's CPU allocator reports a failed allocation as a RuntimeError with this text.
+_CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
 
 
 def _is_torch_out_of_memory(error: Exception) -> bool:
     torch = sys.modules.get("torch")  # never import torch just to ask
     oom = getattr(torch, "OutOfMemoryError", None)
-    return oom is not None and isinstance(error, oom)
+    if oom is not None and isinstance(error, oom):
+        return True
+    return torch is not None and isinstance(error, RuntimeError) and _CPU_ALLOCATOR_FAILED in str(error)
 
 
 def _free_bytes(path: str | bytes | None) -> int | None:

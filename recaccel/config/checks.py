@@ -47,7 +47,12 @@ class Range:
     def requirement(self) -> str:
         """What a value must be, for messages: ``must be >= 0 and < 1``."""
         bounds = ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-        return "must be " + " and ".join(f"{op} {bound:g}" for op, bound in bounds if bound is not None)
+        return "must be " + " and ".join(f"{op} {_bound(b)}" for op, b in bounds if b is not None)
+
+
+def _bound(value: float) -> str:
+    """An interval bound as a user types it: integers in full (4294967295, not 4.29497e+09)."""
+    return str(int(value)) if float(value).is_integer() and abs(value) < 2**63 else f"{value:g}"
 
 
 @dataclass(frozen=True)
@@ -217,7 +222,7 @@ def suggest(name: str, valid: Any, prefix: str = "") -> str:
 # Shorthands for the config fields' annotations.
 Count = Annotated[int, Range(ge=1)]  # a size or count that must be at least 1
 NonNegative = Annotated[int, Range(ge=0)]  # 0 has a documented meaning at each use
-Seed = Annotated[int, Range(ge=0)]
+Seed = Annotated[int, Range(ge=0, le=2**32 - 1)]  # numpy's global generator takes 32-bit seeds
 Rate = Annotated[float, Range(gt=0)]  # a learning rate, a timeout
 NonNegativeFloat = Annotated[float, Range(ge=0)]
 PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]
