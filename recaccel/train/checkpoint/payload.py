@@ -259,8 +259,23 @@ def _saved_params(
         for key, value in now.items():
             if key != "params" and key in group and not _same_kind(value, group[key]):
                 raise CheckpointError(path, f"{where} {key!r} is {show(group[key])}, expected like {value!r}")
+        missing = [k for k in now if k in _RULE_KEYS and k not in group]
+        if missing:  # loaded, the groups would lack what this optimizer's step reads: a KeyError there
+            raise CheckpointError(
+                path,
+                f"{where} has no {missing[0]!r}: it holds another optimizer's state than this run's "
+                f"{type(optimizer).__name__} (was optim.dense changed since the checkpoint?)",
+            )
         params.update(zip(ids, live["params"]))
     return params
+
+
+# Hyper-parameters an optimizer's update reads from its groups, which torch's load_state_dict
+# does not fill in when a saved group lacks them (it does for flags added by newer versions,
+# such as foreach or maximize): one missing means the state is another optimizer's.
+_RULE_KEYS = frozenset(
+    {"lr", "betas", "eps", "weight_decay", "momentum", "dampening", "lr_decay", "initial_accumulator_value"}
+)
 
 
 def _same_kind(now: Any, saved: Any) -> bool:

@@ -73,6 +73,7 @@ def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Opt
     )
     optimizer = _DENSE[cfg.dense](params, cfg, **impl)
     keep_implementation(optimizer, impl)
+    keep_config_rates(optimizer)
     if cfg.grad_clip_norm > 0:
         clip_before_step(optimizer, cfg.grad_clip_norm)
     return optimizer
@@ -96,6 +97,30 @@ def keep_implementation(optimizer: torch.optim.Optimizer, impl: dict[str, bool |
                     opt.state[p]["step"] = _step_for(
                         step, p, fused=bool(impl["fused"] or group.get("capturable", False))
                     )
+
+    optimizer.register_load_state_dict_post_hook(reapply)
+
+
+# The groups' hyper-parameters the [optim] config sets (build_dense_optimizer's factories).
+_CONFIG_KEYS = ("lr", "eps", "weight_decay")
+
+
+def keep_config_rates(optimizer: torch.optim.Optimizer) -> None:
+    """Makes ``optimizer.load_state_dict`` keep the hyper-parameters it was built with
+    (``optim.lr``, ``optim.eps``, ``optim.weight_decay``): torch otherwise takes the saved
+    groups', so ``--resume RUN --set optim.lr=...`` trained on at the checkpoint's rate
+    while config.toml recorded the new one. Unchanged, they are the saved values: resume
+    stays exact. A rate held in a tensor (a captured step's optimizer) is refilled in place.
+    """
+    built = {k: optimizer.defaults[k] for k in _CONFIG_KEYS if k in optimizer.defaults}
+
+    def reapply(opt: torch.optim.Optimizer) -> None:
+        for group in opt.param_groups:
+            for key, value in built.items():
+                if isinstance(group.get(key), torch.Tensor):
+                    group[key].fill_(value)
+                else:
+                    group[key] = value
 
     optimizer.register_load_state_dict_post_hook(reapply)
 

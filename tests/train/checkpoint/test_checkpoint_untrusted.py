@@ -188,6 +188,39 @@ def test_truncated_checkpoint_is_one_line(single_run, tmp_path, capsys, caplog):
     _assert_one_line(err, path.name, "cannot be read", "zip archive")
 
 
+@pytest.mark.parametrize(("dense", "missing"), [('"sgd"', "'momentum'"), ('"adagrad"', "'lr_decay'")])
+def test_resuming_with_another_dense_optimizer_is_one_line_and_leaves_the_run_resumable(
+    single_run, tmp_path, capsys, caplog, dense, missing
+):
+    """The saved groups lack what the new optimizer's step reads: refused before any
+    step (it was a KeyError inside the first one), config.toml not rewritten."""
+    run = _copy(single_run, tmp_path)
+    before = (run / "config.toml").read_text()
+    capsys.readouterr()
+    code = train_main(
+        ["--resume", str(run), "--set", f"optim.dense={dense}", "--set", f"train.steps={STEPS + 3}"]
+    )
+    assert code == 2
+    _assert_one_line(
+        capsys.readouterr().err.strip(), list_checkpoints(run)[-1].name, missing, "another optimizer"
+    )
+    assert (run / "config.toml").read_text() == before
+    assert _resume(run, capsys, caplog)[0] == 0  # the run's own optimizer resumes
+
+
+def test_a_learning_rate_set_on_resume_is_the_one_trained_with(single_run, tmp_path, capsys, caplog):
+    """torch's load_state_dict restores the saved groups' rate: the run trained on at the
+    checkpoint's rate while config.toml recorded the new one."""
+    run = _copy(single_run, tmp_path)
+    assert (
+        train_main(["--resume", str(run), "--set", "optim.lr=0.125", "--set", f"train.steps={STEPS + 3}"])
+        == 0
+    )
+    saved = torch.load(list_checkpoints(run)[-1], weights_only=True)["optimizer"]["param_groups"]
+    assert [g["lr"] for g in saved] == [0.125] * len(saved)
+    assert "lr = 0.125" in (run / "config.toml").read_text()
+
+
 @pytest.mark.parametrize("writer", ["torch_save", "plain_pickle"])
 def test_malicious_pickle_never_runs(single_run, tmp_path, capsys, caplog, writer):
     run = _copy(single_run, tmp_path)

@@ -220,8 +220,9 @@ def test_a_step_graph_needs_a_packed_fused_embedding_and_cuda():
 def test_a_captured_runs_checkpoint_loads_into_a_run_without_graphs(tmp_path):
     """A captured step's dense Adam holds its rate in a tensor and is capturable; its
     checkpoints save numbers, which any run loads (the payload check refuses a tensor
-    where a rate belongs), and a run that does not capture is not capturable."""
-    from recaccel.train.checkpoint.state import TrainState, load_checkpoint, save_checkpoint
+    where a rate belongs) at its own configured rate (the schedule sets each step's), and
+    a run that does not capture is not capturable."""
+    from recaccel.train.checkpoint.state import TrainState, list_checkpoints, load_checkpoint, save_checkpoint
     from recaccel.train.loop.step_graph import hold_rates_in_tensors
 
     objective, optimizer = _objective()
@@ -230,10 +231,13 @@ def test_a_captured_runs_checkpoint_loads_into_a_run_without_graphs(tmp_path):
     assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)
     set_group_rates(optimizer, 0.0123)
     save_checkpoint(tmp_path, objective.module, optimizer, TrainState(step=1))
+    saved = torch.load(list_checkpoints(tmp_path)[-1], weights_only=True)["optimizer"]["param_groups"][0]
+    assert saved["lr"] == pytest.approx(0.0123) and isinstance(saved["lr"], float)
     fresh_obj, fresh = _objective()
+    configured = fresh.param_groups[0]["lr"]
     load_checkpoint(tmp_path, fresh_obj.module, fresh, torch.device("cpu"))
     group = fresh.param_groups[0]
-    assert group["lr"] == pytest.approx(0.0123) and isinstance(group["lr"], float)
+    assert group["lr"] == configured and isinstance(group["lr"], float)
     assert group["capturable"] is False
     assert isinstance(optimizer.param_groups[0]["lr"], torch.Tensor)  # the live group keeps its tensor
 
