@@ -169,8 +169,18 @@ class ShardedReader(IterableDataset, ABC):
         keys = ("epoch", *self._KEYS)
         values, done = restore_position(state, _STATE_VERSION, self._fingerprint, keys, self._WHAT)
         restore_counters(state, self.counters, self._WHAT)
-        self._pos = Position(values[0], tuple(values[1:]), done)
+        position = Position(values[0], tuple(values[1:]), done)
+        self._check_position(position)
+        self._pos = position
         self._pos_counters = dict(self.counters)
+
+    def _check_position(self, position: Position) -> None:
+        """Refuses a loaded position that lies outside this reader's data, where that can
+        be told without decoding (a reader may leave it to its iteration).
+
+        Raises:
+            DataError: naming the position and the data's bound.
+        """
 
     def block_order(self, num_blocks: int, epoch: int, shard: tuple[int, int]) -> list[int]:
         """Indices of the blocks shard ``shard = (s, S)`` reads in ``epoch``, in order."""

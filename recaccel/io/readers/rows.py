@@ -215,6 +215,24 @@ class BatchReader(ShardedReader):
             out.append(cur)
         return out
 
+    def _check_position(self, position: Position) -> None:
+        """A saved ``(buffer_index, row_offset)`` must lie in this rank's buffers of its epoch,
+        the row within its buffer's rows as the row groups' metadata counts them (a read
+        policy can only drop rows: past those it is past the decoded buffer too). Caught
+        when iterating only, a buffer index past the last skipped the epoch's rest silently."""
+        if position.done:
+            return
+        buffer, row = position.fields
+        buffers = self.buffers(position.epoch)
+        rows = sum(ref.num_rows for ref in buffers[buffer]) if buffer < len(buffers) else 0
+        if buffer > len(buffers) or row > rows:
+            raise DataError(
+                f"saved reader position (epoch {position.epoch}, buffer {buffer}, row {row}) is past this "
+                f"rank's data: {len(buffers)} shuffle buffer{'s' if len(buffers) != 1 else ''}"
+                + (f", buffer {buffer} of {rows} rows" if buffer < len(buffers) else "")
+                + "; did the dataset change?"
+            )
+
     def _settings(self) -> dict[str, object]:
         o = self.options
         return {

@@ -30,6 +30,12 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_FILE.search(p.name).group(1)))
 
 
+def named_step(path: Path) -> int | None:
+    """The step a checkpoint's name says (``step-000000010.pt``: 10), or None for another name."""
+    found = _FILE.search(Path(path).name) or _FOLDER.match(Path(path).name)
+    return int(found.group(1)) if found else None
+
+
 def digest_file(path: Path) -> Path:
     """The file holding the SHA-256 of the checkpoint file ``path`` (``<name>.sha256``)."""
     path = Path(path)

@@ -35,7 +35,13 @@ from recaccel.io.readers.protocol import Reader
 from recaccel.io.readers.state import are_counters
 from recaccel.train.checkpoint.digests import file_sha256, fsync_path, read_digests, write_digests
 from recaccel.train.checkpoint.errors import CheckpointError, first_line
-from recaccel.train.checkpoint.paths import DIGEST_SUFFIX, digest_file, list_checkpoints, newest_checkpoint
+from recaccel.train.checkpoint.paths import (
+    DIGEST_SUFFIX,
+    digest_file,
+    list_checkpoints,
+    named_step,
+    newest_checkpoint,
+)
 from recaccel.train.checkpoint.payload import (
     STATE_KEYS,
     apply_state,
@@ -313,8 +319,13 @@ def load_reader_position(reader: Reader, position: dict[str, Any], run_dir: Path
 
 def restore_checked(path: Path, entries: dict[str, Any]) -> TrainState:
     """:func:`restore_state` of checked entries; what the checks leave to it (newer,
-    optional entries) fails in one line naming ``path``."""
+    optional entries) fails in one line naming ``path``, as does a step other than the one
+    its name says (the run would go on counting from a step it never trained)."""
     try:
-        return restore_state(entries)
+        state = restore_state(entries)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, RuntimeError) as e:
         raise CheckpointError(path, f"bad training state ({type(e).__name__}: {first_line(e)})") from None
+    named = named_step(path)
+    if named is not None and state.step != named:
+        raise CheckpointError(path, f"entry 'step' is {state.step}, but the file is named for step {named}")
+    return state

@@ -179,6 +179,38 @@ def test_reader_position_of_another_run_names_the_checkpoint(single_run, tmp_pat
     assert _evaluate(run)["eval_rows"] > 0  # evaluation does not read the training position
 
 
+def _reader_field(key: str, value: int) -> Callable[[dict], None]:
+    def change(payload: dict) -> None:
+        reader = json.loads(payload["reader"])
+        reader[key] = value
+        payload["reader"] = json.dumps(reader)
+
+    return change
+
+
+CONTRADICTIONS: dict[str, tuple[Callable[[dict], object], tuple[str, ...]]] = {
+    # The run would count on from a step it never trained (it ended at once past train.steps).
+    "step_past_its_name": (lambda p: p.update(step=10**18), ("entry 'step' is 1000000000000000000", "named for step")),
+    "step_before_its_name": (lambda p: p.update(step=p["step"] - 1), ("entry 'step'", "named for step")),
+    # Caught when iterating only, these skipped the epoch's rest or named no checkpoint.
+    "buffer_past_the_data": (_reader_field("buffer_index", 999), ("reader position", "buffer 999", "past this rank's data")),
+    "row_past_its_buffer": (_reader_field("row_offset", 10**9), ("reader position", "row 1000000000", "rows")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CONTRADICTIONS))
+def test_a_checkpoint_contradicting_itself_or_its_data_is_one_line(
+    single_run, tmp_path, capsys, caplog, name
+):
+    change, expected = CONTRADICTIONS[name]
+    run = _copy(single_run, tmp_path)
+    path = list_checkpoints(run)[-1]
+    _edit(path, change)
+    code, err = _resume(run, capsys, caplog)
+    assert code == 2
+    _assert_one_line(err, path.name, *expected)
+
+
 def test_truncated_checkpoint_is_one_line(single_run, tmp_path, capsys, caplog):
     run = _copy(single_run, tmp_path)
     path = list_checkpoints(run)[-1]
