@@ -181,10 +181,12 @@ def _try_numpy_rng(text: Any) -> None:
 
 
 def check_module_state(path: Path, entry: str, module: nn.Module, saved: Any) -> None:
-    """``saved`` must have exactly ``module``'s state keys, with tensors of the same shape and dtype.
+    """``saved`` must have exactly ``module``'s state keys, with tensors of the same shape and
+    dtype, and finite floating-point values (a NaN weight was resumed into a run that then
+    reported a diverged model, and exported as it was).
 
     Raises:
-        CheckpointError: naming the first missing, unexpected or mismatched key.
+        CheckpointError: naming the first missing, unexpected, mismatched or non-finite key.
     """
     if not isinstance(saved, dict):
         raise CheckpointError(path, f"entry {entry!r} must be a state dict, got {show(saved)}")
@@ -199,9 +201,18 @@ def check_module_state(path: Path, entry: str, module: nn.Module, saved: Any) ->
             raise CheckpointError(
                 path, f"entry {entry!r} key {key!r} is {show(value)}, this model has {show(now)}"
             )
+        check_finite(path, f"entry {entry!r} key {key!r}", value)
     unexpected = [k for k in saved if k not in expected]
     if unexpected:
         raise CheckpointError(path, f"entry {entry!r} has key {unexpected[0]!r}, which this model lacks")
+
+
+def check_finite(path: Path, what: str, value: Any) -> None:
+    """Raises CheckpointError naming ``what`` when ``value`` is a floating-point tensor
+    holding NaN or infinity (what no step of a healthy run saves)."""
+    if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+        bad = int((~torch.isfinite(value)).sum())
+        raise CheckpointError(path, f"{what} holds {bad} NaN or infinite values of {value.numel()}")
 
 
 def check_optimizer_state(
@@ -239,6 +250,7 @@ def check_optimizer_state(
             if not ok:
                 what = f"state[{pid!r}][{name!r}] is {show(value)}, parameter shape {list(shape)}"
                 raise CheckpointError(path, f"entry {entry!r} {what}")
+            check_finite(path, f"entry {entry!r} state[{pid!r}][{name!r}]", value)
 
 
 def _saved_params(

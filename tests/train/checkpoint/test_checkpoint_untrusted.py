@@ -125,6 +125,15 @@ def _exp_avg(payload: dict) -> None:
     state[key]["exp_avg"] = torch.zeros(7, 7)
 
 
+def _poison(t: torch.Tensor, lo: int, hi: int, value: str) -> None:
+    t.view(-1)[lo:hi] = float(value)
+
+
+def _optimizer_tensor(payload: dict) -> torch.Tensor:
+    state = payload["optimizer"]["state"]
+    return state[next(iter(state))]["exp_avg"]
+
+
 def _reader_seed(payload: dict) -> None:
     reader = json.loads(payload["reader"])
     reader["seed"] += 1
@@ -150,6 +159,11 @@ MALFORMED: dict[str, tuple[Callable[[dict], object], str]] = {
     "model_extra_key": (lambda p: p["model"].update(extra=torch.zeros(1)), "'extra'"),
     "model_shape": (lambda p: p["model"].update({_first_tensor_key(p["model"]): torch.zeros(1, 1)}), "shape"),
     "optimizer_state_shape": (_exp_avg, "'exp_avg'"),
+    "model_nan": (
+        lambda p: _poison(p["model"][_first_tensor_key(p["model"])], 3, 5, "nan"),
+        "holds 2 NaN or infinite values",
+    ),
+    "optimizer_inf": (lambda p: _poison(_optimizer_tensor(p), 0, 1, "inf"), "NaN or infinite"),
     "optimizer_lr_string": (lambda p: p["optimizer"]["param_groups"][0].update(lr="fast"), "'lr'"),
     "optimizer_groups": (lambda p: p["optimizer"].update(param_groups=[]), "parameter groups"),
 }
