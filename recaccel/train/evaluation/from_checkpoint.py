@@ -32,6 +32,7 @@ from recaccel.train.checkpoint.state import TrainState, load_checkpoint
 from recaccel.train.evaluation.predictions import write_predictions
 from recaccel.train.loop.parallel import SingleProcess
 from recaccel.train.run.runlog import CHECKPOINT_DIR
+from recaccel.train.run.sanity import first_batch
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,10 @@ def evaluate_run(
     extra = {} if model is None else {"model": model}
     trainer = Trainer(single, resume=True, parallel=process, **extra)
     source = str(path or cfg.data.test)
+    # Another schema or ids past the model's tables: one line naming the file, as training
+    # names its data.test (the lookup's own error names the column only).
+    label = "recaccel-eval --data" if path is not None else "config key data.test"
+    first_batch(trainer.evaluator, source, label, trainer.schema)
     reader = trainer.evaluator.reader(source, train=False, rank=0, world_size=1)
     loader = DeviceLoader(reader, trainer.device, cfg.data.prefetch, backend=cfg.data.loader_backend)
     columns: dict[str, Tensor] = {}

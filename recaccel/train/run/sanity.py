@@ -81,7 +81,8 @@ def sanity_pass(trainer: TrainerView) -> None:
     if not _ENABLED:
         return
     firsts = [
-        (path, first_batch(trainer.evaluator, path, key, trainer.schema)) for key, path in sources(trainer)
+        (path, first_batch(trainer.evaluator, path, f"config key {key}", trainer.schema))
+        for key, path in sources(trainer)
     ]
     size_host_caches(trainer, [batch for _, batch in firsts])
     if trainer.parallel.world_size > 1:
@@ -102,7 +103,8 @@ def sources(trainer: TrainerView) -> list[tuple[str, str]]:
 
 def first_batch(objective: Objective, path: str, key: str, model: FeatureSchema) -> Batch | TaskBatch:
     """The first evaluation batch of ``path`` through the objective's own reader, checked
-    against the model's schema.
+    against the model's schema; ``key`` says where the path came from in the messages
+    (``config key data.test``, ``recaccel-eval --data``).
 
     Raises:
         DataError: as :func:`sanity_pass` says.
@@ -110,7 +112,7 @@ def first_batch(objective: Objective, path: str, key: str, model: FeatureSchema)
     reader = objective.reader(path, train=False, rank=0, world_size=1)
     batch = _first(reader)
     if batch is None:
-        raise DataError(f"no evaluation row could be read (config key {key})", path=path)
+        raise DataError(f"no evaluation row could be read ({key})", path=path)
     check_ids(model, sparse_of(batch), path, key)  # first: a bad id names its value
     check_schema(model, reader_schema(reader), path, key)
     return batch
@@ -143,7 +145,7 @@ def check_schema(model: FeatureSchema, data: FeatureSchema, path: str, key: str)
     Raises:
         DataError: naming the file, the first column that differs and ``key``.
     """
-    where = f"(config key {key}; the model was built from data.train)"
+    where = f"({key}; the model was built from data.train)"
     tables = {f.name: f for f in model.sparse}
     for f in data.sparse:
         if f.name not in tables:
@@ -193,7 +195,7 @@ def check_ids(model: FeatureSchema, sf: SparseFeatures, path: str, key: str) -> 
             row = int(torch.searchsorted(offsets, j, right=True)) - 1
             raise DataError(
                 f"id {int(ids[j])} at row {row} of the first evaluation batch is not a row of the model's table "
-                f"(valid ids are 0..{tables[name] - 1}; config key {key})",
+                f"(valid ids are 0..{tables[name] - 1}; {key})",
                 path=path,
                 column=name,
             )

@@ -97,6 +97,35 @@ def test_eval_refusals_are_one_line(dlrm_run, capsys, argv, expected):
     assert len(err.splitlines()) == 1 and err.startswith("recaccel-eval: error:") and expected in err
 
 
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            "synth.cardinality=80",
+            "is not a row of the model's table (valid ids are 0..49; recaccel-eval --data)",
+        ),
+        ("synth.num_sparse=5", "(recaccel-eval --data; the model was built from data.train)"),
+    ],
+)
+def test_eval_data_the_model_cannot_read_is_one_line_naming_the_file(
+    dlrm_run, tmp_path, capsys, change, expected
+):
+    """Ids past the model's tables, another schema: named with the file, as training names
+    its data.test (the lookup's own error named a column only)."""
+    from tests.helpers.dlrm_run import TINY
+
+    generate_synthetic(load_config(None, [*TINY, change, f'synth.out_dir="{tmp_path / "other"}"']).synth)
+    test = tmp_path / "other" / "test"
+    assert eval_main([str(dlrm_run), "--data", str(test), "--out", str(tmp_path / "m.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        len(err.splitlines()) == 1
+        and err.startswith(f"recaccel-eval: error: file {test}")
+        and expected in err
+    )
+    assert not (tmp_path / "m.json").exists()
+
+
 def test_eval_without_run_or_checkpoint(tmp_path, capsys):
     assert eval_main([str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err.strip()
