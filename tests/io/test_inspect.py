@@ -74,3 +74,25 @@ def test_label_guess_and_errors(tmp_path, capsys):
     assert data_main(["inspect", str(tmp_path / "missing.parquet")]) == 2
     with pytest.raises(Exception, match="no such file"):
         inspect_dataset(tmp_path / "missing.parquet")
+
+
+def test_a_corrupted_page_is_one_line_naming_the_file_and_row_group(tmp_path, capsys):
+    """Page checksums are verified, as the training reader verifies them: statistics (and a
+    schema suggestion) were drawn from the corrupted page's garbage, with exit status 0."""
+    path = tmp_path / "a.parquet"
+    ids = np.random.default_rng(0).integers(0, 20, 400)
+    pq.write_table(
+        pa.table({"label": np.zeros(400), "c1": ids}), path, row_group_size=100, write_page_checksum=True
+    )
+    chunk = pq.ParquetFile(path).metadata.row_group(2).column(1)
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    raw = bytearray(path.read_bytes())
+    raw[start + chunk.total_compressed_size - 1] ^= 0xFF  # the last byte of a page body
+    path.write_bytes(bytes(raw))
+    assert data_main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert (
+        err.startswith(f"recaccel-data: error: file {path}, row group 2: cannot read Parquet file")
+        and "CRC" in err
+    )

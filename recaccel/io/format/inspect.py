@@ -105,8 +105,11 @@ def inspect_dataset(
 
 
 def _read_file(f: Path, path: str, stats: dict[str, ColumnStats], exact_limit: int, vocab_limit: int) -> None:
+    g = None  # the row group being read, for the message
     try:
-        with pq.ParquetFile(str(f)) as pf:
+        # Page checksums verified, as the training reader does: a corrupted page is an
+        # error here too, not statistics (and a schema suggestion) drawn from garbage.
+        with pq.ParquetFile(str(f), page_checksum_verification=True) as pf:
             for g in range(pf.metadata.num_row_groups):
                 table = pf.read_row_group(g)
                 for name, col in zip(table.column_names, table.columns):
@@ -121,7 +124,7 @@ def _read_file(f: Path, path: str, stats: dict[str, ColumnStats], exact_limit: i
                     if top is not None:
                         s.path_max[path] = max(s.path_max.get(path, top), top)
     except READ_ERRORS as e:
-        raise DataError(f"cannot read Parquet file: {read_error_text(e)}", path=str(f)) from None
+        raise DataError(f"cannot read Parquet file: {read_error_text(e)}", path=str(f), row_group=g) from None
 
 
 def _array_max(arr: pa.Array) -> int | None:
