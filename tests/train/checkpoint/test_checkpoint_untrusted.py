@@ -89,6 +89,20 @@ def _assert_one_line(text: str, *names: str) -> None:
         assert name in text, (name, text)
 
 
+def _resume_refused(
+    base: Path, tmp_path: Path, capsys, caplog, change: Callable[[dict], object], *expected: str
+) -> tuple[Path, Path]:
+    """A copy of ``base`` whose newest checkpoint ``change`` edited, resumed: exit 2 and one
+    line naming the checkpoint and ``expected``; returns (the run, the checkpoint)."""
+    run = _copy(base, tmp_path)
+    path = list_checkpoints(run)[-1]
+    _edit(path, change)
+    code, err = _resume(run, capsys, caplog)
+    assert code == 2
+    _assert_one_line(err, path.name, *expected)
+    return run, path
+
+
 def _copy(base: Path, tmp_path: Path) -> Path:
     run = tmp_path / "run"
     shutil.copytree(base, run)
@@ -172,12 +186,7 @@ MALFORMED: dict[str, tuple[Callable[[dict], object], str]] = {
 @pytest.mark.parametrize("name", list(MALFORMED))
 def test_malformed_checkpoint_is_one_line(single_run, tmp_path, capsys, caplog, name):
     change, expected = MALFORMED[name]
-    run = _copy(single_run, tmp_path)
-    path = list_checkpoints(run)[-1]
-    _edit(path, change)
-    code, err = _resume(run, capsys, caplog)
-    assert code == 2
-    _assert_one_line(err, path.name, expected)
+    run, path = _resume_refused(single_run, tmp_path, capsys, caplog, change, expected)
     with pytest.raises(RecaccelError) as caught:
         _evaluate(run)
     _assert_one_line(str(caught.value), path.name, expected)
@@ -217,12 +226,7 @@ def test_a_checkpoint_contradicting_itself_or_its_data_is_one_line(
     single_run, tmp_path, capsys, caplog, name
 ):
     change, expected = CONTRADICTIONS[name]
-    run = _copy(single_run, tmp_path)
-    path = list_checkpoints(run)[-1]
-    _edit(path, change)
-    code, err = _resume(run, capsys, caplog)
-    assert code == 2
-    _assert_one_line(err, path.name, *expected)
+    _resume_refused(single_run, tmp_path, capsys, caplog, change, *expected)
 
 
 def test_truncated_checkpoint_is_one_line(single_run, tmp_path, capsys, caplog):
