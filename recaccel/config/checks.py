@@ -222,7 +222,8 @@ def suggest(name: str, valid: Any, prefix: str = "") -> str:
 # Shorthands for the config fields' annotations.
 Count = Annotated[int, Range(ge=1)]  # a size or count that must be at least 1
 NonNegative = Annotated[int, Range(ge=0)]  # 0 has a documented meaning at each use
-Seed = Annotated[int, Range(ge=0, le=2**32 - 1)]  # numpy's global generator takes 32-bit seeds
+Seed = Annotated[int, Range(ge=0)]  # reaches numpy's SeedSequence / default_rng: any size
+GlobalSeed = Annotated[int, Range(ge=0, le=2**32 - 1)]  # reaches np.random.seed: 32 bits
 Rate = Annotated[float, Range(gt=0)]  # a learning rate, a timeout
 NonNegativeFloat = Annotated[float, Range(ge=0)]
 PathText = Annotated[str, Pattern(r".+", "must be a non-empty path")]

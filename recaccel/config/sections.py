@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from recaccel.config.checks import (
     Count,
     Fraction,
+    GlobalSeed,
     Name,
     NamedPath,
     NonNegative,
@@ -20,7 +21,6 @@ from recaccel.config.checks import (
     Range,
     Rate,
     Section,
-    Seed,
     TablePlacementText,
     field_hints,
     show_value,
@@ -149,7 +149,7 @@ class TrainConfig(Section):
     # > 0: stop after this many periodic evaluations without a better best_metric; 0 = off
     early_stop_patience: NonNegative = 0
     log_every: Count = 50  # steps (the first step is always logged)
-    seed: Seed = 0  # seeds the model's initialization and every generator a run draws from
+    seed: GlobalSeed = 0  # seeds the model's initialization and every generator a run draws from
     # auto: CUDA when present, else the CPU
     device: Annotated[str, Pattern(r"auto|cpu|cuda(:[0-9]+)?", "must be auto, cpu, cuda or cuda:N")] = "auto"
     progress: bool = True  # a progress bar on the console

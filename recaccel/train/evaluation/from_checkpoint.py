@@ -78,7 +78,7 @@ def evaluate_run(
     source = str(path or cfg.data.test)
     # Another schema or ids past the model's tables: one line naming the file, as training
     # names its data.test (the lookup's own error names the column only).
-    label = "recaccel-eval --data" if path is not None else "config key data.test"
+    label = "the data scored" if path is not None else "config key data.test"
     first_batch(trainer.evaluator, source, label, trainer.schema)
     reader = trainer.evaluator.reader(source, train=False, rank=0, world_size=1)
     loader = DeviceLoader(reader, trainer.device, cfg.data.prefetch, backend=cfg.data.loader_backend)

@@ -104,7 +104,7 @@ def sources(trainer: TrainerView) -> list[tuple[str, str]]:
 def first_batch(objective: Objective, path: str, key: str, model: FeatureSchema) -> Batch | TaskBatch:
     """The first evaluation batch of ``path`` through the objective's own reader, checked
     against the model's schema; ``key`` says where the path came from in the messages
-    (``config key data.test``, ``recaccel-eval --data``).
+    (``config key data.test``, ``the data scored``).
 
     Raises:
         DataError: as :func:`sanity_pass` says.

@@ -175,9 +175,9 @@ MALFORMED: dict[str, tuple[Callable[[dict], object], str]] = {
     "optimizer_state_shape": (_exp_avg, "'exp_avg'"),
     "model_nan": (
         lambda p: _poison(p["model"][_first_tensor_key(p["model"])], 3, 5, "nan"),
-        "holds 2 NaN or infinite values",
+        "holds 2 NaN values",
     ),
-    "optimizer_inf": (lambda p: _poison(_optimizer_tensor(p), 0, 1, "inf"), "NaN or infinite"),
+    "optimizer_nan": (lambda p: _poison(_optimizer_tensor(p), 0, 1, "nan"), "holds 1 NaN values"),
     "optimizer_lr_string": (lambda p: p["optimizer"]["param_groups"][0].update(lr="fast"), "'lr'"),
     "optimizer_groups": (lambda p: p["optimizer"].update(param_groups=[]), "parameter groups"),
 }
@@ -269,6 +269,24 @@ def test_a_learning_rate_set_on_resume_is_the_one_trained_with(single_run, tmp_p
     saved = torch.load(list_checkpoints(run)[-1], weights_only=True)["optimizer"]["param_groups"]
     assert [g["lr"] for g in saved] == [0.125] * len(saved)
     assert "lr = 0.125" in (run / "config.toml").read_text()
+
+
+def test_infinities_a_model_keeps_on_purpose_pass_the_check(tmp_path):
+    """A mask buffer of -inf (a user model's attention mask) is state, not divergence."""
+    from recaccel.train.checkpoint.payload import check_module_state
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+            self.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+
+    model = Masked()
+    check_module_state(tmp_path / "step-000000001.pt", "model", model, model.state_dict())
+    poisoned = {k: v.clone() for k, v in model.state_dict().items()}
+    poisoned["mask"][0, 0] = float("nan")
+    with pytest.raises(RecaccelError, match="key 'mask' holds 1 NaN values of 16"):
+        check_module_state(tmp_path / "step-000000001.pt", "model", model, poisoned)
 
 
 @pytest.mark.parametrize("writer", ["torch_save", "plain_pickle"])

@@ -102,9 +102,9 @@ def test_eval_refusals_are_one_line(dlrm_run, capsys, argv, expected):
     [
         (
             "synth.cardinality=80",
-            "is not a row of the model's table (valid ids are 0..49; recaccel-eval --data)",
+            "is not a row of the model's table (valid ids are 0..49; the data scored)",
         ),
-        ("synth.num_sparse=5", "(recaccel-eval --data; the model was built from data.train)"),
+        ("synth.num_sparse=5", "(the data scored; the model was built from data.train)"),
     ],
 )
 def test_eval_data_the_model_cannot_read_is_one_line_naming_the_file(
