@@ -216,8 +216,8 @@ def check_finite(path: Path, what: str, value: Any) -> None:
     them on purpose (an attention mask buffer of -inf). Tested in chunks, so the check's
     temporary stays small however large the table.
     """
-    if not (isinstance(value, Tensor) and value.is_floating_point()):
-        return
+    if type(value) not in (Tensor, nn.Parameter) or not value.is_floating_point():
+        return  # not a plain dense tensor (a sharded one is checked where it is whole)
     flat = value.reshape(-1)
     for start in range(0, flat.numel(), _NAN_CHUNK):
         if bool(torch.isnan(flat[start : start + _NAN_CHUNK]).any()):

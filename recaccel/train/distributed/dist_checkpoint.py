@@ -72,7 +72,13 @@ from recaccel.train.checkpoint.digests import (
 )
 from recaccel.train.checkpoint.errors import CheckpointError, first_line, show
 from recaccel.train.checkpoint.paths import INFO_FILE, list_sharded_checkpoints
-from recaccel.train.checkpoint.payload import apply_state, check_entries, check_optimizer_state, read_payload
+from recaccel.train.checkpoint.payload import (
+    apply_state,
+    check_entries,
+    check_finite,
+    check_optimizer_state,
+    read_payload,
+)
 from recaccel.train.checkpoint.state import TrainState, restore_checked, state_entries
 from recaccel.train.run.runlog import CHECKPOINT_DIR
 
@@ -201,6 +207,8 @@ def load_sharded(
     if saved_world != parallel.world_size and parallel.dmp is not None:
         _check_movable(path, reader.read_metadata(), parallel, sd, saved_world)
     dcp_load(path, sd, reader=reader)
+    for key, value in sd["model"].items():  # the dense part; shapes are the model's own (dcp fills them)
+        check_finite(path, f"entry 'model' key {key!r}", value)
     model.load_state_dict(sd["model"])
     dense_optim, replicated_optim, entries = check_sharded_entries(
         path, sd, optimizer, parallel.replicated_optimizer, [entry]

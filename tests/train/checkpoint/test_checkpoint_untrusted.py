@@ -395,6 +395,11 @@ HYBRID_BLOBS = {
     "ranks_rng": ("ranks.0", _rank_rng, "'ranks.0.rng.torch'"),
     "ranks_not_a_dict": ("ranks.0", lambda e: [1], "'ranks.0' must be a dict"),
     "dense_optim_shape": ("dense_optim", _dense_shape, "'exp_avg'"),
+    "dense_optim_nan": (
+        "dense_optim",
+        lambda s: _poison(next(iter(s["state"].values()))["exp_avg"], 0, 2, "nan"),
+        "holds 2 NaN values",
+    ),
     "replicated_optim_groups": ("replicated_optim", lambda s: s.update(param_groups=[]), "parameter groups"),
 }
 
