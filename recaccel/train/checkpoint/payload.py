@@ -218,12 +218,10 @@ def check_finite(path: Path, what: str, value: Any) -> None:
     """
     if type(value) not in (Tensor, nn.Parameter) or not value.is_floating_point():
         return  # not a plain dense tensor (a sharded one is checked where it is whole)
-    flat = value.reshape(-1)
-    for start in range(0, flat.numel(), _NAN_CHUNK):
-        if bool(torch.isnan(flat[start : start + _NAN_CHUNK]).any()):
-            bad = sum(
-                int(torch.isnan(flat[i : i + _NAN_CHUNK]).sum()) for i in range(0, flat.numel(), _NAN_CHUNK)
-            )
+    chunks = value.reshape(-1).split(_NAN_CHUNK)
+    for k, chunk in enumerate(chunks):
+        if bool(torch.isnan(chunk).any()):  # counted from here on: the chunks before hold none
+            bad = sum(int(torch.isnan(c).sum()) for c in chunks[k:])
             raise CheckpointError(path, f"{what} holds {bad} NaN values of {value.numel()}")
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ from recaccel.config import Config
 from recaccel.errors import RecaccelError
 from recaccel.train.checkpoint.dcp_read import safe_dcp_reader
 from recaccel.train.checkpoint.errors import CheckpointError, first_line, show
-from recaccel.train.checkpoint.paths import INFO_FILE, all_checkpoints
+from recaccel.train.checkpoint.paths import INFO_FILE, all_checkpoints, named_step
 from recaccel.train.checkpoint.payload import apply_state, check_module_state
 from recaccel.train.checkpoint.state import TrainState, load_checkpoint
 from recaccel.train.evaluation.predictions import write_predictions
@@ -35,8 +34,6 @@ from recaccel.train.run.runlog import CHECKPOINT_DIR
 from recaccel.train.run.sanity import first_batch
 
 logger = logging.getLogger(__name__)
-
-_STEP = re.compile(r"step-(\d+)\.(pt|dcp)$")
 
 
 def evaluate_run(
@@ -152,8 +149,11 @@ def eval_file_name(step: int, data: str | Path, run_test: str | Path) -> str:
 
 
 def checkpoint_step(path: Path) -> int:
-    """The step in a checkpoint's name."""
-    return int(_STEP.search(Path(path).name).group(1))
+    """The step in a checkpoint's name (a name :func:`~recaccel.train.checkpoint.paths.all_checkpoints` lists)."""
+    step = named_step(path)
+    if step is None:
+        raise ValueError(f"{path}: not a checkpoint's name (step-<step>.pt or step-<step>.dcp)")
+    return step
 
 
 class CheckpointProcess(SingleProcess):

@@ -149,7 +149,7 @@ def hold_rates_in_tensors(optimizer: torch.optim.Optimizer) -> None:
     float32 tensors on their parameters' device that the schedule refills
     (:func:`~recaccel.train.loop.schedule.set_group_rates`), and its ``state_dict`` save
     them as numbers, so a checkpoint loads into any run (:func:`floats_in_state_dict`)."""
-    optimizer.defaults["capturable"] = True  # kept across load_state_dict (keep_implementation)
+    optimizer.defaults["capturable"] = True  # kept across load_state_dict (keep_run_settings)
     for group in optimizer.param_groups:
         group["capturable"] = True
         if not isinstance(group["lr"], Tensor):

@@ -9,7 +9,7 @@ instead of a dozen ``foreach`` passes); torch's default otherwise, which is ``fo
 on CUDA (Adagrad: torch has no fused CUDA kernel for it) and the per-tensor loop on the
 CPU (so CPU runs and their checkpoints are what they were). The choice follows where the
 run is, not where a checkpoint was written: loading an optimizer state re-applies it
-(:func:`keep_implementation`).
+(:func:`keep_run_settings`).
 """
 
 from __future__ import annotations
@@ -72,55 +72,44 @@ def build_dense_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Opt
         cfg.dense, [p.device for p in params], floating=all(p.is_floating_point() for p in params)
     )
     optimizer = _DENSE[cfg.dense](params, cfg, **impl)
-    keep_implementation(optimizer, impl)
-    keep_config_rates(optimizer)
+    keep_run_settings(optimizer, impl)
     if cfg.grad_clip_norm > 0:
         clip_before_step(optimizer, cfg.grad_clip_norm)
     return optimizer
-
-
-def keep_implementation(optimizer: torch.optim.Optimizer, impl: dict[str, bool | None]) -> None:
-    """Makes ``optimizer.load_state_dict`` keep ``impl`` (torch otherwise takes the saved
-    groups' ``fused`` / ``foreach`` flags, e.g. a CPU run's into a CUDA run).
-
-    A fused or capturable optimizer keeps each ``step`` count as a float32 tensor on its
-    parameter's device, the others on the CPU; the loaded counts are moved to match,
-    values unchanged.
-    """
-
-    def reapply(opt: torch.optim.Optimizer) -> None:
-        for group in opt.param_groups:
-            group.update(impl)
-            for p in group["params"]:
-                step = opt.state.get(p, {}).get("step")
-                if isinstance(step, torch.Tensor):
-                    opt.state[p]["step"] = _step_for(
-                        step, p, fused=bool(impl["fused"] or group.get("capturable", False))
-                    )
-
-    optimizer.register_load_state_dict_post_hook(reapply)
 
 
 # The groups' hyper-parameters the [optim] config sets (build_dense_optimizer's factories).
 _CONFIG_KEYS = ("lr", "eps", "weight_decay")
 
 
-def keep_config_rates(optimizer: torch.optim.Optimizer) -> None:
-    """Makes ``optimizer.load_state_dict`` keep the hyper-parameters it was built with
-    (``optim.lr``, ``optim.eps``, ``optim.weight_decay``): torch otherwise takes the saved
-    groups', so ``--resume RUN --set optim.lr=...`` trained on at the checkpoint's rate
-    while config.toml recorded the new one. Unchanged, they are the saved values: resume
-    stays exact. A rate held in a tensor (a captured step's optimizer) is refilled in place.
+def keep_run_settings(optimizer: torch.optim.Optimizer, impl: dict[str, bool | None]) -> None:
+    """Makes ``optimizer.load_state_dict`` keep what this run chose, where torch would take
+    the saved groups':
+
+    - ``impl``, the ``fused`` / ``foreach`` flags (a CPU run's must not reach a CUDA run). A
+      fused or capturable optimizer keeps each ``step`` count as a float32 tensor on its
+      parameter's device, the others on the CPU; the loaded counts are moved to match,
+      values unchanged.
+    - the hyper-parameters it was built with (``optim.lr``, ``optim.eps``,
+      ``optim.weight_decay``): ``--resume RUN --set optim.lr=...`` trained on at the
+      checkpoint's rate while config.toml recorded the new one. Unchanged, they are the saved
+      values: resume stays exact. A rate held in a tensor (a captured step's) is refilled in place.
     """
     built = {k: optimizer.defaults[k] for k in _CONFIG_KEYS if k in optimizer.defaults}
 
     def reapply(opt: torch.optim.Optimizer) -> None:
         for group in opt.param_groups:
+            group.update(impl)
             for key, value in built.items():
                 if isinstance(group.get(key), torch.Tensor):
                     group[key].fill_(value)
                 else:
                     group[key] = value
+            fused = bool(impl["fused"] or group.get("capturable", False))
+            for p in group["params"]:
+                step = opt.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    opt.state[p]["step"] = _step_for(step, p, fused=fused)
 
     optimizer.register_load_state_dict_post_hook(reapply)
 
